@@ -1,0 +1,65 @@
+"""powerlib: cut the energy of large-model training without slowing it down.
+
+The public surface is re-exported here; everything else is an implementation detail. Importing
+powerlib imports no vendor library (pynvml, amdsmi) and no framework (torch, megatron, deepspeed):
+backends and integrations import theirs lazily, when used.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from powerlib.config import Settings
+from powerlib.device import (
+    Backend,
+    Capabilities,
+    Device,
+    DeviceInfo,
+    DeviceKind,
+    PowerState,
+    ProbeResult,
+)
+from powerlib.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    DeviceBusyError,
+    DeviceError,
+    DeviceLostError,
+    DeviceNotFoundError,
+    InvalidArgumentError,
+    NotSupportedError,
+    PermissionDeniedError,
+    PlanError,
+    PowerlibError,
+)
+from powerlib.registry import backend_names, open_backend, probe_backends
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "Capabilities",
+    "ConfigError",
+    "Device",
+    "DeviceBusyError",
+    "DeviceError",
+    "DeviceInfo",
+    "DeviceKind",
+    "DeviceLostError",
+    "DeviceNotFoundError",
+    "InvalidArgumentError",
+    "NotSupportedError",
+    "PermissionDeniedError",
+    "PlanError",
+    "PowerState",
+    "PowerlibError",
+    "ProbeResult",
+    "Settings",
+    "__version__",
+    "backend_names",
+    "open_backend",
+    "probe_backends",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

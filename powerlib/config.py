@@ -1,0 +1,121 @@
+"""Settings, read from the environment in one place.
+
+This is the only module that reads ``os.environ``. Everything else receives a frozen
+:class:`Settings`, so tests build one directly instead of patching the environment, and a library
+user can pass one explicitly.
+
+Environment variables:
+
+========================  =================================================================
+``POWERLIB_BACKEND``      ``auto`` (default), ``nvidia``, ``amd``, ``sysfs``, ``simulated``, or
+                          the name of a plug-in registered under the ``powerlib.backends``
+                          entry-point group. ``auto`` probes nvidia → amd → sysfs and never
+                          picks ``simulated``.
+``POWERLIB_SYSFS_ROOT``   Where sysfs is mounted (default ``/sys``). Point it at a bind mount
+                          (containers mask powercap) or a fake tree (tests).
+``POWERLIB_STATE_DIR``    Locks, journals and simulated-device state. Default: ``/run/powerlib``
+                          when writable (root), else ``$XDG_RUNTIME_DIR/powerlib``, else
+                          ``$TMPDIR/powerlib-<uid>``. Must be a local file system.
+``POWERLIB_SIM_GPUS``     Number of simulated GPUs (default 4).
+``POWERLIB_SIM_MODEL``    Simulated GPU model: ``a100`` (default), ``h100``, ``a40``.
+``POWERLIB_SIM_CLOCK``    ``wall`` (default; state persists across processes) or ``virtual``
+                          (time advances only when simulated work runs; nothing persists).
+========================  =================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from powerlib.errors import ConfigError
+
+__all__ = ["SIM_CLOCKS", "Settings", "default_state_dir"]
+
+SIM_CLOCKS = ("wall", "virtual")
+
+
+def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The state directory used when ``POWERLIB_STATE_DIR`` is not set.
+
+    ``/run`` is cleared at boot, exactly when device settings revert too, so a journal there never
+    outlives the state it describes.
+    """
+    env = os.environ if environ is None else environ
+    if os.geteuid() == 0 and os.access("/run", os.W_OK):
+        return Path("/run/powerlib")
+    runtime = env.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime) and os.access(runtime, os.W_OK):
+        return Path(runtime) / "powerlib"
+    return Path(tempfile.gettempdir()) / f"powerlib-{os.geteuid()}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    """Everything powerlib reads from the environment, parsed and validated.
+
+    Attributes:
+        backend: Backend name, or ``"auto"``.
+        sysfs_root: Root under which every sysfs path is resolved.
+        state_dir: Directory for locks, journals and simulated-device state.
+        sim_gpus: Number of simulated GPUs.
+        sim_model: Simulated GPU model key.
+        sim_clock: ``"wall"`` or ``"virtual"``.
+    """
+
+    backend: str = "auto"
+    sysfs_root: Path = Path("/sys")
+    state_dir: Path = field(default_factory=default_state_dir)
+    sim_gpus: int = 4
+    sim_model: str = "a100"
+    sim_clock: str = "wall"
+
+    def __post_init__(self) -> None:
+        if not self.backend or self.backend != self.backend.strip().lower():
+            raise ConfigError(
+                f"invalid backend name {self.backend!r}: use lower-case names such as "
+                "auto, nvidia, amd, sysfs, simulated"
+            )
+        if self.sim_gpus < 0 or self.sim_gpus > 1024:
+            raise ConfigError(f"POWERLIB_SIM_GPUS must be between 0 and 1024, got {self.sim_gpus}")
+        if self.sim_clock not in SIM_CLOCKS:
+            raise ConfigError(
+                f"POWERLIB_SIM_CLOCK must be one of {', '.join(SIM_CLOCKS)}, got {self.sim_clock!r}"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Build settings from environment variables (``os.environ`` by default).
+
+        Raises:
+            ConfigError: A variable has an invalid value; the message names it and the valid ones.
+        """
+        env = os.environ if environ is None else environ
+        kwargs: dict[str, object] = {}
+        backend = env.get("POWERLIB_BACKEND", "").strip()
+        if backend:
+            kwargs["backend"] = backend.lower()
+        if env.get("POWERLIB_SYSFS_ROOT"):
+            kwargs["sysfs_root"] = Path(env["POWERLIB_SYSFS_ROOT"])
+        kwargs["state_dir"] = (
+            Path(env["POWERLIB_STATE_DIR"]) if env.get("POWERLIB_STATE_DIR") else default_state_dir(env)
+        )
+        if env.get("POWERLIB_SIM_GPUS"):
+            raw = env["POWERLIB_SIM_GPUS"]
+            try:
+                kwargs["sim_gpus"] = int(raw)
+            except ValueError:
+                raise ConfigError(f"POWERLIB_SIM_GPUS must be an integer, got {raw!r}") from None
+        if env.get("POWERLIB_SIM_MODEL"):
+            kwargs["sim_model"] = env["POWERLIB_SIM_MODEL"].strip().lower()
+        if env.get("POWERLIB_SIM_CLOCK"):
+            kwargs["sim_clock"] = env["POWERLIB_SIM_CLOCK"].strip().lower()
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> Settings:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

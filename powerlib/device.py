@@ -1,0 +1,418 @@
+"""The device contract every backend implements.
+
+A :class:`Device` is one physical thing whose power powerlib can read and control: a GPU, or a CPU
+package. It has a stable identity (NVML UUID, PCI bus id, powercap zone), static facts
+(:class:`DeviceInfo`), a power-state snapshot (:class:`PowerState`) and four operations: lock the
+compute clock to a range or a single value, reset it, set the power limit, reset it.
+
+The public methods here validate arguments once, for every backend (range checks, snapping to the
+supported clock list, capability checks), then call the backend's ``_``-prefixed hook. A backend
+therefore only translates: it never re-implements validation, and it never lets a vendor exception
+escape (see :mod:`powerlib.errors`).
+
+Units: W, J, s, °C and MHz, as floats; the names say so. "SM clock" means the compute clock: the
+streaming-multiprocessor (graphics) clock on a GPU, the core clock of a CPU package.
+
+A :class:`Backend` opens the devices of one kind of hardware; :mod:`powerlib.registry` chooses it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from types import TracebackType
+from typing import ClassVar
+
+from powerlib.config import Settings
+from powerlib.errors import (
+    DeviceNotFoundError,
+    InvalidArgumentError,
+    NotSupportedError,
+)
+
+__all__ = [
+    "Backend",
+    "Capabilities",
+    "Device",
+    "DeviceInfo",
+    "DeviceKind",
+    "PowerState",
+    "ProbeResult",
+    "snap_freq_range_mhz",
+]
+
+# Requests within this distance of the supported range's ends are accepted and snapped; vendor clock
+# lists are integers, so half a MHz absorbs float noise without accepting a real out-of-range value.
+_FREQ_TOLERANCE_MHZ = 0.5
+
+
+class DeviceKind(str, enum.Enum):
+    """What a device is."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Capabilities:
+    """What a device can do. Every operation not advertised here raises ``NotSupportedError``.
+
+    Attributes:
+        can_lock_sm_clocks: ``lock_sm_clocks`` / ``reset_sm_clocks`` work (given privilege).
+        can_set_power_limit: ``set_power_limit`` works (given privilege).
+        can_reset_power_limit: ``reset_power_limit`` works: the device knows its default limit.
+        has_energy_counter: ``PowerState.energy_j`` is a hardware counter (else ``None``).
+        has_power_reading: ``PowerState.power_w`` is available (else ``None``).
+        has_temperature: ``PowerState.temperature_c`` is available (else ``None``).
+    """
+
+    can_lock_sm_clocks: bool
+    can_set_power_limit: bool
+    can_reset_power_limit: bool
+    has_energy_counter: bool
+    has_power_reading: bool
+    has_temperature: bool
+
+    def names(self) -> tuple[str, ...]:
+        """The names of the capabilities that are present, in declaration order."""
+        return tuple(f.name for f in fields(self) if getattr(self, f.name))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceInfo:
+    """Static facts about a device; they do not change while it is open.
+
+    Attributes:
+        device_id: Stable identity (UUID, PCI bus id, sysfs zone). Locks and journals use it.
+        index: Position in its backend's device list (what ``--device 0`` means).
+        name: Marketing or kernel name, e.g. ``"NVIDIA A100-SXM4-40GB"`` or ``"package-0"``.
+        vendor: ``"nvidia"``, ``"amd"``, ``"intel"``, ...
+        kind: GPU or CPU.
+        backend: Registry name of the backend that opened it.
+        supported_sm_freqs_mhz: Lockable compute clocks, ascending; empty if clocks cannot be locked.
+        power_limit_range_w: ``(min, max)`` settable power limit, or ``None``.
+        default_power_limit_w: The limit ``reset_power_limit`` restores, or ``None``.
+        capabilities: What the device can do.
+        is_simulated: True for simulated devices; results derived from them say so.
+    """
+
+    device_id: str
+    index: int
+    name: str
+    vendor: str
+    kind: DeviceKind
+    backend: str
+    supported_sm_freqs_mhz: tuple[float, ...]
+    power_limit_range_w: tuple[float, float] | None
+    default_power_limit_w: float | None
+    capabilities: Capabilities
+    is_simulated: bool = False
+
+    @property
+    def min_sm_freq_mhz(self) -> float | None:
+        """Lowest lockable compute clock, or ``None``."""
+        return self.supported_sm_freqs_mhz[0] if self.supported_sm_freqs_mhz else None
+
+    @property
+    def max_sm_freq_mhz(self) -> float | None:
+        """Highest lockable compute clock, or ``None``."""
+        return self.supported_sm_freqs_mhz[-1] if self.supported_sm_freqs_mhz else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PowerState:
+    """One snapshot of a device's power state. ``None`` means "this device cannot tell".
+
+    Attributes:
+        device_id: The device it was read from.
+        timestamp_s: When it was read (``time.time()``; virtual time for simulated devices).
+        power_w: Power draw.
+        energy_j: Cumulative energy counter. Only differences are meaningful; the counter never
+            decreases while the device is open (wraparound is handled by the backend).
+        sm_freq_mhz: Current compute clock.
+        power_limit_w: Power limit in force.
+        temperature_c: Temperature.
+        locked_sm_freqs_mhz: ``(min, max)`` clock lock in force when the backend can tell (NVML
+            cannot read it back), else ``None``.
+        memory_energy_j: Cumulative energy of the device's memory domain (RAPL dram), if any.
+    """
+
+    device_id: str
+    timestamp_s: float
+    power_w: float | None
+    energy_j: float | None
+    sm_freq_mhz: float | None
+    power_limit_w: float | None
+    temperature_c: float | None
+    locked_sm_freqs_mhz: tuple[float, float] | None = None
+    memory_energy_j: float | None = None
+
+
+def snap_freq_range_mhz(
+    supported_mhz: Sequence[float], min_mhz: float, max_mhz: float
+) -> tuple[float, float]:
+    """Validate a requested clock range and snap each end to the nearest supported clock.
+
+    Ties go to the lower clock. Snapping is monotone, so ``min <= max`` still holds afterwards.
+
+    Args:
+        supported_mhz: Supported clocks, ascending, non-empty.
+        min_mhz: Requested lower bound.
+        max_mhz: Requested upper bound.
+
+    Returns:
+        The snapped ``(min_mhz, max_mhz)``.
+
+    Raises:
+        InvalidArgumentError: A value is not finite, ``min > max``, or a value lies outside the
+            supported range.
+    """
+    for value in (min_mhz, max_mhz):
+        if not math.isfinite(value):
+            raise InvalidArgumentError(f"clock must be a finite number of MHz, got {value!r}")
+    if min_mhz > max_mhz:
+        raise InvalidArgumentError(f"clock range is empty: min {min_mhz:g} MHz > max {max_mhz:g} MHz")
+    lo, hi = supported_mhz[0], supported_mhz[-1]
+    for value in (min_mhz, max_mhz):
+        if value < lo - _FREQ_TOLERANCE_MHZ or value > hi + _FREQ_TOLERANCE_MHZ:
+            raise InvalidArgumentError(
+                f"{value:g} MHz is outside the supported range {lo:g}-{hi:g} MHz"
+            )
+    return _nearest(supported_mhz, min_mhz), _nearest(supported_mhz, max_mhz)
+
+
+def _nearest(sorted_values: Sequence[float], value: float) -> float:
+    i = bisect.bisect_left(sorted_values, value)
+    if i == 0:
+        return sorted_values[0]
+    if i == len(sorted_values):
+        return sorted_values[-1]
+    below, above = sorted_values[i - 1], sorted_values[i]
+    return above if above - value < value - below else below
+
+
+class Device(ABC):
+    """One controllable device. Subclasses implement the ``_``-prefixed hooks.
+
+    The public methods check capabilities and arguments, so a hook only ever sees a valid request:
+    clocks already snapped to ``supported_sm_freqs_mhz``, a power limit inside
+    ``power_limit_range_w``.
+    """
+
+    def __init__(self, info: DeviceInfo) -> None:
+        self._info = info
+
+    @property
+    def info(self) -> DeviceInfo:
+        """Static facts about the device."""
+        return self._info
+
+    @property
+    def device_id(self) -> str:
+        """The stable id."""
+        return self._info.device_id
+
+    @property
+    def index(self) -> int:
+        """Position in the backend's device list."""
+        return self._info.index
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._info.index} {self._info.device_id} {self._info.name!r}>"
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def read_state(self) -> PowerState:
+        """Read a power-state snapshot. Never needs privilege beyond what listing the device needed."""
+        return self._read_state()
+
+    def details(self) -> Mapping[str, object]:
+        """Backend-specific facts for ``powerlib status`` (JSON-serialisable). Empty by default."""
+        return {}
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def lock_sm_clocks(self, min_mhz: float, max_mhz: float | None = None) -> tuple[float, float]:
+        """Lock the compute clock to ``[min_mhz, max_mhz]`` (a single value when ``max_mhz`` is None).
+
+        Returns:
+            The range actually locked, after snapping to supported clocks.
+
+        Raises:
+            NotSupportedError: The device cannot lock clocks.
+            InvalidArgumentError: Out of range, empty range, or not finite; nothing is changed.
+            PermissionDeniedError: The process lacks the needed privilege.
+        """
+        self._require(self._info.capabilities.can_lock_sm_clocks, "lock_sm_clocks", "clock locking")
+        lo, hi = snap_freq_range_mhz(
+            self._info.supported_sm_freqs_mhz, min_mhz, min_mhz if max_mhz is None else max_mhz
+        )
+        self._lock_sm_clocks(lo, hi)
+        return lo, hi
+
+    def reset_sm_clocks(self) -> None:
+        """Remove any clock lock (the device's default clock policy applies again). Idempotent."""
+        self._require(self._info.capabilities.can_lock_sm_clocks, "reset_sm_clocks", "clock locking")
+        self._reset_sm_clocks()
+
+    def set_power_limit(self, power_limit_w: float) -> float:
+        """Set the power limit.
+
+        Returns:
+            The limit written (the backend may round it to its granularity).
+
+        Raises:
+            NotSupportedError: The device has no settable power limit.
+            InvalidArgumentError: Outside ``power_limit_range_w`` or not finite; nothing is changed.
+            PermissionDeniedError: The process lacks the needed privilege.
+        """
+        self._require(
+            self._info.capabilities.can_set_power_limit, "set_power_limit", "power limiting"
+        )
+        if not math.isfinite(power_limit_w):
+            raise InvalidArgumentError(
+                f"power limit must be a finite number of W, got {power_limit_w!r}",
+                device=self.device_id,
+                operation="set_power_limit",
+            )
+        limits = self._info.power_limit_range_w
+        if limits is not None and not (limits[0] - 1e-9 <= power_limit_w <= limits[1] + 1e-9):
+            raise InvalidArgumentError(
+                f"{power_limit_w:g} W is outside the allowed range {limits[0]:g}-{limits[1]:g} W",
+                device=self.device_id,
+                operation="set_power_limit",
+            )
+        return self._set_power_limit(power_limit_w)
+
+    def reset_power_limit(self) -> None:
+        """Restore the default power limit. Idempotent."""
+        self._require(
+            self._info.capabilities.can_reset_power_limit,
+            "reset_power_limit",
+            "a known default power limit",
+        )
+        self._reset_power_limit()
+
+    def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
+        """Release backend resources. Does not change device settings."""
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    @abstractmethod
+    def _read_state(self) -> PowerState: ...
+
+    @abstractmethod
+    def _lock_sm_clocks(self, min_mhz: float, max_mhz: float) -> None: ...
+
+    @abstractmethod
+    def _reset_sm_clocks(self) -> None: ...
+
+    @abstractmethod
+    def _set_power_limit(self, power_limit_w: float) -> float: ...
+
+    @abstractmethod
+    def _reset_power_limit(self) -> None: ...
+
+    def _require(self, supported: bool, operation: str, feature: str) -> None:
+        if not supported:
+            raise NotSupportedError(
+                f"{self._info.name} ({self._info.backend} backend) does not support {feature}",
+                device=self.device_id,
+                operation=operation,
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProbeResult:
+    """Whether a backend can start here, and why (shown by ``powerlib env``).
+
+    Attributes:
+        backend: Registry name.
+        is_available: True if opening the backend should succeed.
+        reason: One line: what was found, or what is missing and how to get it.
+        num_devices: Devices found when available.
+    """
+
+    backend: str
+    is_available: bool
+    reason: str
+    num_devices: int = 0
+
+
+class Backend(ABC):
+    """Opens the devices of one kind of hardware.
+
+    A backend is constructed by :func:`powerlib.registry.open_backend`; constructing it raises
+    ``BackendUnavailableError`` (naming what to install) when it cannot start. ``probe`` answers
+    the same question cheaply and never raises.
+
+    Attributes:
+        name: Registry name (``POWERLIB_BACKEND`` value).
+        install_hint: What to install or enable when the backend is unavailable.
+    """
+
+    name: ClassVar[str]
+    install_hint: ClassVar[str] = ""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    @classmethod
+    @abstractmethod
+    def probe(cls, settings: Settings) -> ProbeResult:
+        """Check availability without side effects on devices; never raises."""
+
+    @abstractmethod
+    def devices(self) -> Sequence[Device]:
+        """The devices this backend controls, in index order."""
+
+    def device(self, selector: int | str) -> Device:
+        """Find one device by index, stable id, or unique id prefix.
+
+        Raises:
+            DeviceNotFoundError: Nothing matches, or an id prefix is ambiguous.
+        """
+        devices = self.devices()
+        if isinstance(selector, int) or (isinstance(selector, str) and selector.isdigit()):
+            index = int(selector)
+            if 0 <= index < len(devices):
+                return devices[index]
+            raise DeviceNotFoundError(
+                f"no device with index {index}: the {self.name} backend has {len(devices)} device(s)"
+                + (f" (0-{len(devices) - 1})" if devices else "")
+            )
+        exact = [d for d in devices if d.device_id == selector]
+        if exact:
+            return exact[0]
+        prefixed = [d for d in devices if d.device_id.startswith(selector)]
+        if len(prefixed) == 1:
+            return prefixed[0]
+        if prefixed:
+            raise DeviceNotFoundError(
+                f"device id prefix {selector!r} is ambiguous: "
+                + ", ".join(d.device_id for d in prefixed)
+            )
+        raise DeviceNotFoundError(
+            f"no device with id {selector!r}; known ids: "
+            + (", ".join(d.device_id for d in devices) or "none")
+        )
+
+    def close(self) -> None:
+        """Release every device and library handle. Device settings are left as they are."""
+        for dev in self.devices():
+            dev.close()
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,145 @@
+"""Backend registry: which backend to open, and why.
+
+Precedence: an explicit ``name`` argument > ``Settings.backend`` (``POWERLIB_BACKEND``) > ``auto``.
+``auto`` probes nvidia → amd → sysfs and takes the first that is available; it never picks
+``simulated``. A backend named explicitly that cannot start raises ``BackendUnavailableError``
+naming what to install — there is no silent fallback.
+
+The registry stores import strings, so choosing one backend never imports the others (or their
+vendor libraries). Third parties add backends through the ``powerlib.backends`` entry-point group::
+
+    [project.entry-points."powerlib.backends"]
+    mygpu = "mypkg.powerlib_backend:MyGpuBackend"
+
+The class must subclass :class:`powerlib.device.Backend`. Built-in names cannot be shadowed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Iterable, Mapping
+from importlib import metadata
+
+from powerlib.config import Settings
+from powerlib.device import Backend, ProbeResult
+from powerlib.errors import BackendUnavailableError, ConfigError
+
+__all__ = [
+    "AUTO_ORDER",
+    "BUILTIN_BACKENDS",
+    "ENTRY_POINT_GROUP",
+    "backend_names",
+    "load_backend_class",
+    "open_backend",
+    "probe_backends",
+]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "powerlib.backends"
+
+BUILTIN_BACKENDS: Mapping[str, str] = {
+    "nvidia": "powerlib.backends.nvidia:NvidiaBackend",
+    "amd": "powerlib.backends.amd:AmdBackend",
+    "sysfs": "powerlib.backends.sysfs:SysfsBackend",
+    "simulated": "powerlib.backends.simulated:SimulatedBackend",
+}
+
+AUTO_ORDER: tuple[str, ...] = ("nvidia", "amd", "sysfs")
+
+
+def _plugin_entry_points() -> dict[str, metadata.EntryPoint]:
+    found: dict[str, metadata.EntryPoint] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in BUILTIN_BACKENDS or ep.name == "auto":
+            logger.warning(
+                "ignoring plug-in backend %r from %s: the name is reserved", ep.name, ep.value
+            )
+            continue
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def backend_names() -> dict[str, str]:
+    """Every known backend name mapped to its import string (built-ins first, then plug-ins)."""
+    names = dict(BUILTIN_BACKENDS)
+    names.update({name: ep.value for name, ep in sorted(_plugin_entry_points().items())})
+    return names
+
+
+def load_backend_class(name: str) -> type[Backend]:
+    """Import the backend class registered as ``name``.
+
+    Raises:
+        ConfigError: No backend has that name (the message lists the valid names).
+        BackendUnavailableError: A plug-in's module cannot be imported.
+    """
+    if name in BUILTIN_BACKENDS:
+        target = BUILTIN_BACKENDS[name]
+    else:
+        plugins = _plugin_entry_points()
+        if name not in plugins:
+            valid = ", ".join(["auto", *backend_names()])
+            raise ConfigError(f"unknown backend {name!r}; valid names: {valid}")
+        target = plugins[name].value
+    module_name, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise BackendUnavailableError(
+            f"backend {name!r} could not be loaded from {target}: {err}"
+        ) from err
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise BackendUnavailableError(
+            f"backend {name!r} ({target}) is not a powerlib.device.Backend subclass"
+        )
+    return cls
+
+
+def _safe_probe(name: str, settings: Settings) -> ProbeResult:
+    try:
+        return load_backend_class(name).probe(settings)
+    except Exception as err:  # a broken plug-in must not break `powerlib env`
+        return ProbeResult(backend=name, is_available=False, reason=f"probe failed: {err}")
+
+
+def probe_backends(settings: Settings, names: Iterable[str] | None = None) -> list[ProbeResult]:
+    """Probe backends (the ``auto`` order by default) and say why each is or is not usable."""
+    return [_safe_probe(name, settings) for name in (AUTO_ORDER if names is None else names)]
+
+
+def open_backend(name: str | None = None, settings: Settings | None = None) -> Backend:
+    """Open a backend.
+
+    Args:
+        name: Backend name or ``"auto"``; defaults to ``settings.backend``.
+        settings: Defaults to :meth:`Settings.from_env`.
+
+    Returns:
+        The opened backend; close it (or use it as a context manager) when done.
+
+    Raises:
+        ConfigError: Unknown backend name.
+        BackendUnavailableError: The backend cannot start, or ``auto`` found nothing; the message
+            says what is missing for each candidate.
+    """
+    settings = Settings.from_env() if settings is None else settings
+    chosen = settings.backend if name is None else name
+    if chosen != "auto":
+        cls = load_backend_class(chosen)
+        backend = cls(settings)
+        logger.info("opened backend %s with %d device(s)", chosen, len(backend.devices()))
+        return backend
+    probes = probe_backends(settings)
+    for probe in probes:
+        if probe.is_available:
+            backend = load_backend_class(probe.backend)(settings)
+            logger.info("auto-selected backend %s: %s", probe.backend, probe.reason)
+            return backend
+        logger.debug("auto: skipped %s: %s", probe.backend, probe.reason)
+    skipped = "; ".join(f"{p.backend}: {p.reason}" for p in probes)
+    raise BackendUnavailableError(
+        f"no power backend available ({skipped}); "
+        "set POWERLIB_BACKEND=simulated to use simulated GPUs"
+    )
