@@ -236,6 +236,50 @@ class Device(ABC):
 
     # -- writes --------------------------------------------------------------------------------
 
+    def validate_sm_clocks(
+        self, min_mhz: float, max_mhz: float | None = None
+    ) -> tuple[float, float]:
+        """Check a clock-lock request without applying it; returns the snapped range.
+
+        Raises:
+            NotSupportedError: The device cannot lock clocks.
+            InvalidArgumentError: Out of range, empty range, or not finite.
+        """
+        self._require(self._info.capabilities.can_lock_sm_clocks, "lock_sm_clocks", "clock locking")
+        try:
+            return snap_freq_range_mhz(
+                self._info.supported_sm_freqs_mhz, min_mhz, min_mhz if max_mhz is None else max_mhz
+            )
+        except InvalidArgumentError as err:
+            raise InvalidArgumentError(
+                err.message, device=self.device_id, operation="lock_sm_clocks"
+            ) from None
+
+    def validate_power_limit(self, power_limit_w: float) -> float:
+        """Check a power limit without applying it; returns it unchanged.
+
+        Raises:
+            NotSupportedError: The device has no settable power limit.
+            InvalidArgumentError: Outside ``power_limit_range_w`` or not finite.
+        """
+        self._require(
+            self._info.capabilities.can_set_power_limit, "set_power_limit", "power limiting"
+        )
+        if not math.isfinite(power_limit_w):
+            raise InvalidArgumentError(
+                f"power limit must be a finite number of W, got {power_limit_w!r}",
+                device=self.device_id,
+                operation="set_power_limit",
+            )
+        limits = self._info.power_limit_range_w
+        if limits is not None and not (limits[0] - 1e-9 <= power_limit_w <= limits[1] + 1e-9):
+            raise InvalidArgumentError(
+                f"{power_limit_w:g} W is outside the allowed range {limits[0]:g}-{limits[1]:g} W",
+                device=self.device_id,
+                operation="set_power_limit",
+            )
+        return power_limit_w
+
     def lock_sm_clocks(self, min_mhz: float, max_mhz: float | None = None) -> tuple[float, float]:
         """Lock the compute clock to ``[min_mhz, max_mhz]`` (a single value when ``max_mhz`` is None).
 
@@ -247,10 +291,7 @@ class Device(ABC):
             InvalidArgumentError: Out of range, empty range, or not finite; nothing is changed.
             PermissionDeniedError: The process lacks the needed privilege.
         """
-        self._require(self._info.capabilities.can_lock_sm_clocks, "lock_sm_clocks", "clock locking")
-        lo, hi = snap_freq_range_mhz(
-            self._info.supported_sm_freqs_mhz, min_mhz, min_mhz if max_mhz is None else max_mhz
-        )
+        lo, hi = self.validate_sm_clocks(min_mhz, max_mhz)
         self._lock_sm_clocks(lo, hi)
         return lo, hi
 
@@ -270,23 +311,7 @@ class Device(ABC):
             InvalidArgumentError: Outside ``power_limit_range_w`` or not finite; nothing is changed.
             PermissionDeniedError: The process lacks the needed privilege.
         """
-        self._require(
-            self._info.capabilities.can_set_power_limit, "set_power_limit", "power limiting"
-        )
-        if not math.isfinite(power_limit_w):
-            raise InvalidArgumentError(
-                f"power limit must be a finite number of W, got {power_limit_w!r}",
-                device=self.device_id,
-                operation="set_power_limit",
-            )
-        limits = self._info.power_limit_range_w
-        if limits is not None and not (limits[0] - 1e-9 <= power_limit_w <= limits[1] + 1e-9):
-            raise InvalidArgumentError(
-                f"{power_limit_w:g} W is outside the allowed range {limits[0]:g}-{limits[1]:g} W",
-                device=self.device_id,
-                operation="set_power_limit",
-            )
-        return self._set_power_limit(power_limit_w)
+        return self._set_power_limit(self.validate_power_limit(power_limit_w))
 
     def reset_power_limit(self) -> None:
         """Restore the default power limit. Idempotent."""

@@ -1,0 +1,646 @@
+"""Simulated GPUs with a physical model: the backend CI, the demo and the emulator run on.
+
+Never chosen by ``auto``: select it with ``POWERLIB_BACKEND=simulated``. Pick the model and count
+with ``POWERLIB_SIM_MODEL`` (``a100``, ``h100``, ``a40``) and ``POWERLIB_SIM_GPUS``.
+
+The model (parameters per GPU in :data:`MODELS`, each number cited):
+
+* **Clocks.** Supported SM clocks from ``min_freq_mhz`` to ``max_freq_mhz`` in ``freq_step_mhz``
+  steps, as NVML lists them.
+* **Voltage.** Piecewise linear: flat at ``v_min_ratio`` of the maximum up to the knee clock, then
+  linear to 1 at the maximum clock. Below the knee, lowering the clock stops saving dynamic energy.
+* **Power.** ``P = P_idle + (P_clock + u · P_dyn) · φ(f) + m · P_mem · r`` with
+  ``φ(f) = (f / f_max) · (V(f) / V_max)²``: idle (board, leakage), the clock tree that runs whenever
+  the clock does, SM switching at SM activity ``u``, and memory traffic at HBM activity ``m``
+  scaled by ``r``, the traffic rate relative to full clock (the same bytes move in a longer time).
+* **Time.** A unit of work with compute-bound fraction ``α`` takes
+  ``t(f) = t_max · (α · f_max / f + (1 − α))``: only the compute-bound part scales with the clock.
+* **Power cap.** Under load, the clock runs at the highest supported value at or below the target
+  (the locked maximum, else ``f_max``) whose power fits under the power limit (steady-state view
+  of the driver's throttling loop).
+* **Temperature.** First-order thermal model ``C·dθ/dt = P − (θ − θ_amb)/R``.
+* **Energy counter.** The exact integral of power over time, published like NVML's counter: it
+  updates every ``energy_update_period_s`` and counts whole millijoules.
+
+Time is either wall-clock time (the default: state persists in ``POWERLIB_STATE_DIR`` so that
+``powerlib set`` is seen by the next ``powerlib status``) or a :class:`VirtualClock` that advances only
+when simulated work runs (tests, the emulator): no sleeping, fully deterministic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+from powerlib.config import Settings
+from powerlib.device import (
+    Backend,
+    Capabilities,
+    Device,
+    DeviceInfo,
+    DeviceKind,
+    PowerState,
+    ProbeResult,
+)
+from powerlib.errors import ConfigError, NotSupportedError, PermissionDeniedError
+
+__all__ = [
+    "MODELS",
+    "GpuModel",
+    "SimulatedBackend",
+    "SimulatedDevice",
+    "VirtualClock",
+    "WallClock",
+    "WorkResult",
+    "Workload",
+]
+
+logger = logging.getLogger(__name__)
+
+_STATE_SCHEMA = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuModel:
+    """Parameters of one simulated GPU model. Powers in W at the maximum clock unless noted.
+
+    Attributes:
+        key: ``POWERLIB_SIM_MODEL`` value.
+        name: Name reported as the device name.
+        num_sms: Streaming multiprocessors.
+        min_freq_mhz: Lowest supported SM clock.
+        max_freq_mhz: Highest supported SM clock.
+        freq_step_mhz: Spacing of supported SM clocks.
+        knee_freq_mhz: Clock below which the voltage stays at its floor.
+        v_min_ratio: Voltage floor as a fraction of the voltage at ``max_freq_mhz``.
+        idle_power_w: Power with the clock stopped and no work (board, leakage).
+        clock_power_w: Clock-tree power at ``max_freq_mhz``, drawn whenever the clock runs.
+        dynamic_power_w: Extra power with every SM busy at ``max_freq_mhz``.
+        memory_power_w: Extra power with memory traffic at full rate.
+        default_power_limit_w: Default (TDP) power limit.
+        min_power_limit_w: Lowest settable power limit.
+        max_power_limit_w: Highest settable power limit.
+        mem_freq_mhz: Memory clock (fixed).
+        ambient_c: Inlet temperature.
+        thermal_resistance_c_per_w: Steady-state temperature rise per watt.
+        thermal_capacitance_j_per_c: Heat capacity; τ = R·C.
+        energy_update_period_s: How often the energy counter publishes a new value.
+    """
+
+    key: str
+    name: str
+    num_sms: int
+    min_freq_mhz: float
+    max_freq_mhz: float
+    freq_step_mhz: float
+    knee_freq_mhz: float
+    v_min_ratio: float
+    idle_power_w: float
+    clock_power_w: float
+    dynamic_power_w: float
+    memory_power_w: float
+    default_power_limit_w: float
+    min_power_limit_w: float
+    max_power_limit_w: float
+    mem_freq_mhz: float
+    ambient_c: float
+    thermal_resistance_c_per_w: float
+    thermal_capacitance_j_per_c: float
+    energy_update_period_s: float = 0.1
+
+    @property
+    def supported_freqs_mhz(self) -> tuple[float, ...]:
+        """Supported SM clocks, ascending."""
+        count = int(round((self.max_freq_mhz - self.min_freq_mhz) / self.freq_step_mhz)) + 1
+        return tuple(float(self.min_freq_mhz + i * self.freq_step_mhz) for i in range(count))
+
+    def voltage_ratio(self, freq_mhz: float) -> float:
+        """``V(f) / V_max``: flat at the floor up to the knee, then linear to 1."""
+        if freq_mhz <= self.knee_freq_mhz:
+            return self.v_min_ratio
+        span = self.max_freq_mhz - self.knee_freq_mhz
+        return self.v_min_ratio + (1.0 - self.v_min_ratio) * (freq_mhz - self.knee_freq_mhz) / span
+
+    def phi(self, freq_mhz: float) -> float:
+        """Dynamic-power factor ``(f / f_max) · (V(f) / V_max)²``; 1 at the maximum clock."""
+        return (freq_mhz / self.max_freq_mhz) * self.voltage_ratio(freq_mhz) ** 2
+
+    def duration_s(self, work: Workload, freq_mhz: float) -> float:
+        """How long ``work`` takes at ``freq_mhz``."""
+        a = work.compute_fraction
+        return work.time_at_max_s * (a * self.max_freq_mhz / freq_mhz + (1.0 - a))
+
+    def power_w(self, freq_mhz: float, work: Workload | None = None) -> float:
+        """Power at ``freq_mhz`` while running ``work`` (idle at that clock when ``None``)."""
+        p = self.idle_power_w + self.clock_power_w * self.phi(freq_mhz)
+        if work is None:
+            return p
+        p += work.sm_activity * self.dynamic_power_w * self.phi(freq_mhz)
+        if work.time_at_max_s > 0:
+            rate = work.time_at_max_s / self.duration_s(work, freq_mhz)
+            p += work.memory_activity * self.memory_power_w * rate
+        return p
+
+    def throttled_freq_mhz(
+        self, target_mhz: float, power_limit_w: float, work: Workload | None
+    ) -> float:
+        """Highest supported clock ≤ ``target_mhz`` whose power fits under ``power_limit_w``."""
+        freqs = [f for f in self.supported_freqs_mhz if f <= target_mhz + 1e-9]
+        for freq in reversed(freqs):
+            if self.power_w(freq, work) <= power_limit_w + 1e-9:
+                return freq
+        return self.supported_freqs_mhz[0]
+
+
+# Sources: ../shared/reference/kareus.md §5.4 ("Parameter sets"), peers.md §4.1 ("Device table"),
+# perseus.md §1.3–1.4. Numbers marked [assumption] are not published; they are chosen to reproduce
+# the documented phenomena and should be re-calibrated on hardware.
+MODELS: dict[str, GpuModel] = {
+    "a100": GpuModel(
+        key="a100",
+        name="Simulated NVIDIA A100-SXM4-40GB",
+        num_sms=108,  # kareus.md §5.4 (TechPowerUp)
+        min_freq_mhz=210.0,  # peers.md §4.1: supported list 1410 -> 210, 15 MHz steps, 81 points
+        max_freq_mhz=1410.0,
+        freq_step_mhz=15.0,
+        knee_freq_mhz=900.0,  # kareus.md §5.4: energy stops falling below ~900 MHz (Perseus App. B)
+        v_min_ratio=0.70,  # [assumption]
+        idle_power_w=55.0,  # peers.md §4.1: idle 52-68 W at 210 MHz (model: 57 W at 210 MHz)
+        clock_power_w=30.0,  # with idle: 85 W blocked on P2P at 1410 MHz (Kareus GPU_CONFIGS; Perseus 83.64 W)
+        dynamic_power_w=108 * 2.4,  # kareus.md §5.4: c_sm ≈ 2.4 W per busy SM at f_max
+        memory_power_w=60.0,  # [assumption] full compute + HBM load (405 W) exceeds the 400 W cap (kareus.md §5.3 item 6)
+        default_power_limit_w=400.0,  # peers.md §4.1: TDP 400 W, PL range 100-400 W
+        min_power_limit_w=100.0,
+        max_power_limit_w=400.0,
+        mem_freq_mhz=1215.0,  # peers.md §4.1: 40 GB part, single memory clock
+        ambient_c=25.0,  # [assumption]
+        thermal_resistance_c_per_w=0.10,  # kareus.md §5.1: full load settles at 60-70 °C (400 W -> 65 °C)
+        thermal_capacitance_j_per_c=15.0,  # kareus.md §5.1: 5 s of idle cools below ~32 °C (τ = 1.5 s)
+        energy_update_period_s=0.1,  # kareus.md §5.4 / peers.md §4.2: NVML counter updates every ~100 ms
+    ),
+    "h100": GpuModel(
+        key="h100",
+        name="Simulated NVIDIA H100-SXM5-80GB",
+        num_sms=132,  # kareus.md §5.4 (Lockwood)
+        min_freq_mhz=210.0,  # [assumption] peers.md §4.1 says VERIFY-ON-DEVICE; 15 MHz steps as on Ampere
+        max_freq_mhz=1980.0,  # peers.md §4.1: max SM clock 1980 MHz
+        freq_step_mhz=15.0,
+        knee_freq_mhz=1050.0,  # kareus.md §5.4: "[D] about 1000-1100 MHz, calibrate"
+        v_min_ratio=0.70,  # [assumption]
+        idle_power_w=72.0,  # peers.md §4.1: idle typically 72-75 W
+        clock_power_w=43.0,  # with idle: 115 W blocked (kareus.md §5.4: start at 100-130 W)
+        dynamic_power_w=132 * 3.6,  # kareus.md §5.4: c_sm ≈ 3.6 W per busy SM at f_max
+        memory_power_w=90.0,  # [assumption]
+        default_power_limit_w=700.0,  # peers.md §4.1: TDP 700 W, PL range 200-700 W
+        min_power_limit_w=200.0,
+        max_power_limit_w=700.0,
+        mem_freq_mhz=2619.0,  # peers.md §4.1: HBM3 2619 MHz
+        ambient_c=25.0,  # [assumption]
+        thermal_resistance_c_per_w=0.06,  # [assumption] 700 W -> 67 °C, as kareus.md §5.1 asks of A100
+        thermal_capacitance_j_per_c=25.0,  # [assumption] τ = 1.5 s
+        energy_update_period_s=0.1,  # peers.md §4.2
+    ),
+    "a40": GpuModel(
+        key="a40",
+        name="Simulated NVIDIA A40",
+        num_sms=84,  # kareus.md §5.4 (10,752 shaders / 128)
+        min_freq_mhz=210.0,  # perseus.md §1.3: the A40 supports 103 clocks; 1740 - 102 × 15 = 210
+        max_freq_mhz=1740.0,  # kareus.md §5.4: max 1740 MHz
+        freq_step_mhz=15.0,
+        knee_freq_mhz=900.0,  # [assumption] perseus.md §1.3: raw-energy minimum at 945-1050 MHz
+        v_min_ratio=0.70,  # [assumption]
+        idle_power_w=30.0,  # [assumption] GDDR6 board idle
+        clock_power_w=40.0,  # with idle: 70 W blocked on P2P (Kareus GPU_CONFIGS; Perseus 70.38 W)
+        dynamic_power_w=84 * 2.4,  # [assumption] same per-SM power as A100
+        memory_power_w=40.0,  # [assumption] full load (310 W) slightly exceeds the 300 W TDP
+        default_power_limit_w=300.0,  # kareus.md §5.4: TDP 300 W
+        min_power_limit_w=100.0,  # [assumption]
+        max_power_limit_w=300.0,
+        mem_freq_mhz=7251.0,  # [assumption] GDDR6 at 14.5 Gbps
+        ambient_c=25.0,  # [assumption]
+        thermal_resistance_c_per_w=0.13,  # [assumption] 300 W -> 64 °C
+        thermal_capacitance_j_per_c=12.0,  # [assumption]
+        energy_update_period_s=0.1,  # peers.md §4.2
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """A unit of simulated work (one pipeline instruction, one kernel...).
+
+    Attributes:
+        time_at_max_s: Duration at the maximum SM clock with no throttling.
+        compute_fraction: Share of that time that scales with the SM clock (α in [0, 1]).
+        sm_activity: Average SM activity while running (u in [0, 1]).
+        memory_activity: Average memory-traffic activity at full clock (m in [0, 1]).
+    """
+
+    time_at_max_s: float
+    compute_fraction: float = 1.0
+    sm_activity: float = 1.0
+    memory_activity: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.time_at_max_s) and self.time_at_max_s >= 0):
+            raise ValueError(f"time_at_max_s must be finite and >= 0, got {self.time_at_max_s}")
+        for name in ("compute_fraction", "sm_activity", "memory_activity"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkResult:
+    """What running a :class:`Workload` cost.
+
+    Attributes:
+        time_s: Duration.
+        energy_j: Exact energy used (the counter shows it quantized).
+        freq_mhz: SM clock it ran at (after power-cap throttling).
+        power_w: Average power.
+    """
+
+    time_s: float
+    energy_j: float
+    freq_mhz: float
+    power_w: float
+
+
+class SimClock(Protocol):
+    """A source of time in seconds."""
+
+    def now(self) -> float:
+        """Current time in seconds."""
+        ...
+
+
+class WallClock:
+    """Real time (``time.time()``), shared by every process: what makes persisted state coherent."""
+
+    def now(self) -> float:
+        """Current wall-clock time in seconds."""
+        return time.time()
+
+
+class VirtualClock:
+    """Time that advances only when told to. Deterministic; nothing sleeps."""
+
+    def __init__(self, start_s: float = 0.0) -> None:
+        self._now_s = float(start_s)
+
+    def now(self) -> float:
+        """Current virtual time in seconds."""
+        return self._now_s
+
+    def advance(self, duration_s: float) -> None:
+        """Move time forward by ``duration_s`` (≥ 0)."""
+        if not (math.isfinite(duration_s) and duration_s >= 0):
+            raise ValueError(f"can only advance by a finite, non-negative time, got {duration_s}")
+        self._now_s += duration_s
+
+
+@dataclass(slots=True, kw_only=True)
+class _State:
+    """Mutable per-device state; what the state file holds."""
+
+    locked_mhz: tuple[float, float] | None
+    power_limit_w: float
+    energy_j: float  # exact integral up to t_s
+    counter_j: float  # value the counter last published
+    t_s: float
+    temperature_c: float
+
+    def to_json(self) -> dict[str, object]:
+        data = asdict(self)
+        data["schema"] = _STATE_SCHEMA
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> _State:
+        if data.get("schema") != _STATE_SCHEMA:
+            raise ValueError(f"unknown schema {data.get('schema')!r}")
+        locked = data["locked_mhz"]
+        return cls(
+            locked_mhz=None if locked is None else (float(locked[0]), float(locked[1])),  # type: ignore[index]
+            power_limit_w=float(data["power_limit_w"]),  # type: ignore[arg-type]
+            energy_j=float(data["energy_j"]),  # type: ignore[arg-type]
+            counter_j=float(data["counter_j"]),  # type: ignore[arg-type]
+            t_s=float(data["t_s"]),  # type: ignore[arg-type]
+            temperature_c=float(data["temperature_c"]),  # type: ignore[arg-type]
+        )
+
+
+class SimulatedDevice(Device):
+    """One simulated GPU. See the module docstring for the model."""
+
+    def __init__(
+        self,
+        *,
+        index: int,
+        model: GpuModel,
+        clock: SimClock,
+        state_path: Path | None,
+    ) -> None:
+        device_id = "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_URL, f"powerlib-sim/{model.key}/{index}"))
+        freqs = model.supported_freqs_mhz
+        super().__init__(
+            DeviceInfo(
+                device_id=device_id,
+                index=index,
+                name=model.name,
+                vendor="nvidia",
+                kind=DeviceKind.GPU,
+                backend="simulated",
+                supported_sm_freqs_mhz=freqs,
+                power_limit_range_w=(model.min_power_limit_w, model.max_power_limit_w),
+                default_power_limit_w=model.default_power_limit_w,
+                capabilities=Capabilities(
+                    can_lock_sm_clocks=True,
+                    can_set_power_limit=True,
+                    can_reset_power_limit=True,
+                    has_energy_counter=True,
+                    has_power_reading=True,
+                    has_temperature=True,
+                ),
+                is_simulated=True,
+            )
+        )
+        self.model = model
+        self._clock = clock
+        self._state_path = state_path
+        self._work: Workload | None = None
+        self._memory_state: _State | None = None
+        with self._transaction():  # the device exists, and draws idle power, from now on
+            pass
+
+    # -- model state ---------------------------------------------------------------------------
+
+    def _fresh_state(self) -> _State:
+        now = self._clock.now()
+        idle_w = self.model.power_w(self.model.min_freq_mhz)
+        return _State(
+            locked_mhz=None,
+            power_limit_w=self.model.default_power_limit_w,
+            energy_j=0.0,
+            counter_j=0.0,
+            t_s=now,
+            temperature_c=self.model.ambient_c + idle_w * self.model.thermal_resistance_c_per_w,
+        )
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[_State]:
+        """Load the state, bring it up to now, let the caller change it, save it."""
+        if self._state_path is None:
+            if self._memory_state is None:
+                self._memory_state = self._fresh_state()
+            self._advance(self._memory_state)
+            yield self._memory_state
+            return
+        lock_path = self._state_path.with_suffix(".lock")
+        with open(lock_path, "a+") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                state = self._load()
+                self._advance(state)
+                yield state
+                self._save(state)
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+    def _load(self) -> _State:
+        assert self._state_path is not None
+        try:
+            with open(self._state_path, encoding="utf-8") as f:
+                return _State.from_json(json.load(f))
+        except FileNotFoundError:
+            return self._fresh_state()
+        except (ValueError, KeyError, TypeError, IndexError) as err:
+            logger.warning("simulated state %s is unreadable (%s); starting afresh", self._state_path, err)
+            return self._fresh_state()
+
+    def _save(self, state: _State) -> None:
+        assert self._state_path is not None
+        tmp = self._state_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(state.to_json(), f)
+        os.replace(tmp, self._state_path)
+
+    def _freq_mhz(self, state: _State) -> float:
+        """The clock the GPU runs at now: idle at the lock floor (or minimum), loaded at the lock
+        ceiling (or maximum) reduced by the power cap."""
+        if self._work is None:
+            return state.locked_mhz[0] if state.locked_mhz else self.model.min_freq_mhz
+        target = state.locked_mhz[1] if state.locked_mhz else self.model.max_freq_mhz
+        return self.model.throttled_freq_mhz(target, state.power_limit_w, self._work)
+
+    def _power_w(self, state: _State) -> float:
+        return self.model.power_w(self._freq_mhz(state), self._work)
+
+    def _advance(self, state: _State) -> None:
+        """Integrate energy and temperature from ``state.t_s`` to now at the current power."""
+        now = self._clock.now()
+        dt = now - state.t_s
+        if dt <= 0:
+            return
+        power_w = self._power_w(state)
+        period = self.model.energy_update_period_s
+        last_tick = math.floor(now / period) * period if period > 0 else now
+        if last_tick > state.t_s:
+            exact = state.energy_j + power_w * (last_tick - state.t_s)
+            state.counter_j = math.floor(exact * 1e3) / 1e3  # whole millijoules, like NVML
+        elif period <= 0:
+            state.counter_j = state.energy_j + power_w * dt
+        state.energy_j += power_w * dt
+        m = self.model
+        steady_c = m.ambient_c + power_w * m.thermal_resistance_c_per_w
+        tau_s = m.thermal_resistance_c_per_w * m.thermal_capacitance_j_per_c
+        state.temperature_c = steady_c + (state.temperature_c - steady_c) * math.exp(-dt / tau_s)
+        state.t_s = now
+
+    # -- Device hooks ----------------------------------------------------------------------------
+
+    def _read_state(self) -> PowerState:
+        with self._transaction() as state:
+            return PowerState(
+                device_id=self.device_id,
+                timestamp_s=state.t_s,
+                power_w=self._power_w(state),
+                energy_j=state.counter_j,
+                sm_freq_mhz=self._freq_mhz(state),
+                power_limit_w=state.power_limit_w,
+                temperature_c=state.temperature_c,
+                locked_sm_freqs_mhz=state.locked_mhz,
+            )
+
+    def _lock_sm_clocks(self, min_mhz: float, max_mhz: float) -> None:
+        with self._transaction() as state:
+            state.locked_mhz = (min_mhz, max_mhz)
+
+    def _reset_sm_clocks(self) -> None:
+        with self._transaction() as state:
+            state.locked_mhz = None
+
+    def _set_power_limit(self, power_limit_w: float) -> float:
+        watts = float(round(power_limit_w, 3))  # NVML's granularity: whole milliwatts
+        with self._transaction() as state:
+            state.power_limit_w = watts
+        return watts
+
+    def _reset_power_limit(self) -> None:
+        with self._transaction() as state:
+            state.power_limit_w = self.model.default_power_limit_w
+
+    def details(self) -> dict[str, object]:
+        """Model parameters, for ``powerlib status``."""
+        m = self.model
+        return {
+            "model": m.key,
+            "num_sms": m.num_sms,
+            "mem_freq_mhz": m.mem_freq_mhz,
+            "knee_freq_mhz": m.knee_freq_mhz,
+            "idle_power_w": round(m.power_w(m.min_freq_mhz), 3),
+            "blocked_power_at_max_freq_w": round(m.power_w(m.max_freq_mhz), 3),
+            "energy_update_period_s": m.energy_update_period_s,
+            "state_file": None if self._state_path is None else str(self._state_path),
+        }
+
+    # -- running simulated work ----------------------------------------------------------------
+
+    def begin_work(self, work: Workload) -> float:
+        """Start running ``work`` now; returns its duration at the clock it will run at.
+
+        Energy up to now is integrated at the previous power first, so the caller can interleave
+        several devices on one shared :class:`VirtualClock`.
+        """
+        return self._begin(work)[0]
+
+    def _begin(self, work: Workload) -> tuple[float, float, float]:
+        with self._transaction() as state:
+            self._work = work
+            freq_mhz = self._freq_mhz(state)
+            return self.model.duration_s(work, freq_mhz), freq_mhz, self._power_w(state)
+
+    def end_work(self) -> None:
+        """Stop running work (the device idles at its current clock)."""
+        with self._transaction():
+            self._work = None
+
+    def run(self, work: Workload) -> WorkResult:
+        """Run ``work`` to completion on a virtual clock and report what it cost.
+
+        Raises:
+            NotSupportedError: The device runs on wall-clock time (nothing can be fast-forwarded).
+        """
+        if not isinstance(self._clock, VirtualClock):
+            raise NotSupportedError(
+                "run() needs a virtual clock (POWERLIB_SIM_CLOCK=virtual)",
+                device=self.device_id,
+                operation="run",
+            )
+        with self._transaction() as state:
+            start_j = state.energy_j
+        duration_s, freq_mhz, power_w = self._begin(work)
+        self._clock.advance(duration_s)
+        with self._transaction() as state:
+            energy_j = state.energy_j - start_j
+            self._work = None
+        return WorkResult(time_s=duration_s, energy_j=energy_j, freq_mhz=freq_mhz, power_w=power_w)
+
+
+class SimulatedBackend(Backend):
+    """``POWERLIB_SIM_GPUS`` simulated GPUs of model ``POWERLIB_SIM_MODEL``."""
+
+    name: ClassVar[str] = "simulated"
+    install_hint: ClassVar[str] = "always available; select it with POWERLIB_BACKEND=simulated"
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: SimClock | None = None,
+        persist: bool | None = None,
+    ) -> None:
+        """Open the simulated GPUs.
+
+        Args:
+            settings: Model, count, clock kind and state directory.
+            clock: Overrides ``settings.sim_clock``; pass a shared :class:`VirtualClock` to step
+                several devices together.
+            persist: Keep state in ``settings.state_dir`` (default: only with a wall clock).
+
+        Raises:
+            ConfigError: Unknown model, or the state directory cannot be used.
+        """
+        super().__init__(settings)
+        model = MODELS.get(settings.sim_model)
+        if model is None:
+            raise ConfigError(
+                f"unknown simulated GPU model {settings.sim_model!r} (POWERLIB_SIM_MODEL); "
+                f"choose one of {', '.join(MODELS)}"
+            )
+        if clock is None:
+            clock = VirtualClock() if settings.sim_clock == "virtual" else WallClock()
+        self.clock = clock
+        self.model = model
+        if persist is None:
+            persist = isinstance(clock, WallClock)
+        state_dir = _prepare_state_dir(settings.state_dir / "simulated") if persist else None
+        self._devices = [
+            SimulatedDevice(
+                index=i,
+                model=model,
+                clock=clock,
+                state_path=None if state_dir is None else state_dir / f"{model.key}-{i}.json",
+            )
+            for i in range(settings.sim_gpus)
+        ]
+
+    @classmethod
+    def probe(cls, settings: Settings) -> ProbeResult:
+        """Always available (never chosen by ``auto``)."""
+        model = MODELS.get(settings.sim_model)
+        if model is None:
+            return ProbeResult(
+                backend=cls.name,
+                is_available=False,
+                reason=f"unknown POWERLIB_SIM_MODEL {settings.sim_model!r}; choose one of {', '.join(MODELS)}",
+            )
+        return ProbeResult(
+            backend=cls.name,
+            is_available=True,
+            reason=f"{settings.sim_gpus} x {model.name} (only when selected explicitly)",
+            num_devices=settings.sim_gpus,
+        )
+
+    def devices(self) -> Sequence[SimulatedDevice]:
+        """The simulated GPUs."""
+        return self._devices
+
+
+def _prepare_state_dir(path: Path) -> Path:
+    """Create ``path`` (mode 0700) if needed and check that it is a writable real directory."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(
+            f"cannot create the state directory {path}: {err.strerror}; set POWERLIB_STATE_DIR"
+        ) from err
+    if path.is_symlink() or not path.is_dir():
+        raise ConfigError(f"state directory {path} is not a real directory; set POWERLIB_STATE_DIR")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionDeniedError(
+            f"state directory {path} is not writable; set POWERLIB_STATE_DIR to a writable directory"
+        )
+    return path

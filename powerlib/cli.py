@@ -1,0 +1,480 @@
+"""The ``powerlib`` command line: inspect and control device power states.
+
+Every command takes ``--json`` (stable schemas, units in key names; see the README) and prints a
+table otherwise. Known failures exit non-zero with one line on stderr and no traceback; ``-v``
+shows the traceback and INFO logs (``-vv``: DEBUG).
+
+Exit codes: 0 success; 1 other powerlib error; 2 usage error; 3 backend unavailable; 4 permission
+denied; 5 not supported; 6 device not found; 7 invalid argument, setting, profile or plan;
+8 device busy; 9 device lost; 10 driver/vendor error; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields
+from importlib import metadata
+from typing import Any, NoReturn
+
+import click
+
+from powerlib import __version__
+from powerlib.config import Settings
+from powerlib.device import Backend, Device, PowerState
+from powerlib.errors import PowerlibError
+from powerlib.registry import AUTO_ORDER, backend_names, open_backend, probe_backends
+
+__all__ = ["cli", "main"]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(slots=True)
+class _Options:
+    """Global options shared by every command."""
+
+    backend: str | None = None
+    verbose: int = 0
+
+
+class _CliError(click.ClickException):
+    """A PowerlibError on its way out: one line, the error's own exit code."""
+
+    def __init__(self, err: PowerlibError) -> None:
+        super().__init__(str(err))
+        self.exit_code = err.exit_code
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"powerlib: error: {self.format_message()}", err=True)
+
+
+class _Group(click.Group):
+    """Turns PowerlibError into a one-line message and its exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except PowerlibError as err:
+            opts = ctx.find_object(_Options)
+            if opts is not None and opts.verbose:
+                traceback.print_exc()
+            raise _CliError(err) from err
+
+
+def _settings(opts: _Options) -> Settings:
+    settings = Settings.from_env()
+    return settings.replace(backend=opts.backend) if opts.backend else settings
+
+
+def _open(opts: _Options) -> Backend:
+    return open_backend(settings=_settings(opts))
+
+
+def _emit_json(data: object) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.{digits}f}"
+
+
+def _table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    colour: Callable[[int, str], str | None] | None = None,
+) -> None:
+    """Print aligned columns; ``colour(column, cell)`` names a colour applied after padding
+    (click drops colours when stdout is not a terminal)."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    click.echo(click.style("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(), bold=True))
+    for row in rows:
+        cells = []
+        for i, (cell, width) in enumerate(zip(row, widths)):
+            padded = cell.ljust(width) if i < len(row) - 1 else cell
+            fg = colour(i, cell) if colour else None
+            cells.append(click.style(padded, fg=fg) if fg else padded)
+        click.echo("  ".join(cells))
+
+
+def _state_json(dev: Device, state: PowerState) -> dict[str, object]:
+    info = dev.info
+    return {
+        "index": info.index,
+        "device_id": info.device_id,
+        "name": info.name,
+        "vendor": info.vendor,
+        "kind": info.kind.value,
+        "backend": info.backend,
+        "is_simulated": info.is_simulated,
+        "timestamp_s": state.timestamp_s,
+        "power_w": state.power_w,
+        "energy_j": state.energy_j,
+        "memory_energy_j": state.memory_energy_j,
+        "sm_freq_mhz": state.sm_freq_mhz,
+        "locked_sm_freqs_mhz": None if state.locked_sm_freqs_mhz is None else list(state.locked_sm_freqs_mhz),
+        "power_limit_w": state.power_limit_w,
+        "temperature_c": state.temperature_c,
+    }
+
+
+def _status_json(dev: Device, state: PowerState) -> dict[str, object]:
+    info = dev.info
+    data = _state_json(dev, state)
+    data.update(
+        {
+            "supported_sm_freqs_mhz": list(info.supported_sm_freqs_mhz),
+            "min_sm_freq_mhz": info.min_sm_freq_mhz,
+            "max_sm_freq_mhz": info.max_sm_freq_mhz,
+            "power_limit_range_w": None if info.power_limit_range_w is None else list(info.power_limit_range_w),
+            "default_power_limit_w": info.default_power_limit_w,
+            "capabilities": {name: name in info.capabilities.names() for name in _capability_names(dev)},
+            "details": dict(dev.details()),
+        }
+    )
+    return data
+
+
+def _capability_names(dev: Device) -> list[str]:
+    return [f.name for f in fields(dev.info.capabilities)]
+
+
+def _select(backend: Backend, selector: str | None) -> list[Device]:
+    return list(backend.devices()) if selector is None else [backend.device(selector)]
+
+
+def _freq_summary(freqs: Sequence[float]) -> str:
+    if not freqs:
+        return "none (clocks cannot be locked)"
+    steps = {round(b - a, 3) for a, b in zip(freqs, freqs[1:])}
+    step = f", step {steps.pop():g} MHz" if len(steps) == 1 else ""
+    return f"{freqs[0]:g}-{freqs[-1]:g} MHz, {len(freqs)} values{step}"
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="powerlib")
+@click.option(
+    "--backend",
+    metavar="NAME",
+    default=None,
+    help="Backend to use (overrides POWERLIB_BACKEND): auto, nvidia, amd, sysfs, simulated, or a plug-in.",
+)
+@click.option("-v", "--verbose", count=True, help="Show tracebacks and INFO logs (-vv: DEBUG).")
+@click.pass_context
+def cli(ctx: click.Context, backend: str | None, verbose: int) -> None:
+    """Inspect and control GPU/CPU power states; plan energy-saving clock schedules."""
+    ctx.obj = _Options(backend=backend, verbose=verbose)
+    if verbose:
+        logging.basicConfig(
+            level=logging.DEBUG if verbose > 1 else logging.INFO,
+            format="%(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def env(opts: _Options, as_json: bool) -> None:
+    """Show the backend that would be chosen, and why, probe by probe."""
+    settings = _settings(opts)
+    names = list(dict.fromkeys([*AUTO_ORDER, *backend_names()]))
+    probes = probe_backends(settings, names)
+    if settings.backend == "auto":
+        chosen = next((p.backend for p in probes if p.is_available and p.backend in AUTO_ORDER), None)
+        why = "first available in the auto order " + " -> ".join(AUTO_ORDER) if chosen else (
+            "nothing in the auto order is available; set POWERLIB_BACKEND=simulated for simulated GPUs"
+        )
+    else:
+        chosen = settings.backend
+        why = "named explicitly (--backend or POWERLIB_BACKEND)"
+    versions = {}
+    for dist in ("click", "numpy", "psutil", "nvidia-ml-py", "pynvml", "amdsmi", "torch"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    data = {
+        "schema": f"powerlib.env.v{SCHEMA_VERSION}",
+        "powerlib_version": __version__,
+        "python_version": platform.python_version(),
+        "requested_backend": settings.backend,
+        "chosen_backend": chosen,
+        "reason": why,
+        "probes": [
+            {
+                "backend": p.backend,
+                "is_available": p.is_available,
+                "in_auto_order": p.backend in AUTO_ORDER,
+                "num_devices": p.num_devices,
+                "reason": p.reason,
+            }
+            for p in probes
+        ],
+        "settings": {
+            "sysfs_root": str(settings.sysfs_root),
+            "state_dir": str(settings.state_dir),
+            "sim_gpus": settings.sim_gpus,
+            "sim_model": settings.sim_model,
+            "sim_clock": settings.sim_clock,
+        },
+        "euid": os.geteuid(),
+        "package_versions": versions,
+    }
+    if as_json:
+        _emit_json(data)
+        return
+    click.echo(f"powerlib {__version__} (Python {platform.python_version()})")
+    click.echo(f"requested backend: {settings.backend}")
+    click.echo(f"chosen backend:    {chosen or 'none'} ({why})")
+    click.echo("")
+    _table(
+        ["BACKEND", "AUTO", "AVAILABLE", "REASON"],
+        [
+            [p.backend, "yes" if p.backend in AUTO_ORDER else "no", "yes" if p.is_available else "no", p.reason]
+            for p in probes
+        ],
+        colour=lambda col, cell: ({"yes": "green", "no": "red"}[cell] if col == 2 else None),
+    )
+    click.echo("")
+    click.echo(f"sysfs root: {settings.sysfs_root}   state dir: {settings.state_dir}   euid: {os.geteuid()}")
+    installed = ", ".join(f"{k} {v}" for k, v in versions.items() if v) or "none"
+    click.echo(f"packages: {installed}")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def devices(opts: _Options, as_json: bool) -> None:
+    """List devices: one row each, with power, limit, clock, energy and temperature."""
+    with _open(opts) as backend:
+        rows = [(dev, dev.read_state()) for dev in backend.devices()]
+        if as_json:
+            _emit_json(
+                {
+                    "schema": f"powerlib.devices.v{SCHEMA_VERSION}",
+                    "backend": backend.name,
+                    "devices": [_state_json(dev, st) for dev, st in rows],
+                }
+            )
+            return
+        _table(
+            ["IDX", "ID", "NAME", "BACKEND", "POWER W", "LIMIT W", "SM MHz", "ENERGY J", "TEMP C"],
+            [
+                [str(dev.index), dev.device_id, dev.info.name, dev.info.backend, _fmt(st.power_w),
+                 _fmt(st.power_limit_w), _fmt(st.sm_freq_mhz, 0), _fmt(st.energy_j, 3), _fmt(st.temperature_c)]
+                for dev, st in rows
+            ],
+        )
+
+
+@cli.command()
+@click.option("--device", "selector", metavar="I", default=None, help="Device index or id (default: all).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def status(opts: _Options, selector: str | None, as_json: bool) -> None:
+    """Show full detail: identity, power state, supported clocks, limits, capabilities."""
+    with _open(opts) as backend:
+        found = [(dev, dev.read_state()) for dev in _select(backend, selector)]
+        if as_json:
+            _emit_json(
+                {
+                    "schema": f"powerlib.status.v{SCHEMA_VERSION}",
+                    "backend": backend.name,
+                    "devices": [_status_json(dev, st) for dev, st in found],
+                }
+            )
+            return
+        for n, (dev, st) in enumerate(found):
+            info = dev.info
+            if n:
+                click.echo("")
+            click.echo(click.style(f"[{info.index}] {info.name}", bold=True))
+            lock = "not locked" if st.locked_sm_freqs_mhz is None else (
+                "locked to {:g}-{:g} MHz".format(*st.locked_sm_freqs_mhz)
+            )
+            limits = info.power_limit_range_w
+            lines = [
+                ("id", info.device_id),
+                ("vendor / kind", f"{info.vendor} / {info.kind.value}" + (" (simulated)" if info.is_simulated else "")),
+                ("backend", info.backend),
+                ("power", f"{_fmt(st.power_w)} W"),
+                ("energy counter", f"{_fmt(st.energy_j, 3)} J"
+                 + ("" if st.memory_energy_j is None else f" (memory {_fmt(st.memory_energy_j, 3)} J)")),
+                ("SM clock", f"{_fmt(st.sm_freq_mhz, 0)} MHz ({lock})"),
+                ("supported SM clocks", _freq_summary(info.supported_sm_freqs_mhz)),
+                ("power limit", f"{_fmt(st.power_limit_w)} W"
+                 + ("" if limits is None else f" (range {limits[0]:g}-{limits[1]:g} W")
+                 + ("" if limits is None else (
+                     f", default {info.default_power_limit_w:g} W)" if info.default_power_limit_w else ")"))),
+                ("temperature", f"{_fmt(st.temperature_c)} C"),
+                ("capabilities", ", ".join(info.capabilities.names()) or "none"),
+            ]
+            lines += [(key, json.dumps(value) if not isinstance(value, str) else value)
+                      for key, value in dev.details().items()]
+            width = max(len(k) for k, _ in lines)
+            for key, value in lines:
+                click.echo(f"  {key.ljust(width)}  {value}")
+
+
+@cli.command()
+@click.option("--interval-s", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
+              help="Seconds between samples.")
+@click.option("--count", type=click.IntRange(min=1), default=None, help="Stop after N samples (default: until Ctrl-C).")
+@click.option("--device", "selector", metavar="I", default=None, help="Device index or id (default: all).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per sample per device (JSON lines).")
+@click.pass_obj
+def watch(opts: _Options, interval_s: float, count: int | None, selector: str | None, as_json: bool) -> None:
+    """Sample power states periodically; AVG W is the energy-counter delta over the interval."""
+    with _open(opts) as backend:
+        chosen = _select(backend, selector)
+        last: dict[str, PowerState] = {}
+        if not as_json:
+            click.echo(click.style(
+                "  ".join(["TIME".ljust(8), "IDX", "POWER W".rjust(8), "AVG W".rjust(8), "SM MHz".rjust(7),
+                           "LIMIT W".rjust(8), "ENERGY J".rjust(14), "TEMP C".rjust(6)]), bold=True))
+        try:
+            for n in _ticks(interval_s, count):
+                for dev in chosen:
+                    st = dev.read_state()
+                    prev = last.get(dev.device_id)
+                    avg_w = _avg_power_w(prev, st)
+                    last[dev.device_id] = st
+                    if as_json:
+                        row = _state_json(dev, st)
+                        row["sample"] = n
+                        row["avg_power_w"] = avg_w
+                        click.echo(json.dumps(row))
+                    else:
+                        click.echo("  ".join([
+                            time.strftime("%H:%M:%S", time.localtime(st.timestamp_s)) if st.timestamp_s > 1e9
+                            else f"{st.timestamp_s:8.2f}",
+                            str(dev.index).rjust(3), _fmt(st.power_w).rjust(8), _fmt(avg_w).rjust(8),
+                            _fmt(st.sm_freq_mhz, 0).rjust(7), _fmt(st.power_limit_w).rjust(8),
+                            _fmt(st.energy_j, 3).rjust(14), _fmt(st.temperature_c).rjust(6)]))
+        except KeyboardInterrupt:
+            return
+
+
+def _ticks(interval_s: float, count: int | None) -> Iterator[int]:
+    start = time.monotonic()
+    n = 0
+    while count is None or n < count:
+        yield n
+        n += 1
+        if count is not None and n >= count:
+            return
+        delay = start + n * interval_s - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+def _avg_power_w(prev: PowerState | None, cur: PowerState) -> float | None:
+    if prev is None or prev.energy_j is None or cur.energy_j is None:
+        return None
+    dt = cur.timestamp_s - prev.timestamp_s
+    return (cur.energy_j - prev.energy_j) / dt if dt > 0 else None
+
+
+@cli.command(name="set")
+@click.option("--device", "selector", metavar="I", required=True, help="Device index or id.")
+@click.option("--freq-mhz", type=float, default=None, help="Lock the SM clock to one value.")
+@click.option("--freq-range-mhz", type=(float, float), default=None, metavar="LO HI",
+              help="Lock the SM clock to a range.")
+@click.option("--power-limit-w", type=float, default=None, help="Set the power limit.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def set_(opts: _Options, selector: str, freq_mhz: float | None, freq_range_mhz: tuple[float, float] | None,
+         power_limit_w: float | None, as_json: bool) -> None:
+    """Lock SM clocks and/or set the power limit. Everything is validated before anything changes.
+
+    Settings stay until `powerlib reset` (or a reboot/driver reload on real GPUs).
+    """
+    if freq_mhz is not None and freq_range_mhz is not None:
+        raise click.UsageError("give --freq-mhz or --freq-range-mhz, not both")
+    if freq_mhz is None and freq_range_mhz is None and power_limit_w is None:
+        raise click.UsageError("nothing to set: give --freq-mhz, --freq-range-mhz or --power-limit-w")
+    with _open(opts) as backend:
+        dev = backend.device(selector)
+        lo_hi = (freq_mhz, freq_mhz) if freq_mhz is not None else freq_range_mhz
+        if lo_hi is not None:
+            dev.validate_sm_clocks(*lo_hi)
+        if power_limit_w is not None:
+            dev.validate_power_limit(power_limit_w)
+        applied: dict[str, object] = {}
+        if lo_hi is not None:
+            applied["locked_sm_freqs_mhz"] = list(dev.lock_sm_clocks(*lo_hi))
+        if power_limit_w is not None:
+            applied["power_limit_w"] = dev.set_power_limit(power_limit_w)
+        st = dev.read_state()
+        if as_json:
+            _emit_json({"schema": f"powerlib.set.v{SCHEMA_VERSION}", "applied": applied, "device": _state_json(dev, st)})
+            return
+        if "locked_sm_freqs_mhz" in applied:
+            lo, hi = applied["locked_sm_freqs_mhz"]  # type: ignore[misc]
+            click.echo(f"device {dev.index} ({dev.device_id}): SM clock locked to "
+                       + (f"{lo:g} MHz" if lo == hi else f"{lo:g}-{hi:g} MHz"))
+        if "power_limit_w" in applied:
+            click.echo(f"device {dev.index} ({dev.device_id}): power limit set to {applied['power_limit_w']:g} W")
+
+
+@cli.command()
+@click.option("--device", "selector", metavar="I", default=None, help="Device index or id.")
+@click.option("--all", "all_devices", is_flag=True, help="Reset every device.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def reset(opts: _Options, selector: str | None, all_devices: bool, as_json: bool) -> None:
+    """Unlock SM clocks and restore the default power limit.
+
+    Operations a device does not support are skipped and reported; other failures are reported
+    too, the remaining devices are still reset, and the exit status is non-zero.
+    """
+    if (selector is None) == (not all_devices):
+        raise click.UsageError("give --device I or --all")
+    with _open(opts) as backend:
+        results = []
+        first_error: PowerlibError | None = None
+        for dev in _select(backend, selector):
+            caps = dev.info.capabilities
+            outcome: dict[str, object] = {"index": dev.index, "device_id": dev.device_id}
+            for key, supported, op in (
+                ("sm_clocks", caps.can_lock_sm_clocks, dev.reset_sm_clocks),
+                ("power_limit", caps.can_reset_power_limit, dev.reset_power_limit),
+            ):
+                if not supported:
+                    outcome[key] = "not supported"
+                    continue
+                try:
+                    op()
+                    outcome[key] = "reset"
+                except PowerlibError as err:
+                    outcome[key] = f"failed: {err}"
+                    first_error = first_error or err
+            results.append(outcome)
+        if as_json:
+            _emit_json({"schema": f"powerlib.reset.v{SCHEMA_VERSION}", "results": results,
+                        "ok": first_error is None})
+        else:
+            for r in results:
+                click.echo(f"device {r['index']} ({r['device_id']}): SM clocks {r['sm_clocks']}, "
+                           f"power limit {r['power_limit']}")
+        if first_error is not None:
+            raise first_error
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Console-script entry point."""
+    cli.main(args=list(argv) if argv is not None else None, prog_name="powerlib")
+    sys.exit(0)  # pragma: no cover - click exits itself
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
