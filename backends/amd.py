@@ -20,7 +20,9 @@ from powerlib.errors import BackendUnavailableError
 
 __all__ = ["AmdBackend"]
 
-INSTALL_HINT = "install ROCm (libamd_smi.so) and its amdsmi Python wrapper, or pip install 'powerlib[amd]'"
+INSTALL_HINT = (
+    "install ROCm (libamd_smi.so) and its amdsmi Python wrapper, or pip install 'powerlib[amd]'"
+)
 
 
 def import_amdsmi() -> ModuleType:
@@ -34,7 +36,9 @@ def import_amdsmi() -> ModuleType:
         with contextlib.redirect_stdout(noise):
             import amdsmi  # noqa: PLC0415 - lazy by design
     except ImportError as err:
-        raise BackendUnavailableError(f"the amdsmi module is not installed: {INSTALL_HINT}") from err
+        raise BackendUnavailableError(
+            f"the amdsmi module is not installed: {INSTALL_HINT}"
+        ) from err
     except (OSError, KeyError) as err:
         detail = noise.getvalue().strip().splitlines()
         raise BackendUnavailableError(

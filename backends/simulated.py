@@ -352,7 +352,9 @@ class SimulatedDevice(Device):
         clock: SimClock,
         state_path: Path | None,
     ) -> None:
-        device_id = "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_URL, f"powerlib-sim/{model.key}/{index}"))
+        device_id = "GPU-" + str(
+            uuid.uuid5(uuid.NAMESPACE_URL, f"powerlib-sim/{model.key}/{index}")
+        )
         freqs = model.supported_freqs_mhz
         super().__init__(
             DeviceInfo(
@@ -426,7 +428,9 @@ class SimulatedDevice(Device):
         except FileNotFoundError:
             return self._fresh_state()
         except (ValueError, KeyError, TypeError, IndexError) as err:
-            logger.warning("simulated state %s is unreadable (%s); starting afresh", self._state_path, err)
+            logger.warning(
+                "simulated state %s is unreadable (%s); starting afresh", self._state_path, err
+            )
             return self._fresh_state()
 
     def _save(self, state: _State) -> None:
@@ -438,8 +442,11 @@ class SimulatedDevice(Device):
         os.replace(tmp, self._state_path)
 
     def _freq_mhz(self, state: _State) -> float:
-        """The clock the GPU runs at now: idle at the lock floor (or minimum), loaded at the lock
-        ceiling (or maximum) reduced by the power cap."""
+        """The SM clock now.
+
+        Idle: the lock floor (or the minimum). Loaded: the lock ceiling (or the maximum), reduced
+        to fit under the power limit.
+        """
         if self._work is None:
             return state.locked_mhz[0] if state.locked_mhz else self.model.min_freq_mhz
         target = state.locked_mhz[1] if state.locked_mhz else self.model.max_freq_mhz

@@ -92,10 +92,15 @@ def _table(
     rows: Sequence[Sequence[str]],
     colour: Callable[[int, str], str | None] | None = None,
 ) -> None:
-    """Print aligned columns; ``colour(column, cell)`` names a colour applied after padding
-    (click drops colours when stdout is not a terminal)."""
+    """Print aligned columns.
+
+    ``colour(column, cell)`` names a colour applied after padding; click drops colours when
+    stdout is not a terminal.
+    """
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    click.echo(click.style("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(), bold=True))
+    click.echo(
+        click.style("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(), bold=True)
+    )
     for row in rows:
         cells = []
         for i, (cell, width) in enumerate(zip(row, widths)):
@@ -120,7 +125,9 @@ def _state_json(dev: Device, state: PowerState) -> dict[str, object]:
         "energy_j": state.energy_j,
         "memory_energy_j": state.memory_energy_j,
         "sm_freq_mhz": state.sm_freq_mhz,
-        "locked_sm_freqs_mhz": None if state.locked_sm_freqs_mhz is None else list(state.locked_sm_freqs_mhz),
+        "locked_sm_freqs_mhz": None
+        if state.locked_sm_freqs_mhz is None
+        else list(state.locked_sm_freqs_mhz),
         "power_limit_w": state.power_limit_w,
         "temperature_c": state.temperature_c,
     }
@@ -134,9 +141,13 @@ def _status_json(dev: Device, state: PowerState) -> dict[str, object]:
             "supported_sm_freqs_mhz": list(info.supported_sm_freqs_mhz),
             "min_sm_freq_mhz": info.min_sm_freq_mhz,
             "max_sm_freq_mhz": info.max_sm_freq_mhz,
-            "power_limit_range_w": None if info.power_limit_range_w is None else list(info.power_limit_range_w),
+            "power_limit_range_w": None
+            if info.power_limit_range_w is None
+            else list(info.power_limit_range_w),
             "default_power_limit_w": info.default_power_limit_w,
-            "capabilities": {name: name in info.capabilities.names() for name in _capability_names(dev)},
+            "capabilities": {
+                name: name in info.capabilities.names() for name in _capability_names(dev)
+            },
             "details": dict(dev.details()),
         }
     )
@@ -189,9 +200,15 @@ def env(opts: _Options, as_json: bool) -> None:
     names = list(dict.fromkeys([*AUTO_ORDER, *backend_names()]))
     probes = probe_backends(settings, names)
     if settings.backend == "auto":
-        chosen = next((p.backend for p in probes if p.is_available and p.backend in AUTO_ORDER), None)
-        why = "first available in the auto order " + " -> ".join(AUTO_ORDER) if chosen else (
-            "nothing in the auto order is available; set POWERLIB_BACKEND=simulated for simulated GPUs"
+        chosen = next(
+            (p.backend for p in probes if p.is_available and p.backend in AUTO_ORDER), None
+        )
+        why = (
+            "first available in the auto order " + " -> ".join(AUTO_ORDER)
+            if chosen
+            else (
+                "nothing in the auto order is available; set POWERLIB_BACKEND=simulated for simulated GPUs"
+            )
         )
     else:
         chosen = settings.backend
@@ -239,13 +256,20 @@ def env(opts: _Options, as_json: bool) -> None:
     _table(
         ["BACKEND", "AUTO", "AVAILABLE", "REASON"],
         [
-            [p.backend, "yes" if p.backend in AUTO_ORDER else "no", "yes" if p.is_available else "no", p.reason]
+            [
+                p.backend,
+                "yes" if p.backend in AUTO_ORDER else "no",
+                "yes" if p.is_available else "no",
+                p.reason,
+            ]
             for p in probes
         ],
-        colour=lambda col, cell: ({"yes": "green", "no": "red"}[cell] if col == 2 else None),
+        colour=lambda col, cell: {"yes": "green", "no": "red"}[cell] if col == 2 else None,
     )
     click.echo("")
-    click.echo(f"sysfs root: {settings.sysfs_root}   state dir: {settings.state_dir}   euid: {os.geteuid()}")
+    click.echo(
+        f"sysfs root: {settings.sysfs_root}   state dir: {settings.state_dir}   euid: {os.geteuid()}"
+    )
     installed = ", ".join(f"{k} {v}" for k, v in versions.items() if v) or "none"
     click.echo(f"packages: {installed}")
 
@@ -269,15 +293,26 @@ def devices(opts: _Options, as_json: bool) -> None:
         _table(
             ["IDX", "ID", "NAME", "BACKEND", "POWER W", "LIMIT W", "SM MHz", "ENERGY J", "TEMP C"],
             [
-                [str(dev.index), dev.device_id, dev.info.name, dev.info.backend, _fmt(st.power_w),
-                 _fmt(st.power_limit_w), _fmt(st.sm_freq_mhz, 0), _fmt(st.energy_j, 3), _fmt(st.temperature_c)]
+                [
+                    str(dev.index),
+                    dev.device_id,
+                    dev.info.name,
+                    dev.info.backend,
+                    _fmt(st.power_w),
+                    _fmt(st.power_limit_w),
+                    _fmt(st.sm_freq_mhz, 0),
+                    _fmt(st.energy_j, 3),
+                    _fmt(st.temperature_c),
+                ]
                 for dev, st in rows
             ],
         )
 
 
 @cli.command()
-@click.option("--device", "selector", metavar="I", default=None, help="Device index or id (default: all).")
+@click.option(
+    "--device", "selector", metavar="I", default=None, help="Device index or id (default: all)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_obj
 def status(opts: _Options, selector: str | None, as_json: bool) -> None:
@@ -298,49 +333,104 @@ def status(opts: _Options, selector: str | None, as_json: bool) -> None:
             if n:
                 click.echo("")
             click.echo(click.style(f"[{info.index}] {info.name}", bold=True))
-            lock = "not locked" if st.locked_sm_freqs_mhz is None else (
-                "locked to {:g}-{:g} MHz".format(*st.locked_sm_freqs_mhz)
+            lock = (
+                "not locked"
+                if st.locked_sm_freqs_mhz is None
+                else ("locked to {:g}-{:g} MHz".format(*st.locked_sm_freqs_mhz))
             )
             limits = info.power_limit_range_w
             lines = [
                 ("id", info.device_id),
-                ("vendor / kind", f"{info.vendor} / {info.kind.value}" + (" (simulated)" if info.is_simulated else "")),
+                (
+                    "vendor / kind",
+                    f"{info.vendor} / {info.kind.value}"
+                    + (" (simulated)" if info.is_simulated else ""),
+                ),
                 ("backend", info.backend),
                 ("power", f"{_fmt(st.power_w)} W"),
-                ("energy counter", f"{_fmt(st.energy_j, 3)} J"
-                 + ("" if st.memory_energy_j is None else f" (memory {_fmt(st.memory_energy_j, 3)} J)")),
+                (
+                    "energy counter",
+                    f"{_fmt(st.energy_j, 3)} J"
+                    + (
+                        ""
+                        if st.memory_energy_j is None
+                        else f" (memory {_fmt(st.memory_energy_j, 3)} J)"
+                    ),
+                ),
                 ("SM clock", f"{_fmt(st.sm_freq_mhz, 0)} MHz ({lock})"),
                 ("supported SM clocks", _freq_summary(info.supported_sm_freqs_mhz)),
-                ("power limit", f"{_fmt(st.power_limit_w)} W"
-                 + ("" if limits is None else f" (range {limits[0]:g}-{limits[1]:g} W")
-                 + ("" if limits is None else (
-                     f", default {info.default_power_limit_w:g} W)" if info.default_power_limit_w else ")"))),
+                (
+                    "power limit",
+                    f"{_fmt(st.power_limit_w)} W"
+                    + ("" if limits is None else f" (range {limits[0]:g}-{limits[1]:g} W")
+                    + (
+                        ""
+                        if limits is None
+                        else (
+                            f", default {info.default_power_limit_w:g} W)"
+                            if info.default_power_limit_w
+                            else ")"
+                        )
+                    ),
+                ),
                 ("temperature", f"{_fmt(st.temperature_c)} C"),
                 ("capabilities", ", ".join(info.capabilities.names()) or "none"),
             ]
-            lines += [(key, json.dumps(value) if not isinstance(value, str) else value)
-                      for key, value in dev.details().items()]
+            lines += [
+                (key, json.dumps(value) if not isinstance(value, str) else value)
+                for key, value in dev.details().items()
+            ]
             width = max(len(k) for k, _ in lines)
             for key, value in lines:
                 click.echo(f"  {key.ljust(width)}  {value}")
 
 
 @cli.command()
-@click.option("--interval-s", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
-              help="Seconds between samples.")
-@click.option("--count", type=click.IntRange(min=1), default=None, help="Stop after N samples (default: until Ctrl-C).")
-@click.option("--device", "selector", metavar="I", default=None, help="Device index or id (default: all).")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per sample per device (JSON lines).")
+@click.option(
+    "--interval-s",
+    type=click.FloatRange(min=0.01),
+    default=1.0,
+    show_default=True,
+    help="Seconds between samples.",
+)
+@click.option(
+    "--count",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after N samples (default: until Ctrl-C).",
+)
+@click.option(
+    "--device", "selector", metavar="I", default=None, help="Device index or id (default: all)."
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="One JSON object per sample per device (JSON lines)."
+)
 @click.pass_obj
-def watch(opts: _Options, interval_s: float, count: int | None, selector: str | None, as_json: bool) -> None:
+def watch(
+    opts: _Options, interval_s: float, count: int | None, selector: str | None, as_json: bool
+) -> None:
     """Sample power states periodically; AVG W is the energy-counter delta over the interval."""
     with _open(opts) as backend:
         chosen = _select(backend, selector)
         last: dict[str, PowerState] = {}
         if not as_json:
-            click.echo(click.style(
-                "  ".join(["TIME".ljust(8), "IDX", "POWER W".rjust(8), "AVG W".rjust(8), "SM MHz".rjust(7),
-                           "LIMIT W".rjust(8), "ENERGY J".rjust(14), "TEMP C".rjust(6)]), bold=True))
+            click.echo(
+                click.style(
+                    "  ".join(
+                        [
+                            "TIME".ljust(8),
+                            "IDX",
+                            "POWER W".rjust(8),
+                            "AVG W".rjust(8),
+                            "SM MHz".rjust(7),
+                            "LIMIT W".rjust(8),
+                            "ENERGY J".rjust(14),
+                            "TEMP C".rjust(6),
+                        ]
+                    ),
+                    bold=True,
+                )
+            )
         try:
             for n in _ticks(interval_s, count):
                 for dev in chosen:
@@ -354,12 +444,22 @@ def watch(opts: _Options, interval_s: float, count: int | None, selector: str | 
                         row["avg_power_w"] = avg_w
                         click.echo(json.dumps(row))
                     else:
-                        click.echo("  ".join([
-                            time.strftime("%H:%M:%S", time.localtime(st.timestamp_s)) if st.timestamp_s > 1e9
-                            else f"{st.timestamp_s:8.2f}",
-                            str(dev.index).rjust(3), _fmt(st.power_w).rjust(8), _fmt(avg_w).rjust(8),
-                            _fmt(st.sm_freq_mhz, 0).rjust(7), _fmt(st.power_limit_w).rjust(8),
-                            _fmt(st.energy_j, 3).rjust(14), _fmt(st.temperature_c).rjust(6)]))
+                        click.echo(
+                            "  ".join(
+                                [
+                                    time.strftime("%H:%M:%S", time.localtime(st.timestamp_s))
+                                    if st.timestamp_s > 1e9
+                                    else f"{st.timestamp_s:8.2f}",
+                                    str(dev.index).rjust(3),
+                                    _fmt(st.power_w).rjust(8),
+                                    _fmt(avg_w).rjust(8),
+                                    _fmt(st.sm_freq_mhz, 0).rjust(7),
+                                    _fmt(st.power_limit_w).rjust(8),
+                                    _fmt(st.energy_j, 3).rjust(14),
+                                    _fmt(st.temperature_c).rjust(6),
+                                ]
+                            )
+                        )
         except KeyboardInterrupt:
             return
 
@@ -387,13 +487,24 @@ def _avg_power_w(prev: PowerState | None, cur: PowerState) -> float | None:
 @cli.command(name="set")
 @click.option("--device", "selector", metavar="I", required=True, help="Device index or id.")
 @click.option("--freq-mhz", type=float, default=None, help="Lock the SM clock to one value.")
-@click.option("--freq-range-mhz", type=(float, float), default=None, metavar="LO HI",
-              help="Lock the SM clock to a range.")
+@click.option(
+    "--freq-range-mhz",
+    type=(float, float),
+    default=None,
+    metavar="LO HI",
+    help="Lock the SM clock to a range.",
+)
 @click.option("--power-limit-w", type=float, default=None, help="Set the power limit.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_obj
-def set_(opts: _Options, selector: str, freq_mhz: float | None, freq_range_mhz: tuple[float, float] | None,
-         power_limit_w: float | None, as_json: bool) -> None:
+def set_(
+    opts: _Options,
+    selector: str,
+    freq_mhz: float | None,
+    freq_range_mhz: tuple[float, float] | None,
+    power_limit_w: float | None,
+    as_json: bool,
+) -> None:
     """Lock SM clocks and/or set the power limit. Everything is validated before anything changes.
 
     Settings stay until `powerlib reset` (or a reboot/driver reload on real GPUs).
@@ -401,7 +512,9 @@ def set_(opts: _Options, selector: str, freq_mhz: float | None, freq_range_mhz: 
     if freq_mhz is not None and freq_range_mhz is not None:
         raise click.UsageError("give --freq-mhz or --freq-range-mhz, not both")
     if freq_mhz is None and freq_range_mhz is None and power_limit_w is None:
-        raise click.UsageError("nothing to set: give --freq-mhz, --freq-range-mhz or --power-limit-w")
+        raise click.UsageError(
+            "nothing to set: give --freq-mhz, --freq-range-mhz or --power-limit-w"
+        )
     with _open(opts) as backend:
         dev = backend.device(selector)
         lo_hi = (freq_mhz, freq_mhz) if freq_mhz is not None else freq_range_mhz
@@ -416,14 +529,24 @@ def set_(opts: _Options, selector: str, freq_mhz: float | None, freq_range_mhz: 
             applied["power_limit_w"] = dev.set_power_limit(power_limit_w)
         st = dev.read_state()
         if as_json:
-            _emit_json({"schema": f"powerlib.set.v{SCHEMA_VERSION}", "applied": applied, "device": _state_json(dev, st)})
+            _emit_json(
+                {
+                    "schema": f"powerlib.set.v{SCHEMA_VERSION}",
+                    "applied": applied,
+                    "device": _state_json(dev, st),
+                }
+            )
             return
         if "locked_sm_freqs_mhz" in applied:
             lo, hi = applied["locked_sm_freqs_mhz"]  # type: ignore[misc]
-            click.echo(f"device {dev.index} ({dev.device_id}): SM clock locked to "
-                       + (f"{lo:g} MHz" if lo == hi else f"{lo:g}-{hi:g} MHz"))
+            click.echo(
+                f"device {dev.index} ({dev.device_id}): SM clock locked to "
+                + (f"{lo:g} MHz" if lo == hi else f"{lo:g}-{hi:g} MHz")
+            )
         if "power_limit_w" in applied:
-            click.echo(f"device {dev.index} ({dev.device_id}): power limit set to {applied['power_limit_w']:g} W")
+            click.echo(
+                f"device {dev.index} ({dev.device_id}): power limit set to {applied['power_limit_w']:g} W"
+            )
 
 
 @cli.command()
@@ -460,12 +583,19 @@ def reset(opts: _Options, selector: str | None, all_devices: bool, as_json: bool
                     first_error = first_error or err
             results.append(outcome)
         if as_json:
-            _emit_json({"schema": f"powerlib.reset.v{SCHEMA_VERSION}", "results": results,
-                        "ok": first_error is None})
+            _emit_json(
+                {
+                    "schema": f"powerlib.reset.v{SCHEMA_VERSION}",
+                    "results": results,
+                    "ok": first_error is None,
+                }
+            )
         else:
             for r in results:
-                click.echo(f"device {r['index']} ({r['device_id']}): SM clocks {r['sm_clocks']}, "
-                           f"power limit {r['power_limit']}")
+                click.echo(
+                    f"device {r['index']} ({r['device_id']}): SM clocks {r['sm_clocks']}, "
+                    f"power limit {r['power_limit']}"
+                )
         if first_error is not None:
             raise first_error
 

@@ -102,7 +102,9 @@ class Settings:
         if env.get("POWERLIB_SYSFS_ROOT"):
             kwargs["sysfs_root"] = Path(env["POWERLIB_SYSFS_ROOT"])
         kwargs["state_dir"] = (
-            Path(env["POWERLIB_STATE_DIR"]) if env.get("POWERLIB_STATE_DIR") else default_state_dir(env)
+            Path(env["POWERLIB_STATE_DIR"])
+            if env.get("POWERLIB_STATE_DIR")
+            else default_state_dir(env)
         )
         if env.get("POWERLIB_SIM_GPUS"):
             raw = env["POWERLIB_SIM_GPUS"]

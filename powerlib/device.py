@@ -175,7 +175,9 @@ def snap_freq_range_mhz(
         if not math.isfinite(value):
             raise InvalidArgumentError(f"clock must be a finite number of MHz, got {value!r}")
     if min_mhz > max_mhz:
-        raise InvalidArgumentError(f"clock range is empty: min {min_mhz:g} MHz > max {max_mhz:g} MHz")
+        raise InvalidArgumentError(
+            f"clock range is empty: min {min_mhz:g} MHz > max {max_mhz:g} MHz"
+        )
     lo, hi = supported_mhz[0], supported_mhz[-1]
     for value in (min_mhz, max_mhz):
         if value < lo - _FREQ_TOLERANCE_MHZ or value > hi + _FREQ_TOLERANCE_MHZ:
@@ -222,7 +224,9 @@ class Device(ABC):
         return self._info.index
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self._info.index} {self._info.device_id} {self._info.name!r}>"
+        return (
+            f"<{type(self).__name__} {self._info.index} {self._info.device_id} {self._info.name!r}>"
+        )
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -297,7 +301,9 @@ class Device(ABC):
 
     def reset_sm_clocks(self) -> None:
         """Remove any clock lock (the device's default clock policy applies again). Idempotent."""
-        self._require(self._info.capabilities.can_lock_sm_clocks, "reset_sm_clocks", "clock locking")
+        self._require(
+            self._info.capabilities.can_lock_sm_clocks, "reset_sm_clocks", "clock locking"
+        )
         self._reset_sm_clocks()
 
     def set_power_limit(self, power_limit_w: float) -> float:

@@ -26,7 +26,11 @@ sys.meta_path.insert(0, _Block())
 def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-W", "error", "-c", _BLOCKER + code],
-        capture_output=True, text=True, cwd=ROOT.parent, env={**os.environ, **(env or {})}, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=ROOT.parent,
+        env={**os.environ, **(env or {})},
+        timeout=120,
     )
 
 
@@ -103,7 +107,9 @@ def test_backends_and_core_keep_their_layers() -> None:
         if path.parent.name == "testing":
             continue  # the shipped test kit builds on the sysfs backend's I/O seam
         for name in _all_imports(path):
-            assert not name.startswith(("powerlib.backends", "powerlib.integrations")), f"{path} imports {name}"
+            assert not name.startswith(("powerlib.backends", "powerlib.integrations")), (
+                f"{path} imports {name}"
+            )
 
 
 def test_version_has_one_source() -> None:

@@ -55,14 +55,29 @@ def test_set_is_seen_by_the_next_status_and_reset_restores(run) -> None:
 
 def test_set_range_and_power_limit_by_device_id(run) -> None:
     dev_id = json.loads(run("devices", "--json", env=SIM).stdout)["devices"][1]["device_id"]
-    result = run("set", "--device", dev_id[:12], "--freq-range-mhz", "900", "1300", "--power-limit-w", "250",
-                 "--json", env=SIM)
+    result = run(
+        "set",
+        "--device",
+        dev_id[:12],
+        "--freq-range-mhz",
+        "900",
+        "1300",
+        "--power-limit-w",
+        "250",
+        "--json",
+        env=SIM,
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["applied"] == {"locked_sm_freqs_mhz": [900.0, 1305.0], "power_limit_w": 250.0}
     assert data["device"]["power_limit_w"] == 250.0
     assert run("reset", "--all", "--json", env=SIM).exit_code == 0
-    assert json.loads(run("status", "--device", "1", "--json", env=SIM).stdout)["devices"][0]["power_limit_w"] == 400.0
+    assert (
+        json.loads(run("status", "--device", "1", "--json", env=SIM).stdout)["devices"][0][
+            "power_limit_w"
+        ]
+        == 400.0
+    )
 
 
 @pytest.mark.parametrize(
@@ -78,7 +93,9 @@ def test_set_range_and_power_limit_by_device_id(run) -> None:
         (["status", "--device", "GPU-nope"], 6),
     ],
 )
-def test_bad_input_is_one_line_with_its_exit_code_and_changes_nothing(run, args: list[str], code: int) -> None:
+def test_bad_input_is_one_line_with_its_exit_code_and_changes_nothing(
+    run, args: list[str], code: int
+) -> None:
     before = json.loads(run("status", "--json", env=SIM).stdout)
     result = run(*args, env=SIM)
     assert result.exit_code == code
@@ -90,7 +107,10 @@ def test_bad_input_is_one_line_with_its_exit_code_and_changes_nothing(run, args:
     assert "Traceback" not in result.stderr
     after = json.loads(run("status", "--json", env=SIM).stdout)
     for b, a in zip(before["devices"], after["devices"]):
-        assert (b["locked_sm_freqs_mhz"], b["power_limit_w"]) == (a["locked_sm_freqs_mhz"], a["power_limit_w"])
+        assert (b["locked_sm_freqs_mhz"], b["power_limit_w"]) == (
+            a["locked_sm_freqs_mhz"],
+            a["power_limit_w"],
+        )
 
 
 def test_explicit_nvidia_without_a_gpu_fails_with_one_line(run) -> None:
@@ -112,7 +132,9 @@ def test_env_explains_every_probe(run, tmp_path: Path) -> None:
     for name in ("nvidia", "amd", "sysfs", "simulated"):
         assert name in result.stdout
     assert "chosen backend:    none" in result.stdout
-    data = json.loads(run("env", "--json", env={"POWERLIB_SYSFS_ROOT": str(tmp_path / "empty")}).stdout)
+    data = json.loads(
+        run("env", "--json", env={"POWERLIB_SYSFS_ROOT": str(tmp_path / "empty")}).stdout
+    )
     probes = {p["backend"]: p for p in data["probes"]}
     assert set(probes) >= {"nvidia", "amd", "sysfs", "simulated"}
     assert not probes["nvidia"]["is_available"] and "nvidia-ml-py" in probes["nvidia"]["reason"]
@@ -171,13 +193,17 @@ def test_sysfs_devices_lists_both_packages_with_energy_and_limits(run, sysfs_env
         assert d["power_limit_w"] == 150.0
 
 
-def test_sysfs_set_power_limit_writes_the_long_term_constraint_in_microwatts(run, sysfs_env) -> None:
+def test_sysfs_set_power_limit_writes_the_long_term_constraint_in_microwatts(
+    run, sysfs_env
+) -> None:
     env, root = sysfs_env
     result = run("set", "--device", "1", "--power-limit-w", "95.5", env=env)
     assert result.exit_code == 0, result.output
     assert _long_term_file(root, "intel-rapl:1").read_text().strip() == "95500000"
     assert _long_term_file(root, "intel-rapl:0").read_text().strip() == "150000000"
-    status = json.loads(run("status", "--device", "intel-rapl:1", "--json", env=env).stdout)["devices"][0]
+    status = json.loads(run("status", "--device", "intel-rapl:1", "--json", env=env).stdout)[
+        "devices"
+    ][0]
     assert status["power_limit_w"] == 95.5
 
 

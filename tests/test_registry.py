@@ -19,7 +19,9 @@ def no_vendor_libs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "amdsmi", None)
 
 
-def test_auto_never_picks_simulated_and_explains_every_skip(settings: Settings, no_vendor_libs: None) -> None:
+def test_auto_never_picks_simulated_and_explains_every_skip(
+    settings: Settings, no_vendor_libs: None
+) -> None:
     with pytest.raises(BackendUnavailableError) as info:
         open_backend(settings=settings)
     message = str(info.value)
@@ -68,19 +70,26 @@ def test_backend_setting_is_validated() -> None:
         Settings(backend="")
     with pytest.raises(ConfigError, match="POWERLIB_SIM_CLOCK"):
         Settings.from_env({"POWERLIB_SIM_CLOCK": "fast"})
-    s = Settings.from_env({"POWERLIB_BACKEND": "Simulated", "POWERLIB_SYSFS_ROOT": "/x", "POWERLIB_STATE_DIR": "/y"})
+    s = Settings.from_env(
+        {"POWERLIB_BACKEND": "Simulated", "POWERLIB_SYSFS_ROOT": "/x", "POWERLIB_STATE_DIR": "/y"}
+    )
     assert (s.backend, str(s.sysfs_root), str(s.state_dir)) == ("simulated", "/x", "/y")
     assert str(Settings.from_env({}).sysfs_root) == "/sys"
 
 
-def _install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, target: str) -> None:
+def _install_plugin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, target: str
+) -> None:
     site = tmp_path / f"site-{name}"
     dist = site / f"powerlib_plugin_{name}-1.0.dist-info"
     dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: powerlib-plugin-{name}\nVersion: 1.0\n")
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: powerlib-plugin-{name}\nVersion: 1.0\n"
+    )
     (dist / "entry_points.txt").write_text(f"[powerlib.backends]\n{name} = {target}\n")
-    (site / f"plugin_{name}.py").write_text(textwrap.dedent(
-        """
+    (site / f"plugin_{name}.py").write_text(
+        textwrap.dedent(
+            """
         from powerlib.backends.simulated import SimulatedBackend
 
         class PluginBackend(SimulatedBackend):
@@ -91,11 +100,14 @@ def _install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, 
             def probe(cls, settings):
                 raise RuntimeError("boom")
         """
-    ).replace("PLUGIN", name))
+        ).replace("PLUGIN", name)
+    )
     monkeypatch.syspath_prepend(str(site))
 
 
-def test_plugins_register_through_entry_points(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plugins_register_through_entry_points(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _install_plugin(tmp_path, monkeypatch, "mygpu", "plugin_mygpu:PluginBackend")
     assert backend_names()["mygpu"] == "plugin_mygpu:PluginBackend"
     with open_backend("mygpu", settings.replace(sim_gpus=2)) as backend:

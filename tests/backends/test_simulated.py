@@ -18,13 +18,23 @@ from powerlib import ConfigError, NotSupportedError, Settings
 from powerlib.backends.simulated import MODELS, SimulatedBackend, VirtualClock, WallClock, Workload
 
 
-def _backend(settings: Settings, model: str = "a100", gpus: int = 2, persist: bool = False,
-             clock: VirtualClock | None = None) -> SimulatedBackend:
-    return SimulatedBackend(settings.replace(sim_model=model, sim_gpus=gpus),
-                            clock=clock or VirtualClock(), persist=persist)
+def _backend(
+    settings: Settings,
+    model: str = "a100",
+    gpus: int = 2,
+    persist: bool = False,
+    clock: VirtualClock | None = None,
+) -> SimulatedBackend:
+    return SimulatedBackend(
+        settings.replace(sim_model=model, sim_gpus=gpus),
+        clock=clock or VirtualClock(),
+        persist=persist,
+    )
 
 
-@pytest.mark.parametrize(("model", "count", "top"), [("a100", 81, 1410.0), ("h100", 119, 1980.0), ("a40", 103, 1740.0)])
+@pytest.mark.parametrize(
+    ("model", "count", "top"), [("a100", 81, 1410.0), ("h100", 119, 1980.0), ("a40", 103, 1740.0)]
+)
 def test_clock_lists_match_the_reference(model: str, count: int, top: float) -> None:
     freqs = MODELS[model].supported_freqs_mhz
     assert len(freqs) == count
@@ -168,7 +178,9 @@ def test_wall_clock_backend_persists_by_default(settings: Settings) -> None:
         again.run(Workload(time_at_max_s=1.0))
 
 
-def test_corrupt_state_file_starts_afresh_with_a_warning(settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+def test_corrupt_state_file_starts_afresh_with_a_warning(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
     clock = VirtualClock()
     dev = _backend(settings, persist=True, clock=clock).devices()[0]
     dev.lock_sm_clocks(900.0)
@@ -181,7 +193,11 @@ def test_corrupt_state_file_starts_afresh_with_a_warning(settings: Settings, cap
 
 
 def test_model_and_count_come_from_the_environment(tmp_path: Path) -> None:
-    env = {"POWERLIB_SIM_GPUS": "8", "POWERLIB_SIM_MODEL": "H100", "POWERLIB_STATE_DIR": str(tmp_path)}
+    env = {
+        "POWERLIB_SIM_GPUS": "8",
+        "POWERLIB_SIM_MODEL": "H100",
+        "POWERLIB_STATE_DIR": str(tmp_path),
+    }
     b = SimulatedBackend(Settings.from_env(env))
     assert len(b.devices()) == 8
     assert b.devices()[0].info.max_sm_freq_mhz == 1980.0

@@ -12,7 +12,6 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -55,8 +54,13 @@ def _sysfs(settings: Settings, flavour: str) -> Target:
     root = settings.sysfs_root
     if flavour == "intel":
         # A small wrap range so that advancing forces a wraparound within the test.
-        make_powercap_tree(root, packages=2, vendor="intel", max_energy_range_uj=5_000_000,
-                           start_energy_uj=4_000_000)
+        make_powercap_tree(
+            root,
+            packages=2,
+            vendor="intel",
+            max_energy_range_uj=5_000_000,
+            start_energy_uj=4_000_000,
+        )
         make_cpufreq_tree(root, packages=2, driver="acpi-cpufreq")
     elif flavour == "amd":
         make_powercap_tree(root, packages=2, vendor="amd")
@@ -64,8 +68,15 @@ def _sysfs(settings: Settings, flavour: str) -> Target:
     else:
         make_cpufreq_tree(root, packages=1, driver="intel_pstate")
     kernel = FakeKernel(root)
-    zones = sorted(p.name for p in (root / "class" / "powercap").glob("intel-rapl:*") if p.name.count(":") == 1) \
-        if (root / "class" / "powercap").exists() else []
+    zones = (
+        sorted(
+            p.name
+            for p in (root / "class" / "powercap").glob("intel-rapl:*")
+            if p.name.count(":") == 1
+        )
+        if (root / "class" / "powercap").exists()
+        else []
+    )
 
     def advance(seconds: float) -> None:
         for zone in zones:
@@ -133,7 +144,9 @@ def test_static_facts_are_well_formed(target: Target, backend: Backend) -> None:
         json.dumps(dict(dev.details()))  # details are JSON-serialisable
 
 
-def test_state_snapshot_has_units_and_honours_capabilities(target: Target, backend: Backend) -> None:
+def test_state_snapshot_has_units_and_honours_capabilities(
+    target: Target, backend: Backend
+) -> None:
     for dev in backend.devices():
         caps = dev.info.capabilities
         dev.read_state()
@@ -194,8 +207,13 @@ def test_bad_clock_requests_change_nothing(backend: Backend) -> None:
             continue
         dev.lock_sm_clocks(freqs[1])
         before = dev.read_state().locked_sm_freqs_mhz
-        for bad in ((freqs[-1], freqs[0]), (freqs[-1] + 500, None), (freqs[0] - 500, None),
-                    (float("nan"), None), (float("inf"), None)):
+        for bad in (
+            (freqs[-1], freqs[0]),
+            (freqs[-1] + 500, None),
+            (freqs[0] - 500, None),
+            (float("nan"), None),
+            (float("inf"), None),
+        ):
             with pytest.raises(InvalidArgumentError):
                 dev.lock_sm_clocks(*bad)
             assert dev.read_state().locked_sm_freqs_mhz == before
@@ -230,7 +248,9 @@ def test_energy_counter_never_decreases(target: Target, backend: Backend) -> Non
         for _ in range(4):  # the sysfs-intel tree wraps within these steps
             target.advance(0.5)
             readings.append(dev.read_state().energy_j)
-        assert all(b is not None and a is not None and b > a for a, b in zip(readings, readings[1:]))
+        assert all(
+            b is not None and a is not None and b > a for a, b in zip(readings, readings[1:])
+        )
 
 
 def test_every_error_is_a_powerlib_error(backend: Backend) -> None:
