@@ -81,10 +81,11 @@ def _emit_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
+def _fmt(value: float | None, digits: int = 1, unit: str = "") -> str:
+    """Format a reading for a table; absent values read "n/a" (never a fake number or unit)."""
     if value is None:
         return "n/a"
-    return f"{value:.{digits}f}"
+    return f"{value:.{digits}f}" + (f" {unit}" if unit else "")
 
 
 def _table(
@@ -347,21 +348,21 @@ def status(opts: _Options, selector: str | None, as_json: bool) -> None:
                     + (" (simulated)" if info.is_simulated else ""),
                 ),
                 ("backend", info.backend),
-                ("power", f"{_fmt(st.power_w)} W"),
+                ("power", _fmt(st.power_w, unit="W")),
                 (
                     "energy counter",
-                    f"{_fmt(st.energy_j, 3)} J"
+                    _fmt(st.energy_j, 3, "J")
                     + (
                         ""
                         if st.memory_energy_j is None
-                        else f" (memory {_fmt(st.memory_energy_j, 3)} J)"
+                        else f" (memory {_fmt(st.memory_energy_j, 3, 'J')})"
                     ),
                 ),
-                ("SM clock", f"{_fmt(st.sm_freq_mhz, 0)} MHz ({lock})"),
+                ("SM clock", f"{_fmt(st.sm_freq_mhz, 0, 'MHz')} ({lock})"),
                 ("supported SM clocks", _freq_summary(info.supported_sm_freqs_mhz)),
                 (
                     "power limit",
-                    f"{_fmt(st.power_limit_w)} W"
+                    _fmt(st.power_limit_w, unit="W")
                     + ("" if limits is None else f" (range {limits[0]:g}-{limits[1]:g} W")
                     + (
                         ""
@@ -373,7 +374,7 @@ def status(opts: _Options, selector: str | None, as_json: bool) -> None:
                         )
                     ),
                 ),
-                ("temperature", f"{_fmt(st.temperature_c)} C"),
+                ("temperature", _fmt(st.temperature_c, unit="C")),
                 ("capabilities", ", ".join(info.capabilities.names()) or "none"),
             ]
             lines += [
