@@ -21,6 +21,10 @@ Environment variables:
 ``POWERLIB_SIM_CLOCK``    ``wall`` (default; state persists across processes) or ``virtual``
                           (time advances only when simulated work runs; nothing persists).
 ========================  =================================================================
+
+Also honoured, with their usual meaning: ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``
+(NVIDIA), ``ROCR_VISIBLE_DEVICES`` and ``HIP_VISIBLE_DEVICES`` (AMD). Unset means "all devices";
+set to the empty string means "no devices".
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ class Settings:
         sim_gpus: Number of simulated GPUs.
         sim_model: Simulated GPU model key.
         sim_clock: ``"wall"`` or ``"virtual"``.
+        cuda_visible_devices: ``CUDA_VISIBLE_DEVICES`` as set (``None`` when unset).
+        cuda_device_order: ``CUDA_DEVICE_ORDER`` (``FASTEST_FIRST`` or ``PCI_BUS_ID``).
+        hip_visible_devices: ``HIP_VISIBLE_DEVICES`` as set (``None`` when unset).
+        rocr_visible_devices: ``ROCR_VISIBLE_DEVICES`` as set (``None`` when unset).
     """
 
     backend: str = "auto"
@@ -73,6 +81,10 @@ class Settings:
     sim_gpus: int = 4
     sim_model: str = "a100"
     sim_clock: str = "wall"
+    cuda_visible_devices: str | None = None
+    cuda_device_order: str = "FASTEST_FIRST"
+    hip_visible_devices: str | None = None
+    rocr_visible_devices: str | None = None
 
     def __post_init__(self) -> None:
         if not self.backend or self.backend != self.backend.strip().lower():
@@ -82,6 +94,11 @@ class Settings:
             )
         if self.sim_gpus < 0 or self.sim_gpus > 1024:
             raise ConfigError(f"POWERLIB_SIM_GPUS must be between 0 and 1024, got {self.sim_gpus}")
+        if self.cuda_device_order not in ("FASTEST_FIRST", "PCI_BUS_ID"):
+            raise ConfigError(
+                "CUDA_DEVICE_ORDER must be FASTEST_FIRST or PCI_BUS_ID, "
+                f"got {self.cuda_device_order!r}"
+            )
         if self.sim_clock not in SIM_CLOCKS:
             raise ConfigError(
                 f"POWERLIB_SIM_CLOCK must be one of {', '.join(SIM_CLOCKS)}, got {self.sim_clock!r}"
@@ -116,6 +133,15 @@ class Settings:
             kwargs["sim_model"] = env["POWERLIB_SIM_MODEL"].strip().lower()
         if env.get("POWERLIB_SIM_CLOCK"):
             kwargs["sim_clock"] = env["POWERLIB_SIM_CLOCK"].strip().lower()
+        for var, key in (
+            ("CUDA_VISIBLE_DEVICES", "cuda_visible_devices"),
+            ("HIP_VISIBLE_DEVICES", "hip_visible_devices"),
+            ("ROCR_VISIBLE_DEVICES", "rocr_visible_devices"),
+        ):
+            if var in env:
+                kwargs[key] = env[var]
+        if env.get("CUDA_DEVICE_ORDER"):
+            kwargs["cuda_device_order"] = env["CUDA_DEVICE_ORDER"].strip().upper()
         return cls(**kwargs)  # type: ignore[arg-type]
 
     def replace(self, **changes: object) -> Settings:

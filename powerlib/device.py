@@ -68,6 +68,8 @@ class Capabilities:
         has_energy_counter: ``PowerState.energy_j`` is a hardware counter (else ``None``).
         has_power_reading: ``PowerState.power_w`` is available (else ``None``).
         has_temperature: ``PowerState.temperature_c`` is available (else ``None``).
+        can_lock_memory_clocks: ``lock_memory_clocks`` / ``reset_memory_clocks`` work (NVIDIA
+            Ampere and newer).
     """
 
     can_lock_sm_clocks: bool
@@ -76,6 +78,7 @@ class Capabilities:
     has_energy_counter: bool
     has_power_reading: bool
     has_temperature: bool
+    can_lock_memory_clocks: bool = False
 
     def names(self) -> tuple[str, ...]:
         """The names of the capabilities that are present, in declaration order."""
@@ -98,6 +101,7 @@ class DeviceInfo:
         default_power_limit_w: The limit ``reset_power_limit`` restores, or ``None``.
         capabilities: What the device can do.
         is_simulated: True for simulated devices; results derived from them say so.
+        supported_mem_freqs_mhz: Lockable memory clocks, ascending; empty if they cannot be locked.
     """
 
     device_id: str
@@ -111,6 +115,7 @@ class DeviceInfo:
     default_power_limit_w: float | None
     capabilities: Capabilities
     is_simulated: bool = False
+    supported_mem_freqs_mhz: tuple[float, ...] = ()
 
     @property
     def min_sm_freq_mhz(self) -> float | None:
@@ -328,6 +333,46 @@ class Device(ABC):
         )
         self._reset_power_limit()
 
+    def lock_memory_clocks(
+        self, min_mhz: float, max_mhz: float | None = None
+    ) -> tuple[float, float]:
+        """Lock the memory clock to a range (a single value when ``max_mhz`` is None).
+
+        Returns:
+            The range locked, snapped to ``supported_mem_freqs_mhz``.
+
+        Raises:
+            NotSupportedError: The device cannot lock memory clocks.
+            InvalidArgumentError: Out of range, empty range, or not finite; nothing is changed.
+            PermissionDeniedError: The process lacks the needed privilege.
+        """
+        self._require(
+            self._info.capabilities.can_lock_memory_clocks,
+            "lock_memory_clocks",
+            "memory clock locking",
+        )
+        try:
+            lo, hi = snap_freq_range_mhz(
+                self._info.supported_mem_freqs_mhz,
+                min_mhz,
+                min_mhz if max_mhz is None else max_mhz,
+            )
+        except InvalidArgumentError as err:
+            raise InvalidArgumentError(
+                err.message, device=self.device_id, operation="lock_memory_clocks"
+            ) from None
+        self._lock_memory_clocks(lo, hi)
+        return lo, hi
+
+    def reset_memory_clocks(self) -> None:
+        """Remove any memory clock lock. Idempotent."""
+        self._require(
+            self._info.capabilities.can_lock_memory_clocks,
+            "reset_memory_clocks",
+            "memory clock locking",
+        )
+        self._reset_memory_clocks()
+
     def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
         """Release backend resources. Does not change device settings."""
 
@@ -347,6 +392,12 @@ class Device(ABC):
 
     @abstractmethod
     def _reset_power_limit(self) -> None: ...
+
+    def _lock_memory_clocks(self, min_mhz: float, max_mhz: float) -> None:
+        raise NotImplementedError  # only called when can_lock_memory_clocks is advertised
+
+    def _reset_memory_clocks(self) -> None:
+        raise NotImplementedError
 
     def _require(self, supported: bool, operation: str, feature: str) -> None:
         if not supported:
