@@ -1,26 +1,120 @@
 """NVIDIA GPUs through NVML (the ``pynvml`` module of ``nvidia-ml-py``, extra ``nvidia``).
 
-This release ships the availability probe only: it imports the binding lazily, initialises NVML and
-counts GPUs, and says precisely what is missing when it cannot. Device control through NVML is
-tracked separately (issue #3); until then an NVIDIA machine reports NVML as found but not yet
-controllable, and ``auto`` moves on to the next backend.
+The binding is imported lazily and never from the deprecated ``pynvml`` shim distribution (its import
+warning is silenced here). Every NVML call goes through :func:`_call`, the one place where
+``pynvml.NVMLError`` becomes a powerlib error (the NVML code is kept as ``vendor_code``).
+
+Device order is CUDA's, so that ``--device 0`` (and a framework's ``cuda:0``) is the same GPU:
+
+* NVML enumerates in PCI bus order. CUDA does the same when ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, and
+  under the default ``FASTEST_FIRST`` on nodes whose GPUs are all the same model (ties are broken
+  by PCI bus id). On a mixed node with ``FASTEST_FIRST`` the two orders can differ; powerlib then
+  warns once and uses PCI order — set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or list UUIDs.
+* ``CUDA_VISIBLE_DEVICES`` is then applied: ordinals, ``GPU-`` UUIDs or unique UUID prefixes; empty
+  means no GPU; ``MIG-`` entries are refused (clocks and limits are per physical GPU).
+
+Units at this edge: NVML power and limits are mW, energy mJ, clocks MHz; inside powerlib W, J, MHz.
+
+Privileges: every setter needs root, and in a container also ``CAP_SYS_ADMIN``. Locked clocks and
+power limits vanish when the driver unloads; without persistence mode that happens whenever no
+process holds the GPU, so powerlib warns when it changes a GPU whose persistence mode is off.
+NVML cannot read back a locked clock range: ``PowerState.locked_sm_freqs_mhz`` reports what this
+process set, and the clock-event reasons in ``details()`` reveal a lock set by someone else.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
+import threading
+import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from powerlib.backends._visible import select_visible
 from powerlib.config import Settings
-from powerlib.device import Backend, Device, ProbeResult
-from powerlib.errors import BackendUnavailableError
+from powerlib.device import (
+    Backend,
+    Capabilities,
+    Device,
+    DeviceInfo,
+    DeviceKind,
+    PowerState,
+    ProbeResult,
+)
+from powerlib.errors import (
+    BackendUnavailableError,
+    DeviceBusyError,
+    DeviceError,
+    DeviceLostError,
+    DeviceNotFoundError,
+    InvalidArgumentError,
+    NotSupportedError,
+    PermissionDeniedError,
+    PowerlibError,
+)
+from powerlib.units import from_mj, from_mw, to_mw
 
-__all__ = ["NvidiaBackend"]
+__all__ = ["NvidiaBackend", "NvidiaDevice", "import_pynvml"]
+
+logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'powerlib[nvidia]' (nvidia-ml-py) and an NVIDIA driver"
+
+# NVML return codes (nvml.h) -> powerlib error class and what to tell the user.
+_NVML_ERRORS: Mapping[int, tuple[type[PowerlibError], str]] = {
+    1: (BackendUnavailableError, "NVML is not initialised"),
+    2: (InvalidArgumentError, "NVML rejected an argument"),
+    3: (NotSupportedError, "not supported by this GPU or driver"),
+    4: (
+        PermissionDeniedError,
+        "needs root, and in a container also CAP_SYS_ADMIN (docker run --cap-add SYS_ADMIN)",
+    ),
+    6: (DeviceNotFoundError, "NVML found no such object"),
+    9: (BackendUnavailableError, "the NVIDIA kernel driver is not loaded"),
+    10: (DeviceBusyError, "the GPU did not answer in time"),
+    12: (BackendUnavailableError, "libnvidia-ml.so.1 not found: install the NVIDIA driver"),
+    13: (NotSupportedError, "the driver is too old for this NVML call"),
+    15: (DeviceLostError, "the GPU fell off the bus or stopped answering"),
+    16: (DeviceError, "the GPU needs a reset"),
+    18: (
+        BackendUnavailableError,
+        "NVML and kernel driver versions differ (driver upgraded without a reboot?)",
+    ),
+    19: (DeviceBusyError, "the GPU is in use by an operation that excludes this one"),
+    24: (InvalidArgumentError, "the GPU does not support this frequency"),
+    26: (NotSupportedError, "the NVML call is deprecated"),
+    28: (DeviceNotFoundError, "the GPU was not found"),
+}
+
+# nvmlDeviceGetCurrentClocksEventReasons bits (nvml.h).
+_EVENT_REASONS = (
+    (0x1, "gpu_idle"),
+    (0x2, "clocks_locked_or_app_clocks"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal"),
+    (0x40, "hw_thermal"),
+    (0x80, "hw_power_brake"),
+    (0x100, "display_clocks"),
+)
+
+_ARCH_VOLTA = 5
+_ARCH_AMPERE = 7
+_ARCH_NAMES = {
+    2: "kepler",
+    3: "maxwell",
+    4: "pascal",
+    5: "volta",
+    6: "turing",
+    7: "ampere",
+    8: "ada",
+    9: "hopper",
+    10: "blackwell",
+}
+_READBACK_TOLERANCE_W = 1.0
 
 
 def import_pynvml() -> ModuleType:
@@ -45,59 +139,389 @@ def import_pynvml() -> ModuleType:
     return pynvml
 
 
-@contextlib.contextmanager
-def _nvml_session(pynvml: ModuleType) -> Iterator[int]:
-    """Initialise NVML, yield the GPU count, shut NVML down."""
+def _call(
+    nvml: Any,
+    fn: Callable[..., Any],
+    *args: Any,
+    device: str | None = None,
+    operation: str | None = None,
+) -> Any:
+    """Call one NVML function; the one place NVML errors become powerlib errors."""
     try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as err:
+        return fn(*args)
+    except nvml.NVMLError as err:
         code = getattr(err, "value", None)
-        if code == getattr(pynvml, "NVML_ERROR_LIBRARY_NOT_FOUND", 12):
-            reason = "libnvidia-ml.so.1 not found: install the NVIDIA driver"
-        elif code == getattr(pynvml, "NVML_ERROR_DRIVER_NOT_LOADED", 9):
-            reason = "the NVIDIA kernel driver is not loaded"
-        elif code == getattr(pynvml, "NVML_ERROR_LIB_RM_VERSION_MISMATCH", 18):
-            reason = "NVML and kernel driver versions differ (driver upgraded without a reboot?)"
-        else:
-            reason = f"nvmlInit failed: {err}"
-        raise BackendUnavailableError(reason, vendor_code=code) from err
-    try:
-        yield int(pynvml.nvmlDeviceGetCount())
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
+        cls, hint = _NVML_ERRORS.get(code, (DeviceError, "NVML reported an error"))  # type: ignore[arg-type]
+        name = getattr(fn, "__name__", "nvml call")
+        raise cls(
+            f"{name}: {err}: {hint}", device=device, operation=operation, vendor_code=code
+        ) from err
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _cuda_order(names: Sequence[str], settings: Settings) -> list[int]:
+    """NVML indices in CUDA ordinal order (see the module docstring)."""
+    if settings.cuda_device_order == "FASTEST_FIRST" and len(set(names)) > 1:
+        logger.warning(
+            "GPUs of different models (%s) with CUDA_DEVICE_ORDER=FASTEST_FIRST: CUDA's order may "
+            "differ from NVML's PCI order, which powerlib uses; set CUDA_DEVICE_ORDER=PCI_BUS_ID "
+            "or list GPU UUIDs in CUDA_VISIBLE_DEVICES",
+            ", ".join(sorted(set(names))),
+        )
+    return list(range(len(names)))
+
+
+class NvidiaDevice(Device):
+    """One NVIDIA GPU. Static facts are read once, when the backend opens.
+
+    Args:
+        nvml: The pynvml module (or a fake with the same API).
+        handle: NVML device handle.
+        index: CUDA-order index among the visible GPUs.
+        monotonic: Clock for the power-integration fallback (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        nvml: Any,
+        handle: Any,
+        index: int,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._nvml, self._handle, self._monotonic = nvml, handle, monotonic
+        uuid = _text(_call(nvml, nvml.nvmlDeviceGetUUID, handle))
+        name = _text(_call(nvml, nvml.nvmlDeviceGetName, handle))
+        self._arch = self._optional(nvml.nvmlDeviceGetArchitecture, handle)
+        mem_mhz = sorted(set(self._optional(nvml.nvmlDeviceGetSupportedMemoryClocks, handle) or []))
+        gfx_mhz: list[int] = []
+        if mem_mhz:
+            gfx_mhz = sorted(
+                set(
+                    self._optional(nvml.nvmlDeviceGetSupportedGraphicsClocks, handle, mem_mhz[-1])
+                    or []
+                )
+            )
+        self._max_mem_mhz = mem_mhz[-1] if mem_mhz else None
+        limits_mw = self._optional(nvml.nvmlDeviceGetPowerManagementLimitConstraints, handle)
+        default_mw = self._optional(nvml.nvmlDeviceGetPowerManagementDefaultLimit, handle)
+        self._has_counter = (
+            self._optional(nvml.nvmlDeviceGetTotalEnergyConsumption, handle) is not None
+        )
+        self._power_source = self._detect_power_source()
+        has_temp = self._read_temperature_c() is not None
+        self._persistence = self._optional(nvml.nvmlDeviceGetPersistenceMode, handle)
+        is_volta_plus = self._arch is not None and self._arch >= _ARCH_VOLTA
+        is_ampere_plus = self._arch is not None and self._arch >= _ARCH_AMPERE
+        range_w = None if limits_mw is None else (from_mw(limits_mw[0]), from_mw(limits_mw[1]))
+        default_w = None if default_mw is None or range_w is None else from_mw(default_mw)
+        super().__init__(
+            DeviceInfo(
+                device_id=uuid,
+                index=index,
+                name=name,
+                vendor="nvidia",
+                kind=DeviceKind.GPU,
+                backend="nvidia",
+                supported_sm_freqs_mhz=tuple(float(f) for f in gfx_mhz) if is_volta_plus else (),
+                supported_mem_freqs_mhz=tuple(float(f) for f in mem_mhz) if is_ampere_plus else (),
+                power_limit_range_w=range_w,
+                default_power_limit_w=default_w,
+                capabilities=Capabilities(
+                    can_lock_sm_clocks=is_volta_plus and bool(gfx_mhz),
+                    can_lock_memory_clocks=is_ampere_plus and bool(mem_mhz),
+                    can_set_power_limit=range_w is not None,
+                    can_reset_power_limit=default_w is not None,
+                    has_energy_counter=self._has_counter,
+                    has_power_reading=self._power_source is not None,
+                    has_temperature=has_temp,
+                ),
+            )
+        )
+        self._locked_sm: tuple[float, float] | None = None
+        self._lock = threading.Lock()
+        self._integrated: tuple[float, float, float] | None = None  # (t_s, power_w, energy_j)
+        self._warned: set[str] = set()
+        if not self._has_counter and self._power_source is not None:
+            logger.warning(
+                "%s (%s) has no energy counter (pre-Volta or unsupported): energy_j is integrated "
+                "from power readings taken at each read_state, so read it often",
+                name,
+                uuid,
+            )
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _optional(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call ``fn``; ``None`` when the GPU or driver does not support it."""
+        info = getattr(self, "_info", None)  # absent while the constructor reads static facts
+        try:
+            return _call(self._nvml, fn, *args, device=None if info is None else info.device_id)
+        except NotSupportedError:
+            return None
+
+    def _call(self, fn: Callable[..., Any], *args: Any, operation: str) -> Any:
+        return _call(self._nvml, fn, *args, device=self.device_id, operation=operation)
+
+    def _detect_power_source(self) -> str | None:
+        if self._read_instant_power_mw() is not None:
+            return "instant"
+        if self._optional(self._nvml.nvmlDeviceGetPowerUsage, self._handle) is not None:
+            return "usage"
+        return None
+
+    def _read_instant_power_mw(self) -> float | None:
+        """``NVML_FI_DEV_POWER_INSTANT`` through field values; per-field status is checked."""
+        field_id = getattr(self._nvml, "NVML_FI_DEV_POWER_INSTANT", None)
+        if field_id is None:
+            return None
+        values = self._optional(self._nvml.nvmlDeviceGetFieldValues, self._handle, [field_id])
+        if not values or values[0].nvmlReturn != 0:
+            return None
+        return float(values[0].value.uiVal)
+
+    def _read_power_w(self) -> float | None:
+        if self._power_source == "instant":
+            mw = self._read_instant_power_mw()
+            if mw is not None:
+                return from_mw(mw)
+        if self._power_source is not None:
+            mw = self._optional(self._nvml.nvmlDeviceGetPowerUsage, self._handle)
+            return None if mw is None else from_mw(mw)
+        return None
+
+    def _read_temperature_c(self) -> float | None:
+        sensor = getattr(self._nvml, "NVML_TEMPERATURE_GPU", 0)
+        value = self._optional(self._nvml.nvmlDeviceGetTemperature, self._handle, sensor)
+        return None if value is None else float(value)
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)
+
+    def _before_write(self) -> None:
+        if self._persistence == 0:
+            self._warn_once(
+                "persistence",
+                "%s: persistence mode is off, so the driver may drop locked clocks and power limits "
+                "when no process holds the GPU; enable it (nvidia-smi -pm 1 or nvidia-persistenced)",
+                self.device_id,
+            )
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def _read_state(self) -> PowerState:
+        """Read one snapshot.
+
+        Reads: total energy (mJ), instant power field or power usage (mW), SM clock (MHz), power
+        limit (mW), temperature (°C).
+        """
+        nvml, handle = self._nvml, self._handle
+        op = "read_state"
+        power_w = self._read_power_w()
+        energy_j: float | None = None
+        if self._has_counter:
+            energy_j = from_mj(
+                self._call(nvml.nvmlDeviceGetTotalEnergyConsumption, handle, operation=op)
+            )
+        elif power_w is not None:
+            energy_j = self._integrate(power_w)
+        sm_mhz = self._call(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM, operation=op)
+        limit_mw = (
+            self._call(nvml.nvmlDeviceGetPowerManagementLimit, handle, operation=op)
+            if self.info.capabilities.can_set_power_limit
+            else None
+        )
+        return PowerState(
+            device_id=self.device_id,
+            timestamp_s=time.time(),
+            power_w=power_w,
+            energy_j=energy_j,
+            sm_freq_mhz=float(sm_mhz),
+            power_limit_w=None if limit_mw is None else from_mw(limit_mw),
+            temperature_c=self._read_temperature_c()
+            if self.info.capabilities.has_temperature
+            else None,
+            locked_sm_freqs_mhz=self._locked_sm,
+        )
+
+    def _integrate(self, power_w: float) -> float:
+        """Trapezoidal energy estimate for GPUs without a counter."""
+        with self._lock:
+            now_s = self._monotonic()
+            if self._integrated is None:
+                self._integrated = (now_s, power_w, 0.0)
+            else:
+                t0, p0, e0 = self._integrated
+                self._integrated = (now_s, power_w, e0 + (p0 + power_w) / 2 * max(now_s - t0, 0.0))
+            return self._integrated[2]
+
+    def details(self) -> dict[str, object]:
+        """Architecture, PCI bus id, memory clocks, enforced limit, persistence, event reasons."""
+        nvml, handle = self._nvml, self._handle
+        pci = self._optional(nvml.nvmlDeviceGetPciInfo, handle)
+        enforced_mw = self._optional(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+        reasons = self._optional(nvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
+        return {
+            "architecture": _ARCH_NAMES.get(self._arch, str(self._arch))
+            if self._arch is not None
+            else None,
+            "pci_bus_id": None if pci is None else _text(pci.busId),
+            "max_mem_freq_mhz": self._max_mem_mhz,
+            "enforced_power_limit_w": None if enforced_mw is None else from_mw(enforced_mw),
+            "persistence_mode": None if self._persistence is None else bool(self._persistence),
+            "power_reading": {
+                "instant": "instantaneous (field 186)",
+                "usage": "nvmlDeviceGetPowerUsage",
+            }.get(self._power_source or "", None),
+            "clock_event_reasons": None
+            if reasons is None
+            else [name for bit, name in _EVENT_REASONS if reasons & bit],
+        }
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def _lock_sm_clocks(self, min_mhz: float, max_mhz: float) -> None:
+        """Writes: nvmlDeviceSetGpuLockedClocks (MHz; root)."""
+        self._before_write()
+        self._call(
+            self._nvml.nvmlDeviceSetGpuLockedClocks,
+            self._handle,
+            int(min_mhz),
+            int(max_mhz),
+            operation="lock_sm_clocks",
+        )
+        self._locked_sm = (min_mhz, max_mhz)
+
+    def _reset_sm_clocks(self) -> None:
+        """Writes: nvmlDeviceResetGpuLockedClocks (root)."""
+        self._call(
+            self._nvml.nvmlDeviceResetGpuLockedClocks, self._handle, operation="reset_sm_clocks"
+        )
+        self._locked_sm = None
+
+    def _lock_memory_clocks(self, min_mhz: float, max_mhz: float) -> None:
+        """Writes: nvmlDeviceSetMemoryLockedClocks (MHz; Ampere+, root)."""
+        self._before_write()
+        self._call(
+            self._nvml.nvmlDeviceSetMemoryLockedClocks,
+            self._handle,
+            int(min_mhz),
+            int(max_mhz),
+            operation="lock_memory_clocks",
+        )
+
+    def _reset_memory_clocks(self) -> None:
+        """Writes: nvmlDeviceResetMemoryLockedClocks (root)."""
+        self._call(
+            self._nvml.nvmlDeviceResetMemoryLockedClocks,
+            self._handle,
+            operation="reset_memory_clocks",
+        )
+
+    def _set_power_limit(self, power_limit_w: float) -> float:
+        """Writes: nvmlDeviceSetPowerManagementLimit (mW; root), verified by reading it back."""
+        self._before_write()
+        op = "set_power_limit"
+        self._call(
+            self._nvml.nvmlDeviceSetPowerManagementLimit,
+            self._handle,
+            to_mw(power_limit_w),
+            operation=op,
+        )
+        readback_w = from_mw(
+            self._call(self._nvml.nvmlDeviceGetPowerManagementLimit, self._handle, operation=op)
+        )
+        if abs(readback_w - power_limit_w) > _READBACK_TOLERANCE_W:
+            raise DeviceError(
+                f"the power limit did not take effect: asked {power_limit_w:g} W, "
+                f"the GPU reports {readback_w:g} W",
+                device=self.device_id,
+                operation=op,
+            )
+        return readback_w
+
+    def _reset_power_limit(self) -> None:
+        """Writes: the default limit (nvmlDeviceGetPowerManagementDefaultLimit) as the limit."""
+        assert self.info.default_power_limit_w is not None  # capability checked
+        self._set_power_limit(self.info.default_power_limit_w)
 
 
 class NvidiaBackend(Backend):
-    """NVIDIA GPUs through NVML (probe only in this release; see the module docstring)."""
+    """The NVIDIA GPUs visible to this process, in CUDA order.
+
+    Args:
+        settings: Visibility variables (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``).
+        nvml: The pynvml module; defaults to importing nvidia-ml-py's. Tests pass a fake.
+
+    Raises:
+        BackendUnavailableError: No binding, no driver, or NVML failed to start.
+        ConfigError: ``CUDA_VISIBLE_DEVICES`` names a MIG instance or no/several GPUs.
+    """
 
     name: ClassVar[str] = "nvidia"
     install_hint: ClassVar[str] = INSTALL_HINT
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, nvml: Any = None) -> None:
         super().__init__(settings)
-        pynvml = import_pynvml()
-        with _nvml_session(pynvml) as count:
-            pass
-        raise BackendUnavailableError(
-            f"NVML found {count} GPU(s), but device control through NVML is not available in "
-            f"this powerlib release yet (issue #3)"
+        self._nvml = import_pynvml() if nvml is None else nvml
+        _call(self._nvml, self._nvml.nvmlInit)
+        self._is_open = True
+        try:
+            self._devices = self._open_devices()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_devices(self) -> list[NvidiaDevice]:
+        nvml = self._nvml
+        handles = []
+        for i in range(_call(nvml, nvml.nvmlDeviceGetCount)):
+            try:
+                handles.append(_call(nvml, nvml.nvmlDeviceGetHandleByIndex, i))
+            except PermissionDeniedError:  # a GPU this container's cgroup hides from us
+                logger.info("NVML device %d is not accessible to this process; skipped", i)
+        uuids = [_text(_call(nvml, nvml.nvmlDeviceGetUUID, h)) for h in handles]
+        names = [_text(_call(nvml, nvml.nvmlDeviceGetName, h)) for h in handles]
+        order = _cuda_order(names, self.settings)
+        visible = select_visible(
+            self.settings.cuda_visible_devices, [uuids[i] for i in order], "CUDA_VISIBLE_DEVICES"
         )
+        return [NvidiaDevice(nvml, handles[order[p]], index=k) for k, p in enumerate(visible)]
 
     @classmethod
     def probe(cls, settings: Settings) -> ProbeResult:
-        """Import the binding, initialise NVML and count GPUs; never raises."""
+        """Import the binding, initialise NVML and count visible GPUs; never raises."""
         try:
-            with _nvml_session(import_pynvml()) as count:
-                pass
-        except BackendUnavailableError as err:
+            with cls(settings) as backend:
+                count = len(backend.devices())
+        except PowerlibError as err:
             return ProbeResult(backend=cls.name, is_available=False, reason=err.message)
+        if count == 0:
+            return ProbeResult(
+                backend=cls.name,
+                is_available=False,
+                reason="NVML started but no GPU is visible (CUDA_VISIBLE_DEVICES is empty?)",
+            )
         return ProbeResult(
             backend=cls.name,
-            is_available=False,
-            reason=f"NVML found {count} GPU(s); NVML device control is not in this release yet (issue #3)",
+            is_available=True,
+            reason=f"NVML found {count} visible GPU(s)",
+            num_devices=count,
         )
 
-    def devices(self) -> Sequence[Device]:  # pragma: no cover - the constructor never succeeds yet
-        """No devices until NVML control lands."""
-        return ()
+    def devices(self) -> Sequence[NvidiaDevice]:
+        """The visible GPUs, in CUDA order."""
+        return self._devices
+
+    def close(self) -> None:
+        """Shut NVML down (device settings are left as they are)."""
+        if getattr(self, "_is_open", False):
+            self._is_open = False
+            try:
+                _call(self._nvml, self._nvml.nvmlShutdown)
+            except PowerlibError as err:
+                logger.debug("nvmlShutdown failed: %s", err)

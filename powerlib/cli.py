@@ -155,6 +155,17 @@ def _status_json(dev: Device, state: PowerState) -> dict[str, object]:
     return data
 
 
+_CAPABILITY_LABELS = (
+    ("can_lock_sm_clocks", "SM clock lock"),
+    ("can_lock_memory_clocks", "memory clock lock"),
+    ("can_set_power_limit", "power limit control"),
+    ("can_reset_power_limit", "power limit reset"),
+    ("has_energy_counter", "energy counter"),
+    ("has_power_reading", "power reading"),
+    ("has_temperature", "temperature"),
+)
+
+
 def _capability_names(dev: Device) -> list[str]:
     return [f.name for f in fields(dev.info.capabilities)]
 
@@ -375,7 +386,6 @@ def status(opts: _Options, selector: str | None, as_json: bool) -> None:
                     ),
                 ),
                 ("temperature", _fmt(st.temperature_c, unit="C")),
-                ("capabilities", ", ".join(info.capabilities.names()) or "none"),
             ]
             lines += [
                 (key, json.dumps(value) if not isinstance(value, str) else value)
@@ -384,6 +394,10 @@ def status(opts: _Options, selector: str | None, as_json: bool) -> None:
             width = max(len(k) for k, _ in lines)
             for key, value in lines:
                 click.echo(f"  {key.ljust(width)}  {value}")
+            caps = set(info.capabilities.names())
+            click.echo("  capabilities:")
+            for name, label in _CAPABILITY_LABELS:
+                click.echo(f"    {label}: {'yes' if name in caps else 'no'}")
 
 
 @cli.command()

@@ -1,12 +1,14 @@
 """One contract, every backend that can be built here.
 
-Targets: the simulated backend (in-memory virtual clock, and persisted state), and the sysfs backend
+Targets: the simulated backend (in-memory virtual clock, and persisted state), the sysfs backend
 over fake trees with kernel semantics (Intel RAPL + acpi-cpufreq, AMD Zen energy-only zones,
-intel_pstate without a frequency table). NVML and amdsmi join with their fakes in issue #3.
+intel_pstate without a frequency table), and the NVML backend on a fake pynvml that raises
+nvidia-ml-py's real error types (A100 + H100 + a counter-less V100).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import time
@@ -18,9 +20,11 @@ import pytest
 from powerlib import (
     Backend,
     DeviceKind,
+    DeviceLostError,
     DeviceNotFoundError,
     InvalidArgumentError,
     NotSupportedError,
+    PermissionDeniedError,
     PowerlibError,
     Settings,
 )
@@ -33,6 +37,8 @@ class Target:
     open: Callable[[], Backend]
     advance: Callable[[float], None]  # seconds of activity
     kind: DeviceKind
+    # Makes the fake fail the next operations with one kind of fault; False if it cannot.
+    inject: Callable[[str], bool] = lambda kind: False
 
 
 def _simulated(settings: Settings, persist: bool) -> Target:
@@ -82,10 +88,42 @@ def _sysfs(settings: Settings, flavour: str) -> Target:
         for zone in zones:
             kernel.advance_energy(zone, int(seconds * 2 * 1e6))  # 2 W: several steps per wrap
 
+    def inject(kind: str) -> bool:
+        if kind != "no_permission":
+            return False
+        kernel.inject("*scaling_m??_freq", "write", errno.EACCES)
+        kernel.inject("*power_limit_uw", "write", errno.EACCES)
+        return True
+
     return Target(
         open=lambda: SysfsBackend(settings.replace(backend="sysfs"), io=kernel),
         advance=advance,
         kind=DeviceKind.CPU,
+        inject=inject,
+    )
+
+
+def _nvidia(settings: Settings) -> Target:
+    pytest.importorskip("pynvml")
+    from powerlib.backends.nvidia import NvidiaBackend
+    from powerlib.testing.fake_nvml import A100_SXM4_40GB, H100_SXM5_80GB, V100_SXM2_16GB, FakeNvml
+
+    fake = FakeNvml([A100_SXM4_40GB, H100_SXM5_80GB, V100_SXM2_16GB])
+    faults = {
+        "no_permission": ("nvmlDeviceSet*", fake.NVML_ERROR_NO_PERMISSION),
+        "not_supported": ("nvmlDeviceSet*", fake.NVML_ERROR_NOT_SUPPORTED),
+        "lost": ("nvmlDevice*", fake.NVML_ERROR_GPU_IS_LOST),
+    }
+
+    def inject(kind: str) -> bool:
+        fake.fail(*faults[kind])
+        return True
+
+    return Target(
+        open=lambda: NvidiaBackend(settings.replace(backend="nvidia"), nvml=fake),
+        advance=fake.advance,
+        kind=DeviceKind.GPU,
+        inject=inject,
     )
 
 
@@ -95,6 +133,7 @@ TARGETS = {
     "sysfs-intel": lambda s: _sysfs(s, "intel"),
     "sysfs-amd": lambda s: _sysfs(s, "amd"),
     "sysfs-intel_pstate": lambda s: _sysfs(s, "pstate"),
+    "nvidia-fake": _nvidia,
 }
 
 
@@ -157,7 +196,10 @@ def test_state_snapshot_has_units_and_honours_capabilities(
         assert isinstance(st.timestamp_s, float)
         for value in (st.power_w, st.energy_j, st.sm_freq_mhz, st.power_limit_w, st.temperature_c):
             assert value is None or (isinstance(value, float) and math.isfinite(value))
-        assert (st.energy_j is not None) == caps.has_energy_counter
+        if caps.has_energy_counter:
+            assert st.energy_j is not None
+        if st.energy_j is not None and not caps.has_energy_counter:
+            assert caps.has_power_reading  # integrated from power readings (documented fallback)
         assert (st.temperature_c is not None) == caps.has_temperature
         if caps.has_power_reading:
             assert st.power_w is not None and st.power_w >= 0
@@ -263,3 +305,29 @@ def test_every_error_is_a_powerlib_error(backend: Backend) -> None:
     for call in calls:
         with pytest.raises(PowerlibError):
             call()
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "operation"),
+    [
+        ("no_permission", PermissionDeniedError, "write"),
+        ("not_supported", NotSupportedError, "write"),
+        ("lost", DeviceLostError, "read"),
+    ],
+)
+def test_injected_faults_map_onto_the_hierarchy(
+    target: Target, backend: Backend, kind: str, error: type[PowerlibError], operation: str
+) -> None:
+    dev = backend.devices()[0]
+    before = dev.read_state()
+    if not target.inject(kind):
+        pytest.skip(f"this target's fake cannot inject {kind!r}")
+    with pytest.raises(error) as info:
+        if operation == "write":
+            dev.lock_sm_clocks(dev.info.supported_sm_freqs_mhz[0])
+        else:
+            dev.read_state()
+    assert info.value.vendor_code is not None
+    assert info.value.device == dev.device_id
+    if operation == "write":
+        assert dev.read_state().locked_sm_freqs_mhz == before.locked_sm_freqs_mhz

@@ -1,0 +1,335 @@
+"""A fake ``pynvml`` module for tests: a few modelled GPUs, real NVML error types.
+
+It implements the subset of NVML that :mod:`powerlib.backends.nvidia` calls, with the same function
+and parameter names as NVIDIA's ``nvidia-ml-py`` (a parity test in powerlib's suite checks this with
+``inspect``), and it raises the *real* ``pynvml.NVMLError`` subclasses from the installed
+nvidia-ml-py, so the backend's error translation is exercised for real. nvidia-ml-py imports
+without a GPU or driver; it is in powerlib's ``test`` extra.
+
+Usage::
+
+    fake = FakeNvml([A100_SXM4_40GB, H100_SXM5_80GB])
+    backend = NvidiaBackend(settings, nvml=fake)     # or sys.modules["pynvml"] = fake
+    fake.fail("nvmlDeviceSetGpuLockedClocks", fake.NVML_ERROR_NO_PERMISSION)
+    fake.advance(1.0)                                # one second at each GPU's modelled power
+
+Modelled GPUs are approximations built from public figures (see ``reference/peers.md`` §4.1), not
+recordings of real devices.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["A100_SXM4_40GB", "H100_SXM5_80GB", "V100_SXM2_16GB", "FakeGpuSpec", "FakeNvml"]
+
+
+def _real_pynvml() -> types.ModuleType:
+    import pynvml  # noqa: PLC0415 - nvidia-ml-py is a test dependency, imported when a fake is made
+
+    return pynvml
+
+
+@dataclass(frozen=True, kw_only=True)
+class FakeGpuSpec:
+    """One modelled GPU model. Powers in mW, clocks in MHz, as NVML reports them."""
+
+    name: str
+    architecture: int
+    mem_clocks_mhz: tuple[int, ...]
+    gfx_clocks_mhz: tuple[int, ...]
+    power_limit_range_mw: tuple[int, int]
+    default_power_limit_mw: int
+    idle_power_mw: int
+    busy_power_per_mhz_mw: float  # power above idle per MHz of SM clock while "busy"
+    has_energy_counter: bool = True
+    has_instant_power_field: bool = True
+    persistence_mode: int = 1
+
+
+def _clocks(lo: int, hi: int, step: int) -> tuple[int, ...]:
+    return tuple(range(hi, lo - 1, -step))  # NVML lists them high to low
+
+
+A100_SXM4_40GB = FakeGpuSpec(
+    name="NVIDIA A100-SXM4-40GB",
+    architecture=7,  # Ampere
+    mem_clocks_mhz=(1215,),
+    gfx_clocks_mhz=_clocks(210, 1410, 15),
+    power_limit_range_mw=(100_000, 400_000),
+    default_power_limit_mw=400_000,
+    idle_power_mw=57_000,
+    busy_power_per_mhz_mw=200.0,
+    has_instant_power_field=False,  # GA100's power usage is already instantaneous
+)
+H100_SXM5_80GB = FakeGpuSpec(
+    name="NVIDIA H100 80GB HBM3",
+    architecture=9,  # Hopper
+    mem_clocks_mhz=(2619, 1593),
+    gfx_clocks_mhz=_clocks(345, 1980, 15),
+    power_limit_range_mw=(200_000, 700_000),
+    default_power_limit_mw=700_000,
+    idle_power_mw=73_000,
+    busy_power_per_mhz_mw=300.0,
+)
+V100_SXM2_16GB = FakeGpuSpec(
+    name="Tesla V100-SXM2-16GB",
+    architecture=5,  # Volta: SM clock locks, no memory clock locks
+    mem_clocks_mhz=(877,),
+    gfx_clocks_mhz=_clocks(135, 1530, 7),
+    power_limit_range_mw=(150_000, 300_000),
+    default_power_limit_mw=300_000,
+    idle_power_mw=40_000,
+    busy_power_per_mhz_mw=150.0,
+    has_energy_counter=False,  # exercises the power-integration fallback
+    has_instant_power_field=False,
+    persistence_mode=0,
+)
+
+
+@dataclass
+class _Gpu:
+    spec: FakeGpuSpec
+    uuid: str
+    bus_id: str
+    power_limit_mw: int
+    locked_mhz: tuple[int, int] | None = None
+    mem_locked_mhz: tuple[int, int] | None = None
+    energy_mj: float = 0.0
+    busy: bool = False
+    ignores_power_limit: bool = False  # models a setter that reports success but does nothing
+
+    def sm_clock_mhz(self) -> int:
+        if self.locked_mhz is not None:
+            return self.locked_mhz[1] if self.busy else self.locked_mhz[0]
+        return max(self.spec.gfx_clocks_mhz) if self.busy else min(self.spec.gfx_clocks_mhz)
+
+    def power_mw(self) -> float:
+        extra = self.spec.busy_power_per_mhz_mw * self.sm_clock_mhz() if self.busy else 0.0
+        return min(self.spec.idle_power_mw + extra, float(self.power_limit_mw))
+
+
+@dataclass
+class _Fault:
+    pattern: str
+    code: int
+    device: int | None
+    times: int | None
+
+
+@dataclass(frozen=True)
+class _Handle:
+    index: int
+
+
+@dataclass
+class _FieldValue:
+    fieldId: int  # NVML struct field names
+    nvmlReturn: int
+    value: types.SimpleNamespace = field(default_factory=types.SimpleNamespace)
+
+
+class FakeNvml(types.ModuleType):
+    """A module-like fake of ``pynvml``; put it in ``sys.modules["pynvml"]`` or pass it directly."""
+
+    def __init__(self, specs: list[FakeGpuSpec] | None = None) -> None:
+        super().__init__("pynvml")
+        real = _real_pynvml()
+        for name in dir(real):  # constants and error classes come from the real binding
+            if name.startswith(("NVML_", "NVMLError")):
+                setattr(self, name, getattr(real, name))
+        self._nvmlGetFunctionPointer = object()  # passes powerlib's official-binding check
+        specs = [A100_SXM4_40GB, A100_SXM4_40GB] if specs is None else specs
+        self.gpus = [
+            _Gpu(
+                spec=s,
+                uuid=f"GPU-{i:08x}-fake-4e0d-9c2a-{0xA1000 + i:012x}",
+                bus_id=f"00000000:{0x10 + i:02X}:00.0",
+                power_limit_mw=s.default_power_limit_mw,
+            )
+            for i, s in enumerate(specs)
+        ]
+        self.init_count = 0
+        self.calls: list[str] = []
+        self._faults: list[_Fault] = []
+        self.init_error: int | None = None
+
+    # -- test controls ---------------------------------------------------------------------------
+
+    def fail(
+        self, pattern: str, code: int, device: int | None = None, times: int | None = None
+    ) -> None:
+        """Make calls whose name matches ``pattern`` (fnmatch) raise ``NVMLError(code)``."""
+        self._faults.append(_Fault(pattern, code, device, times))
+
+    def advance(self, seconds: float) -> None:
+        """Let ``seconds`` pass: every GPU's energy counter grows at its modelled power."""
+        for gpu in self.gpus:
+            gpu.energy_mj += gpu.power_mw() * seconds
+
+    def _enter(self, name: str, handle: _Handle | None = None) -> _Gpu | None:
+        self.calls.append(name)
+        if self.init_count <= 0 and name not in ("nvmlInit", "nvmlErrorString"):
+            raise self.NVMLError(self.NVML_ERROR_UNINITIALIZED)
+        for fault in list(self._faults):
+            if fnmatch.fnmatch(name, fault.pattern) and (
+                fault.device is None or (handle is not None and handle.index == fault.device)
+            ):
+                if fault.times is not None:
+                    fault.times -= 1
+                    if fault.times <= 0:
+                        self._faults.remove(fault)
+                raise self.NVMLError(fault.code)
+        if handle is None:
+            return None
+        if not isinstance(handle, _Handle) or not 0 <= handle.index < len(self.gpus):
+            raise self.NVMLError(self.NVML_ERROR_INVALID_ARGUMENT)
+        return self.gpus[handle.index]
+
+    def _gpu(self, name: str, handle: _Handle) -> _Gpu:
+        gpu = self._enter(name, handle)
+        assert gpu is not None
+        return gpu
+
+    # -- lifecycle and identity ------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self._enter("nvmlInit")
+        if self.init_error is not None:
+            raise self.NVMLError(self.init_error)
+        self.init_count += 1
+
+    def nvmlShutdown(self) -> None:
+        self._enter("nvmlShutdown")
+        self.init_count -= 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._enter("nvmlDeviceGetCount")
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
+        self._enter("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self.gpus):
+            raise self.NVMLError(self.NVML_ERROR_INVALID_ARGUMENT)
+        return _Handle(index)
+
+    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:
+        return self._gpu("nvmlDeviceGetUUID", handle).uuid
+
+    def nvmlDeviceGetName(self, handle: _Handle) -> str:
+        return self._gpu("nvmlDeviceGetName", handle).spec.name
+
+    def nvmlDeviceGetPciInfo(self, handle: _Handle) -> types.SimpleNamespace:
+        gpu = self._gpu("nvmlDeviceGetPciInfo", handle)
+        return types.SimpleNamespace(busId=gpu.bus_id.encode())
+
+    def nvmlDeviceGetArchitecture(self, device: _Handle) -> int:
+        return self._gpu("nvmlDeviceGetArchitecture", device).spec.architecture
+
+    def nvmlDeviceGetPersistenceMode(self, handle: _Handle) -> int:
+        return self._gpu("nvmlDeviceGetPersistenceMode", handle).spec.persistence_mode
+
+    # -- clocks ----------------------------------------------------------------------------------
+
+    def nvmlDeviceGetSupportedMemoryClocks(self, handle: _Handle) -> list[int]:
+        return list(self._gpu("nvmlDeviceGetSupportedMemoryClocks", handle).spec.mem_clocks_mhz)
+
+    def nvmlDeviceGetSupportedGraphicsClocks(
+        self, handle: _Handle, memoryClockMHz: int
+    ) -> list[int]:
+        gpu = self._gpu("nvmlDeviceGetSupportedGraphicsClocks", handle)
+        if memoryClockMHz not in gpu.spec.mem_clocks_mhz:
+            raise self.NVMLError(self.NVML_ERROR_NOT_FOUND)
+        return list(gpu.spec.gfx_clocks_mhz)
+
+    def nvmlDeviceSetGpuLockedClocks(
+        self, handle: _Handle, minGpuClockMHz: int, maxGpuClockMHz: int
+    ) -> None:
+        gpu = self._gpu("nvmlDeviceSetGpuLockedClocks", handle)
+        if gpu.spec.architecture < 5:
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        if minGpuClockMHz > maxGpuClockMHz:
+            raise self.NVMLError(self.NVML_ERROR_INVALID_ARGUMENT)
+        gpu.locked_mhz = (minGpuClockMHz, maxGpuClockMHz)
+
+    def nvmlDeviceResetGpuLockedClocks(self, handle: _Handle) -> None:
+        self._gpu("nvmlDeviceResetGpuLockedClocks", handle).locked_mhz = None
+
+    def nvmlDeviceSetMemoryLockedClocks(
+        self, handle: _Handle, minMemClockMHz: int, maxMemClockMHz: int
+    ) -> None:
+        gpu = self._gpu("nvmlDeviceSetMemoryLockedClocks", handle)
+        if gpu.spec.architecture < 7:
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        gpu.mem_locked_mhz = (minMemClockMHz, maxMemClockMHz)
+
+    def nvmlDeviceResetMemoryLockedClocks(self, handle: _Handle) -> None:
+        gpu = self._gpu("nvmlDeviceResetMemoryLockedClocks", handle)
+        if gpu.spec.architecture < 7:
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        gpu.mem_locked_mhz = None
+
+    def nvmlDeviceGetClockInfo(self, handle: _Handle, type: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetClockInfo", handle)
+        if type == self.NVML_CLOCK_MEM:
+            return gpu.mem_locked_mhz[1] if gpu.mem_locked_mhz else max(gpu.spec.mem_clocks_mhz)
+        return gpu.sm_clock_mhz()
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: _Handle) -> int:
+        gpu = self._gpu("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        return (0x2 if gpu.locked_mhz else 0) | (0 if gpu.busy else 0x1)
+
+    # -- power and energy ------------------------------------------------------------------------
+
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: _Handle) -> list[int]:
+        return list(
+            self._gpu(
+                "nvmlDeviceGetPowerManagementLimitConstraints", handle
+            ).spec.power_limit_range_mw
+        )
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: _Handle) -> int:
+        return self._gpu(
+            "nvmlDeviceGetPowerManagementDefaultLimit", handle
+        ).spec.default_power_limit_mw
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: _Handle) -> int:
+        return self._gpu("nvmlDeviceGetPowerManagementLimit", handle).power_limit_mw
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: _Handle) -> int:
+        return self._gpu("nvmlDeviceGetEnforcedPowerLimit", handle).power_limit_mw
+
+    def nvmlDeviceSetPowerManagementLimit(self, handle: _Handle, limit: int) -> None:
+        gpu = self._gpu("nvmlDeviceSetPowerManagementLimit", handle)
+        lo, hi = gpu.spec.power_limit_range_mw
+        if not lo <= limit <= hi:
+            raise self.NVMLError(self.NVML_ERROR_INVALID_ARGUMENT)
+        if not gpu.ignores_power_limit:
+            gpu.power_limit_mw = int(limit)
+
+    def nvmlDeviceGetPowerUsage(self, handle: _Handle) -> int:
+        return int(self._gpu("nvmlDeviceGetPowerUsage", handle).power_mw())
+
+    def nvmlDeviceGetFieldValues(self, handle: _Handle, fieldIds: list[Any]) -> list[_FieldValue]:
+        gpu = self._gpu("nvmlDeviceGetFieldValues", handle)
+        out = []
+        for fid in fieldIds:
+            fid = fid[0] if isinstance(fid, tuple) else fid
+            if fid == self.NVML_FI_DEV_POWER_INSTANT and gpu.spec.has_instant_power_field:
+                out.append(_FieldValue(fid, 0, types.SimpleNamespace(uiVal=int(gpu.power_mw()))))
+            else:
+                out.append(_FieldValue(fid, self.NVML_ERROR_NOT_SUPPORTED))
+        return out
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: _Handle) -> int:
+        gpu = self._gpu("nvmlDeviceGetTotalEnergyConsumption", handle)
+        if not gpu.spec.has_energy_counter:
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        return int(gpu.energy_mj)
+
+    def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetTemperature", handle)
+        return 30 + int(gpu.power_mw() / 10_000)
