@@ -21,3 +21,17 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     return Settings(state_dir=tmp_path / "state", sysfs_root=tmp_path / "sys")
+
+
+@pytest.fixture
+def hardware_check(monkeypatch: pytest.MonkeyPatch):
+    """tests/hardware/test_real_gpu.py as a module, with sleeps skipped, for dry runs on fakes."""
+    import importlib.util
+
+    path = Path(__file__).parent / "hardware" / "test_real_gpu.py"
+    spec = importlib.util.spec_from_file_location("_hardware_check", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module.time, "sleep", lambda seconds: None)
+    return module

@@ -330,20 +330,16 @@ def test_cli_commands_work_on_the_nvidia_backend(
     )
 
 
-def test_the_hardware_check_itself_passes_on_the_fake(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_hardware_check_itself_passes_on_the_fake(
+    monkeypatch: pytest.MonkeyPatch, hardware_check
+) -> None:
     """Dry run of tests/hardware on the fake, so the script a GPU owner runs is known to work."""
-    import importlib.util
-
-    spec_path = Path(__file__).resolve().parents[1] / "hardware" / "test_real_gpu.py"
-    spec = importlib.util.spec_from_file_location("_hw_check", spec_path)
-    assert spec is not None and spec.loader is not None
-    hw = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hw)
     fake = FakeNvml([H100_SXM5_80GB])
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(hw, "_ENV", {"POWERLIB_BACKEND": "nvidia", "POWERLIB_STATE_DIR": "/tmp"})
-    monkeypatch.setattr(hw.time, "sleep", lambda s: None)
-    hw.test_read_lock_limit_restore_on_a_real_gpu()
+    monkeypatch.setattr(
+        hardware_check, "_ENV", {"POWERLIB_BACKEND": "nvidia", "POWERLIB_STATE_DIR": "/tmp"}
+    )
+    hardware_check.test_read_lock_limit_restore_on_a_real_gpu()
     gpu = fake.gpus[0]
     assert gpu.locked_mhz is None and gpu.power_limit_mw == 700_000
     assert (

@@ -2,8 +2,9 @@
 
 Targets: the simulated backend (in-memory virtual clock, and persisted state), the sysfs backend
 over fake trees with kernel semantics (Intel RAPL + acpi-cpufreq, AMD Zen energy-only zones,
-intel_pstate without a frequency table), and the NVML backend on a fake pynvml that raises
-nvidia-ml-py's real error types (A100 + H100 + a counter-less V100).
+intel_pstate without a frequency table), the NVML backend on a fake pynvml that raises
+nvidia-ml-py's real error types (A100 + H100 + a counter-less V100), and the amdsmi backend on a
+fake amdsmi mirroring the 7.0.2 wrapper (two MI300X-like GPUs).
 """
 
 from __future__ import annotations
@@ -127,6 +128,29 @@ def _nvidia(settings: Settings) -> Target:
     )
 
 
+def _amd(settings: Settings) -> Target:
+    from powerlib.backends.amd import AmdBackend
+    from powerlib.testing.fake_amdsmi import make_fake_amdsmi
+
+    fake = make_fake_amdsmi(2)
+    faults = {  # amdsmi status codes: NO_PERM 10, NOT_SUPPORTED 2, NOT_FOUND 31 (on an open GPU)
+        "no_permission": ("amdsmi_set_*", 10),
+        "not_supported": ("amdsmi_set_*", 2),
+        "lost": ("amdsmi_*", 31),
+    }
+
+    def inject(kind: str) -> bool:
+        fake.fail(*faults[kind])
+        return True
+
+    return Target(
+        open=lambda: AmdBackend(settings.replace(backend="amd"), smi=fake),
+        advance=fake.advance,
+        kind=DeviceKind.GPU,
+        inject=inject,
+    )
+
+
 TARGETS = {
     "simulated-memory": lambda s: _simulated(s, persist=False),
     "simulated-persisted": lambda s: _simulated(s, persist=True),
@@ -134,6 +158,7 @@ TARGETS = {
     "sysfs-amd": lambda s: _sysfs(s, "amd"),
     "sysfs-intel_pstate": lambda s: _sysfs(s, "pstate"),
     "nvidia-fake": _nvidia,
+    "amd-fake": _amd,
 }
 
 
