@@ -603,6 +603,7 @@ class SimulatedBackend(Backend):
         self.model = model
         if persist is None:
             persist = isinstance(clock, WallClock)
+        self.persistent = persist  # in-memory devices vanish with the process: nothing to journal
         state_dir = _prepare_state_dir(settings.state_dir / "simulated") if persist else None
         self._devices = [
             SimulatedDevice(

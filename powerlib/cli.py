@@ -4,9 +4,10 @@ Every command takes ``--json`` (stable schemas, units in key names; see the READ
 table otherwise. Known failures exit non-zero with one line on stderr and no traceback; ``-v``
 shows the traceback and INFO logs (``-vv``: DEBUG).
 
-Exit codes: 0 success; 1 other powerlib error; 2 usage error; 3 backend unavailable; 4 permission
-denied; 5 not supported; 6 device not found; 7 invalid argument, setting, profile or plan;
-8 device busy; 9 device lost; 10 driver/vendor error; 130 interrupted.
+Exit codes: 0 success; 1 other powerlib error (e.g. a restore step failed); 2 usage error;
+3 backend unavailable; 4 permission denied; 5 not supported; 6 device not found; 7 invalid
+argument, setting, profile or plan; 8 device busy; 9 device lost; 10 driver/vendor error;
+11 unreadable journal; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import click
 
 from powerlib import __version__
 from powerlib.config import Settings
+from powerlib.control import restore_journals
 from powerlib.device import Backend, Device, PowerState
-from powerlib.errors import PowerlibError
+from powerlib.errors import DeviceBusyError, PowerlibError
+from powerlib.journal import DeviceLock, StateDir, device_key
 from powerlib.registry import AUTO_ORDER, backend_names, open_backend, probe_backends
 
 __all__ = ["cli", "main"]
@@ -532,6 +535,7 @@ def set_(
         )
     with _open(opts) as backend:
         dev = backend.device(selector)
+        _ensure_not_controlled(backend, dev)
         lo_hi = (freq_mhz, freq_mhz) if freq_mhz is not None else freq_range_mhz
         if lo_hi is not None:
             dev.validate_sm_clocks(*lo_hi)
@@ -583,6 +587,13 @@ def reset(opts: _Options, selector: str | None, all_devices: bool, as_json: bool
         for dev in _select(backend, selector):
             caps = dev.info.capabilities
             outcome: dict[str, object] = {"index": dev.index, "device_id": dev.device_id}
+            try:
+                _ensure_not_controlled(backend, dev)
+            except PowerlibError as err:
+                outcome.update(sm_clocks=f"skipped: {err}", power_limit="skipped")
+                results.append(outcome)
+                first_error = first_error or err
+                continue
             for key, supported, op in (
                 ("sm_clocks", caps.can_lock_sm_clocks, dev.reset_sm_clocks),
                 ("power_limit", caps.can_reset_power_limit, dev.reset_power_limit),
@@ -613,6 +624,71 @@ def reset(opts: _Options, selector: str | None, all_devices: bool, as_json: bool
                 )
         if first_error is not None:
             raise first_error
+
+
+@cli.command()
+@click.option(
+    "--stale",
+    "mode",
+    flag_value="stale",
+    default=True,
+    help="Restore journals whose owner process is gone (default).",
+)
+@click.option(
+    "--all",
+    "mode",
+    flag_value="all",
+    help="Also restore journals of running owners (for an operator clearing a node).",
+)
+@click.option("--dry-run", is_flag=True, help="Show what would be restored; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def restore(opts: _Options, mode: str, dry_run: bool, as_json: bool) -> None:
+    """Put devices back from the journals that sessions left in the state directory.
+
+    A session journals each device's original settings before changing it and deletes the
+    journal once it has restored them; a journal left behind means its owner was killed
+    (SIGKILL, OOM, crash). Run this from a Slurm epilog or a systemd unit to clean up a node.
+    Each journal reopens the backend it was written with; --backend is ignored here.
+    """
+    settings = Settings.from_env()
+    outcomes = restore_journals(settings, include_live=mode == "all", dry_run=dry_run)
+    failed = [o for o in outcomes if not o.ok]
+    if as_json:
+        _emit_json(
+            {
+                "schema": f"powerlib.restore.v{SCHEMA_VERSION}",
+                "state_dir": str(settings.state_dir),
+                "mode": mode,
+                "dry_run": dry_run,
+                "ok": not failed,
+                "outcomes": [o.to_json() for o in outcomes],
+            }
+        )
+    elif not outcomes:
+        click.echo(f"nothing to restore in {settings.state_dir}")
+    else:
+        for o in outcomes:
+            owner = f" (journal of pid {o.owner_pid})" if o.owner_pid is not None else ""
+            line = f"{o.device_id} {o.item}: {o.action}{owner}"
+            click.echo(click.style(line, fg=None if o.ok else "red"))
+    if failed:
+        raise PowerlibError(f"{len(failed)} restore step(s) failed; journals kept for another try")
+
+
+def _ensure_not_controlled(backend: Backend, dev: Device) -> None:
+    """`set`/`reset` must not fight a running session: refuse a device whose lock is held."""
+    if not backend.persistent:
+        return
+    state = StateDir(backend.settings.state_dir)
+    key = device_key(dev.info.backend, dev.device_id)
+    if not DeviceLock.is_free(state, key):
+        holder = DeviceLock(state, key).read_owner()
+        who = f"pid {holder.pid}" if holder else "another process"
+        raise DeviceBusyError(
+            f"a powerlib session ({who}) controls this device; it restores the device when it ends",
+            device=dev.device_id,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

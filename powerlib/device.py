@@ -435,6 +435,8 @@ class Backend(ABC):
     Attributes:
         name: Registry name (``POWERLIB_BACKEND`` value).
         install_hint: What to install or enable when the backend is unavailable.
+        persistent: True when device settings outlive this process (real hardware; the simulator
+            with persisted state). Only then are changes journaled and devices locked.
     """
 
     name: ClassVar[str]
@@ -442,6 +444,7 @@ class Backend(ABC):
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.persistent = True
 
     @classmethod
     @abstractmethod

@@ -1,0 +1,67 @@
+"""The guardian: a watchdog process that restores a session's devices when its owner dies.
+
+Started by ``ControlSession(..., guardian=True)`` as ``python -m powerlib.guardian`` in its own
+process session, with a pipe from the owner on stdin. It waits until the pipe closes or the owner
+stops running (it polls both, every 0.2 s, so a pipe held open by the owner's forked children does
+not delay it), then restores every journal that owner left, and exits. When the owner finished
+cleanly it has already restored and removed its journals, and the guardian finds nothing to do.
+
+It ignores SIGINT and SIGHUP (a Ctrl-C or a closed terminal aimed at the job must not take the
+guardian down first). Results go to ``<state dir>/guardian.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m powerlib.guardian``."""
+    parser = argparse.ArgumentParser(prog="python -m powerlib.guardian")
+    parser.add_argument("--owner-pid", type=int, required=True)
+    parser.add_argument("--owner-start-time", type=float, required=True)
+    args = parser.parse_args(argv)
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+
+    from powerlib.config import Settings  # after the signal setup: imports take a moment
+    from powerlib.control import restore_journals, wait_for_owner_exit
+    from powerlib.journal import Owner
+
+    owner = Owner(
+        pid=args.owner_pid, start_time_s=args.owner_start_time, hostname=socket.gethostname()
+    )
+    wait_for_owner_exit(owner, sys.stdin.fileno())
+    deadline = time.monotonic() + 0.5  # a clean close: the owner is still alive and has restored
+    while owner.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if owner.is_alive():
+        return 0
+    settings = Settings.from_env()
+    outcomes = restore_journals(settings, owner=owner)
+    if outcomes:
+        record = {
+            "time_s": time.time(),
+            "guardian_pid": os.getpid(),
+            "owner_pid": owner.pid,
+            "outcomes": [o.to_json() for o in outcomes],
+        }
+        try:
+            with open(settings.state_dir / "guardian.log", "a", encoding="utf-8") as log:
+                log.write(json.dumps(record) + "\n")
+        except OSError:
+            pass
+    return 0 if all(o.ok for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
