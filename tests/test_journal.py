@@ -1,0 +1,141 @@
+"""Journals, owners and locks: atomic, private, never fooled by symlinks or reused pids."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from powerlib import ConfigError, DeviceBusyError, PermissionDeniedError
+from powerlib.journal import (
+    Change,
+    DeviceLock,
+    JournalEntry,
+    JournalError,
+    Owner,
+    StateDir,
+    device_key,
+    iter_entries,
+)
+
+
+def _entry(owner: Owner | None = None, device_id: str = "GPU-1234") -> JournalEntry:
+    return JournalEntry(
+        device_id=device_id,
+        device_name="Simulated",
+        backend="simulated",
+        backend_settings={"sim_model": "a100", "sim_gpus": 2, "sysfs_root": "/sys"},
+        owner=owner or Owner.current(),
+        created_s=1.0,
+        changes=(Change(item="power_limit", original=350.0, target=250.0),),
+    )
+
+
+def test_journal_is_written_atomically_and_privately(tmp_path: Path) -> None:
+    state = StateDir(tmp_path / "state").prepare()
+    path = state.write_journal(_entry())
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    for folder in (state.root, state.journal_dir, state.lock_dir):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert [p.name for p in state.journal_dir.iterdir()] == [path.name]  # no temporary left
+    again = state.read_journal(path)
+    assert again == _entry(owner=again.owner) and again.owner.pid == os.getpid()
+
+
+def test_original_is_captured_once_and_only_the_target_moves() -> None:
+    entry = _entry().with_change(Change(item="sm_clocks", original=None))
+    entry = entry.with_change(Change(item="power_limit", original=999.0, target=200.0))
+    assert [c.item for c in entry.changes] == ["power_limit", "sm_clocks"]
+    assert entry.change("power_limit") == Change(item="power_limit", original=350.0, target=200.0)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b'{"schema": "powerlib.journal.v1", "device_id": ',
+        b"[1, 2]",
+        b'{"schema": "other"}',
+        json.dumps(
+            {**_entry().to_json(), "changes": [{"item": "fan_speed", "original": 1}]}
+        ).encode(),
+    ],
+)
+def test_corrupted_or_truncated_journals_are_reported_and_left(
+    tmp_path: Path, content: bytes
+) -> None:
+    state = StateDir(tmp_path).prepare()
+    path = state.journal_dir / "bad.json"
+    path.write_bytes(content)
+    with pytest.raises(JournalError, match="bad.json"):
+        state.read_journal(path)
+    [(found, error)] = list(iter_entries(state))
+    assert found == path and isinstance(error, JournalError)
+    assert path.read_bytes() == content
+
+
+def test_symlinks_are_not_followed(tmp_path: Path) -> None:
+    state = StateDir(tmp_path / "state").prepare()
+    target = tmp_path / "elsewhere.json"
+    target.write_text(json.dumps(_entry().to_json()))
+    link = state.journal_dir / "link.json"
+    link.symlink_to(target)
+    with pytest.raises(JournalError, match="symlink"):
+        state.read_journal(link)
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "linked-state").symlink_to(real)
+    with pytest.raises(ConfigError, match="symlink"):
+        StateDir(tmp_path / "linked-state").prepare()
+
+
+def test_a_state_dir_that_cannot_be_created_is_refused(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(PermissionDeniedError, match="will not change a device"):
+        StateDir(blocker / "state").prepare()
+
+
+def test_owner_liveness_uses_pid_and_start_time() -> None:
+    me = Owner.current()
+    assert me.is_alive()
+    reused = Owner(pid=me.pid, start_time_s=me.start_time_s - 3600, hostname=me.hostname)
+    assert not reused.is_alive()  # same pid, another process: not the owner
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    gone = Owner(pid=int(done.stdout), start_time_s=me.start_time_s, hostname=me.hostname)
+    assert not gone.is_alive()
+    elsewhere = Owner(pid=1, start_time_s=0.0, hostname="another-host")
+    assert elsewhere.is_alive()  # cannot tell: never restore another host's devices
+
+
+def test_device_key_is_file_name_safe() -> None:
+    assert device_key("sysfs", "intel-rapl:0") == "sysfs--intel-rapl_0"
+    assert "/" not in device_key("x", "../../etc/passwd")
+
+
+def test_lock_is_exclusive_within_and_across_processes(tmp_path: Path) -> None:
+    state = StateDir(tmp_path).prepare()
+    lock = DeviceLock(state, "k")
+    lock.acquire(Owner.current())
+    with pytest.raises(DeviceBusyError, match=str(os.getpid())):
+        DeviceLock(state, "k").acquire(Owner.current())
+    assert not DeviceLock.is_free(state, "k")
+    code = (
+        "import sys; from pathlib import Path; from powerlib.journal import *\n"
+        f"s = StateDir(Path({str(tmp_path)!r}))\n"
+        "try:\n    DeviceLock(s, 'k').acquire(Owner.current())\nexcept Exception as e:\n    print(e); sys.exit(3)\n"
+    )
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert other.returncode == 3 and f"pid {os.getpid()}" in other.stdout
+    lock.release()
+    lock.release()  # idempotent
+    assert DeviceLock.is_free(state, "k")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert other.returncode == 0, other.stdout + other.stderr
