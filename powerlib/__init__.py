@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from powerlib.config import Settings
+from powerlib.control import ControlSession, RestoreOutcome, restore_journals
 from powerlib.device import (
     Backend,
     Capabilities,
@@ -41,6 +42,7 @@ __all__ = [
     "BackendUnavailableError",
     "Capabilities",
     "ConfigError",
+    "ControlSession",
     "Device",
     "DeviceBusyError",
     "DeviceError",
@@ -55,11 +57,13 @@ __all__ = [
     "PowerState",
     "PowerlibError",
     "ProbeResult",
+    "RestoreOutcome",
     "Settings",
     "__version__",
     "backend_names",
     "open_backend",
     "probe_backends",
+    "restore_journals",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
