@@ -160,14 +160,15 @@ def _restore_power_limit(device: Device, change: Change, dry_run: bool) -> str:
     current_w = device.read_state().power_limit_w
     if current_w is not None and abs(current_w - original_w) <= _POWER_TOLERANCE_W:
         return f"power limit already at {original_w:g} W"
+    ours = [float(t) for t in (change.target, change.previous_target) if t is not None]
     if (
         current_w is not None
-        and change.target is not None
-        and abs(current_w - float(change.target)) > _POWER_TOLERANCE_W
+        and ours
+        and all(abs(current_w - t) > _POWER_TOLERANCE_W for t in ours)
     ):
         return (
             f"left the power limit at {current_w:g} W: changed by someone else after powerlib set "
-            f"{float(change.target):g} W"
+            f"{ours[0]:g} W"
         )
     if not dry_run:
         device.set_power_limit(original_w)
@@ -655,6 +656,7 @@ def _start_guardian(settings: Settings, owner: Owner) -> subprocess.Popen[bytes]
         stdout=subprocess.DEVNULL,
         start_new_session=True,  # survives a Ctrl-C or kill of our process group
         close_fds=True,
+        cwd="/",  # `-m` puts the cwd first on sys.path: never let a job's folder shadow powerlib
         env=env,
     )
 

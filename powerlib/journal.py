@@ -146,11 +146,15 @@ class Change:
             for clocks, watts for the power limit.
         target: The value the session set last, when it is one value (the power limit); ``None``
             for clocks, which a session may change many times per second.
+        previous_target: The target before ``target``. The journal is written *before* the device,
+            so a process killed in between leaves the device at ``previous_target``; a restore
+            must not mistake that for someone else's change.
     """
 
     item: str
     original: Any
     target: Any = None
+    previous_target: Any = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,7 +194,12 @@ class JournalEntry:
         existing = self.change(change.item)
         if existing is None:
             return dataclasses.replace(self, changes=(*self.changes, change))
-        updated = Change(item=change.item, original=existing.original, target=change.target)
+        updated = Change(
+            item=change.item,
+            original=existing.original,
+            target=change.target,
+            previous_target=existing.target,
+        )
         return dataclasses.replace(
             self, changes=tuple(updated if c.item == change.item else c for c in self.changes)
         )
@@ -210,7 +219,13 @@ class JournalEntry:
             "owner": self.owner.to_json(),
             "created_s": self.created_s,
             "changes": [
-                {"item": c.item, "original": c.original, "target": c.target} for c in self.changes
+                {
+                    "item": c.item,
+                    "original": c.original,
+                    "target": c.target,
+                    "previous_target": c.previous_target,
+                }
+                for c in self.changes
             ],
         }
 
@@ -226,7 +241,12 @@ class JournalEntry:
                 if item not in ("sm_clocks", "memory_clocks", "power_limit"):
                     raise ValueError(f"unknown item {item!r}")
                 changes.append(
-                    Change(item=item, original=raw["original"], target=raw.get("target"))
+                    Change(
+                        item=item,
+                        original=raw["original"],
+                        target=raw.get("target"),
+                        previous_target=raw.get("previous_target"),  # absent in older journals
+                    )
                 )
             return cls(
                 device_id=str(data["device_id"]),
@@ -400,7 +420,6 @@ class DeviceLock:
                     raise DeviceBusyError(
                         f"the device is controlled by {who}; wait for it to finish",
                         device=self.key,
-                        vendor_code=None if holder is None else holder.pid,
                     ) from err
                 raise PermissionDeniedError(f"cannot lock {self.path} ({err.strerror})") from err
             self._fd = fd

@@ -51,7 +51,9 @@ def test_original_is_captured_once_and_only_the_target_moves() -> None:
     entry = _entry().with_change(Change(item="sm_clocks", original=None))
     entry = entry.with_change(Change(item="power_limit", original=999.0, target=200.0))
     assert [c.item for c in entry.changes] == ["power_limit", "sm_clocks"]
-    assert entry.change("power_limit") == Change(item="power_limit", original=350.0, target=200.0)
+    assert entry.change("power_limit") == Change(
+        item="power_limit", original=350.0, target=200.0, previous_target=250.0
+    )
 
 
 @pytest.mark.parametrize(
@@ -139,3 +141,12 @@ def test_lock_is_exclusive_within_and_across_processes(tmp_path: Path) -> None:
     assert DeviceLock.is_free(state, "k")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert other.returncode == 0, other.stdout + other.stderr
+
+
+def test_every_field_survives_the_round_trip(tmp_path: Path) -> None:
+    state = StateDir(tmp_path).prepare()
+    entry = _entry().with_change(Change(item="power_limit", original=1.0, target=190.0))
+    assert entry.change("power_limit") == Change(
+        item="power_limit", original=350.0, target=190.0, previous_target=250.0
+    )
+    assert state.read_journal(state.write_journal(entry)) == entry
