@@ -1,0 +1,1 @@
+"""Perseus (SOSP'24): the exact iteration time-energy frontier of a pipeline by Phillips-Dessouky."""

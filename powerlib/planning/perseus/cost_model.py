@@ -1,0 +1,733 @@
+"""Per-(stage, kind) cost curves: from profiled frequency options to a convex effective-energy curve.
+
+Perseus plans on *effective* energy ``ẽ = e - P_block·q·τ``: the energy a computation draws beyond
+what the GPU would have drawn anyway while blocked for the same (quantized) time. Each profiled
+(stage, instruction) pair becomes one cost curve in three steps (reference §2.1):
+
+1. :func:`prepare_options` turns the measured ``(frequency, time, energy)`` points into the
+   Pareto-optimal, floor-quantized, de-duplicated options, sorted fastest first.
+2. :func:`build_cost_model` fits a convex, non-increasing curve over the integer durations
+   ``[q_min, q_max]`` (in units of the time quantum τ): the exponential ``a·exp(b·q) + c`` of
+   lowtime/Perseus (:func:`fit_exponential`), or the non-parametric lower convex hull
+   (:class:`ConvexHullCostModel`).
+3. After solving, :func:`frequency_for` maps a planned duration back to a measured option: the
+   slowest one whose quantized time still fits.
+
+:class:`TableCostModel` wraps an explicit ``{duration: cost}`` table, for hand-made test cases.
+
+The filter can run on raw or effective energy (``order``); the two shipped Perseus pipelines
+disagree and the results differ (reference §2.1 step 4, §6 pitfall 4). The default,
+``"filter-then-subtract"``, is the SOSP'24 artifact's and the one that reproduces the paper's data.
+
+Pure code: standard library and numpy only, no device I/O.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from powerlib.errors import PlanError
+
+__all__ = [
+    "DEFAULT_NOISE_FACTOR",
+    "ORDERS",
+    "ConvexHullCostModel",
+    "CostModel",
+    "ExponentialCostModel",
+    "Option",
+    "TableCostModel",
+    "build_cost_model",
+    "fit_exponential",
+    "frequency_for",
+    "prepare_options",
+]
+
+ORDERS: tuple[str, str] = ("filter-then-subtract", "subtract-then-filter")
+"""Orders of the Pareto filter and the effective-energy conversion; the first is the default."""
+
+DEFAULT_NOISE_FACTOR = 0.95
+"""η of the soft Pareto filter used when the strict one leaves three or fewer options."""
+
+_SOFT_FILTER_THRESHOLD = 3
+"""The soft filter is applied when the strict filter leaves this many options or fewer."""
+
+_B0_PER_MS = (0.01, 0.02, 0.03, 0.04, 0.05, 0.1)
+"""lowtime's initial guesses for ``-b`` at τ = 1 ms; they scale with τ (reference §2.1 step 5)."""
+
+_U_MIN = 1e-4
+"""Smallest ``|b|·(q_max - q_min)`` searched: below it the curve is a straight line to ~1e-8."""
+
+_U_MAX = 700.0
+"""Largest ``|b|·(q_max - q_min)`` searched: beyond it ``exp`` underflows over the whole span."""
+
+_SCAN_POINTS = 481
+"""Log-spaced points of the global scan over ``|b|·(q_max - q_min)`` in ``[_U_MIN, _U_MAX]``."""
+
+_KINDS = ("exp", "convex")
+
+
+# --------------------------------------------------------------------------------------------
+# Options
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Option:
+    """One surviving execution option of a (stage, instruction) pair.
+
+    Attributes:
+        freq_mhz: The SM clock the option was measured at, in MHz.
+        time_s: Measured mean time per execution, in seconds.
+        energy_j: Measured mean energy per execution, in joules.
+        quant: ``time_s`` floor-quantized to the time quantum: ``int(time_s // unit_time_s)``
+            with IEEE float floor division (so 0.030 s at τ = 1 ms is 29, as in lowtime).
+        eff_energy_j: Effective energy, ``energy_j - p_block_w * quant * unit_time_s``.
+    """
+
+    freq_mhz: float
+    time_s: float
+    energy_j: float
+    quant: int
+    eff_energy_j: float
+
+
+def _check_finite(name: str, value: float) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError) as err:
+        raise PlanError(f"{name} must be a number, got {value!r}") from err
+    if not math.isfinite(out):
+        raise PlanError(f"{name} must be finite, got {value!r}")
+    return out
+
+
+def _pareto_keep(times: Sequence[float], costs: Sequence[float], eta: float) -> list[int]:
+    """Indices of the points no other point beats by the factor ``eta`` in both coordinates.
+
+    Point ``i`` is dropped if some ``j`` has ``times[j] < eta*times[i]`` and
+    ``costs[j] < eta*costs[i]``; ``eta = 1`` is strict Pareto domination.
+    """
+    keep = []
+    for i, (t, e) in enumerate(zip(times, costs)):
+        t_lim, e_lim = eta * t, eta * e
+        if not any(tj < t_lim and ej < e_lim for tj, ej in zip(times, costs)):
+            keep.append(i)
+    return keep
+
+
+def prepare_options(
+    points: Sequence[tuple[float, float, float]],
+    *,
+    unit_time_s: float,
+    p_block_w: float,
+    order: str = "filter-then-subtract",
+    noise_factor: float = DEFAULT_NOISE_FACTOR,
+) -> list[Option]:
+    """Filter, quantize and de-duplicate the measured options of one (stage, instruction).
+
+    Steps (reference §2.1 steps 2-4):
+
+    1. Pareto filter on ``(time, energy)``: drop a point if another is strictly faster *and*
+       strictly cheaper.
+    2. Floor-quantize: ``quant = int(time_s // unit_time_s)`` (IEEE float floor division).
+    3. Among survivors sharing a ``quant``, keep the one with the highest energy: flooring makes
+       the most expensive one the one whose real time is closest to ``quant·τ``.
+    4. If three or fewer options are left, redo steps 1-3 on all points with the soft filter
+       ``eta = noise_factor``: drop a point only if another is below ``eta`` times it in both
+       time and energy (a guard against measurement noise). The count is taken after
+       de-duplication, as lowtime's ``CandidateExecutionOptions`` reports its options.
+    5. Sort by ``quant`` ascending (fastest first) and attach the effective energy
+       ``energy - p_block_w·quant·unit_time_s``.
+
+    ``order`` selects what the filter compares. ``"filter-then-subtract"`` (default; the SOSP'24
+    artifact) compares raw energy. ``"subtract-then-filter"`` (Zeus's example and Kareus)
+    compares effective energy, which keeps slow frequencies that are dominated in raw energy but
+    cheaper in effective energy. The de-duplication in step 3 is the same in both orders: within
+    one ``quant`` the subtracted term ``p_block_w·quant·τ`` is a constant, so the highest raw
+    energy is also the highest effective energy.
+
+    Args:
+        points: ``(freq_mhz, time_s, energy_j)`` per measured frequency; frequencies must be
+            distinct, times positive and energies finite.
+        unit_time_s: The time quantum τ in seconds (1 ms in the paper's A100 runs).
+        p_block_w: The GPU's power while blocked on communication, in watts (e.g. 83.64 on
+            A100 in the paper artifact).
+        order: One of :data:`ORDERS`.
+        noise_factor: η of the soft fallback filter, in ``(0, 1]``.
+
+    Returns:
+        The surviving options, sorted by ``quant`` ascending; ``quant`` values are distinct.
+
+    Raises:
+        PlanError: On malformed input, if an option quantizes to zero units (τ too coarse), or
+            if fewer than two options survive.
+    """
+    tau = _check_finite("unit_time_s", unit_time_s)
+    if tau <= 0.0:
+        raise PlanError(f"unit_time_s must be positive, got {unit_time_s!r}")
+    p_block = _check_finite("p_block_w", p_block_w)
+    if p_block < 0.0:
+        raise PlanError(f"p_block_w must be non-negative, got {p_block_w!r}")
+    if order not in ORDERS:
+        raise PlanError(f"order must be one of {ORDERS}, got {order!r}")
+    eta = _check_finite("noise_factor", noise_factor)
+    if not 0.0 < eta <= 1.0:
+        raise PlanError(f"noise_factor must be in (0, 1], got {noise_factor!r}")
+
+    freqs: list[float] = []
+    times: list[float] = []
+    energies: list[float] = []
+    for k, point in enumerate(points):
+        try:
+            f_raw, t_raw, e_raw = point
+        except (TypeError, ValueError) as err:
+            raise PlanError(
+                f"point {k} must be a (freq_mhz, time_s, energy_j) triple, got {point!r}"
+            ) from err
+        f = _check_finite(f"point {k} frequency", f_raw)
+        t = _check_finite(f"point {k} time", t_raw)
+        e = _check_finite(f"point {k} energy", e_raw)
+        if f <= 0.0 or t <= 0.0:
+            raise PlanError(f"point {k} needs a positive frequency and time, got {point!r}")
+        freqs.append(f)
+        times.append(t)
+        energies.append(e)
+    if len(set(freqs)) != len(freqs):
+        raise PlanError("points must have distinct frequencies (one row per frequency)")
+    if len(freqs) < 2:
+        raise PlanError(f"need at least two measured frequencies, got {len(freqs)}")
+
+    quants = [int(t // tau) for t in times]
+    effs = [e - p_block * q * tau for e, q in zip(energies, quants)]
+    filter_costs = energies if order == "filter-then-subtract" else effs
+
+    def survivors(factor: float) -> dict[int, int]:
+        best: dict[int, int] = {}  # quant -> index of the highest-energy survivor
+        for i in _pareto_keep(times, filter_costs, factor):
+            j = best.get(quants[i])
+            if j is None or energies[i] > energies[j]:
+                best[quants[i]] = i
+        return best
+
+    best = survivors(1.0)
+    if len(best) <= _SOFT_FILTER_THRESHOLD:
+        best = survivors(eta)
+    options = [
+        Option(
+            freq_mhz=freqs[i],
+            time_s=times[i],
+            energy_j=energies[i],
+            quant=quants[i],
+            eff_energy_j=effs[i],
+        )
+        for _, i in sorted(best.items())
+    ]
+    if options and options[0].quant < 1:
+        raise PlanError(
+            f"{options[0].freq_mhz:g} MHz takes {options[0].time_s:g} s, less than one time "
+            f"quantum ({tau:g} s); use a smaller unit_time_s"
+        )
+    if len(options) < 2:
+        raise PlanError(
+            f"only {len(options)} option(s) survive Pareto filtering and quantization "
+            f"(from {len(freqs)} measured frequencies); a cost curve needs at least two - "
+            "profile more frequencies or use a smaller unit_time_s"
+        )
+    return options
+
+
+def frequency_for(options: Sequence[Option], duration_q: int) -> Option:
+    """The option to run for a planned duration: the slowest whose ``quant`` fits.
+
+    Args:
+        options: The options of one (stage, instruction), e.g. from :func:`prepare_options`
+            (any order).
+        duration_q: Planned duration in time quanta.
+
+    Returns:
+        The option with the largest ``quant <= duration_q`` (the first such if several share
+        it); the fastest option (smallest ``quant``) if none fits.
+
+    Raises:
+        PlanError: If ``options`` is empty.
+    """
+    if not options:
+        raise PlanError("frequency_for needs at least one option")
+    d = operator.index(duration_q)
+    chosen: Option | None = None
+    fastest = options[0]
+    for o in options:
+        if o.quant <= d and (chosen is None or o.quant > chosen.quant):
+            chosen = o
+        if o.quant < fastest.quant:
+            fastest = o
+    return fastest if chosen is None else chosen
+
+
+# --------------------------------------------------------------------------------------------
+# Cost models
+# --------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """A convex, non-increasing effective-energy cost over integer durations ``[q_min, q_max]``.
+
+    ``q_min`` and ``q_max`` may be plain attributes or read-only properties.
+    """
+
+    @property
+    def q_min(self) -> int:
+        """Shortest allowed duration, in time quanta."""
+        ...
+
+    @property
+    def q_max(self) -> int:
+        """Longest allowed duration, in time quanta."""
+        ...
+
+    def cost(self, q: int) -> float:
+        """Effective energy (J) at integer duration ``q`` in ``[q_min, q_max]``."""
+        ...
+
+
+def _check_domain(q: int, q_min: int, q_max: int) -> int:
+    qi = operator.index(q)
+    if not q_min <= qi <= q_max:
+        raise PlanError(f"duration {qi} is outside the cost model's domain [{q_min}, {q_max}]")
+    return qi
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExponentialCostModel:
+    """The lowtime/Perseus curve ``cost(q) = a·exp(b·q) + c`` on ``[q_min, q_max]``.
+
+    With ``a >= 0`` and ``b <= 0`` it is convex and non-increasing in ``q``.
+
+    Attributes:
+        a: Scale (J), non-negative.
+        b: Rate per time quantum, non-positive.
+        c: Offset (J).
+        q_min: Shortest allowed duration, in time quanta.
+        q_max: Longest allowed duration, in time quanta.
+        mse: Mean squared error (J²) of the fit over the options it was fitted to; NaN when
+            the model was built by hand.
+    """
+
+    a: float
+    b: float
+    c: float
+    q_min: int
+    q_max: int
+    mse: float = math.nan
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b", "c"):
+            _check_finite(name, getattr(self, name))
+        if self.a < 0.0 or self.b > 0.0:
+            raise PlanError(
+                f"an exponential cost needs a >= 0 and b <= 0 to be convex and non-increasing, "
+                f"got a={self.a!r}, b={self.b!r}"
+            )
+        if operator.index(self.q_min) > operator.index(self.q_max):
+            raise PlanError(f"empty duration range [{self.q_min}, {self.q_max}]")
+
+    def cost(self, q: int) -> float:
+        """Effective energy (J) at integer duration ``q`` in ``[q_min, q_max]``.
+
+        Raises:
+            PlanError: If ``q`` is outside ``[q_min, q_max]``.
+        """
+        qi = _check_domain(q, self.q_min, self.q_max)
+        return self.a * math.exp(self.b * qi) + self.c
+
+
+class _PiecewiseLinear:
+    """Shared evaluation of a convex piecewise-linear curve through integer-abscissa vertices."""
+
+    __slots__ = ("_xs", "_ys", "q_max", "q_min", "vertices")
+
+    q_min: int
+    q_max: int
+    vertices: tuple[tuple[int, float], ...]
+
+    def _set_vertices(self, vertices: Sequence[tuple[int, float]]) -> None:
+        self.vertices = tuple(vertices)
+        self._xs = [x for x, _ in self.vertices]
+        self._ys = [y for _, y in self.vertices]
+        self.q_min = self._xs[0]
+        self.q_max = self._xs[-1]
+
+    def cost(self, q: int) -> float:
+        """Effective energy (J) at integer duration ``q`` in ``[q_min, q_max]``.
+
+        Exact at the vertices, linear in between.
+
+        Raises:
+            PlanError: If ``q`` is outside ``[q_min, q_max]``.
+        """
+        qi = _check_domain(q, self.q_min, self.q_max)
+        k = bisect.bisect_left(self._xs, qi)
+        if self._xs[k] == qi:
+            return self._ys[k]
+        x0, x1 = self._xs[k - 1], self._xs[k]
+        y0, y1 = self._ys[k - 1], self._ys[k]
+        return y0 + (y1 - y0) * ((qi - x0) / (x1 - x0))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vertices={self.vertices!r})"
+
+
+def _cross(o: tuple[int, float], a: tuple[int, float], b: tuple[int, float]) -> float:
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+class ConvexHullCostModel(_PiecewiseLinear):
+    """Non-parametric cost: the lower convex hull of the measured ``(quant, eff_energy)`` points.
+
+    Linear between hull vertices, exact at them, and never above a measured point. The hull is
+    cut at its lowest vertex so the curve is non-increasing: options slower than that are
+    dominated in (time, effective energy) and the solver never needs them (only the soft
+    Pareto fallback can leave such options).
+
+    Attributes:
+        vertices: The hull vertices ``(quant, cost)``, sorted by ``quant``.
+        q_min: Smallest vertex ``quant``.
+        q_max: Largest vertex ``quant`` (the lowest-cost vertex).
+    """
+
+    __slots__ = ()
+
+    def __init__(self, points: Sequence[tuple[int, float]]) -> None:
+        """Build the hull of ``(duration, cost)`` points.
+
+        Args:
+            points: At least one ``(integer duration, finite cost)`` pair; with several
+                points at one duration the lowest cost counts.
+
+        Raises:
+            PlanError: On an empty input, non-integer durations or non-finite costs.
+        """
+        lowest: dict[int, float] = {}
+        for k, (x_raw, y_raw) in enumerate(points):
+            x = operator.index(x_raw)
+            y = _check_finite(f"point {k} cost", y_raw)
+            if x not in lowest or y < lowest[x]:
+                lowest[x] = y
+        if not lowest:
+            raise PlanError("a convex-hull cost model needs at least one point")
+        hull: list[tuple[int, float]] = []
+        for p in sorted(lowest.items()):
+            while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0.0:
+                hull.pop()
+            hull.append(p)
+        lowest_k = min(range(len(hull)), key=lambda k: (hull[k][1], -k))
+        self._set_vertices(hull[: lowest_k + 1])
+
+    @classmethod
+    def from_options(cls, options: Sequence[Option]) -> ConvexHullCostModel:
+        """The hull of the options' ``(quant, eff_energy_j)`` points.
+
+        Raises:
+            PlanError: If ``options`` is empty.
+        """
+        return cls([(o.quant, o.eff_energy_j) for o in options])
+
+
+class TableCostModel(_PiecewiseLinear):
+    """An explicit ``{duration: cost}`` table, e.g. for hand-made solver test cases.
+
+    Durations between table keys, if any, are interpolated linearly.
+
+    Attributes:
+        vertices: The table as sorted ``(duration, cost)`` pairs.
+        q_min: Smallest duration in the table.
+        q_max: Largest duration in the table.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, table: Mapping[int, float]) -> None:
+        """Check and wrap a cost table.
+
+        Args:
+            table: Non-negative integer durations mapped to finite costs; at least one entry.
+                The costs must be convex and non-increasing in the duration (up to a relative
+                rounding tolerance of 1e-9).
+
+        Raises:
+            PlanError: If the table is empty, malformed, non-convex or increasing somewhere.
+        """
+        items: list[tuple[int, float]] = []
+        for x_raw, y_raw in table.items():
+            try:
+                x = operator.index(x_raw)
+            except TypeError as err:
+                raise PlanError(f"table durations must be integers, got {x_raw!r}") from err
+            if x < 0:
+                raise PlanError(f"table durations must be non-negative, got {x}")
+            items.append((x, _check_finite(f"cost at duration {x}", y_raw)))
+        if not items:
+            raise PlanError("a cost table needs at least one entry")
+        items.sort()
+        scale = max(1.0, max(abs(y) for _, y in items))
+        tol = 1e-9 * scale
+        slopes = [(y1 - y0) / (x1 - x0) for (x0, y0), (x1, y1) in zip(items, items[1:])]
+        for (x, _), s in zip(items[1:], slopes):
+            if s > tol:
+                raise PlanError(
+                    f"cost table increases at duration {x} (slope {s:g}); costs must be "
+                    "non-increasing in the duration"
+                )
+        for (x, _), s0, s1 in zip(items[1:], slopes, slopes[1:]):
+            if s1 < s0 - tol:
+                raise PlanError(
+                    f"cost table is not convex at duration {x}: slope {s0:g} before it, "
+                    f"{s1:g} after it"
+                )
+        self._set_vertices(items)
+
+
+# --------------------------------------------------------------------------------------------
+# Exponential fit
+# --------------------------------------------------------------------------------------------
+
+
+def _linear_part(phi: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Least-squares ``A``, ``C`` of ``y ≈ A·phi + C`` per row of ``phi``, with ``A >= 0``.
+
+    ``phi`` has shape ``(..., n)``; ``y`` shape ``(n,)``. Where the unconstrained ``A`` is
+    negative (or ``phi`` is constant) the constrained optimum is ``A = 0``, ``C = mean(y)``.
+    """
+    phi_mean = phi.mean(axis=-1, keepdims=True)
+    dphi = phi - phi_mean
+    dy = y - y.mean()
+    s_pp = np.einsum("...i,...i->...", dphi, dphi)
+    s_py = np.einsum("...i,i->...", dphi, dy)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        amp = np.where(s_pp > 0.0, s_py / s_pp, 0.0)
+    amp = np.where(np.isfinite(amp) & (amp > 0.0), amp, 0.0)
+    off = y.mean() - amp * phi_mean[..., 0]
+    return amp, off
+
+
+def _rss(u: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Residual sum of squares of the best ``A·exp(-u·x) + C`` for each rate ``u`` (> 0)."""
+    with np.errstate(under="ignore", over="ignore"):
+        phi = np.exp(-np.multiply.outer(u, x))
+        amp, off = _linear_part(phi, y)
+        r = y - amp[..., None] * phi - off[..., None]
+    return np.asarray(np.einsum("...i,...i->...", r, r))
+
+
+def _brent_min(f: Callable[[float], float], lo: float, hi: float, tol: float) -> float:
+    """Minimize a scalar function on ``[lo, hi]`` by Brent's golden-section/parabolic method."""
+    golden = 0.5 * (3.0 - math.sqrt(5.0))
+    x = w = v = lo + golden * (hi - lo)
+    fx = fw = fv = f(x)
+    d = e = 0.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        tol1 = tol * abs(x) + 1e-15
+        tol2 = 2.0 * tol1
+        if abs(x - mid) <= tol2 - 0.5 * (hi - lo):
+            break
+        use_golden = True
+        if abs(e) > tol1:
+            # Parabola through (x, fx), (w, fw), (v, fv).
+            r = (x - w) * (fx - fv)
+            q = (x - v) * (fx - fw)
+            p = (x - v) * q - (x - w) * r
+            q = 2.0 * (q - r)
+            if q > 0.0:
+                p = -p
+            q = abs(q)
+            if abs(p) < abs(0.5 * q * e) and q * (lo - x) < p < q * (hi - x):
+                e, d = d, p / q
+                u = x + d
+                if u - lo < tol2 or hi - u < tol2:
+                    d = tol1 if mid >= x else -tol1
+                use_golden = False
+        if use_golden:
+            e = (hi - x) if x < mid else (lo - x)
+            d = golden * e
+        u = x + (d if abs(d) >= tol1 else math.copysign(tol1, d))
+        fu = f(u)
+        if fu <= fx:
+            if u < x:
+                hi = x
+            else:
+                lo = x
+            v, fv, w, fw, x, fx = w, fw, x, fx, u, fu
+        else:
+            if u < x:
+                lo = u
+            else:
+                hi = u
+            if fu <= fw or w == x:
+                v, fv, w, fw = w, fw, u, fu
+            elif fu <= fv or v in (x, w):
+                v, fv = u, fu
+    return x
+
+
+def _polish(
+    x: np.ndarray, y: np.ndarray, amp: float, u: float, off: float
+) -> tuple[float, float, float]:
+    """Levenberg-Marquardt steps on ``(A, u, C)`` of ``A·exp(-u·x) + C`` from a good start.
+
+    Steps that would leave ``A >= 0``, ``u > 0`` or fail to lower the squared error are
+    refused; the start is returned unchanged if no step helps.
+    """
+
+    def residual(p: np.ndarray) -> np.ndarray:
+        with np.errstate(under="ignore"):
+            return np.asarray(y - p[0] * np.exp(-p[1] * x) - p[2])
+
+    p = np.array([amp, u, off])
+    r = residual(p)
+    rss = float(r @ r)
+    lam = 1e-6
+    for _ in range(30):
+        with np.errstate(under="ignore"):
+            phi = np.exp(-p[1] * x)
+        jac = np.column_stack((phi, -p[0] * x * phi, np.ones_like(x)))
+        scale = np.sqrt(np.einsum("ij,ij->j", jac, jac))
+        if not np.all(scale > 0.0):
+            break
+        js = jac / scale
+        jtj = js.T @ js
+        jtr = js.T @ r
+        improved = False
+        while lam < 1e12:
+            try:
+                step = np.linalg.solve(jtj + lam * np.eye(3), jtr) / scale
+            except np.linalg.LinAlgError:
+                lam *= 10.0
+                continue
+            cand = p + step
+            if cand[0] >= 0.0 and cand[1] > 0.0:
+                rc = residual(cand)
+                rss_c = float(rc @ rc)
+                if rss_c <= rss:
+                    small = np.all(np.abs(step) <= 1e-15 * np.maximum(np.abs(p), 1e-300))
+                    p, r, rss = cand, rc, rss_c
+                    lam = max(lam / 10.0, 1e-12)
+                    improved = not small
+                    break
+            lam *= 10.0
+        if not improved:
+            break
+    return float(p[0]), float(p[1]), float(p[2])
+
+
+def fit_exponential(options: Sequence[Option], *, unit_time_s: float) -> ExponentialCostModel:
+    """Least-squares fit of ``eff_energy ≈ a·exp(b·quant) + c`` over the options.
+
+    This reproduces lowtime's ``ExponentialModel`` with the "best" search strategy: scipy's
+    Levenberg-Marquardt started from ``a0 ∈ {10, 100, 1000}``,
+    ``b0 ∈ -{0.01, 0.02, 0.03, 0.04, 0.05, 0.1}·(unit_time_s / 1 ms)``,
+    ``c0 ∈ {10, 100, 1000}``, rejecting ``a < 0`` and failed fits and keeping the lowest mean
+    squared error. That amounts to the least-squares optimum with ``a >= 0``, which is computed
+    here directly, without scipy, by variable projection:
+
+    * for a fixed rate ``b`` the best ``a >= 0`` and ``c`` are a closed-form linear solve, so
+      the squared error is a function of ``b`` alone;
+    * it is scanned on a log grid of ``|b|·(q_max - q_min)`` from 1e-4 to 700 (plus lowtime's
+      starting rates), refined by Brent's method around the best grid point, and the three
+      parameters are then polished together by a few damped Gauss-Newton steps.
+
+    The rate is restricted to ``b < 0`` so that the curve is non-increasing; on decreasing data
+    (every strict Pareto frontier) the optimum lies there anyway. With only two distinct
+    durations every rate fits exactly; lowtime's first starting rate ``-0.01·(τ / 1 ms)`` is
+    used then.
+
+    Args:
+        options: The options of one (stage, instruction) from :func:`prepare_options`; at least
+            two distinct ``quant`` values.
+        unit_time_s: The time quantum τ the options were quantized with, in seconds (it only
+            scales lowtime's starting rates).
+
+    Returns:
+        The fitted model on ``[min quant, max quant]``, with its mean squared error.
+
+    Raises:
+        PlanError: If there are fewer than two distinct durations, or the fit is not finite.
+    """
+    tau = _check_finite("unit_time_s", unit_time_s)
+    if tau <= 0.0:
+        raise PlanError(f"unit_time_s must be positive, got {unit_time_s!r}")
+    qs = np.array([float(o.quant) for o in options])
+    ys = np.array([_check_finite("eff_energy_j", o.eff_energy_j) for o in options])
+    if np.unique(qs).size < 2:
+        raise PlanError(
+            "an exponential cost model needs options with at least two distinct durations"
+        )
+    q_min, q_max = int(qs.min()), int(qs.max())
+    span = float(q_max - q_min)
+    x = (qs - q_min) / span  # in [0, 1]: the fit in scaled form is A·exp(-u·x) + C
+    seeds = np.array(_B0_PER_MS) * (tau / 1e-3) * span
+
+    n_distinct = int(np.unique(qs).size)
+    if n_distinct == 2:
+        u = float(seeds[0])
+    else:
+        grid = np.concatenate((np.geomspace(_U_MIN, _U_MAX, _SCAN_POINTS), seeds))
+        grid = np.unique(grid[(grid >= _U_MIN) & (grid <= _U_MAX)])
+        rss = _rss(grid, x, ys)
+        k = int(np.argmin(rss))
+        lo = math.log(grid[max(k - 1, 0)])
+        hi = math.log(grid[min(k + 1, grid.size - 1)])
+
+        def objective(log_u: float) -> float:
+            return float(_rss(np.array(math.exp(log_u)), x, ys))
+
+        u = math.exp(_brent_min(objective, lo, hi, 1e-12))
+    amp_arr, off_arr = _linear_part(np.exp(-u * x), ys)
+    amp, off = float(amp_arr), float(off_arr)
+    if amp > 0.0 and n_distinct > 2:
+        amp, u, off = _polish(x, ys, amp, u, off)
+
+    b = -u / span
+    log_a = math.log(amp) - b * q_min if amp > 0.0 else -math.inf
+    a = math.exp(log_a) if log_a < 709.0 else math.inf  # a·exp(b·q) = A·exp(b·(q - q_min))
+    if not (math.isfinite(a) and math.isfinite(b) and math.isfinite(off)):
+        raise PlanError(
+            f"the exponential fit over durations [{q_min}, {q_max}] is not finite "
+            f"(a={a!r}, b={b!r}, c={off!r}); use the convex-hull cost model instead"
+        )
+    model = ExponentialCostModel(a=a, b=b, c=off, q_min=q_min, q_max=q_max)
+    pred = np.array([model.cost(int(q)) for q in qs])
+    mse = float(np.mean((pred - ys) ** 2))
+    return ExponentialCostModel(a=a, b=b, c=off, q_min=q_min, q_max=q_max, mse=mse)
+
+
+def build_cost_model(
+    options: Sequence[Option], *, kind: str = "exp", unit_time_s: float
+) -> CostModel:
+    """The cost model of one (stage, instruction) from its prepared options.
+
+    Args:
+        options: Options from :func:`prepare_options`.
+        kind: ``"exp"`` for lowtime's exponential fit (:func:`fit_exponential`), ``"convex"``
+            for the lower convex hull (:class:`ConvexHullCostModel`).
+        unit_time_s: The time quantum τ, in seconds.
+
+    Returns:
+        A convex, non-increasing cost model over ``[q_min, q_max]``.
+
+    Raises:
+        PlanError: On an unknown ``kind`` or if the model cannot be built.
+    """
+    if kind == "exp":
+        return fit_exponential(options, unit_time_s=unit_time_s)
+    if kind == "convex":
+        return ConvexHullCostModel.from_options(options)
+    raise PlanError(f"cost model kind must be one of {_KINDS}, got {kind!r}")

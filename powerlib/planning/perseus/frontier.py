@@ -1,0 +1,307 @@
+"""From a profile to the iteration time-energy frontier, plans and the all-max baseline.
+
+Energy accounting (reference perseus.md §1.4): with ``P_block`` the power a GPU draws while it
+waits, ``E_iter = Σ_v ẽ_v + N · P_block · T`` where ``ẽ_v = e_v - P_block · q_v · τ`` is the
+effective energy the solver minimises. Each frontier point reports both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from powerlib.errors import PlanError
+from powerlib.planning.perseus.cost_model import (
+    Option,
+    build_cost_model,
+    frequency_for,
+    prepare_options,
+)
+from powerlib.planning.perseus.solver import PhillipsDessouky
+from powerlib.planning.pipeline import BACKWARD, FORWARD, PipelineDAG, Schedule, build_dag
+from powerlib.planning.profile import Profile
+
+__all__ = ["POLICIES", "Baseline", "Frontier", "FrontierPoint", "compute_frontier"]
+
+POLICIES = ("fastest", "deadline", "min-energy")
+PLAN_SCHEMA = "powerlib.plan.v1"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrontierPoint:
+    """One point of the frontier (one solver step).
+
+    Attributes:
+        iteration: 1-based solver step.
+        quant_time: Iteration time in units of τ.
+        time_s: Iteration time.
+        effective_energy_j: Σ effective energy of the instructions (the modelled, fitted value).
+        energy_j: ``effective_energy_j + N · P_block · time_s``.
+        cost_change_j: Effective-energy increase over the previous point (J per τ).
+        durations: Planned duration of every instruction, in units of τ, in DAG node order.
+    """
+
+    iteration: int
+    quant_time: int
+    time_s: float
+    effective_energy_j: float
+    energy_j: float
+    cost_change_j: float
+    durations: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Baseline:
+    """Every instruction at its stage's maximum frequency (measured times and energies).
+
+    Attributes:
+        time_s: Iteration time (critical path of the measured max-frequency times).
+        energy_j: Energy at that time, blocking power included.
+    """
+
+    time_s: float
+    energy_j: float
+
+
+@dataclass(frozen=True, slots=True)
+class Frontier:
+    """The whole frontier of one workload, slowest point first, with what is needed for plans."""
+
+    points: tuple[FrontierPoint, ...]
+    dag: PipelineDAG
+    schedule_name: str
+    num_microbatches: int
+    num_chunks: int
+    options: dict[tuple[int, str], list[Option]]
+    unit_time_s: float
+    p_block_w: float
+    order: str
+    cost_model: str
+    baseline_busy: dict[int, tuple[float, float]]  # stage -> (busy time, energy) at max frequency
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages."""
+        return self.dag.num_stages
+
+    @property
+    def fastest(self) -> FrontierPoint:
+        """``T_min``: the last point."""
+        return self.points[-1]
+
+    @property
+    def min_energy(self) -> FrontierPoint:
+        """``T*``: the point of minimum total energy (the slowest one on ties)."""
+        return min(self.points, key=lambda p: (p.energy_j, -p.time_s))
+
+    def select(
+        self, policy: str, deadline_s: float | None = None, *, argmin: bool = False
+    ) -> FrontierPoint:
+        """Pick a point.
+
+        Args:
+            policy: ``fastest`` (T_min), ``deadline`` (a straggler's iteration time T′) or
+                ``min-energy`` (T*).
+            deadline_s: T′ for ``deadline``.
+            argmin: For ``deadline``: the minimum-energy point with T ≤ T′ (the paper's emulation
+                rule, which stops at T*), instead of the slowest point with T ≤ T′ (the
+                model-optimal rule: waiting costs P_block either way).
+
+        Raises:
+            PlanError: Unknown policy, missing deadline, or a deadline below T_min.
+        """
+        if policy == "fastest":
+            return self.fastest
+        if policy == "min-energy":
+            return self.min_energy
+        if policy != "deadline":
+            raise PlanError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if deadline_s is None or not math.isfinite(deadline_s):
+            raise PlanError(
+                "the deadline policy needs --deadline-s (the straggler's iteration time)"
+            )
+        fits = [p for p in self.points if p.time_s <= deadline_s + 1e-12]
+        if not fits:
+            raise PlanError(
+                f"deadline {deadline_s:g} s is below the fastest plan's {self.fastest.time_s:g} s"
+            )
+        if argmin:
+            return min(fits, key=lambda p: (p.energy_j, -p.time_s))
+        return fits[0]  # points run slowest first
+
+    def baseline(self, time_s: float | None = None) -> Baseline:
+        """All-max-frequency energy at ``time_s`` (default: its own iteration time).
+
+        ``E = Σ_s [busy energy_s + P_block · (T - busy time_s)]`` (perseus.md §4.4, Table 6).
+        """
+        t = self.baseline_time_s if time_s is None else time_s
+        energy = sum(e + self.p_block_w * (t - busy) for busy, e in self.baseline_busy.values())
+        return Baseline(time_s=t, energy_j=energy)
+
+    @property
+    def baseline_time_s(self) -> float:
+        """Critical path with every instruction at its measured maximum-frequency time."""
+        times = [self.options[(ins.stage, ins.kind)][0].time_s for ins in self.dag.instructions]
+        return _critical_path_s(self.dag, times)
+
+    def saving(self, point: FrontierPoint) -> float:
+        """Fractional energy saving of ``point`` against all-max at the same iteration time."""
+        return 1.0 - point.energy_j / self.baseline(point.time_s).energy_j
+
+    def frequencies(self, point: FrontierPoint) -> list[float]:
+        """Per-instruction frequency: the slowest whose quantized time fits the planned duration."""
+        return [
+            frequency_for(self.options[(ins.stage, ins.kind)], q).freq_mhz
+            for ins, q in zip(self.dag.instructions, point.durations)
+        ]
+
+    def plan_json(
+        self, point: FrontierPoint, *, policy: str, metadata: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The plan file (schema ``powerlib.plan.v1``): per stage, instructions in execution order."""
+        freqs = self.frequencies(point)
+        stages = []
+        for stage in range(self.num_stages):
+            stages.append(
+                {
+                    "stage": stage,
+                    "instructions": [
+                        {
+                            "kind": self.dag.instructions[i].kind,
+                            "microbatch": self.dag.instructions[i].microbatch,
+                            "chunk": self.dag.instructions[i].chunk,
+                            "freq_mhz": freqs[i],
+                            "planned_time_s": point.durations[i] * self.unit_time_s,
+                        }
+                        for i in self.dag.stage_order(stage)
+                    ],
+                }
+            )
+        base = self.baseline(point.time_s)
+        return {
+            "schema": PLAN_SCHEMA,
+            "workload": {
+                "num_stages": self.num_stages,
+                "num_microbatches": self.num_microbatches,
+                "schedule": self.schedule_name,
+                "num_chunks": self.num_chunks,
+                "p_block_w": self.p_block_w,
+                "unit_time_s": self.unit_time_s,
+                "order": self.order,
+                "cost_model": self.cost_model,
+                **(metadata or {}),
+            },
+            "policy": policy,
+            "iteration": point.iteration,
+            "time_s": point.time_s,
+            "energy_j": point.energy_j,
+            "effective_energy_j": point.effective_energy_j,
+            "baseline_energy_j": base.energy_j,
+            "saving": 1.0 - point.energy_j / base.energy_j,
+            "stages": stages,
+        }
+
+
+def _critical_path_s(dag: PipelineDAG, times_s: Sequence[float]) -> float:
+    finish = [0.0] * len(dag.instructions)
+    preds: list[list[int]] = [[] for _ in dag.instructions]
+    for u, v in dag.edges:
+        preds[v].append(u)
+    order = [i for s in range(dag.num_stages) for i in dag.stage_order(s)]
+    done: set[int] = set()
+    # Kahn order over the DAG (stage order alone is not topological across stages).
+    indeg = [len(p) for p in preds]
+    succs: list[list[int]] = [[] for _ in dag.instructions]
+    for u, v in dag.edges:
+        succs[u].append(v)
+    ready = [i for i in order if indeg[i] == 0]
+    while ready:
+        v = ready.pop()
+        done.add(v)
+        finish[v] = max((finish[u] for u in preds[v]), default=0.0) + times_s[v]
+        for w in succs[v]:
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                ready.append(w)
+    return max(finish, default=0.0)
+
+
+def compute_frontier(
+    profile: Profile,
+    schedule: Schedule,
+    *,
+    schedule_name: str,
+    num_microbatches: int,
+    num_chunks: int = 1,
+    p_block_w: float,
+    unit_time_s: float,
+    order: str = "filter-then-subtract",
+    cost_model: str = "exp",
+    progress: Callable[[int, int], None] | None = None,
+) -> Frontier:
+    """Profile + schedule -> the exact frontier of the relaxed (fitted) problem.
+
+    Raises:
+        PlanError: The profile does not cover the schedule, or parameters are out of range.
+    """
+    if not (unit_time_s > 0 and math.isfinite(unit_time_s)):
+        raise PlanError(f"--unit-time-s must be a positive number of seconds, got {unit_time_s}")
+    if not (p_block_w >= 0 and math.isfinite(p_block_w)):
+        raise PlanError(f"--p-block-w must be a non-negative number of watts, got {p_block_w}")
+    dag = build_dag(schedule)
+    profile.validate_for(dag.num_stages)
+    options: dict[tuple[int, str], list[Option]] = {}
+    models: dict[tuple[int, str], Any] = {}
+    for stage in range(dag.num_stages):
+        for kind in (FORWARD, BACKWARD):
+            opts = prepare_options(
+                profile.options(stage, kind),
+                unit_time_s=unit_time_s,
+                p_block_w=p_block_w,
+                order=order,
+            )
+            options[(stage, kind)] = opts
+            models[(stage, kind)] = build_cost_model(opts, kind=cost_model, unit_time_s=unit_time_s)
+    costs = [models[(ins.stage, ins.kind)] for ins in dag.instructions]
+    solver = PhillipsDessouky(len(dag.instructions), dag.edges, costs)
+    n_block = dag.num_stages * p_block_w
+    points = []
+    for step in solver.run(progress):
+        time_s = step.quant_time * unit_time_s
+        points.append(
+            FrontierPoint(
+                iteration=step.iteration,
+                quant_time=step.quant_time,
+                time_s=time_s,
+                effective_energy_j=step.cost,
+                energy_j=step.cost + n_block * time_s,
+                cost_change_j=step.cost_change,
+                durations=step.durations,
+            )
+        )
+    if not points:
+        raise PlanError("the frontier is empty: every instruction has a single usable duration")
+    busy: dict[int, tuple[float, float]] = {}
+    for stage in range(dag.num_stages):
+        t = e = 0.0
+        for i in dag.stage_order(stage):
+            ins = dag.instructions[i]
+            fastest = max(profile.options(ins.stage, ins.kind), key=lambda o: o[0])
+            t += fastest[1]
+            e += fastest[2]
+        busy[stage] = (t, e)
+    return Frontier(
+        points=tuple(points),
+        dag=dag,
+        schedule_name=schedule_name,
+        num_microbatches=num_microbatches,
+        num_chunks=num_chunks,
+        options=options,
+        unit_time_s=unit_time_s,
+        p_block_w=p_block_w,
+        order=order,
+        cost_model=cost_model,
+        baseline_busy=busy,
+    )

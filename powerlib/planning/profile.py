@@ -1,0 +1,540 @@
+"""Per-instruction time and energy profiles: the frequency planner's input.
+
+A profile says, for every pipeline stage, every computation kind (forward, backward) and every
+profiled SM frequency, how long one execution takes (mean seconds) and how much energy it uses
+(mean joules). All microbatches of one (stage, kind) share these numbers.
+
+Two file formats are read and written:
+
+- **CSV** (the format of Perseus, Zeus and Kareus): a header containing
+  ``stage,instruction,frequency,time,energy`` in any order, then one row per
+  (stage, instruction, frequency). ``instruction`` is ``forward`` or ``backward`` (any case),
+  ``frequency`` is in MHz, ``time`` in seconds and ``energy`` in joules. Other columns are
+  ignored. Rank columns (``rank`` or any name ending in ``_rank``, as in Zeus's
+  ``rank,dp_rank,pp_rank,tp_rank,...``) may repeat a (stage, instruction, frequency) once per
+  rank of the stage; those rows are merged the way Kareus aggregates the TP/CP ranks of a
+  stage: **time = max** over the ranks (the stage waits for its slowest rank) and **energy =
+  mean** (energy per GPU). Without rank columns a repeated row is an error.
+- **JSON**: ``{"schema": "powerlib.profile.v1", "rows": [{"stage": 0, "instruction":
+  "forward", "freq_mhz": 1410, "time_s": 0.03, "energy_j": 9.0}, ...]}``.
+
+Every validation error is a :class:`~powerlib.errors.PlanError` with a one-line message that
+starts with the file name and, where one row is at fault, its line (CSV) or row index (JSON).
+
+This module is pure: it imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from powerlib.errors import PlanError
+from powerlib.planning.pipeline import KINDS
+
+__all__ = ["CSV_COLUMNS", "PROFILE_SCHEMA", "Profile", "ProfileRow"]
+
+PROFILE_SCHEMA = "powerlib.profile.v1"
+"""The ``schema`` value of a JSON profile."""
+
+CSV_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
+"""The CSV columns a profile needs (any order; others are ignored)."""
+
+_JSON_FIELDS = ("stage", "instruction", "freq_mhz", "time_s", "energy_j")
+_NUMBER_FIELDS = (
+    ("freq_mhz", "frequency", "MHz"),
+    ("time_s", "time", "s"),
+    ("energy_j", "energy", "J"),
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileRow:
+    """One profiled (stage, kind, frequency) point.
+
+    Attributes:
+        stage: Pipeline stage, from 0.
+        instruction: ``"forward"`` or ``"backward"``.
+        freq_mhz: The locked SM frequency, in MHz.
+        time_s: Mean duration of one execution, in seconds.
+        energy_j: Mean energy of one execution, in joules.
+    """
+
+    stage: int
+    instruction: str
+    freq_mhz: float
+    time_s: float
+    energy_j: float
+
+
+_Where = str  # "line 7" (CSV) or "rows[3]" (JSON, constructor)
+
+
+class Profile:
+    """A validated profile: for each stage and kind, at least two (frequency, time, energy) options.
+
+    Validation (each failure is one :class:`~powerlib.errors.PlanError` line naming the source
+    and, where it applies, the row): instruction is forward or backward (any case); stage is an
+    integer >= 0; frequency is finite and > 0; time and energy are finite and >= 0; no two rows
+    share (stage, instruction, frequency); every stage from 0 to the largest has both kinds, each
+    with at least two frequencies.
+
+    Args:
+        rows: The profile rows, in any order.
+        source: Names the data in error messages (a file name, or ``"<rows>"``).
+
+    Attributes:
+        rows: The rows, sorted by stage, kind (forward first), then frequency from high to low.
+        stages: The stages, sorted (always ``0 .. N-1``).
+        source: The name used in error messages.
+
+    Raises:
+        PlanError: The rows fail validation.
+    """
+
+    __slots__ = ("_options", "rows", "source", "stages")
+
+    rows: tuple[ProfileRow, ...]
+    stages: tuple[int, ...]
+    source: str
+    _options: dict[tuple[int, str], list[tuple[float, float, float]]]
+
+    def __init__(self, rows: Iterable[ProfileRow], *, source: str = "<rows>") -> None:
+        rows = list(rows)
+        self._setup(rows, source, [f"rows[{i}]" for i in range(len(rows))])
+
+    def _setup(self, rows: list[ProfileRow], source: str, where: list[_Where]) -> None:
+        if not rows:
+            raise PlanError(f"{source}: the profile has no rows")
+        clean: list[ProfileRow] = []
+        first: dict[tuple[int, str, float], _Where] = {}
+        for row, loc in zip(rows, where):
+            row = _check_row(row, source, loc)
+            key = (row.stage, row.instruction, row.freq_mhz)
+            if key in first:
+                raise PlanError(
+                    f"{source}: {loc}: duplicate row for stage {row.stage} {row.instruction} at "
+                    f"{_fmt_freq(row.freq_mhz)} MHz (first at {first[key]})"
+                )
+            first[key] = loc
+            clean.append(row)
+        options: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
+        location: dict[tuple[int, str], _Where] = {}
+        for row, loc in zip(clean, where):
+            options.setdefault((row.stage, row.instruction), []).append(
+                (row.freq_mhz, row.time_s, row.energy_j)
+            )
+            location.setdefault((row.stage, row.instruction), loc)
+        stages = sorted({stage for stage, _ in options})
+        for expected, stage in enumerate(stages):
+            if stage != expected:
+                raise PlanError(
+                    f"{source}: stage {expected} is missing (stages present: "
+                    f"{', '.join(map(str, stages))}); stages must be numbered 0..N-1 without gaps"
+                )
+        for stage in stages:
+            for kind in KINDS:
+                if (stage, kind) not in options:
+                    other = next(k for k in KINDS if (stage, k) in options)
+                    raise PlanError(
+                        f"{source}: stage {stage} has {other} rows (first at "
+                        f"{location[stage, other]}) but no {kind} rows"
+                    )
+        for (stage, kind), points in options.items():
+            points.sort(key=lambda point: -point[0])
+            if len(points) < 2:
+                raise PlanError(
+                    f"{source}: {location[stage, kind]}: stage {stage} {kind} has only one "
+                    f"frequency ({_fmt_freq(points[0][0])} MHz); the planner needs at least two"
+                )
+        self.rows = tuple(sorted(clean, key=_row_order))
+        self.stages = tuple(stages)
+        self.source = source
+        self._options = options
+
+    @classmethod
+    def _create(cls, rows: list[ProfileRow], source: str, where: list[_Where]) -> Profile:
+        profile = cls.__new__(cls)
+        profile._setup(rows, source, where)
+        return profile
+
+    @property
+    def num_stages(self) -> int:
+        """The number of pipeline stages the profile covers."""
+        return len(self.stages)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Profile):
+            return NotImplemented
+        return self.rows == other.rows
+
+    def __hash__(self) -> int:
+        return hash(self.rows)
+
+    def __repr__(self) -> str:
+        return f"Profile({len(self.stages)} stages, {len(self.rows)} rows, source={self.source!r})"
+
+    def _points(self, stage: int, kind: str) -> list[tuple[float, float, float]]:
+        try:
+            return self._options[stage, kind]
+        except (KeyError, TypeError):
+            raise PlanError(
+                f"{self.source}: no profile for stage {stage!r} {kind!r}; it has stages "
+                f"0..{len(self.stages) - 1} and kinds {', '.join(KINDS)}"
+            ) from None
+
+    def options(self, stage: int, kind: str) -> list[tuple[float, float, float]]:
+        """The profiled options of one (stage, kind).
+
+        Args:
+            stage: The pipeline stage.
+            kind: ``"forward"`` or ``"backward"``.
+
+        Returns:
+            ``(freq_mhz, time_s, energy_j)`` tuples, highest (fastest) frequency first. The list
+            is a copy; at least two entries.
+
+        Raises:
+            PlanError: The profile has no such stage or kind.
+        """
+        return list(self._points(stage, kind))
+
+    def max_freq_mhz(self, stage: int, kind: str) -> float:
+        """The highest profiled frequency of one (stage, kind), in MHz.
+
+        Args:
+            stage: The pipeline stage.
+            kind: ``"forward"`` or ``"backward"``.
+
+        Returns:
+            The frequency in MHz.
+
+        Raises:
+            PlanError: The profile has no such stage or kind.
+        """
+        return self._points(stage, kind)[0][0]
+
+    def validate_for(self, num_stages: int, kinds: Sequence[str] = KINDS) -> None:
+        """Check that the profile fits a pipeline of ``num_stages`` stages.
+
+        Args:
+            num_stages: The pipeline's number of stages; the profile must cover exactly
+                stages ``0 .. num_stages-1``.
+            kinds: The computation kinds the schedule uses.
+
+        Raises:
+            PlanError: The stage count differs, or a (stage, kind) is missing or has fewer than
+                two frequencies.
+        """
+        if len(self.stages) != num_stages:
+            raise PlanError(
+                f"{self.source}: the profile covers {len(self.stages)} stages but the pipeline "
+                f"has {num_stages}"
+            )
+        for stage in range(num_stages):
+            for kind in kinds:
+                if len(self._points(stage, kind)) < 2:  # pragma: no cover - enforced at build
+                    raise PlanError(f"{self.source}: stage {stage} {kind} has one frequency")
+
+    # --- reading -------------------------------------------------------------------------------
+
+    @classmethod
+    def read(cls, path: str | Path) -> Profile:
+        """Read a profile file; the format follows the suffix (``.csv`` or ``.json``).
+
+        Args:
+            path: The file.
+
+        Returns:
+            The validated profile; error messages name ``path``.
+
+        Raises:
+            PlanError: Unknown suffix, unreadable file, or invalid content.
+        """
+        path = Path(path)
+        suffix = path.suffix.lower()
+        if suffix not in (".csv", ".json"):
+            raise PlanError(f"{path}: unknown profile format {suffix!r}; use .csv or .json")
+        try:
+            text = path.read_text(encoding="utf-8-sig")
+        except (OSError, UnicodeDecodeError) as err:
+            raise PlanError(f"{path}: cannot read the profile: {err}") from err
+        if suffix == ".csv":
+            return cls.from_csv_text(text, source=str(path))
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"{path}: line {err.lineno}: invalid JSON: {err.msg}") from err
+        return cls.from_json(data, source=str(path))
+
+    @classmethod
+    def from_csv_text(cls, text: str, source: str = "<string>") -> Profile:
+        """Parse a CSV profile.
+
+        Args:
+            text: The CSV text, header first.
+            source: Names the text in error messages.
+
+        Returns:
+            The validated profile. Rows repeated once per rank are merged (time = max,
+            energy = mean); see the module docstring.
+
+        Raises:
+            PlanError: A missing column, a malformed or invalid value, a duplicate row, or a
+                profile that fails :class:`Profile` validation; the message gives the line.
+        """
+        text = text.removeprefix("\ufeff")
+        reader = csv.reader(io.StringIO(text))
+        header: list[str] | None = None
+        for fields in reader:
+            if any(field.strip() for field in fields):
+                header = [field.strip().lower() for field in fields]
+                break
+        if header is None:
+            raise PlanError(
+                f"{source}: the profile is empty; expected a header {','.join(CSV_COLUMNS)}"
+            )
+        header_line = reader.line_num
+        missing = [name for name in CSV_COLUMNS if name not in header]
+        if missing:
+            raise PlanError(
+                f"{source}: line {header_line}: missing column(s) {', '.join(missing)}; the "
+                f"header needs {','.join(CSV_COLUMNS)}"
+            )
+        for name in CSV_COLUMNS:
+            if header.count(name) > 1:
+                raise PlanError(f"{source}: line {header_line}: column {name!r} appears twice")
+        column = {name: header.index(name) for name in CSV_COLUMNS}
+        rank_columns = [
+            i for i, name in enumerate(header) if name == "rank" or name.endswith("_rank")
+        ]
+
+        # (stage, kind, freq) -> (line of first row, times, energies, rank tuples seen)
+        groups: dict[
+            tuple[int, str, float], tuple[_Where, list[float], list[float], set[tuple[str, ...]]]
+        ] = {}
+        for fields in reader:
+            if not any(field.strip() for field in fields):
+                continue
+            loc = f"line {reader.line_num}"
+            if len(fields) != len(header):
+                raise PlanError(
+                    f"{source}: {loc}: expected {len(header)} fields as in the header, "
+                    f"got {len(fields)}"
+                )
+            values = {name: fields[i].strip() for name, i in column.items()}
+            row = ProfileRow(
+                stage=_parse_stage(values["stage"], source, loc),
+                instruction=values["instruction"],
+                freq_mhz=_parse_number(values["frequency"], "frequency", source, loc),
+                time_s=_parse_number(values["time"], "time", source, loc),
+                energy_j=_parse_number(values["energy"], "energy", source, loc),
+            )
+            row = _check_row(row, source, loc)
+            key = (row.stage, row.instruction, row.freq_mhz)
+            ranks = tuple(fields[i].strip() for i in rank_columns)
+            if key in groups:
+                first, times, energies, seen_ranks = groups[key]
+                if not rank_columns or ranks in seen_ranks:
+                    raise PlanError(
+                        f"{source}: {loc}: duplicate row for stage {row.stage} "
+                        f"{row.instruction} at {_fmt_freq(row.freq_mhz)} MHz (first at {first})"
+                    )
+                times.append(row.time_s)
+                energies.append(row.energy_j)
+                seen_ranks.add(ranks)
+            else:
+                groups[key] = (loc, [row.time_s], [row.energy_j], {ranks})
+        if not groups:
+            raise PlanError(f"{source}: the profile has a header but no rows")
+        rows = [
+            ProfileRow(
+                stage=stage,
+                instruction=kind,
+                freq_mhz=freq_mhz,
+                time_s=max(times),
+                energy_j=math.fsum(energies) / len(energies),
+            )
+            for (stage, kind, freq_mhz), (_, times, energies, _) in groups.items()
+        ]
+        return cls._create(rows, source, [group[0] for group in groups.values()])
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "<json>") -> Profile:
+        """Build a profile from its JSON form (see :meth:`to_json`).
+
+        Args:
+            data: The decoded JSON object.
+            source: Names the data in error messages.
+
+        Returns:
+            The validated profile.
+
+        Raises:
+            PlanError: A wrong schema, a malformed row, or a profile that fails validation; the
+                message gives the row index as ``rows[i]``.
+        """
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{source}: a JSON profile must be an object with 'schema' and 'rows'")
+        if data.get("schema") != PROFILE_SCHEMA:
+            raise PlanError(
+                f"{source}: unknown schema {data.get('schema')!r}; expected {PROFILE_SCHEMA!r}"
+            )
+        items = data.get("rows")
+        if not isinstance(items, list):
+            raise PlanError(f"{source}: 'rows' must be a list of row objects")
+        rows: list[ProfileRow] = []
+        where: list[_Where] = []
+        for i, item in enumerate(items):
+            loc = f"rows[{i}]"
+            if not isinstance(item, Mapping):
+                raise PlanError(f"{source}: {loc}: expected an object, got {item!r}")
+            missing = [name for name in _JSON_FIELDS if name not in item]
+            if missing:
+                raise PlanError(f"{source}: {loc}: missing field(s) {', '.join(missing)}")
+            stage = item["stage"]
+            if isinstance(stage, bool) or not isinstance(stage, int):
+                raise PlanError(f"{source}: {loc}: stage must be an integer, got {stage!r}")
+            if not isinstance(item["instruction"], str):
+                raise PlanError(
+                    f"{source}: {loc}: instruction must be a string, got {item['instruction']!r}"
+                )
+            for name in ("freq_mhz", "time_s", "energy_j"):
+                value = item[name]
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise PlanError(f"{source}: {loc}: {name} must be a number, got {value!r}")
+            rows.append(
+                ProfileRow(
+                    stage=stage,
+                    instruction=item["instruction"],
+                    freq_mhz=float(item["freq_mhz"]),
+                    time_s=float(item["time_s"]),
+                    energy_j=float(item["energy_j"]),
+                )
+            )
+            where.append(loc)
+        return cls._create(rows, source, where)
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """The profile as a JSON-ready dict, ``{"schema": ..., "rows": [...]}``.
+
+        Returns:
+            A new dict; floats are kept exactly, so the round trip is lossless.
+        """
+        return {
+            "schema": PROFILE_SCHEMA,
+            "rows": [
+                {
+                    "stage": row.stage,
+                    "instruction": row.instruction,
+                    "freq_mhz": row.freq_mhz,
+                    "time_s": row.time_s,
+                    "energy_j": row.energy_j,
+                }
+                for row in self.rows
+            ],
+        }
+
+    def write_json(self, path: str | Path) -> None:
+        """Write the profile as JSON (see :meth:`to_json`).
+
+        Args:
+            path: The file to create or replace.
+        """
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
+
+    def to_csv_text(self) -> str:
+        """The profile as CSV text, header ``stage,instruction,frequency,time,energy``.
+
+        Returns:
+            The text; floats are written with :func:`repr`, so the round trip is lossless.
+        """
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(CSV_COLUMNS)
+        for row in self.rows:
+            writer.writerow(
+                [
+                    row.stage,
+                    row.instruction,
+                    _fmt_freq(row.freq_mhz),
+                    repr(row.time_s),
+                    repr(row.energy_j),
+                ]
+            )
+        return out.getvalue()
+
+    def write_csv(self, path: str | Path) -> None:
+        """Write the profile as CSV (see :meth:`to_csv_text`).
+
+        Args:
+            path: The file to create or replace.
+        """
+        Path(path).write_text(self.to_csv_text(), encoding="utf-8")
+
+
+def _row_order(row: ProfileRow) -> tuple[int, int, float]:
+    return (row.stage, KINDS.index(row.instruction), -row.freq_mhz)
+
+
+def _fmt_freq(freq_mhz: float) -> str:
+    return str(int(freq_mhz)) if float(freq_mhz).is_integer() else repr(float(freq_mhz))
+
+
+def _parse_number(text: str, name: str, source: str, loc: _Where) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise PlanError(f"{source}: {loc}: {name} is not a number: {text!r}") from None
+
+
+def _parse_stage(text: str, source: str, loc: _Where) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if value.is_integer():
+        return int(value)
+    raise PlanError(f"{source}: {loc}: stage must be an integer, got {text!r}")
+
+
+def _check_row(row: ProfileRow, source: str, loc: _Where) -> ProfileRow:
+    """Validate one row's values and return it with the instruction lower-cased."""
+    if not isinstance(row, ProfileRow):
+        raise PlanError(f"{source}: {loc}: expected a ProfileRow, got {row!r}")
+    if isinstance(row.stage, bool) or not isinstance(row.stage, int) or row.stage < 0:
+        raise PlanError(f"{source}: {loc}: stage must be an integer >= 0, got {row.stage!r}")
+    kind = row.instruction.strip().lower() if isinstance(row.instruction, str) else None
+    if kind not in KINDS:
+        raise PlanError(
+            f"{source}: {loc}: unknown instruction {row.instruction!r}; expected forward or backward"
+        )
+    numbers: list[float] = []
+    for name, label, unit in _NUMBER_FIELDS:
+        raw = getattr(row, name)
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise PlanError(f"{source}: {loc}: {label} must be a number, got {raw!r}")
+        value = float(raw)
+        if not math.isfinite(value):
+            raise PlanError(f"{source}: {loc}: {label} must be finite, got {value!r} {unit}")
+        if name == "freq_mhz" and value <= 0:
+            raise PlanError(f"{source}: {loc}: frequency must be > 0, got {value!r} MHz")
+        if value < 0:
+            raise PlanError(f"{source}: {loc}: {label} must be >= 0, got {value!r} {unit}")
+        numbers.append(value)
+    freq_mhz, time_s, energy_j = numbers
+    return ProfileRow(
+        stage=row.stage, instruction=kind, freq_mhz=freq_mhz, time_s=time_s, energy_j=energy_j
+    )
