@@ -676,6 +676,175 @@ def restore(opts: _Options, mode: str, dry_run: bool, as_json: bool) -> None:
         raise PowerlibError(f"{len(failed)} restore step(s) failed; journals kept for another try")
 
 
+@cli.command()
+@click.argument("profile_path", metavar="PROFILE", type=click.Path(dir_okay=False))
+@click.option("--stages", type=click.IntRange(min=1), required=True, help="Pipeline stages N.")
+@click.option(
+    "--microbatches",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Microbatches M per iteration.",
+)
+@click.option(
+    "--schedule",
+    type=click.Choice(["1f1b", "gpipe", "interleaved"]),
+    default="1f1b",
+    show_default=True,
+)
+@click.option(
+    "--chunks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Virtual stages per GPU (interleaved; default 2).",
+)
+@click.option(
+    "--p-block-w",
+    type=float,
+    required=True,
+    help="Power while blocked on communication (A100: 83.64, A40: 70.38).",
+)
+@click.option(
+    "--unit-time-s", type=float, required=True, help="Time quantum τ (the artifact: 0.001)."
+)
+@click.option(
+    "--order",
+    type=click.Choice(["filter-then-subtract", "subtract-then-filter"]),
+    default="filter-then-subtract",
+    show_default=True,
+    help="Pareto filter before or after the effective-energy conversion (the paper: before).",
+)
+@click.option(
+    "--cost-model",
+    type=click.Choice(["exp", "convex"]),
+    default="exp",
+    show_default=True,
+    help="Exponential fit (the paper) or the lower convex hull of the measured points.",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(["fastest", "deadline", "min-energy"]),
+    default="fastest",
+    show_default=True,
+    help="Which frontier point to write as the plan.",
+)
+@click.option(
+    "--deadline-s", type=float, default=None, help="Straggler iteration time T' (policy deadline)."
+)
+@click.option(
+    "--argmin",
+    is_flag=True,
+    help="Deadline policy: min-energy point with T <= T' (the paper's emulation rule) instead of the slowest.",
+)
+@click.option(
+    "--frontier-out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the frontier CSV here.",
+)
+@click.option(
+    "--plan-out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the chosen plan (JSON) here.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Plot the frontier to this PNG (needs powerlib[plot]).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+def plan(
+    profile_path: str,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    chunks: int | None,
+    p_block_w: float,
+    unit_time_s: float,
+    order: str,
+    cost_model: str,
+    policy: str,
+    deadline_s: float | None,
+    argmin: bool,
+    frontier_out: str | None,
+    plan_out: str | None,
+    plot_path: str | None,
+    as_json: bool,
+) -> None:
+    """Compute the Perseus time-energy frontier of a pipeline from a PROFILE and pick a plan.
+
+    PROFILE is a CSV (stage,instruction,frequency,time,energy; extra rank columns are merged:
+    time = max, energy = mean) or a JSON profile. Savings are against every instruction at its
+    maximum frequency, blocking power included, at the chosen plan's iteration time.
+    """
+    from powerlib.planning.perseus.frontier import compute_frontier  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.planning.perseus.report import (  # noqa: PLC0415
+        plot_frontier,
+        summary,
+        write_frontier_csv,
+        write_plan_json,
+    )
+    from powerlib.planning.pipeline import build_schedule  # noqa: PLC0415
+    from powerlib.planning.profile import Profile  # noqa: PLC0415
+
+    if policy == "deadline" and deadline_s is None:
+        raise click.UsageError("--policy deadline needs --deadline-s")
+    num_chunks = chunks if chunks is not None else (2 if schedule == "interleaved" else 1)
+    profile = Profile.read(profile_path)
+    sched = build_schedule(schedule, stages, microbatches, num_chunks)
+    err = click.get_text_stream("stderr")
+    started = time.perf_counter()
+    with click.progressbar(length=1, label="solving frontier", file=err, show_pos=True) as bar:
+
+        def progress(done: int, expected: int) -> None:
+            bar.length = max(expected, 1)
+            bar.update(1)
+
+        frontier = compute_frontier(
+            profile,
+            sched,
+            schedule_name=schedule,
+            num_microbatches=microbatches,
+            num_chunks=num_chunks,
+            p_block_w=p_block_w,
+            unit_time_s=unit_time_s,
+            order=order,
+            cost_model=cost_model,
+            progress=progress,
+        )
+    solve_time_s = time.perf_counter() - started
+    chosen = frontier.select(policy, deadline_s, argmin=argmin)
+    if frontier_out:
+        write_frontier_csv(frontier, frontier_out)
+    if plan_out:
+        write_plan_json(frontier, chosen, plan_out, policy=policy)
+    if plot_path:
+        plot_frontier(frontier, chosen, plot_path)
+    data = summary(frontier, chosen, policy=policy, solve_time_s=solve_time_s)
+    if as_json:
+        _emit_json(data)
+        return
+    c = data["chosen"]
+    click.echo(
+        f"frontier: {data['num_points']} points, {data['t_max_s']:.4f} s (all slowest) -> "
+        f"{data['t_min_s']:.4f} s (T_min); minimum energy {data['t_star_energy_j']:.1f} J at "
+        f"T* = {data['t_star_s']:.4f} s; solved in {solve_time_s:.1f} s"
+    )
+    click.echo(
+        f"chosen ({policy}): {c['time_s']:.4f} s, {c['energy_j']:.1f} J planned; "
+        f"{c['realized_time_s']:.4f} s, {c['realized_energy_j']:.1f} J replayed on the profile"
+    )
+    click.echo(
+        f"all max frequency at that time: {data['baseline']['energy_j']:.1f} J -> "
+        f"saving {data['saving_percent']:.2f} %"
+    )
+    for label, path in (("frontier", frontier_out), ("plan", plan_out), ("plot", plot_path)):
+        if path:
+            click.echo(f"{label} written to {path}")
+
+
 def _ensure_not_controlled(backend: Backend, dev: Device) -> None:
     """`set`/`reset` must not fight a running session: refuse a device whose lock is held."""
     if not backend.persistent:

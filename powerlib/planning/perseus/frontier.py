@@ -157,6 +157,26 @@ class Frontier:
             for ins, q in zip(self.dag.instructions, point.durations)
         ]
 
+    def replay(self, point: FrontierPoint) -> Baseline:
+        """Realized iteration time and energy of ``point``'s plan, from the *measured* profile.
+
+        Every instruction runs at its planned frequency for its measured time and energy; the
+        iteration time is the critical path, and each stage pays ``P_block`` while it waits
+        (perseus.md §5.5). This is what the plan would cost if the profile were exact, without
+        the fit and the quantization the planner works with.
+        """
+        chosen = [
+            frequency_for(self.options[(ins.stage, ins.kind)], q)
+            for ins, q in zip(self.dag.instructions, point.durations)
+        ]
+        time_s = _critical_path_s(self.dag, [o.time_s for o in chosen])
+        energy = 0.0
+        for stage in range(self.num_stages):
+            order = self.dag.stage_order(stage)
+            busy = sum(chosen[i].time_s for i in order)
+            energy += sum(chosen[i].energy_j for i in order) + self.p_block_w * (time_s - busy)
+        return Baseline(time_s=time_s, energy_j=energy)
+
     def plan_json(
         self, point: FrontierPoint, *, policy: str, metadata: dict[str, Any] | None = None
     ) -> dict[str, Any]:
@@ -205,25 +225,22 @@ class Frontier:
 
 
 def _critical_path_s(dag: PipelineDAG, times_s: Sequence[float]) -> float:
-    finish = [0.0] * len(dag.instructions)
+    """Longest path through the instruction DAG with the given per-instruction times."""
     preds: list[list[int]] = [[] for _ in dag.instructions]
+    succs: list[list[int]] = [[] for _ in dag.instructions]
+    indegree = [0] * len(dag.instructions)
     for u, v in dag.edges:
         preds[v].append(u)
-    order = [i for s in range(dag.num_stages) for i in dag.stage_order(s)]
-    done: set[int] = set()
-    # Kahn order over the DAG (stage order alone is not topological across stages).
-    indeg = [len(p) for p in preds]
-    succs: list[list[int]] = [[] for _ in dag.instructions]
-    for u, v in dag.edges:
         succs[u].append(v)
-    ready = [i for i in order if indeg[i] == 0]
+        indegree[v] += 1
+    finish = [0.0] * len(dag.instructions)
+    ready = [i for i, k in enumerate(indegree) if k == 0]
     while ready:
         v = ready.pop()
-        done.add(v)
         finish[v] = max((finish[u] for u in preds[v]), default=0.0) + times_s[v]
         for w in succs[v]:
-            indeg[w] -= 1
-            if indeg[w] == 0:
+            indegree[w] -= 1
+            if indegree[w] == 0:
                 ready.append(w)
     return max(finish, default=0.0)
 

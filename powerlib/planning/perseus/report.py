@@ -1,0 +1,133 @@
+"""Frontier outputs: the CSV, the summary, and the plot (matplotlib, extra ``plot``)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from powerlib.errors import BackendUnavailableError
+from powerlib.planning.perseus.frontier import Frontier, FrontierPoint
+
+__all__ = ["FRONTIER_COLUMNS", "plot_frontier", "summary", "write_frontier_csv", "write_plan_json"]
+
+FRONTIER_COLUMNS = ("iteration", "time_s", "energy_j", "effective_energy_j", "cost_change_j")
+
+
+def write_frontier_csv(frontier: Frontier, path: str | Path) -> None:
+    """One row per frontier point, slowest first (exactly one per solver step)."""
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(FRONTIER_COLUMNS)
+        for p in frontier.points:
+            writer.writerow(
+                [
+                    p.iteration,
+                    repr(p.time_s),
+                    repr(p.energy_j),
+                    repr(p.effective_energy_j),
+                    repr(p.cost_change_j),
+                ]
+            )
+
+
+def write_plan_json(
+    frontier: Frontier, point: FrontierPoint, path: str | Path, *, policy: str
+) -> None:
+    """The plan file a session applies (schema ``powerlib.plan.v1``)."""
+    Path(path).write_text(
+        json.dumps(frontier.plan_json(point, policy=policy), indent=1) + "\n", encoding="utf-8"
+    )
+
+
+def summary(
+    frontier: Frontier, chosen: FrontierPoint, *, policy: str, solve_time_s: float
+) -> dict[str, Any]:
+    """What ``powerlib plan --json`` prints."""
+    baseline = frontier.baseline(chosen.time_s)
+    realized = frontier.replay(chosen)
+    t_star = frontier.min_energy
+    first = frontier.points[0]
+    return {
+        "schema": "powerlib.plan-summary.v1",
+        "num_points": len(frontier.points),
+        "t_min_s": frontier.fastest.time_s,
+        "t_max_s": first.time_s
+        + frontier.unit_time_s,  # the all-slowest start, which is not a point
+        "t_star_s": t_star.time_s,
+        "t_star_energy_j": t_star.energy_j,
+        "chosen": {
+            "policy": policy,
+            "iteration": chosen.iteration,
+            "time_s": chosen.time_s,
+            "energy_j": chosen.energy_j,
+            "realized_time_s": realized.time_s,
+            "realized_energy_j": realized.energy_j,
+        },
+        "baseline": {
+            "description": "every instruction at its maximum frequency, blocking power up to the chosen time",
+            "own_time_s": frontier.baseline_time_s,
+            "time_s": baseline.time_s,
+            "energy_j": baseline.energy_j,
+        },
+        "saving_percent": 100.0 * (1.0 - chosen.energy_j / baseline.energy_j),
+        "solve_time_s": solve_time_s,
+    }
+
+
+def plot_frontier(frontier: Frontier, chosen: FrontierPoint, path: str | Path) -> None:
+    """Frontier energy vs time with T_min, T* and the chosen plan marked.
+
+    Raises:
+        BackendUnavailableError: matplotlib is not installed (``pip install 'powerlib[plot]'``).
+    """
+    try:
+        import matplotlib  # noqa: PLC0415 - optional extra
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError as err:
+        raise BackendUnavailableError(
+            "plotting needs matplotlib: pip install 'powerlib[plot]'"
+        ) from err
+    times = [p.time_s for p in frontier.points]
+    energies = [p.energy_j for p in frontier.points]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot(times, energies, color="#1f77b4", lw=1.6, label="frontier (model)")
+    marks = [
+        (frontier.fastest, "T_min", "#d62728", "o"),
+        (frontier.min_energy, "T* (min energy)", "#2ca02c", "s"),
+        (chosen, "chosen plan", "#ff7f0e", "*"),
+    ]
+    for point, label, colour, marker in marks:
+        ax.scatter(
+            [point.time_s],
+            [point.energy_j],
+            color=colour,
+            marker=marker,
+            s=80 if marker == "*" else 45,
+            zorder=3,
+            label=f"{label}: {point.time_s:.3f} s, {point.energy_j:.1f} J",
+        )
+    base = frontier.baseline(frontier.fastest.time_s)
+    ax.scatter(
+        [base.time_s],
+        [base.energy_j],
+        color="black",
+        marker="x",
+        s=45,
+        zorder=3,
+        label=f"all max frequency: {base.energy_j:.1f} J",
+    )
+    ax.set_xlabel("iteration time (s)")
+    ax.set_ylabel("iteration energy (J)")
+    ax.set_title(
+        f"Perseus frontier: {frontier.num_stages} stages, {frontier.num_microbatches} microbatches, "
+        f"{frontier.schedule_name}"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
