@@ -366,3 +366,57 @@ def test_a_malformed_profile_is_one_line(tmp_path: Path) -> None:
         ],
     )
     assert result.exit_code == 7 and "bad.csv" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("profile", "n", "m", "p_block_w", "raw_slowdown_above", "min_saving"),
+    [
+        (SYNTH / "profile_synth4.csv", 4, 6, 80.0, 0.0034, 0.06),  # the reference measured +0.35 %
+        (GPT3_A100, 8, 12, 83.64, 0.0010, 0.14),
+    ],
+)
+def test_fastest_plan_is_guarded_to_at_most_0_1_percent_slowdown(
+    profile: Path, n: int, m: int, p_block_w: float, raw_slowdown_above: float, min_saving: float
+) -> None:
+    """Floor quantization makes the raw T_min plan realize slower than all-max; the guard fixes it."""
+    frontier = _frontier(profile, n, m, p_block_w)
+    all_max_s = frontier.baseline_time_s
+    raw = frontier.replay(frontier.fastest)
+    assert raw.time_s / all_max_s - 1 > raw_slowdown_above  # the problem is real
+    guarded = frontier.realized(frontier.within_slowdown(frontier.fastest, 0.001))
+    assert guarded.time_s <= all_max_s * 1.001
+    assert 1 - guarded.energy_j / frontier.baseline(guarded.time_s).energy_j >= min_saving
+
+
+def test_plan_cli_reports_the_guarded_realized_plan(tmp_path: Path) -> None:
+    plan_path = tmp_path / "plan.json"
+    result = CliRunner().invoke(
+        cli,
+        [
+            "plan",
+            str(GPT3_A100),
+            "--stages",
+            "8",
+            "--microbatches",
+            "12",
+            "--p-block-w",
+            "83.64",
+            "--unit-time-s",
+            "0.001",
+            "--json",
+            "--plan-out",
+            str(plan_path),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    realized = json.loads(result.stdout)["realized"]
+    assert realized["slowdown_percent"] <= 0.1 and realized["saving_percent"] >= 14.0
+    assert realized["instructions_sped_up"] >= 1
+    frontier = _frontier(GPT3_A100, 8, 12, 83.64)
+    guarded = [o.freq_mhz for o in frontier.within_slowdown(frontier.fastest)]
+    written = json.loads(plan_path.read_text())
+    by_node = {}
+    for stage in written["stages"]:
+        for node, ins in zip(frontier.dag.stage_order(stage["stage"]), stage["instructions"]):
+            by_node[node] = ins["freq_mhz"]
+    assert [by_node[i] for i in range(len(guarded))] == guarded

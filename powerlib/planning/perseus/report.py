@@ -33,20 +33,33 @@ def write_frontier_csv(frontier: Frontier, path: str | Path) -> None:
 
 
 def write_plan_json(
-    frontier: Frontier, point: FrontierPoint, path: str | Path, *, policy: str
+    frontier: Frontier, point: FrontierPoint, path: str | Path, *, policy: str, chosen: Any = None
 ) -> None:
-    """The plan file a session applies (schema ``powerlib.plan.v1``)."""
-    Path(path).write_text(
-        json.dumps(frontier.plan_json(point, policy=policy), indent=1) + "\n", encoding="utf-8"
-    )
+    """The plan file a session applies (schema ``powerlib.plan.v1``).
+
+    ``chosen`` overrides the point's per-instruction options (the slowdown guard's result).
+    """
+    data = frontier.plan_json(point, policy=policy, chosen=chosen)
+    Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
 
 
 def summary(
-    frontier: Frontier, chosen: FrontierPoint, *, policy: str, solve_time_s: float
+    frontier: Frontier,
+    chosen: FrontierPoint,
+    *,
+    policy: str,
+    solve_time_s: float,
+    guarded: Any = None,
+    max_slowdown: float | None = None,
 ) -> dict[str, Any]:
-    """What ``powerlib plan --json`` prints."""
+    """What ``powerlib plan --json`` prints.
+
+    ``guarded`` are the per-instruction options after the slowdown guard (fastest policy); the
+    realized figures and the guard's effect are reported from them.
+    """
     baseline = frontier.baseline(chosen.time_s)
-    realized = frontier.replay(chosen)
+    realized = frontier.replay(chosen) if guarded is None else frontier.realized(guarded)
+    own = frontier.baseline()
     t_star = frontier.min_energy
     first = frontier.points[0]
     return {
@@ -72,6 +85,16 @@ def summary(
             "energy_j": baseline.energy_j,
         },
         "saving_percent": 100.0 * (1.0 - chosen.energy_j / baseline.energy_j),
+        "realized": {
+            "description": "the plan replayed on the measured profile, against all max frequency at its own time",
+            "slowdown_percent": 100.0 * (realized.time_s / own.time_s - 1.0),
+            "saving_percent": 100.0
+            * (1.0 - realized.energy_j / frontier.baseline(realized.time_s).energy_j),
+            "max_slowdown_guard": max_slowdown,
+            "instructions_sped_up": None
+            if guarded is None
+            else sum(1 for o, f in zip(guarded, frontier.frequencies(chosen)) if o.freq_mhz != f),
+        },
         "solve_time_s": solve_time_s,
     }
 
