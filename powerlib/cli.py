@@ -150,7 +150,7 @@ def _status_json(dev: Device, state: PowerState) -> dict[str, object]:
             else list(info.power_limit_range_w),
             "default_power_limit_w": info.default_power_limit_w,
             "capabilities": {
-                name: name in info.capabilities.names() for name in _capability_names(dev)
+                f.name: getattr(info.capabilities, f.name) for f in fields(info.capabilities)
             },
             "details": dict(dev.details()),
         }
@@ -167,10 +167,6 @@ _CAPABILITY_LABELS = (
     ("has_power_reading", "power reading"),
     ("has_temperature", "temperature"),
 )
-
-
-def _capability_names(dev: Device) -> list[str]:
-    return [f.name for f in fields(dev.info.capabilities)]
 
 
 def _select(backend: Backend, selector: str | None) -> list[Device]:

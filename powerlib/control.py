@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -682,9 +682,3 @@ def wait_for_owner_exit(owner: Owner, stream_fd: int, poll_s: float = 0.2) -> No
             return
         if not owner.is_alive():
             return
-
-
-def iter_active_sessions() -> Iterable[ControlSession]:
-    """Sessions open in this process (for diagnostics)."""
-    with _ACTIVE_GUARD:
-        return list(_ACTIVE)

@@ -150,12 +150,16 @@ class Frontier:
         """Fractional energy saving of ``point`` against all-max at the same iteration time."""
         return 1.0 - point.energy_j / self.baseline(point.time_s).energy_j
 
-    def frequencies(self, point: FrontierPoint) -> list[float]:
-        """Per-instruction frequency: the slowest whose quantized time fits the planned duration."""
+    def planned_options(self, point: FrontierPoint) -> list[Option]:
+        """Per-instruction option: the slowest whose quantized time fits the planned duration."""
         return [
-            frequency_for(self.options[(ins.stage, ins.kind)], q).freq_mhz
+            frequency_for(self.options[(ins.stage, ins.kind)], q)
             for ins, q in zip(self.dag.instructions, point.durations)
         ]
+
+    def frequencies(self, point: FrontierPoint) -> list[float]:
+        """Per-instruction frequency of :meth:`planned_options`."""
+        return [o.freq_mhz for o in self.planned_options(point)]
 
     def within_slowdown(self, point: FrontierPoint, max_slowdown: float = 0.001) -> list[Option]:
         """Per-instruction options for ``point``, realized within ``max_slowdown`` of all-max.
@@ -171,10 +175,7 @@ class Frontier:
             point: A frontier point (normally ``fastest``).
             max_slowdown: Allowed realized slowdown against all-max, as a fraction.
         """
-        chosen = [
-            frequency_for(self.options[(ins.stage, ins.kind)], q)
-            for ins, q in zip(self.dag.instructions, point.durations)
-        ]
+        chosen = self.planned_options(point)
         limit_s = self.baseline_time_s * (1.0 + max_slowdown)
         while True:
             time_s, path = _critical_path_with_nodes(self.dag, [o.time_s for o in chosen])
@@ -214,12 +215,7 @@ class Frontier:
         (perseus.md §5.5). This is what the plan would cost if the profile were exact, without
         the fit and the quantization the planner works with.
         """
-        return self.realized(
-            [
-                frequency_for(self.options[(ins.stage, ins.kind)], q)
-                for ins, q in zip(self.dag.instructions, point.durations)
-            ]
-        )
+        return self.realized(self.planned_options(point))
 
     def plan_json(
         self,
