@@ -58,12 +58,23 @@ __all__ = [
     "PowerlibError",
     "ProbeResult",
     "RestoreOutcome",
+    "Session",
     "Settings",
     "__version__",
     "backend_names",
     "open_backend",
+    "optimize",
     "probe_backends",
     "restore_journals",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def __getattr__(name: str) -> object:
+    """``powerlib.optimize`` and ``powerlib.Session`` load the runtime (and numpy) on first use."""
+    if name in ("optimize", "Session"):
+        from powerlib import runtime  # noqa: PLC0415
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'powerlib' has no attribute {name!r}")

@@ -73,6 +73,7 @@ class Settings:
         cuda_device_order: ``CUDA_DEVICE_ORDER`` (``FASTEST_FIRST`` or ``PCI_BUS_ID``).
         hip_visible_devices: ``HIP_VISIBLE_DEVICES`` as set (``None`` when unset).
         rocr_visible_devices: ``ROCR_VISIBLE_DEVICES`` as set (``None`` when unset).
+        local_rank: ``LOCAL_RANK`` (set by torchrun): the session's default device index.
     """
 
     backend: str = "auto"
@@ -85,6 +86,7 @@ class Settings:
     cuda_device_order: str = "FASTEST_FIRST"
     hip_visible_devices: str | None = None
     rocr_visible_devices: str | None = None
+    local_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not self.backend or self.backend != self.backend.strip().lower():
@@ -140,6 +142,11 @@ class Settings:
         ):
             if var in env:
                 kwargs[key] = env[var]
+        if env.get("LOCAL_RANK", "").strip():
+            raw = env["LOCAL_RANK"].strip()
+            if not raw.isdigit():
+                raise ConfigError(f"LOCAL_RANK must be a non-negative integer, got {raw!r}")
+            kwargs["local_rank"] = int(raw)
         if env.get("CUDA_DEVICE_ORDER"):
             kwargs["cuda_device_order"] = env["CUDA_DEVICE_ORDER"].strip().upper()
         return cls(**kwargs)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from powerlib.errors import PlanError
@@ -20,13 +20,20 @@ from powerlib.planning.perseus.cost_model import (
     prepare_options,
 )
 from powerlib.planning.perseus.solver import PhillipsDessouky
-from powerlib.planning.pipeline import BACKWARD, FORWARD, PipelineDAG, Schedule, build_dag
+from powerlib.planning.pipeline import (
+    BACKWARD,
+    FORWARD,
+    Instruction,
+    PipelineDAG,
+    Schedule,
+    build_dag,
+)
+from powerlib.planning.plan import PLAN_SCHEMA
 from powerlib.planning.profile import Profile
 
 __all__ = ["POLICIES", "Baseline", "Frontier", "FrontierPoint", "compute_frontier"]
 
 POLICIES = ("fastest", "deadline", "min-energy")
-PLAN_SCHEMA = "powerlib.plan.v1"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +87,8 @@ class Frontier:
     order: str
     cost_model: str
     baseline_busy: dict[int, tuple[float, float]]  # stage -> (busy time, energy) at max frequency
+    measured: dict[tuple[int, str], dict[float, tuple[float, float]]] = field(default_factory=dict)
+    """(stage, kind) -> frequency -> measured (time_s, energy_j), every profiled frequency."""
 
     @property
     def num_stages(self) -> int:
@@ -161,28 +170,46 @@ class Frontier:
         """Per-instruction frequency of :meth:`planned_options`."""
         return [o.freq_mhz for o in self.planned_options(point)]
 
-    def within_slowdown(self, point: FrontierPoint, max_slowdown: float = 0.001) -> list[Option]:
+    def within_slowdown(
+        self,
+        point: FrontierPoint,
+        max_slowdown: float = 0.001,
+        *,
+        switch_latency_s: float = 0.0,
+        limit_s: float | None = None,
+    ) -> list[Option]:
         """Per-instruction options for ``point``, realized within ``max_slowdown`` of all-max.
 
         Floor quantization lets a planned duration hide up to one τ of real time per instruction,
         so a frontier plan can realize slightly slower than all-max even at T_min (+0.35 % on the
-        reference's synthetic case). This re-checks the plan against the measured times and, while
-        the realized iteration is too slow, speeds up by one option the instruction on the realized
-        critical path that buys time at the lowest energy per second; all-max itself always
-        qualifies, so it terminates, and it keeps most of the saving.
+        reference's synthetic case); a clock change that lands ``switch_latency_s`` late runs the
+        start of an instruction at its predecessor's clock. This replays the plan on the measured
+        profile with that latency (:meth:`realized`) and, while the iteration is too slow, speeds
+        up by one option the instruction that buys time at the lowest energy per second among
+        those on the realized critical path and the predecessors whose late clock change slowed
+        them; all-max itself always qualifies (no clock ever changes), so it terminates, and it
+        keeps most of the saving.
 
         Args:
             point: A frontier point (normally ``fastest``).
-            max_slowdown: Allowed realized slowdown against all-max, as a fraction.
+            max_slowdown: Allowed realized slowdown, as a fraction.
+            switch_latency_s: Delay between a clock request and its effect. The runtime requests
+                an instruction's clock when the previous instruction on its stage ends.
+            limit_s: The time not to exceed (before ``max_slowdown``); default: all-max's. A
+                straggler's iteration time for the ``deadline`` policy.
         """
         chosen = self.planned_options(point)
-        limit_s = self.baseline_time_s * (1.0 + max_slowdown)
+        base = self.baseline_time_s if limit_s is None else limit_s
+        limit = base * (1.0 + max_slowdown)
         while True:
-            time_s, path = _critical_path_with_nodes(self.dag, [o.time_s for o in chosen])
-            if time_s <= limit_s:
+            run = _replay(self, chosen, switch_latency_s)
+            if run.time_s <= limit:
                 return chosen
+            candidates = set(run.path) | {
+                run.prev[v] for v in run.path if run.penalized[v] and run.prev[v] >= 0
+            }
             best: tuple[float, int, Option] | None = None
-            for v in path:
+            for v in sorted(candidates):
                 ins = self.dag.instructions[v]
                 faster = [
                     o for o in self.options[(ins.stage, ins.kind)] if o.time_s < chosen[v].time_s
@@ -194,18 +221,19 @@ class Frontier:
                 if best is None or price < best[0]:
                     best = (price, v, step)
             if best is None:
-                return chosen  # the critical path already runs at maximum frequency
+                return chosen  # everything that matters already runs at maximum frequency
             chosen[best[1]] = best[2]
 
-    def realized(self, chosen: Sequence[Option]) -> Baseline:
-        """Realized time and energy of per-instruction options, from the measured profile."""
-        time_s = _critical_path_s(self.dag, [o.time_s for o in chosen])
-        energy = 0.0
-        for stage in range(self.num_stages):
-            order = self.dag.stage_order(stage)
-            busy = sum(chosen[i].time_s for i in order)
-            energy += sum(chosen[i].energy_j for i in order) + self.p_block_w * (time_s - busy)
-        return Baseline(time_s=time_s, energy_j=energy)
+    def realized(self, chosen: Sequence[Option], switch_latency_s: float = 0.0) -> Baseline:
+        """Realized time and energy of per-instruction options, from the measured profile.
+
+        With ``switch_latency_s``, an instruction whose clock differs from its stage
+        predecessor's and that starts less than the latency after that predecessor ended runs
+        at the old clock until the change lands (the runtime requests the next clock when an
+        instruction ends; the first instruction follows the previous iteration's last).
+        """
+        run = _replay(self, chosen, switch_latency_s)
+        return Baseline(time_s=run.time_s, energy_j=run.energy_j)
 
     def replay(self, point: FrontierPoint) -> Baseline:
         """Realized iteration time and energy of ``point``'s plan, from the *measured* profile.
@@ -275,6 +303,107 @@ class Frontier:
             "saving": 1.0 - point.energy_j / base.energy_j,
             "stages": stages,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    time_s: float
+    energy_j: float
+    path: list[int]  # one realized critical path, in order
+    prev: list[int]  # same-stage predecessor (-1 for none)
+    penalized: list[bool]  # started at its predecessor's clock
+
+
+def _replay(frontier: Frontier, chosen: Sequence[Option], switch_latency_s: float) -> _Run:
+    """One iteration of per-instruction options on the measured profile (see ``realized``)."""
+    dag = frontier.dag
+    n = len(dag.instructions)
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for u, v in dag.edges:
+        preds[v].append(u)
+    prev = [-1] * n
+    last: dict[int, int] = {}
+    orders = [dag.stage_order(s) for s in range(dag.num_stages)]
+    for order in orders:
+        for a, b in zip(order, order[1:]):
+            prev[b] = a
+        if order:
+            last[order[0]] = order[-1]
+    topo = _topological(n, dag.edges)
+    wrap_gap: dict[int, float] = {}  # first instruction -> idle time before it (from pass 1)
+    for pass_no in range(2 if switch_latency_s > 0 else 1):
+        finish = [0.0] * n
+        busy = [0.0] * n
+        energy = [0.0] * n
+        via = [-1] * n
+        penalized = [False] * n
+        for v in topo:
+            start = 0.0
+            for u in preds[v]:
+                if finish[u] > start:
+                    start, via[v] = finish[u], u
+            option = chosen[v]
+            duration, e = option.time_s, option.energy_j
+            if switch_latency_s > 0:
+                u = prev[v] if prev[v] >= 0 else last.get(v, -1)
+                if u >= 0 and chosen[u].freq_mhz != option.freq_mhz:
+                    gap = start - finish[u] if prev[v] >= 0 else wrap_gap.get(v, math.inf) + start
+                    slow_s = switch_latency_s - gap
+                    if slow_s > 0:
+                        penalized[v] = True
+                        # v's own work at u's clock
+                        old_t, old_e = _at_freq(frontier, dag.instructions[v], chosen[u].freq_mhz)
+                        work = slow_s / old_t
+                        if work >= 1.0:
+                            duration, e = old_t, old_e
+                        else:
+                            duration = slow_s + (1.0 - work) * option.time_s
+                            e = work * old_e + (1.0 - work) * option.energy_j
+            finish[v] = start + duration
+            busy[v] = duration
+            energy[v] = e
+        time_s = max(finish) if n else 0.0
+        if pass_no == 0:
+            wrap_gap = {first: time_s - finish[lst] for first, lst in last.items()}
+    total = sum(energy) + frontier.p_block_w * (time_s * dag.num_stages - sum(busy))
+    end = max(range(n), key=finish.__getitem__)
+    path = [end]
+    while via[path[-1]] >= 0:
+        path.append(via[path[-1]])
+    return _Run(time_s, total, path[::-1], prev, penalized)
+
+
+def _at_freq(frontier: Frontier, ins: Instruction, freq_mhz: float) -> tuple[float, float]:
+    """Measured (time, energy) of ``ins``'s kind at ``freq_mhz``.
+
+    Without a measurement: the slowest kept option at or above that clock (or the slowest).
+    """
+    key = (ins.stage, ins.kind)
+    got = frontier.measured.get(key, {}).get(freq_mhz)
+    if got is not None:
+        return got
+    options = frontier.options[key]
+    above = [o for o in options if o.freq_mhz >= freq_mhz]
+    o = min(above, key=lambda o: o.freq_mhz) if above else max(options, key=lambda o: o.time_s)
+    return o.time_s, o.energy_j
+
+
+def _topological(n: int, edges: Sequence[tuple[int, int]]) -> list[int]:
+    succs: list[list[int]] = [[] for _ in range(n)]
+    indegree = [0] * n
+    for u, v in edges:
+        succs[u].append(v)
+        indegree[v] += 1
+    ready = [i for i in range(n) if indegree[i] == 0]
+    out = []
+    while ready:
+        v = ready.pop()
+        out.append(v)
+        for w in succs[v]:
+            indegree[w] -= 1
+            if indegree[w] == 0:
+                ready.append(w)
+    return out
 
 
 def _critical_path_s(dag: PipelineDAG, times_s: Sequence[float]) -> float:
@@ -370,7 +499,19 @@ def compute_frontier(
             )
         )
     if not points:
-        raise PlanError("the frontier is empty: every instruction has a single usable duration")
+        # Nothing can be sped up or slowed down: the frontier is the single starting point.
+        quant = solver.makespan()
+        points.append(
+            FrontierPoint(
+                iteration=0,
+                quant_time=quant,
+                time_s=quant * unit_time_s,
+                effective_energy_j=solver.total_cost(),
+                energy_j=solver.total_cost() + n_block * quant * unit_time_s,
+                cost_change_j=0.0,
+                durations=tuple(solver.durations),
+            )
+        )
     busy: dict[int, tuple[float, float]] = {}
     for stage in range(dag.num_stages):
         t = e = 0.0
@@ -392,4 +533,9 @@ def compute_frontier(
         order=order,
         cost_model=cost_model,
         baseline_busy=busy,
+        measured={
+            (stage, kind): {f: (t, e) for f, t, e in profile.options(stage, kind)}
+            for stage in range(dag.num_stages)
+            for kind in (FORWARD, BACKWARD)
+        },
     )

@@ -51,6 +51,7 @@ def summary(
     solve_time_s: float,
     guarded: Any = None,
     max_slowdown: float | None = None,
+    switch_latency_s: float = 0.0,
 ) -> dict[str, Any]:
     """What ``powerlib plan --json`` prints.
 
@@ -58,7 +59,8 @@ def summary(
     realized figures and the guard's effect are reported from them.
     """
     baseline = frontier.baseline(chosen.time_s)
-    realized = frontier.replay(chosen) if guarded is None else frontier.realized(guarded)
+    options = frontier.planned_options(chosen) if guarded is None else guarded
+    realized = frontier.realized(options, switch_latency_s)
     own = frontier.baseline()
     t_star = frontier.min_energy
     first = frontier.points[0]
@@ -91,6 +93,7 @@ def summary(
             "saving_percent": 100.0
             * (1.0 - realized.energy_j / frontier.baseline(realized.time_s).energy_j),
             "max_slowdown_guard": max_slowdown,
+            "switch_latency_s": switch_latency_s,
             "instructions_sped_up": None
             if guarded is None
             else sum(1 for o, f in zip(guarded, frontier.frequencies(chosen)) if o.freq_mhz != f),

@@ -1,0 +1,416 @@
+"""``powerlib demo`` and ``powerlib simulate``: the whole method on emulated GPUs, no GPU needed.
+
+The demo drives an emulated pipeline (by default GPT-3 175B in 8 stages on A100s, from the Perseus
+artifact's measured profile, see ``data/SOURCE.md``) through the *same* session code a training
+job uses: one :class:`~powerlib.runtime.session.Session` per stage, coordinated in-process the way
+``torch.distributed`` coordinates ranks; profile (frequency sweep on the emulated devices), plan
+on rank 0, apply through the frequency controllers. It reports the all-max-clock baseline against
+the managed iterations, measured on the emulator (exact energy, not the counters the sessions
+read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from powerlib.emulator.engine import Emulator, IterationResult
+from powerlib.errors import BackendUnavailableError, InvalidArgumentError
+from powerlib.planning.pipeline import build_schedule
+from powerlib.planning.plan import FrequencyPlan
+from powerlib.planning.profile import Profile
+from powerlib.runtime.coordination import LocalGroup
+from powerlib.runtime.session import Session
+
+__all__ = ["DemoConfig", "default_profile", "run_demo", "simulate_plan", "write_timeline"]
+
+DEFAULT_P_BLOCK_W = 83.64  # A100 blocking power of the Perseus artifact (perseus.md §1.4)
+
+
+def default_profile() -> Profile:
+    """The shipped GPT-3 175B A100-SXM stage profile (8 stages, 38 clocks)."""
+    ref = resources.files("powerlib.emulator").joinpath("data/gpt3-175b_a100_sxm.csv")
+    return Profile.from_csv_text(ref.read_text(encoding="utf-8"), source="gpt3-175b_a100_sxm.csv")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoConfig:
+    """What the demo runs.
+
+    Attributes:
+        profile_path: Ground-truth profile of the emulated GPUs; ``None``: the shipped GPT-3 one.
+        num_microbatches: Microbatches per iteration.
+        schedule: Pipeline schedule.
+        num_chunks: Chunks per stage (interleaved).
+        p_block_w: Power of a waiting emulated GPU (the sessions measure it, they are not told).
+        switch_latency_s: Clock-change latency of the emulated GPUs.
+        counter_period_s: Energy-counter update period.
+        noise: Multiplicative noise on every execution.
+        straggler: Another data-parallel pipeline is this many times slower (T′ = ratio x T).
+        policy: ``fastest`` (default), ``min-energy``; ``deadline`` with a straggler.
+        apply_iterations: Managed iterations measured after the plan's first (checked) iteration.
+        out_dir: Where profile, frontier, plan, summary and pictures go; ``None``: nowhere.
+        plot: Draw ``frontier.png`` and ``timeline.png`` (``plot`` extra).
+        seed: Noise seed.
+        progress: Progress on stderr.
+    """
+
+    profile_path: str | None = None
+    num_microbatches: int = 12
+    schedule: str = "1f1b"
+    num_chunks: int = 1
+    p_block_w: float = DEFAULT_P_BLOCK_W
+    switch_latency_s: float = 0.005
+    counter_period_s: float = 0.001
+    noise: float = 0.0
+    straggler: float | None = None
+    policy: str | None = None
+    apply_iterations: int = 3
+    out_dir: str | None = "powerlib-demo"
+    plot: bool = True
+    seed: int = 0
+    progress: bool = True
+
+
+def _say(config: DemoConfig, message: str) -> None:
+    if config.progress:
+        print(f"powerlib: {message}", file=sys.stderr, flush=True)
+
+
+def _mean(results: list[IterationResult]) -> tuple[float, float]:
+    return (
+        statistics.fmean(r.time_s for r in results),
+        statistics.fmean(r.energy_j for r in results),
+    )
+
+
+def run_demo(config: DemoConfig) -> dict[str, Any]:
+    """Baseline, then profile -> plan -> apply through sessions; returns the report.
+
+    Raises:
+        InvalidArgumentError: Bad parameters.
+        PlanError: A bad profile.
+    """
+    started = time.perf_counter()
+    if config.straggler is not None and not config.straggler >= 1.0:
+        raise InvalidArgumentError(
+            f"--straggler must be >= 1 (a slowdown factor), got {config.straggler}"
+        )
+    if config.apply_iterations < 1:
+        raise InvalidArgumentError("apply_iterations must be >= 1")
+    profile = (
+        default_profile() if config.profile_path is None else Profile.read(config.profile_path)
+    )
+    num_stages = profile.num_stages
+    schedule = build_schedule(
+        config.schedule, num_stages, config.num_microbatches, config.num_chunks
+    )
+    policy = config.policy or ("deadline" if config.straggler else "fastest")
+    emulator = Emulator(
+        profile,
+        schedule,
+        p_block_w=config.p_block_w,
+        switch_latency_s=config.switch_latency_s,
+        counter_period_s=config.counter_period_s,
+        noise=config.noise,
+        seed=config.seed,
+        device_name="Emulated A100-SXM (Perseus GPT-3 175B profile)"
+        if config.profile_path is None
+        else "Emulated GPU",
+    )
+    _say(
+        config,
+        f"emulating {num_stages} stages x {config.num_microbatches} microbatches ({config.schedule}) "
+        f"from {profile.source}; baseline at maximum clock",
+    )
+    baseline_runs = [emulator.run_iteration() for _ in range(3)]
+    base_makespan = baseline_runs[-1].makespan_s
+    deadline_s = None
+    if config.straggler is not None:
+        deadline_s = config.straggler * base_makespan
+        emulator.straggler_time_s = deadline_s
+        baseline_runs = [emulator.run_iteration()]
+        _say(
+            config,
+            f"a straggler pipeline holds every iteration to {deadline_s:.4f} s ({config.straggler:g}x)",
+        )
+    base_time, base_energy = _mean(baseline_runs[-1:])
+
+    group = LocalGroup(num_stages)
+    out_dir = None if config.out_dir is None else Path(config.out_dir)
+    sessions = [
+        Session(
+            num_stages=num_stages,
+            num_microbatches=config.num_microbatches,
+            schedule=config.schedule,
+            num_chunks=config.num_chunks,
+            stage=s,
+            backend=emulator.backend,
+            device=s,
+            coordinator=group.member(s),
+            clock=emulator.clock,
+            threaded=False,
+            policy=policy,
+            deadline_ratio=config.straggler if policy == "deadline" else None,
+            out_dir=out_dir,
+            plot=config.plot,
+            progress=config.progress and s == 0,
+        )
+        for s in range(num_stages)
+    ]
+    profile_iterations = 0
+    managed: list[IterationResult] = []
+    with contextlib.ExitStack() as stack:
+        for session in sessions:
+            stack.enter_context(session)
+        cap = sessions[0]._sweep.config.max_iterations + config.apply_iterations + 5  # type: ignore[union-attr]
+        for _ in range(cap):
+            result = emulator.run_iteration(sessions)
+            if all(p == "apply" for p in result.phases):
+                managed.append(result)
+                if len(managed) > config.apply_iterations:
+                    break
+            elif "profile" in result.phases:
+                profile_iterations += 1
+            if all(s.phase == "done" for s in sessions):
+                break
+        reports = [s.report() for s in sessions]
+        plan = sessions[0].plan
+        first_apply = sessions[0].apply_started_iteration
+    if plan is None or len(managed) <= config.apply_iterations:
+        raise InvalidArgumentError("the sessions never applied a plan; see the warnings above")
+    measured = managed[1:]  # the first applied iteration is the order check
+    time_s, energy_j = _mean(measured)
+    emulator.unlock_all()
+    summary = dict(plan.summary.get("planner_summary", {}))
+    report = {
+        "schema": "powerlib.demo.v1",
+        "workload": {
+            "profile": profile.source,
+            "num_stages": num_stages,
+            "num_microbatches": config.num_microbatches,
+            "schedule": config.schedule,
+            "p_block_w": config.p_block_w,
+            "switch_latency_s": config.switch_latency_s,
+            "counter_period_s": config.counter_period_s,
+            "noise": config.noise,
+            "straggler": config.straggler,
+            "deadline_s": deadline_s,
+        },
+        "policy": policy,
+        "baseline": {"time_s": base_time, "energy_j": base_energy, "makespan_s": base_makespan},
+        "powerlib": {
+            "time_s": time_s,
+            "energy_j": energy_j,
+            "makespan_s": statistics.fmean(r.makespan_s for r in measured),
+            "iterations_measured": len(measured),
+        },
+        "saving_percent": 100.0 * (1.0 - energy_j / base_energy),
+        "slowdown_percent": 100.0 * (time_s / base_time - 1.0),
+        "planned_saving_percent": summary.get("saving_percent"),
+        "profile": {
+            "iterations": profile_iterations,
+            "freqs_mhz": reports[0]["profiled_freqs_mhz"],
+            "measured_p_block_w": [r["measured_p_block_w"] for r in reports],
+        },
+        "apply_started_iteration": first_apply,
+        "frequency_changes_per_iteration": sum(r["frequency_changes"] for r in reports)
+        / max(len(managed), 1),
+        "elapsed_s": 0.0,
+        "outputs": {},
+    }
+    if out_dir is not None:
+        outputs = {
+            name: str(out_dir / name)
+            for name in ("profile.csv", "frontier.csv", "plan.json", "summary.json")
+        }
+        if config.plot:
+            if (out_dir / "frontier.png").exists():
+                outputs["frontier.png"] = str(out_dir / "frontier.png")
+            try:
+                write_timeline(
+                    measured[-1],
+                    out_dir / "timeline.png",
+                    title=f"one managed iteration ({policy})",
+                )
+                outputs["timeline.png"] = str(out_dir / "timeline.png")
+            except BackendUnavailableError as err:
+                _say(config, f"no pictures: {err}")
+        report["outputs"] = outputs
+    report["elapsed_s"] = time.perf_counter() - started
+    return report
+
+
+def simulate_plan(
+    plan_path: str,
+    *,
+    profile_path: str | None = None,
+    p_block_w: float = DEFAULT_P_BLOCK_W,
+    switch_latency_s: float = 0.005,
+    straggler_time_s: float | None = None,
+    iterations: int = 3,
+) -> dict[str, Any]:
+    """Replay a saved plan on the emulator and compare it with all maximum clocks.
+
+    The plan is applied the way a session applies it: each clock is requested when the previous
+    instruction ends and lands after the switch latency.
+
+    Raises:
+        PlanError: A malformed plan, or one that does not fit the profile.
+    """
+    plan = FrequencyPlan.read(plan_path)
+    profile = default_profile() if profile_path is None else Profile.read(profile_path)
+    w = plan.workload
+    schedule_name = str(w.get("schedule", "1f1b"))
+    num_mb = int(
+        w.get("num_microbatches", 1 + max(p.instruction.microbatch for p in plan.stage(0)))
+    )
+    chunks = int(w.get("num_chunks", 1))
+    schedule = build_schedule(schedule_name, plan.num_stages, num_mb, chunks)
+    emulator = Emulator(
+        profile,
+        schedule,
+        p_block_w=p_block_w,
+        switch_latency_s=switch_latency_s,
+        straggler_time_s=straggler_time_s,
+    )
+    base = [emulator.run_iteration() for _ in range(2)][-1]
+    for s in range(plan.num_stages):
+        plan.check_frequencies(emulator.devices[s].info.supported_sm_freqs_mhz, s)
+    hooks = [_PlanHooks(emulator, s, plan) for s in range(plan.num_stages)]
+    runs = [emulator.run_iteration(hooks) for _ in range(iterations + 1)][1:]
+    emulator.unlock_all()
+    mismatches = [h.mismatch for h in hooks if h.mismatch]
+    if mismatches:
+        from powerlib.errors import PlanError  # noqa: PLC0415
+
+        raise PlanError(f"{plan_path}: {mismatches[0]}")
+    time_s, energy_j = _mean(runs)
+    return {
+        "schema": "powerlib.simulate.v1",
+        "plan": plan_path,
+        "profile": profile.source,
+        "baseline": {"time_s": base.time_s, "energy_j": base.energy_j},
+        "plan_result": {"time_s": time_s, "energy_j": energy_j},
+        "saving_percent": 100.0 * (1.0 - energy_j / base.energy_j),
+        "slowdown_percent": 100.0 * (time_s / base.time_s - 1.0),
+        "planned": {k: plan.summary.get(k) for k in ("policy", "time_s", "energy_j", "saving")},
+    }
+
+
+class _PlanHooks:
+    """Replays one stage of a plan as a session applies it.
+
+    Each instruction's clock is requested when the previous one ends (and again at its begin),
+    and the order is checked.
+    """
+
+    phase = "apply"
+
+    def __init__(self, emulator: Emulator, stage: int, plan: FrequencyPlan) -> None:
+        self._device = emulator.devices[stage]
+        self._planned = plan.stage(stage)
+        self._pos = 0
+        self.mismatch = ""
+
+    def begin(self, kind: str, microbatch: int, chunk: int) -> None:
+        if self._pos < len(self._planned):
+            p = self._planned[self._pos]
+            ins = p.instruction
+            if (ins.kind, ins.microbatch, ins.chunk) != (
+                kind,
+                microbatch,
+                chunk,
+            ) and not self.mismatch:
+                self.mismatch = (
+                    f"stage {ins.stage} position {self._pos}: the plan has {ins}, the schedule runs "
+                    f"{kind} mb{microbatch}"
+                )
+            if self._device.read_state().locked_sm_freqs_mhz != (p.freq_mhz, p.freq_mhz):
+                self._device.lock_sm_clocks(p.freq_mhz)
+        self._pos += 1
+
+    def end(self) -> None:
+        # as the session does: ask for the next instruction's clock when one ends
+        if self._planned and not self.mismatch:
+            nxt = self._planned[self._pos] if self._pos < len(self._planned) else self._planned[0]
+            self._device.lock_sm_clocks(nxt.freq_mhz)
+
+    def step(self) -> None:
+        if self._pos != len(self._planned) and not self.mismatch:
+            self.mismatch = (
+                f"the plan has {len(self._planned)} instructions, the schedule ran {self._pos}"
+            )
+        self._pos = 0
+
+    def start_iteration(self) -> None:
+        return None
+
+
+def write_timeline(result: IterationResult, path: str | Path, *, title: str = "") -> None:
+    """Per-stage Gantt chart of one iteration, each segment coloured by its SM clock.
+
+    Raises:
+        BackendUnavailableError: matplotlib is not installed (``pip install 'powerlib[plot]'``).
+    """
+    try:
+        import matplotlib  # noqa: PLC0415 - optional extra
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+        from matplotlib import cm, colors  # noqa: PLC0415
+    except ImportError as err:
+        raise BackendUnavailableError(
+            "plotting needs matplotlib: pip install 'powerlib[plot]'"
+        ) from err
+    freqs = [f for ex in result.executed for _, _, f in ex.segments]
+    norm = colors.Normalize(
+        vmin=min(freqs), vmax=max(freqs) if max(freqs) > min(freqs) else min(freqs) + 1
+    )
+    cmap = plt.get_cmap("viridis")
+    num_stages = 1 + max(ex.instruction.stage for ex in result.executed)
+    fig, ax = plt.subplots(figsize=(11, 0.5 * num_stages + 1.6), dpi=120)
+    for ex in result.executed:
+        y = num_stages - 1 - ex.instruction.stage
+        for t0, t1, f in ex.segments:
+            ax.barh(
+                y,
+                t1 - t0,
+                left=t0 - result.start_s,
+                height=0.8,
+                color=cmap(norm(f)),
+                edgecolor="none",
+            )
+        ax.barh(
+            y,
+            ex.end_s - ex.start_s,
+            left=ex.start_s - result.start_s,
+            height=0.8,
+            fill=False,
+            edgecolor="white",
+            linewidth=0.4,
+        )
+        if ex.end_s - ex.start_s > result.time_s / 80:
+            ax.text(
+                (ex.start_s + ex.end_s) / 2 - result.start_s,
+                y,
+                ("F" if ex.instruction.kind == "forward" else "B") + str(ex.instruction.microbatch),
+                ha="center",
+                va="center",
+                fontsize=5,
+                color="white",
+            )
+    ax.set_yticks(range(num_stages), [f"stage {num_stages - 1 - i}" for i in range(num_stages)])
+    ax.set_xlabel("time within the iteration (s)")
+    ax.set_title(title or "one iteration")
+    ax.set_xlim(0, result.time_s)
+    fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="SM clock (MHz)", pad=0.01)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

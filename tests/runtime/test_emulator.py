@@ -1,0 +1,137 @@
+"""The emulator is the ground truth: it must agree with the planner where the model says so."""
+
+from __future__ import annotations
+
+import pytest
+from runtime_helpers import make_emulator, toy_profile
+
+from powerlib.emulator.demo import default_profile
+from powerlib.emulator.device import EmulatedDevice, VirtualTime
+from powerlib.emulator.engine import Emulator
+from powerlib.planning.perseus.frontier import compute_frontier
+from powerlib.planning.pipeline import build_schedule
+
+
+def _frontier(profile, stages: int, mb: int, p_block_w: float, tau: float = 1e-3):
+    return compute_frontier(
+        profile,
+        build_schedule("1f1b", stages, mb),
+        schedule_name="1f1b",
+        num_microbatches=mb,
+        p_block_w=p_block_w,
+        unit_time_s=tau,
+    )
+
+
+class _Prefetch:
+    """Applies a plan the way the session does: next clock requested when an instruction ends."""
+
+    phase = "apply"
+
+    def __init__(self, device: EmulatedDevice, freqs: list[float]) -> None:
+        self.device, self.freqs, self.pos = device, freqs, 0
+
+    def begin(self, kind: str, microbatch: int, chunk: int) -> None:
+        if self.device.read_state().locked_sm_freqs_mhz != (self.freqs[self.pos],) * 2:
+            self.device.lock_sm_clocks(self.freqs[self.pos])
+        self.pos += 1
+
+    def end(self) -> None:
+        self.device.lock_sm_clocks(self.freqs[self.pos % len(self.freqs)])
+
+    def step(self) -> None:
+        self.pos = 0
+
+    def start_iteration(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("mb", [1, 3, 6])
+def test_all_max_baseline_equals_the_planners(mb: int) -> None:
+    profile = toy_profile()
+    frontier = _frontier(profile, 4, mb, 80.0)
+    result = make_emulator(profile, mb).run_iteration()
+    base = frontier.baseline()
+    assert result.time_s == pytest.approx(base.time_s, rel=1e-12)
+    assert result.energy_j == pytest.approx(base.energy_j, rel=1e-12)
+
+
+def test_every_frontier_plan_realizes_what_the_planner_replays() -> None:
+    profile = toy_profile()
+    frontier = _frontier(profile, 4, 4, 80.0)
+    emulator = make_emulator(profile, 4)
+    for point in frontier.points[:: max(1, len(frontier.points) // 12)]:
+        options = frontier.planned_options(point)
+        got = emulator.run_frequencies([o.freq_mhz for o in options])
+        want = frontier.realized(options)
+        assert got.time_s == pytest.approx(want.time_s, rel=1e-12)
+        assert got.energy_j == pytest.approx(want.energy_j, rel=1e-12)
+
+
+def test_switch_latency_model_matches_the_emulator_on_gpt3() -> None:
+    profile = default_profile()
+    frontier = _frontier(profile, 8, 12, 83.64)
+    options = frontier.within_slowdown(frontier.fastest, 0.001, switch_latency_s=0.005)
+    emulator = Emulator(
+        profile, build_schedule("1f1b", 8, 12), p_block_w=83.64, switch_latency_s=0.005
+    )
+    base = emulator.run_iteration()
+    freqs = [o.freq_mhz for o in options]
+    hooks = [
+        _Prefetch(emulator.devices[s], [freqs[i] for i in frontier.dag.stage_order(s)])
+        for s in range(8)
+    ]
+    runs = [emulator.run_iteration(hooks) for _ in range(3)]
+    model = frontier.realized(options, switch_latency_s=0.005)
+    for run in runs[1:]:  # the first managed iteration starts from the unlocked clock
+        assert run.time_s == pytest.approx(model.time_s, rel=1e-9)
+        assert run.energy_j == pytest.approx(model.energy_j, rel=1e-9)
+    assert runs[-1].time_s / base.time_s - 1 <= 0.001
+    # without the latency-aware guard the same latency costs more than 0.1 %
+    naive = frontier.within_slowdown(frontier.fastest, 0.001)
+    assert frontier.realized(naive, switch_latency_s=0.005).time_s / base.time_s - 1 > 0.001
+
+
+def test_a_clock_change_lands_after_the_latency_and_mid_instruction() -> None:
+    clock = VirtualTime()
+    table = {"forward": {1000.0: (1.0, 100.0), 500.0: (2.0, 120.0)}}
+    dev = EmulatedDevice(index=0, table=table, clock=clock, p_block_w=10.0, switch_latency_s=0.5)
+    dev.lock_sm_clocks(500.0)  # requested at t=0, lands at 0.5
+    end, energy, segments = dev.execute("forward", 0.0)
+    # 0.5 s at 1000 MHz does half the work; the other half takes 1 s at 500 MHz
+    assert end == pytest.approx(1.5)
+    assert energy == pytest.approx(0.5 * 100.0 + 0.5 * 120.0)
+    assert segments == [(0.0, 0.5, 1000.0), (0.5, 1.5, 500.0)]
+
+
+def test_energy_counter_moves_in_steps_and_blocking_power_fills_gaps() -> None:
+    clock = VirtualTime()
+    table = {"forward": {1000.0: (0.25, 100.0)}}
+    dev = EmulatedDevice(index=0, table=table, clock=clock, p_block_w=20.0, counter_period_s=0.1)
+    dev.execute("forward", 0.0)  # 400 W for 0.25 s
+    clock.now_s = 0.29
+    assert dev.read_state().energy_j == pytest.approx(0.2 * 400.0)  # the counter shows t = 0.2
+    assert dev.energy_at(0.29) == pytest.approx(100.0 + 0.04 * 20.0)
+    clock.now_s = 1.0
+    assert dev.read_state().energy_j == pytest.approx(100.0 + 0.75 * 20.0)
+
+
+def test_a_straggler_holds_the_iteration_and_every_stage_blocks() -> None:
+    profile = toy_profile()
+    emulator = make_emulator(profile, 4)
+    alone = emulator.run_iteration()
+    emulator.straggler_time_s = 1.3 * alone.time_s
+    held = emulator.run_iteration()
+    assert held.time_s == pytest.approx(1.3 * alone.time_s)
+    assert held.makespan_s == pytest.approx(alone.time_s)
+    extra = held.energy_j - alone.energy_j
+    assert extra == pytest.approx(4 * 80.0 * 0.3 * alone.time_s)
+
+
+def test_noise_is_seeded_and_perturbs_times() -> None:
+    profile = toy_profile()
+    a = make_emulator(profile, 4, noise=0.02, seed=7).run_iteration()
+    b = make_emulator(profile, 4, noise=0.02, seed=7).run_iteration()
+    c = make_emulator(profile, 4).run_iteration()
+    assert a.time_s == b.time_s and a.energy_j == b.energy_j
+    assert a.time_s != c.time_s
