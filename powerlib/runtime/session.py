@@ -346,7 +346,7 @@ class Session:
 
     def begin(self, kind: str, microbatch: int = 0, chunk: int = 0) -> None:
         """An instruction starts (call right before launching its work)."""
-        if not self._started:
+        if self._pos == 0 and (not self._started or self._vote is not None or self.phase is _AWAIT):
             self.start_iteration()
         phase = self.phase
         if phase is _APPLY:
@@ -406,7 +406,7 @@ class Session:
             self.end()
 
     def start_iteration(self) -> None:
-        """Prepare the next iteration (the first :meth:`begin` calls it).
+        """Prepare the next iteration (:meth:`step` and the first :meth:`begin` call it).
 
         Resolves what the ranks agreed at the last :meth:`step` and sets the clock for the
         iteration. Calling it again before the first instruction retries pending agreements
@@ -447,8 +447,12 @@ class Session:
         self._pos = 0
         self._open = None
         self._last_end = None
-        self._started = False
         self.iteration += 1
+        # Agree and set the clock for the next iteration now, at the iteration boundary: a
+        # collective inside the next begin hook could deadlock against a rank that waits in a
+        # pipeline receive before its own first begin.
+        self._started = False
+        self.start_iteration()
 
     # -- phases ----------------------------------------------------------------------------------
 

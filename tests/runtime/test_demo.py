@@ -1,0 +1,88 @@
+"""`powerlib demo` and `powerlib simulate`: the published GPT-3 175B A100 case, end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from powerlib.cli import cli
+from powerlib.emulator.demo import DemoConfig, default_profile, run_demo
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("demo")
+    return run_demo(DemoConfig(out_dir=str(out), progress=False))
+
+
+def test_shipped_profile_is_the_artifacts() -> None:
+    profile = default_profile()
+    assert profile.num_stages == 8
+    freqs = [o[0] for o in profile.options(0, "forward")]
+    assert freqs[0] == 1410.0 and freqs[-1] == 855.0 and len(freqs) == 38
+
+
+def test_fastest_saves_at_least_14_percent_within_0_1_percent(demo: dict) -> None:
+    assert demo["workload"]["num_microbatches"] == 12
+    assert demo["policy"] == "fastest"
+    assert demo["saving_percent"] >= 14.0
+    assert demo["slowdown_percent"] <= 0.1
+    # it went through the session phases: profiled on the emulated GPUs, measured P_block
+    assert demo["profile"]["iterations"] > 20
+    assert demo["profile"]["freqs_mhz"][0] == 1410.0
+    assert demo["apply_started_iteration"] == demo["profile"]["iterations"]
+    measured = [p for p in demo["profile"]["measured_p_block_w"] if p is not None]
+    assert measured and all(80.0 < p < 95.0 for p in measured)  # the emulator draws 83.64 W
+
+
+def test_demo_writes_its_outputs(demo: dict) -> None:
+    outputs = demo["outputs"]
+    for name in (
+        "profile.csv",
+        "frontier.csv",
+        "plan.json",
+        "summary.json",
+        "frontier.png",
+        "timeline.png",
+    ):
+        path = Path(outputs[name])
+        assert path.is_file() and path.stat().st_size > 0, name
+    assert Path(outputs["timeline.png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_replays_the_saved_plan(demo: dict) -> None:
+    result = CliRunner().invoke(cli, ["simulate", demo["outputs"]["plan.json"], "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["baseline"]["time_s"] == pytest.approx(demo["baseline"]["time_s"])
+    assert data["saving_percent"] == pytest.approx(demo["saving_percent"], abs=0.05)
+    assert data["slowdown_percent"] <= 0.1
+
+
+def test_a_straggler_saves_more(demo: dict, tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        cli, ["demo", "--straggler", "1.2", "--json", "--no-plot", "--out-dir", str(tmp_path)]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["policy"] == "deadline"
+    assert data["workload"]["deadline_s"] == pytest.approx(1.2 * demo["baseline"]["time_s"])
+    assert data["saving_percent"] > demo["saving_percent"] + 5.0
+    assert data["slowdown_percent"] <= 0.1  # against the straggler's iteration time
+    assert "powerlib: profiling at" in result.stderr  # progress goes to stderr, not the JSON
+
+
+def test_simulate_refuses_a_malformed_plan(tmp_path: Path) -> None:
+    bad = tmp_path / "plan.json"
+    bad.write_text('{"schema": "powerlib.plan.v1", "stages": "all of them"}')
+    result = CliRunner().invoke(cli, ["simulate", str(bad)])
+    assert result.exit_code == 7
+    assert result.stderr.strip().count("\n") == 0 and "plan.json" in result.stderr
+
+
+def test_demo_refuses_bad_options() -> None:
+    result = CliRunner().invoke(cli, ["demo", "--straggler", "0.5"])
+    assert result.exit_code == 2
