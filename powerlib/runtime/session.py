@@ -469,7 +469,8 @@ class Session:
             if sweep.finished:
                 if stop:
                     self._say(
-                        f"energy rose for {sweep.config.stop_after_rises} frequencies in a row below {before:g} MHz; sweep stopped"
+                        f"energy per iteration rose for {sweep.config.stop_after_rises} "
+                        f"frequencies in a row (down to {before:g} MHz); sweep stopped"
                     )
                 self._finish_profile()
                 return
