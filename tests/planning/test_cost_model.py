@@ -155,8 +155,19 @@ def test_soft_fallback_when_three_or_fewer_survive() -> None:
     pts = [(1410.0, 0.0105, 5.0), (1300.0, 0.0112, 5.1)]
     opts = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0)
     assert [o.freq_mhz for o in opts] == [1410.0, 1300.0]
-    with pytest.raises(PlanError, match="survive"):
-        prepare_options(pts, unit_time_s=TAU, p_block_w=0.0, noise_factor=1.0)
+    strict = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0, noise_factor=1.0)
+    assert [o.freq_mhz for o in strict] == [1410.0]  # one useful duration is a valid answer
+
+
+def test_a_single_useful_duration_is_a_fixed_activity() -> None:
+    # Everything floors to one quant: one option is left, and it is a fixed-duration model.
+    pts = [(1410.0, 0.0101, 10.0), (1300.0, 0.0105, 9.0)]
+    (only,) = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0)
+    assert (only.freq_mhz, only.quant) == (1410.0, 10)  # the costlier one: closest to 10 τ
+    for kind in ("exp", "convex"):
+        model = build_cost_model([only], kind=kind, unit_time_s=TAU)
+        assert model.q_min == model.q_max == 10
+        assert model.cost(10) == pytest.approx(10.0)
 
 
 def test_soft_fallback_count_is_taken_after_dedup() -> None:
@@ -238,12 +249,6 @@ GOOD = [(1410.0, 0.010, 10.0), (1200.0, 0.012, 8.0), (1000.0, 0.015, 7.0)]
         ([*GOOD, (900.0, 0.02)], {"unit_time_s": TAU, "p_block_w": 0.0}, "triple"),
         ([*GOOD, (900.0, "x", 1.0)], {"unit_time_s": TAU, "p_block_w": 0.0}, "number"),
         (GOOD, {"unit_time_s": 0.011, "p_block_w": 0.0}, "quantum"),  # 1410 MHz -> quant 0
-        # Everything floors to one quant: one option left.
-        (
-            [(1410.0, 0.0101, 10.0), (1300.0, 0.0105, 9.0)],
-            {"unit_time_s": TAU, "p_block_w": 0.0},
-            "survive",
-        ),
     ],
 )
 def test_prepare_options_rejects_bad_input(

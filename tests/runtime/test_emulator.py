@@ -135,3 +135,47 @@ def test_noise_is_seeded_and_perturbs_times() -> None:
     c = make_emulator(profile, 4).run_iteration()
     assert a.time_s == b.time_s and a.energy_j == b.energy_j
     assert a.time_s != c.time_s
+
+
+def test_instructions_with_one_useful_clock_are_fixed_and_still_planned() -> None:
+    from powerlib.planning.profile import Profile, ProfileRow
+
+    base = toy_profile()
+    rows = []
+    for r in base.rows:
+        if r.stage == 0 and r.freq_mhz < 1410.0:  # lower clocks: slower *and* costlier
+            r = ProfileRow(
+                stage=0,
+                instruction=r.instruction,
+                freq_mhz=r.freq_mhz,
+                time_s=r.time_s,
+                energy_j=1e3,
+            )
+        rows.append(r)
+    profile = Profile(rows)
+    frontier = _frontier(profile, 4, 4, 80.0)
+    assert len(frontier.points) > 1
+    for ins, freq in zip(frontier.dag.instructions, frontier.frequencies(frontier.fastest)):
+        if ins.stage == 0:
+            assert freq == 1410.0
+    emulator = make_emulator(profile, 4)
+    options = frontier.planned_options(frontier.min_energy)
+    got = emulator.run_frequencies([o.freq_mhz for o in options])
+    assert got.energy_j == pytest.approx(frontier.realized(options).energy_j, rel=1e-12)
+
+
+def test_a_profile_where_only_the_top_clock_is_useful_gives_one_plan() -> None:
+    from powerlib.planning.profile import Profile, ProfileRow
+
+    rows = [
+        ProfileRow(
+            stage=s, instruction=k, freq_mhz=f, time_s=0.02 * 1410 / f, energy_j=5.0 * 1410 / f
+        )
+        for s in range(2)
+        for k in ("forward", "backward")
+        for f in (1410.0, 1200.0)
+    ]
+    frontier = _frontier(Profile(rows), 2, 2, 50.0)
+    assert len(frontier.points) == 1
+    assert set(frontier.frequencies(frontier.fastest)) == {1410.0}
+    assert frontier.fastest.time_s == pytest.approx(frontier.baseline_time_s, abs=1e-3)

@@ -166,8 +166,8 @@ def prepare_options(
         The surviving options, sorted by ``quant`` ascending; ``quant`` values are distinct.
 
     Raises:
-        PlanError: On malformed input, if an option quantizes to zero units (τ too coarse), or
-            if fewer than two options survive.
+        PlanError: On malformed input, fewer than two measured frequencies, or if an option
+            quantizes to zero units (τ too coarse).
     """
     tau = _check_finite("unit_time_s", unit_time_s)
     if tau <= 0.0:
@@ -234,12 +234,8 @@ def prepare_options(
             f"{options[0].freq_mhz:g} MHz takes {options[0].time_s:g} s, less than one time "
             f"quantum ({tau:g} s); use a smaller unit_time_s"
         )
-    if len(options) < 2:
-        raise PlanError(
-            f"only {len(options)} option(s) survive Pareto filtering and quantization "
-            f"(from {len(freqs)} measured frequencies); a cost curve needs at least two - "
-            "profile more frequencies or use a smaller unit_time_s"
-        )
+    # A single survivor is legitimate: every slower clock was both slower and costlier (or
+    # quantizes to the same duration), so the instruction has one useful duration.
     return options
 
 
@@ -726,6 +722,8 @@ def build_cost_model(
     Raises:
         PlanError: On an unknown ``kind`` or if the model cannot be built.
     """
+    if len(options) == 1:  # one useful duration: a fixed-duration activity for the solver
+        return ConvexHullCostModel.from_options(options)
     if kind == "exp":
         return fit_exponential(options, unit_time_s=unit_time_s)
     if kind == "convex":
