@@ -650,3 +650,29 @@ def test_fit_reports_overflowing_scale() -> None:
         fit_exponential(opts, unit_time_s=1e-4)
     hull = build_cost_model(opts, kind="convex", unit_time_s=1e-4)
     assert hull.cost(3000) == 100.0 and hull.cost(3050) == 0.5
+
+
+def test_exp_falls_back_to_the_hull_with_two_points_or_a_degenerate_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from powerlib.planning.perseus import cost_model as cm
+
+    two = prepare_options(
+        [(1410.0, 0.0105, 10.0), (1200.0, 0.0135, 8.0)], unit_time_s=TAU, p_block_w=0.0
+    )
+    model = build_cost_model(two, kind="exp", unit_time_s=TAU)
+    assert isinstance(model, cm.ConvexHullCostModel)
+    assert (model.cost(10), model.cost(13)) == (pytest.approx(10.0), pytest.approx(8.0))
+
+    three = prepare_options(
+        [(1410.0, 0.0105, 10.0), (1300.0, 0.0115, 9.0), (1200.0, 0.0125, 8.5)],
+        unit_time_s=TAU,
+        p_block_w=0.0,
+    )
+    assert isinstance(build_cost_model(three, kind="exp", unit_time_s=TAU), cm.ExponentialCostModel)
+
+    def degenerate(*args: object, **kwargs: object) -> None:
+        raise PlanError("the exponential fit over durations [10, 12] is not finite")
+
+    monkeypatch.setattr(cm, "fit_exponential", degenerate)
+    assert isinstance(build_cost_model(three, kind="exp", unit_time_s=TAU), cm.ConvexHullCostModel)

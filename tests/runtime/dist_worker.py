@@ -98,6 +98,9 @@ def main() -> int:
     result: dict = {"rank": rank, "before": before}
     # -- part 1: auto --------------------------------------------------------------------------
     marks = []
+    recorder = warnings.catch_warnings(record=True)
+    caught_auto = recorder.__enter__()
+    warnings.simplefilter("always")
     with powerlib.optimize(
         num_stages=world,
         num_microbatches=MICROBATCHES,
@@ -114,6 +117,9 @@ def main() -> int:
             iteration(session)
             session.controller.wait_idle()  # for the record only; the hooks never wait
         marks.append(len(session.controller.applied))
+        recorder.__exit__(None, None, None)
+        for w in caught_auto:
+            print(f"rank {rank} warning: {w.message}", file=sys.stderr, flush=True)
         assert session.plan is not None, "no plan was applied"
         first = session.apply_started_iteration
         applied = [c.freq_mhz for c in session.controller.applied]
@@ -124,6 +130,7 @@ def main() -> int:
             "requested": [f for _, f in session.first_apply_requests],
             "applied_first_iteration": applied[marks[first] : marks[first + 1]],
             "applied_ok": all(c.ok for c in session.controller.applied),
+            "warnings": [str(w.message) for w in caught_auto],
         }
     result["after_auto"] = _state(device)
 

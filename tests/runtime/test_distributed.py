@@ -114,6 +114,7 @@ def test_each_rank_applies_exactly_its_stage_of_the_plan(run: dict) -> None:
         assert auto["requested"] == stage_freqs  # one request per instruction, in order
         assert auto["applied_first_iteration"] == _collapse(stage_freqs)
         assert auto["applied_ok"]
+        assert auto["warnings"] == []
 
 
 def test_every_device_is_back_and_no_journal_is_left(run: dict) -> None:

@@ -25,6 +25,7 @@ Pure code: standard library and numpy only, no device I/O.
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from powerlib.errors import PlanError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_NOISE_FACTOR",
@@ -716,6 +719,9 @@ def build_cost_model(
             for the lower convex hull (:class:`ConvexHullCostModel`).
         unit_time_s: The time quantum τ, in seconds.
 
+    With one option the model is that fixed duration; ``"exp"`` with two options, or with a fit
+    that is not finite, falls back to the convex hull (exact at the measured points).
+
     Returns:
         A convex, non-increasing cost model over ``[q_min, q_max]``.
 
@@ -725,7 +731,14 @@ def build_cost_model(
     if len(options) == 1:  # one useful duration: a fixed-duration activity for the solver
         return ConvexHullCostModel.from_options(options)
     if kind == "exp":
-        return fit_exponential(options, unit_time_s=unit_time_s)
+        if len(options) == 2:  # three parameters, two points: the straight line through them
+            return ConvexHullCostModel.from_options(options)
+        try:
+            return fit_exponential(options, unit_time_s=unit_time_s)
+        except PlanError as err:
+            # A degenerate fit (e.g. nearly collinear noisy points) must not sink the plan.
+            logger.info("%s; using the convex hull of the measured points", err)
+            return ConvexHullCostModel.from_options(options)
     if kind == "convex":
         return ConvexHullCostModel.from_options(options)
     raise PlanError(f"cost model kind must be one of {_KINDS}, got {kind!r}")
