@@ -20,7 +20,7 @@ from typing import Any
 from powerlib.errors import BackendUnavailableError, PlanError
 from powerlib.planning.perseus.frontier import POLICIES, compute_frontier
 from powerlib.planning.perseus.report import plot_frontier, summary, write_frontier_csv
-from powerlib.planning.pipeline import build_schedule
+from powerlib.planning.pipeline import Instruction, Schedule, build_dag, build_schedule
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile, ProfileRow
 from powerlib.profiling.sweep import aggregate_stage_rows
@@ -115,6 +115,46 @@ def _say(spec: PlanSpec, message: str) -> None:
         print(f"powerlib: {message}", file=sys.stderr, flush=True)
 
 
+def _schedule_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> tuple[Schedule, str]:
+    """The order the ranks recorded while profiling, else the named schedule's.
+
+    Every rank sends the order its hooks saw in the last profiled iteration; the ranks of a
+    stage must agree. The recorded order is used when it forms a complete, deadlock-free
+    pipeline the planner models; otherwise the generated order of ``spec.schedule`` is.
+    """
+    generated = build_schedule(
+        spec.schedule, spec.num_stages, spec.num_microbatches, spec.num_chunks
+    )
+    if not payloads or not all(p.get("order") for p in payloads):
+        return generated, "generated"
+    by_stage: dict[int, list[tuple[int, int, str]]] = {}
+    for p in payloads:
+        order = [(int(c), int(m), str(k)) for c, m, k in p["order"]]
+        first = by_stage.setdefault(int(p["stage"]), order)
+        if first != order:
+            raise PlanError(
+                f"the ranks of stage {p['stage']} ran different instruction orders while profiling"
+            )
+    if sorted(by_stage) != list(range(spec.num_stages)):
+        return generated, "generated"
+    recorded = [
+        [Instruction(stage=s, microbatch=m, kind=k, chunk=c) for c, m, k in by_stage[s]]
+        for s in range(spec.num_stages)
+    ]
+    try:
+        build_dag(recorded)
+    except PlanError as err:
+        _say(
+            spec,
+            f"the recorded order is not a pipeline the planner models ({err}); "
+            f"planning on the {spec.schedule} order",
+        )
+        return generated, "generated"
+    if recorded != generated:
+        _say(spec, f"the recorded instruction order differs from {spec.schedule}'s; planning on it")
+    return recorded, "recorded"
+
+
 def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0: merge the profiles, plan, write the files, and return the plan JSON.
 
@@ -140,35 +180,51 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
         rows = aggregate_stage_rows(rows_from_payload(p["rows"]) for p in payloads)
         if not rows:
             raise PlanError("no rank measured any instruction: was the session's step() called?")
+        if not any(r.energy_j > 0 for r in rows):
+            shortest_ms = 1e3 * min(r.time_s for r in rows)
+            raise PlanError(
+                "the energy counter did not move during any instruction (the shortest took "
+                f"{shortest_ms:.2g} ms): the device publishes energy more coarsely than the "
+                "instructions last; profile larger microbatches or more layers per stage"
+            )
         profile = Profile(rows, source="the gathered profile")
         gap_s = sum(p.get("gap_time_s", 0.0) for p in payloads)
         gap_j = sum(p.get("gap_energy_j", 0.0) for p in payloads)
-        measured_p_block = [gap_j / gap_s] if gap_s > 0 else []  # time-weighted over all ranks
+        # time-weighted over all ranks; a counter that never moved in the gaps tells nothing
+        measured_p_block = [gap_j / gap_s] if gap_s > 0 and gap_j > 0 else []
     profile.validate_for(spec.num_stages)
     if spec.p_block_w is not None:
         p_block_w = spec.p_block_w
     elif measured_p_block:
         p_block_w = sum(measured_p_block) / len(measured_p_block)
+    elif idle := [p["idle_power_w"] for p in payloads if p.get("idle_power_w")]:
+        p_block_w = sum(idle) / len(idle)
+        _say(
+            spec,
+            f"no usable gaps between instructions for P_block; using the devices' power before "
+            f"the session, {p_block_w:.1f} W (pass p_block_w to set it)",
+        )
     else:
         raise PlanError(
             "P_block is unknown: no rank measured time between instructions; pass p_block_w"
         )
     unit_time_s = spec.unit_time_s or auto_unit_time_s(profile)
-    schedule = build_schedule(
-        spec.schedule, spec.num_stages, spec.num_microbatches, spec.num_chunks
-    )
+    schedule, order_source = _schedule_for(spec, payloads)
+    num_microbatches = 1 + max(ins.microbatch for order in schedule for ins in order)
+    num_chunks = 1 + max(ins.chunk for order in schedule for ins in order)
     _say(
         spec,
-        f"planning {spec.num_stages} stages x {spec.num_microbatches} microbatches "
-        f"({spec.schedule}), P_block {p_block_w:.2f} W, tau {unit_time_s * 1e3:g} ms",
+        f"planning {spec.num_stages} stages x {num_microbatches} microbatches "
+        f"({spec.schedule}, {order_source} order), P_block {p_block_w:.2f} W, "
+        f"tau {unit_time_s * 1e3:g} ms",
     )
     started = time.perf_counter()
     frontier = compute_frontier(
         profile,
         schedule,
         schedule_name=spec.schedule,
-        num_microbatches=spec.num_microbatches,
-        num_chunks=spec.num_chunks,
+        num_microbatches=num_microbatches,
+        num_chunks=num_chunks,
         p_block_w=p_block_w,
         unit_time_s=unit_time_s,
     )
@@ -202,7 +258,11 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
         chosen,
         policy=spec.policy,
         chosen=guarded,
-        metadata={"deadline_s": deadline_s, "profile_source": profile.source},
+        metadata={
+            "deadline_s": deadline_s,
+            "profile_source": profile.source,
+            "order_source": order_source,
+        },
     )
     _say(
         spec,

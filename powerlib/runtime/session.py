@@ -228,6 +228,7 @@ class Session:
         self.iteration = 0
         self.recorder = ProfileRecorder()
         self._own_backend: Backend | None = None
+        self._idle_power_w: float | None = None
         self._meter: EnergyMeter | None = None
         self._sweep: FrequencySweep | None = None
         self._sync: Callable[[], None] = lambda: None
@@ -244,6 +245,8 @@ class Session:
         self._checking = False
         self._warned = False
         self.first_apply_requests: list[tuple[tuple[int, int, int, str], float]] = []
+        self._order_now: list[tuple[int, int, str]] = []
+        self._recorded_order: list[tuple[int, int, str]] = []
         self.apply_started_iteration: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -294,6 +297,7 @@ class Session:
             if selector is None:
                 selector = settings.local_rank or 0
             self.device = backend.device(selector)
+        self._idle_power_w = self.device.read_state().power_w  # before any change
         self.control = ControlSession(backend, guardian=self._guardian).start()
         self.controller = FrequencyController(
             self.control, self.device, threaded=self._threaded, clock=self._clock
@@ -368,6 +372,7 @@ class Session:
             if self._last_end is not None:
                 self.recorder.add_gap(t - self._last_end[0], e - self._last_end[1])
             self._open = (_kind(kind), t, e)
+            self._order_now.append((chunk, microbatch, self._open[0]))
             self._pos += 1
 
     def end(self) -> None:
@@ -432,6 +437,7 @@ class Session:
         elif phase is _PROFILE:
             sweep = self._sweep
             assert sweep is not None
+            self._recorded_order, self._order_now = self._order_now, []
             if sweep.measuring:
                 self.recorder.add_iteration(sweep.freq_mhz, self._iter_energy)
             if sweep.block_complete_after_this():
@@ -493,6 +499,8 @@ class Session:
             "p_block_w": p_block,
             "gap_time_s": self.recorder.gap_time_s,
             "gap_energy_j": self.recorder.gap_energy_j,
+            "order": [list(k) for k in self._recorded_order],  # what the loop really ran
+            "idle_power_w": self._idle_power_w,
         }
         plan_fn = self._profile_only_fn if self.mode == "profile" else self._plan_fn
         self._plan_future = self._coordinator.exchange(payload, plan_fn)  # type: ignore[union-attr]

@@ -264,3 +264,21 @@ def test_kinds_accept_short_names_and_reject_others(tmp_path: Path) -> None:
             pass
         with pytest.raises(InvalidArgumentError, match="instruction kind"):
             session.begin("sideways")
+
+
+def test_the_plan_follows_the_order_the_loop_really_ran(tmp_path: Path) -> None:
+    profile = toy_profile()
+    from powerlib.emulator.engine import Emulator
+    from powerlib.planning.pipeline import build_schedule
+
+    emulator = Emulator(profile, build_schedule("gpipe", 4, 4), p_block_w=80.0)
+    sessions = emulated_sessions(emulator, tmp_path / "out", schedule="1f1b")  # says 1f1b: wrong
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no order-mismatch warning may come
+        results = _run(emulator, sessions, 1 + 2 * len(FREQS) + 2)
+    assert results[-1].phases == ("apply",) * 4
+    plan = FrequencyPlan.read(tmp_path / "out" / "plan.json")
+    assert plan.workload["order_source"] == "recorded"
+    gpipe = build_schedule("gpipe", 4, 4)
+    for s in range(4):
+        assert [p.instruction for p in plan.stage(s)] == gpipe[s]

@@ -1,0 +1,183 @@
+"""torch.distributed: ``torch.distributed.pipelining`` schedules and hand-written loops.
+
+Two one-line hookups inside a session (integrations.md §2.3, §2.4)::
+
+    with powerlib.optimize(num_stages=P, num_microbatches=M) as session:
+        with attach_pipeline(session, schedule):
+            for batch in loader:
+                schedule.step(...)                 # every F/B of every local stage is an instruction
+
+    with powerlib.optimize(...) as session, attach_module(session, model, optimizer):
+        for batch in loader:                       # DDP/FSDP: forward and backward of ``model``
+            loss_fn(model(x), y).backward()        # per microbatch, optimizer.step() ends the step
+            optimizer.step()
+
+``attach_pipeline`` wraps each local ``PipelineStage``'s ``forward_one_chunk`` and
+``backward_one_chunk`` (instance attributes, removed on exit) and the schedule's ``step``. The
+receive waits happen before those calls, so the bracketed span is compute only. The chunk of a
+stage is its position among the rank's stages (``stage_index // P`` for looped schedules). The
+session records the order these hooks see in the profile phase and plans on it, so nothing relies
+on ``pipeline_order`` (wrong for the last stage of ``Schedule1F1B`` in torch 2.13).
+
+Schedules that split the backward (zero-bubble, V schedules: I and W actions) are refused at
+attach time: the planner does not model I/W instructions yet.
+
+Pure glue: no planning and no device calls; torch is imported lazily; ``enabled=False`` (or no
+session) makes both a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from powerlib.errors import NotSupportedError
+
+__all__ = ["attach_module", "attach_pipeline"]
+
+
+def _local_stages(schedule: Any) -> list[Any]:
+    stages = getattr(schedule, "_stages", None)
+    if stages is None:
+        stage = getattr(schedule, "_stage", None)
+        if stage is None:
+            raise NotSupportedError(
+                f"{type(schedule).__name__} has neither _stage nor _stages: not a "
+                "torch.distributed.pipelining schedule this integration knows (tested: torch 2.13)"
+            )
+        stages = [stage]
+    return sorted(stages, key=lambda s: s.stage_index)
+
+
+def _splits_backward(schedule: Any) -> bool:
+    order = getattr(schedule, "pipeline_order", None) or {}
+    for actions in order.values():
+        for action in actions or ():
+            kind = getattr(getattr(action, "computation_type", None), "value", None)
+            if kind in ("I", "W", "OVERLAP_F_B"):
+                return True
+    return False
+
+
+def _wrap(session: Any, kind: str, chunk: int, method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def hooked(microbatch: int, *args: Any, **kwargs: Any) -> Any:
+        if kind == "backward" and kwargs.get("full_backward", True) is False:
+            raise NotSupportedError("a split backward (I/W) ran; powerlib does not plan I/W yet")
+        session.begin(kind, microbatch, chunk)
+        try:
+            return method(microbatch, *args, **kwargs)
+        finally:
+            session.end()
+
+    return hooked
+
+
+@contextlib.contextmanager
+def attach_pipeline(session: Any, schedule: Any, *, enabled: bool = True) -> Iterator[None]:
+    """Drive ``session``'s hooks from a ``torch.distributed.pipelining`` schedule.
+
+    Args:
+        session: The :class:`powerlib.Session` of this rank (its ``stage`` is the pp rank).
+        schedule: A ``PipelineScheduleSingle`` (GPipe, 1F1B) or looped multi-stage schedule
+            (Interleaved1F1B, LoopedBFS) built over this rank's ``PipelineStage`` objects.
+        enabled: ``False`` attaches nothing.
+
+    Raises:
+        NotSupportedError: The schedule is not a pipelining schedule, or splits the backward.
+    """
+    if not enabled or session is None:
+        yield
+        return
+    stages = _local_stages(schedule)
+    if _splits_backward(schedule):
+        raise NotSupportedError(
+            f"{type(schedule).__name__} splits the backward into I and W: powerlib does not plan "
+            "zero-bubble or V schedules yet; use GPipe, 1F1B, Interleaved1F1B or LoopedBFS"
+        )
+    patched: list[tuple[Any, str]] = []
+    try:
+        for chunk, stage in enumerate(stages):
+            for name, kind in (
+                ("forward_one_chunk", "forward"),
+                ("backward_one_chunk", "backward"),
+            ):
+                setattr(stage, name, _wrap(session, kind, chunk, getattr(stage, name)))
+                patched.append((stage, name))
+        step = schedule.step
+
+        @functools.wraps(step)
+        def hooked_step(*args: Any, **kwargs: Any) -> Any:
+            result = step(*args, **kwargs)
+            session.step()
+            return result
+
+        schedule.step = hooked_step
+        patched.append((schedule, "step"))
+        yield
+    finally:
+        for obj, name in reversed(patched):
+            with contextlib.suppress(AttributeError):
+                delattr(obj, name)
+
+
+@contextlib.contextmanager
+def attach_module(
+    session: Any, model: Any, optimizer: Any, *, enabled: bool = True
+) -> Iterator[None]:
+    """Drive ``session``'s hooks from a module (DDP/FSDP or plain) and its optimizer.
+
+    Each forward of ``model`` is instruction ``forward`` of the next microbatch; the backward
+    through it is ``backward`` of the same microbatch, from the gradient reaching the output to
+    the last parameter gradient accumulated (tensor and post-accumulate-grad hooks: module
+    backward hooks warn when the input needs no gradient); ``optimizer.step()`` ends the iteration. Gradient accumulation gives several microbatches per
+    step. Stage is the session's (0 without pipelining).
+
+    Args:
+        session: This rank's :class:`powerlib.Session`.
+        model: A ``torch.nn.Module`` (the DDP/FSDP wrapper or the plain module).
+        optimizer: Its ``torch.optim.Optimizer``.
+        enabled: ``False`` attaches nothing.
+    """
+    if not enabled or session is None:
+        yield
+        return
+    state = {"mb": 0, "grads": 0}
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def fwd_pre(module: Any, args: Any) -> None:
+        session.begin("forward", state["mb"])
+
+    def fwd_post(module: Any, args: Any, output: Any) -> None:
+        session.end()
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        for out in outputs:  # the gradient reaching the output starts the module's backward
+            if getattr(out, "requires_grad", False):
+                mb = state["mb"]
+                out.register_hook(lambda grad, mb=mb: session.begin("backward", mb))
+                break
+
+    def grad_done(param: Any) -> None:  # the last parameter gradient ends it
+        state["grads"] += 1
+        if state["grads"] == len(params):
+            state["grads"] = 0
+            session.end()
+            state["mb"] += 1
+
+    def opt_post(opt: Any, args: Any, kwargs: Any) -> None:
+        state["mb"] = state["grads"] = 0
+        session.step()
+
+    handles = [
+        model.register_forward_pre_hook(fwd_pre),
+        model.register_forward_hook(fwd_post),
+        optimizer.register_step_post_hook(opt_post),
+        *(p.register_post_accumulate_grad_hook(grad_done) for p in params),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,222 @@
+"""One rank of the torch.distributed integration tests (launched by test_torch_distributed.py).
+
+``pp_worker.py OUT SCHEDULE`` runs a 2-stage-per-rank or 1-stage-per-rank pipeline with the named
+``torch.distributed.pipelining`` schedule (or ``ddp``: a DDP model with two accumulated
+microbatches) through a session with the integration attached, on the simulated backend: profile
+three clocks, plan on rank 0, apply. Each stage's module sleeps ``BASE_S * f_max / f`` in forward
+and backward for the clock in force (the simulated GPU does not run torch). Then it applies a plan
+whose stage-1 order was tampered with, and records the warnings. Writes ``rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import powerlib
+from powerlib.integrations.torch_distributed import attach_module, attach_pipeline
+
+BASE_S = 0.004
+M = 4
+FREQS = [1410.0, 1200.0, 1005.0]
+
+
+class _Delay(torch.autograd.Function):
+    device: powerlib.Device
+
+    @staticmethod
+    def _sleep() -> None:
+        locked = _Delay.device.read_state().locked_sm_freqs_mhz
+        f_max = _Delay.device.info.max_sm_freq_mhz
+        time.sleep(BASE_S * f_max / (locked[1] if locked else f_max))
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        _Delay._sleep()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        _Delay._sleep()
+        return grad
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(_Delay.apply(x)))
+
+
+def _collapse(values: list[float]) -> list[float]:
+    out: list[float] = []
+    for v in values:
+        if not out or out[-1] != v:
+            out.append(v)
+    return out
+
+
+def _pipeline(kind: str, rank: int, world: int):
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleLoopedBFS,
+    )
+
+    chunks = 2 if kind in ("interleaved", "loopedbfs") else 1
+    ids = [rank + k * world for k in range(chunks)]
+    stages = [PipelineStage(Block(), i, world * chunks, torch.device("cpu")) for i in ids]
+    loss = lambda out, tgt: ((out - tgt) ** 2).mean()  # noqa: E731
+    cls = {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved": ScheduleInterleaved1F1B,
+        "loopedbfs": ScheduleLoopedBFS,
+    }[kind]
+    schedule = cls(stages if chunks > 1 else stages[0], n_microbatches=M, loss_fn=loss)
+    params = [p for s in stages for p in s.submod.parameters()]
+    opt = torch.optim.SGD(params, lr=0.01)
+    first, last = 0, (world * chunks - 1) % world
+
+    def iteration() -> None:
+        x, y = torch.randn(M * 2, 16), torch.randn(M * 2, 16)
+        if rank == first and rank == last:
+            schedule.step(x, target=y, losses=[])
+        elif rank == first:
+            schedule.step(x)
+        elif rank == last:
+            schedule.step(target=y, losses=[])
+        else:
+            schedule.step()
+        opt.step()
+        opt.zero_grad()
+
+    return schedule, iteration, chunks
+
+
+def main() -> int:
+    out, kind = Path(sys.argv[1]), sys.argv[2]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    backend = powerlib.open_backend()
+    device = backend.device(rank)
+    _Delay.device = device
+    before = device.read_state().locked_sm_freqs_mhz
+    result: dict = {"rank": rank}
+
+    if kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(Block())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        num_stages, stage, schedule_name, chunks = 1, 0, "1f1b", 1
+
+        def iteration() -> None:
+            for _ in range(2):  # two accumulated microbatches
+                model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        def attach(session):  # noqa: ANN001, ANN202
+            return attach_module(session, model, opt)
+
+        microbatches = 2
+    else:
+        schedule, iteration, chunks = _pipeline(kind, rank, world)
+        num_stages, stage, microbatches = world, rank, M
+        schedule_name = {"interleaved": "interleaved", "loopedbfs": "interleaved"}.get(kind, kind)
+
+        def attach(session):  # noqa: ANN001, ANN202
+            return attach_pipeline(session, schedule)
+
+    common = {
+        "num_stages": num_stages,
+        "num_microbatches": microbatches,
+        "stage": stage,
+        "schedule": schedule_name,
+        "num_chunks": chunks,
+        "device": rank,
+        "progress": rank == 0,
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with (
+            powerlib.optimize(
+                freqs_mhz=FREQS,
+                warmup_iterations=1,
+                settle_iterations=0,
+                iterations_per_freq=1,
+                out_dir=out / "auto",
+                **common,
+            ) as session,
+            attach(session),
+        ):
+            marks = []
+            for _ in range(1 + len(FREQS) + 2):
+                marks.append(len(session.controller.applied))
+                iteration()
+                session.controller.wait_idle()  # for the record only
+            marks.append(len(session.controller.applied))
+            plan = session.plan
+            first = session.apply_started_iteration
+            applied = [c.freq_mhz for c in session.controller.applied]
+            result["auto"] = {
+                "phase": session.phase,
+                "applied_from": first,
+                "plan": [
+                    [p.instruction.kind, p.instruction.microbatch, p.instruction.chunk, p.freq_mhz]
+                    for p in plan.stage(stage)
+                ]
+                if plan
+                else None,
+                "requested": [[k[3], k[2], k[1], f] for k, f in session.first_apply_requests],
+                "applied_first_iteration": applied[marks[first] : marks[first + 1]]
+                if plan
+                else None,
+                "order_source": plan.workload.get("order_source") if plan else None,
+            }
+    result["auto"]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, Warning)]
+    for w in caught:
+        print(f"rank {rank} warning: {w.message}", file=sys.stderr, flush=True)
+
+    if num_stages > 1:
+        tampered = out / "tampered.json"
+        if rank == 0:
+            data = json.loads((out / "auto" / "plan.json").read_text())
+            ins = data["stages"][1]["instructions"]
+            ins[-1], ins[-2] = ins[-2], ins[-1]
+            tampered.write_text(json.dumps(data))
+        dist.barrier()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with (
+                powerlib.optimize(
+                    mode="apply", plan_path=tampered, out_dir=None, **common
+                ) as session,
+                attach(session),
+            ):
+                for _ in range(2):
+                    iteration()
+                result["mismatch"] = {"phase": session.phase}
+        result["mismatch"]["warnings"] = [
+            str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
+        ]
+    result["restored"] = device.read_state().locked_sm_freqs_mhz == before
+    dist.barrier()
+    dist.destroy_process_group()
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

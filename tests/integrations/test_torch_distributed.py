@@ -1,0 +1,111 @@
+"""The torch.distributed integration with real torch pipelining schedules (and DDP) on gloo.
+
+Two processes, simulated GPUs: for each schedule the session profiles through the integration,
+rank 0 plans on the order the hooks recorded, and every rank's requested and applied clocks in
+the first managed iteration equal its stage of the plan. A plan whose order differs from what the
+schedule really runs is caught on its first iteration (warn, reset, keep training).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.pipelining")
+if not torch.distributed.is_gloo_available():
+    pytest.skip("gloo is not available", allow_module_level=True)
+
+pytestmark = pytest.mark.integration
+
+WORKER = Path(__file__).with_name("pp_worker.py")
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collapse(values: list[float]) -> list[float]:
+    out: list[float] = []
+    for v in values:
+        if not out or out[-1] != v:
+            out.append(v)
+    return out
+
+
+def _launch(tmp: Path, kind: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POWERLIB_")} | {
+        "POWERLIB_BACKEND": "simulated",
+        "POWERLIB_SIM_GPUS": str(WORLD),
+        "POWERLIB_STATE_DIR": str(tmp / "state"),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(WORLD),
+        "PYTHONWARNINGS": "ignore",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp), kind],
+            env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(WORLD)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=240)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved", "loopedbfs"])
+def test_pipeline_schedule_applies_the_plan_and_catches_a_wrong_order(
+    kind: str, tmp_path: Path
+) -> None:
+    results = _launch(tmp_path, kind)
+    for res in results:
+        auto = res["auto"]
+        assert auto["warnings"] == [], auto["warnings"]
+        assert auto["phase"] == "apply"
+        assert auto["order_source"] == "recorded"
+        assert auto["applied_from"] == 4
+        plan_freqs = [f for *_, f in auto["plan"]]
+        assert auto["requested"] == auto["plan"]  # same instructions, same order, same clocks
+        assert auto["applied_first_iteration"] == _collapse(plan_freqs)
+        assert res["restored"]
+    chunks = {c for res in results for _, _, c, _ in res["auto"]["plan"]}
+    assert chunks == ({0, 1} if kind in ("interleaved", "loopedbfs") else {0})
+    assert [len(res["mismatch"]["warnings"]) for res in results] == [0, 1]
+    assert "does not run the plan's instruction order" in results[1]["mismatch"]["warnings"][0]
+    assert [res["mismatch"]["phase"] for res in results] == ["apply", "done"]
+
+
+def test_ddp_module_hooks_apply_the_plan(tmp_path: Path) -> None:
+    results = _launch(tmp_path, "ddp")
+    for res in results:
+        auto = res["auto"]
+        assert auto["warnings"] == [], auto["warnings"]
+        assert [(k, mb) for k, mb, _, _ in auto["plan"]] == [
+            ("forward", 0),
+            ("backward", 0),
+            ("forward", 1),
+            ("backward", 1),
+        ]
+        assert auto["requested"] == auto["plan"]
+        assert res["restored"]
