@@ -30,6 +30,7 @@ when simulated work runs (tests, the emulator): no sleeping, fully deterministic
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
@@ -600,6 +601,8 @@ class SimulatedBackend(Backend):
         if clock is None:
             clock = VirtualClock() if settings.sim_clock == "virtual" else WallClock()
         self.clock = clock
+        if settings.sim_energy_period_s is not None:
+            model = dataclasses.replace(model, energy_update_period_s=settings.sim_energy_period_s)
         self.model = model
         if persist is None:
             persist = isinstance(clock, WallClock)

@@ -84,6 +84,11 @@ def _emit_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
+def _pct(value: float | None) -> str:
+    """A percentage, or "n/a" when it could not be computed."""
+    return "n/a" if value is None else f"{value:.2f} %"
+
+
 def _fmt(value: float | None, digits: int = 1, unit: str = "") -> str:
     """Format a reading for a table; absent values read "n/a" (never a fake number or unit)."""
     if value is None:
@@ -868,12 +873,12 @@ def plan(
     )
     click.echo(
         f"all max frequency at that time: {data['baseline']['energy_j']:.1f} J -> "
-        f"saving {data['saving_percent']:.2f} % planned"
+        f"saving {_pct(data['saving_percent'])} planned"
     )
     r = data["realized"]
     sped_up = r["instructions_sped_up"]
     click.echo(
-        f"replayed on the measured profile: saving {r['saving_percent']:.2f} % at "
+        f"replayed on the measured profile: saving {_pct(r['saving_percent'])} at "
         f"{r['slowdown_percent']:+.3f} % iteration time vs all max"
         + (f" ({sped_up} instruction(s) sped up by the slowdown guard)" if sped_up else "")
     )

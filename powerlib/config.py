@@ -74,6 +74,8 @@ class Settings:
         hip_visible_devices: ``HIP_VISIBLE_DEVICES`` as set (``None`` when unset).
         rocr_visible_devices: ``ROCR_VISIBLE_DEVICES`` as set (``None`` when unset).
         local_rank: ``LOCAL_RANK`` (set by torchrun): the session's default device index.
+        sim_energy_period_s: Update period of the simulated energy counter (``None``: the
+            model's, 0.1 s like NVML).
     """
 
     backend: str = "auto"
@@ -87,6 +89,7 @@ class Settings:
     hip_visible_devices: str | None = None
     rocr_visible_devices: str | None = None
     local_rank: int | None = None
+    sim_energy_period_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.backend or self.backend != self.backend.strip().lower():
@@ -142,6 +145,17 @@ class Settings:
         ):
             if var in env:
                 kwargs[key] = env[var]
+        if env.get("POWERLIB_SIM_ENERGY_PERIOD_S", "").strip():
+            raw = env["POWERLIB_SIM_ENERGY_PERIOD_S"].strip()
+            try:
+                period = float(raw)
+            except ValueError:
+                period = -1.0
+            if not (period > 0 and period <= 10):
+                raise ConfigError(
+                    f"POWERLIB_SIM_ENERGY_PERIOD_S must be a number of seconds in (0, 10], got {raw!r}"
+                )
+            kwargs["sim_energy_period_s"] = period
         if env.get("LOCAL_RANK", "").strip():
             raw = env["LOCAL_RANK"].strip()
             if not raw.isdigit():

@@ -180,12 +180,15 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
         rows = aggregate_stage_rows(rows_from_payload(p["rows"]) for p in payloads)
         if not rows:
             raise PlanError("no rank measured any instruction: was the session's step() called?")
-        if not any(r.energy_j > 0 for r in rows):
-            shortest_ms = 1e3 * min(r.time_s for r in rows)
+        still = [r for r in rows if r.energy_j <= 0]
+        if still:
+            first = still[0]
             raise PlanError(
-                "the energy counter did not move during any instruction (the shortest took "
-                f"{shortest_ms:.2g} ms): the device publishes energy more coarsely than the "
-                "instructions last; profile larger microbatches or more layers per stage"
+                f"the energy counter did not move during {len(still)} of {len(rows)} profiled "
+                f"(stage, kind, clock) cases, e.g. stage {first.stage} {first.instruction} at "
+                f"{first.freq_mhz:g} MHz ({first.time_s * 1e3:.3g} ms): the device publishes "
+                "energy more coarsely than the instructions last; raise iterations_per_freq, "
+                "or profile larger microbatches"
             )
         profile = Profile(rows, source="the gathered profile")
         gap_s = sum(p.get("gap_time_s", 0.0) for p in payloads)
@@ -267,7 +270,8 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
     _say(
         spec,
         f"frontier of {len(frontier.points)} points in {solve_s:.1f} s; {spec.policy} plan saves "
-        f"{info['realized']['saving_percent']:.2f} % at {info['realized']['slowdown_percent']:+.3f} % "
+        f"{info['realized']['saving_percent'] or 0.0:.2f} % at "
+        f"{info['realized']['slowdown_percent']:+.3f} % "
         "(replayed on the profile)",
     )
     if spec.out_dir is not None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import powerlib
 from powerlib.integrations.torch_distributed import attach_module, attach_pipeline
 
-BASE_S = 0.004
+BASE_S = 0.02  # well above a simulated clock change (~1 ms), so no request is superseded
 M = 4
 FREQS = [1410.0, 1200.0, 1005.0]
 

@@ -51,6 +51,7 @@ def _launch(tmp: Path, kind: str) -> list[dict]:
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": str(WORLD),
         "PYTHONWARNINGS": "ignore",
+        "POWERLIB_SIM_ENERGY_PERIOD_S": "0.001",  # per-instruction energy needs a fine counter
     }
     procs = [
         subprocess.Popen(

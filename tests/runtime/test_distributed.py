@@ -57,6 +57,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(WORLD),
         "PYTHONWARNINGS": "ignore",
+        "POWERLIB_SIM_ENERGY_PERIOD_S": "0.001",  # per-instruction energy needs a fine counter
     }
     settings = Settings(backend="simulated", sim_gpus=WORLD, state_dir=state)
     with open_backend(settings=settings) as backend:

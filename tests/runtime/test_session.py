@@ -282,3 +282,35 @@ def test_the_plan_follows_the_order_the_loop_really_ran(tmp_path: Path) -> None:
     gpipe = build_schedule("gpipe", 4, 4)
     for s in range(4):
         assert [p.instruction for p in plan.stage(s)] == gpipe[s]
+
+
+def test_local_rank_and_simulated_counter_period_come_from_the_environment(tmp_path: Path) -> None:
+    from powerlib.config import Settings
+    from powerlib.errors import ConfigError
+    from powerlib.registry import open_backend
+
+    settings = Settings.from_env({"LOCAL_RANK": "3", "POWERLIB_SIM_ENERGY_PERIOD_S": "0.002"})
+    assert settings.local_rank == 3 and settings.sim_energy_period_s == 0.002
+    with open_backend("simulated", settings.replace(state_dir=tmp_path / "state")) as backend:
+        assert backend.model.energy_update_period_s == 0.002
+    for env in (
+        {"LOCAL_RANK": "x"},
+        {"POWERLIB_SIM_ENERGY_PERIOD_S": "0"},
+        {"POWERLIB_SIM_ENERGY_PERIOD_S": "soon"},
+    ):
+        with pytest.raises(ConfigError):
+            Settings.from_env(env)
+
+
+def test_a_counter_that_never_moved_is_one_clear_planning_error() -> None:
+    from powerlib.runtime.planning_step import PlanSpec, make_plan
+
+    rows = [
+        [0, k, f, 0.001, 0.0 if f == 1410.0 else 0.5]
+        for k in ("forward", "backward")
+        for f in (1410.0, 1200.0)
+    ]
+    with pytest.raises(PlanError, match=r"did not move during 2 of 4 .* stage 0 \w+ at 1410 MHz"):
+        make_plan(
+            PlanSpec(num_stages=1, num_microbatches=1, progress=False), [{"stage": 0, "rows": rows}]
+        )

@@ -86,12 +86,13 @@ def summary(
             "time_s": baseline.time_s,
             "energy_j": baseline.energy_j,
         },
-        "saving_percent": 100.0 * (1.0 - chosen.energy_j / baseline.energy_j),
+        "saving_percent": _saving_percent(chosen.energy_j, baseline.energy_j),
         "realized": {
             "description": "the plan replayed on the measured profile, against all max frequency at its own time",
             "slowdown_percent": 100.0 * (realized.time_s / own.time_s - 1.0),
-            "saving_percent": 100.0
-            * (1.0 - realized.energy_j / frontier.baseline(realized.time_s).energy_j),
+            "saving_percent": _saving_percent(
+                realized.energy_j, frontier.baseline(realized.time_s).energy_j
+            ),
             "max_slowdown_guard": max_slowdown,
             "switch_latency_s": switch_latency_s,
             "instructions_sped_up": None
@@ -100,6 +101,11 @@ def summary(
         },
         "solve_time_s": solve_time_s,
     }
+
+
+def _saving_percent(energy_j: float, baseline_j: float) -> float | None:
+    """Saving against a baseline; ``None`` when the baseline is not a positive energy."""
+    return 100.0 * (1.0 - energy_j / baseline_j) if baseline_j > 0 else None
 
 
 def plot_frontier(frontier: Frontier, chosen: FrontierPoint, path: str | Path) -> None:
