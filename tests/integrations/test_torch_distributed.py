@@ -42,7 +42,7 @@ def _collapse(values: list[float]) -> list[float]:
     return out
 
 
-def _launch(tmp: Path, kind: str) -> list[dict]:
+def _launch(tmp: Path, kind: str, attempt: int = 0) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("POWERLIB_")} | {
         "POWERLIB_BACKEND": "simulated",
         "POWERLIB_SIM_GPUS": str(WORLD),
@@ -70,6 +70,9 @@ def _launch(tmp: Path, kind: str) -> list[dict]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    port_taken = any("EADDRINUSE" in log or "address already in use" in log.lower() for log in logs)
+    if port_taken and attempt == 0:  # another process took the rendezvous port: not our bug
+        return _launch(tmp, kind, attempt + 1)
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
