@@ -25,7 +25,15 @@ from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile, ProfileRow
 from powerlib.profiling.sweep import aggregate_stage_rows
 
-__all__ = ["PlanSpec", "auto_unit_time_s", "make_plan", "rows_from_payload", "rows_to_payload"]
+__all__ = [
+    "PlanSpec",
+    "auto_unit_time_s",
+    "make_plan",
+    "merge_profiles",
+    "rows_from_payload",
+    "rows_to_payload",
+    "write_profile",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +123,31 @@ def _say(spec: PlanSpec, message: str) -> None:
         print(f"powerlib: {message}", file=sys.stderr, flush=True)
 
 
+GATHERED = "the gathered profile"
+
+
+def merge_profiles(payloads: list[dict[str, Any]]) -> tuple[list[ProfileRow], float | None]:
+    """Every rank's rows merged per stage, and P_block measured between instructions.
+
+    P_block is time-weighted over all ranks' gaps; ``None`` when no rank has usable gaps (a
+    counter that never moved in them tells nothing).
+    """
+    rows = aggregate_stage_rows(rows_from_payload(p["rows"]) for p in payloads)
+    gap_s = sum(p.get("gap_time_s", 0.0) for p in payloads)
+    gap_j = sum(p.get("gap_energy_j", 0.0) for p in payloads)
+    return rows, (gap_j / gap_s if gap_s > 0 and gap_j > 0 else None)
+
+
+def write_profile(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0 in ``profile`` mode: merge the profiles and write ``profile.csv``; no plan."""
+    rows, p_block_w = merge_profiles(payloads)
+    if spec.out_dir is not None and rows:
+        spec.out_dir.mkdir(parents=True, exist_ok=True)
+        Profile(rows, source=GATHERED).write_csv(spec.out_dir / "profile.csv")
+        _say(spec, f"profile written to {spec.out_dir / 'profile.csv'}")
+    return {"profile_only": True, "p_block_w": p_block_w}
+
+
 def _schedule_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> tuple[Schedule, str]:
     """The order the ranks recorded while profiling, else the named schedule's.
 
@@ -177,7 +210,7 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
         profile = Profile.read(first["profile_path"])
         measured_p_block: list[float] = []
     else:
-        rows = aggregate_stage_rows(rows_from_payload(p["rows"]) for p in payloads)
+        rows, measured = merge_profiles(payloads)
         if not rows:
             raise PlanError("no rank measured any instruction: was the session's step() called?")
         still = [r for r in rows if r.energy_j <= 0]
@@ -190,11 +223,8 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
                 "energy more coarsely than the instructions last; raise iterations_per_freq, "
                 "or profile larger microbatches"
             )
-        profile = Profile(rows, source="the gathered profile")
-        gap_s = sum(p.get("gap_time_s", 0.0) for p in payloads)
-        gap_j = sum(p.get("gap_energy_j", 0.0) for p in payloads)
-        # time-weighted over all ranks; a counter that never moved in the gaps tells nothing
-        measured_p_block = [gap_j / gap_s] if gap_s > 0 and gap_j > 0 else []
+        profile = Profile(rows, source=GATHERED)
+        measured_p_block = [] if measured is None else [measured]
     profile.validate_for(spec.num_stages)
     if spec.p_block_w is not None:
         p_block_w = spec.p_block_w

@@ -52,7 +52,7 @@ from powerlib.profiling.sweep import FrequencySweep, ProfileRecorder, SweepConfi
 from powerlib.registry import open_backend
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, default_coordinator
-from powerlib.runtime.planning_step import PlanSpec, make_plan, rows_to_payload
+from powerlib.runtime.planning_step import PlanSpec, make_plan, rows_to_payload, write_profile
 
 __all__ = ["MODES", "Session", "optimize"]
 
@@ -360,10 +360,8 @@ class Session:
                 if self.phase is not _APPLY:
                     return
             freq = self._freqs.get(key)
-            controller = self.controller
-            if freq is not None and freq != controller.last_requested:  # type: ignore[union-attr]
-                self._sync()  # the new clock must not land on the previous instruction's work
-                controller.request(freq)  # type: ignore[union-attr]
+            if freq is not None:
+                self._request(freq)
             self._pos += 1
         elif phase is _PROFILE:
             self._sync()
@@ -383,10 +381,7 @@ class Session:
                 # drivers) overlaps the wait for the next instruction's input.
                 expected = self._expected
                 nxt = expected[self._pos] if self._pos < len(expected) else expected[0]
-                freq = self._freqs[nxt]
-                if freq != self.controller.last_requested:  # type: ignore[union-attr]
-                    self._sync()
-                    self.controller.request(freq)  # type: ignore[union-attr]
+                self._request(self._freqs[nxt])
             return
         if self.phase is not _PROFILE or self._open is None:
             return
@@ -400,6 +395,13 @@ class Session:
         if self._sweep.measuring:
             self.recorder.add(kind, self._sweep.freq_mhz, t - t0, e - e0)
             self._iter_energy += e - e0
+
+    def _request(self, freq_mhz: float) -> None:
+        """Hand a clock to the controller; a repeat of the last request costs nothing."""
+        controller = self.controller
+        if freq_mhz != controller.last_requested:  # type: ignore[union-attr]
+            self._sync()  # the new clock must not land on the previous instruction's work
+            controller.request(freq_mhz)  # type: ignore[union-attr]
 
     @contextlib.contextmanager
     def instruction(self, kind: str, microbatch: int = 0, chunk: int = 0) -> Iterator[None]:
@@ -492,11 +494,9 @@ class Session:
         assert self.device is not None and self.control is not None
         self.control.reset_sm_clocks(self.device)
         self._locked = None
-        p_block = self.recorder.p_block_w
         payload = {
             "stage": self.stage,
             "rows": rows_to_payload(self.recorder.rows(self.stage)),
-            "p_block_w": p_block,
             "gap_time_s": self.recorder.gap_time_s,
             "gap_energy_j": self.recorder.gap_energy_j,
             "order": [list(k) for k in self._recorded_order],  # what the loop really ran
@@ -511,22 +511,7 @@ class Session:
         return make_plan(self._spec_with_progress(), payloads)
 
     def _profile_only_fn(self, payloads: list[dict[str, Any]]) -> dict[str, Any]:
-        from powerlib.planning.profile import Profile  # noqa: PLC0415
-        from powerlib.profiling.sweep import aggregate_stage_rows  # noqa: PLC0415
-        from powerlib.runtime.planning_step import rows_from_payload  # noqa: PLC0415
-
-        rows = aggregate_stage_rows(rows_from_payload(p["rows"]) for p in payloads)
-        if self.spec.out_dir is not None and rows:
-            self.spec.out_dir.mkdir(parents=True, exist_ok=True)
-            Profile(rows, source="the gathered profile").write_csv(
-                self.spec.out_dir / "profile.csv"
-            )
-            self._say(f"profile written to {self.spec.out_dir / 'profile.csv'}")
-        p_blocks = [p["p_block_w"] for p in payloads if p.get("p_block_w") is not None]
-        return {
-            "profile_only": True,
-            "p_block_w": sum(p_blocks) / len(p_blocks) if p_blocks else None,
-        }
+        return write_profile(self._spec_with_progress(), payloads)
 
     def _spec_with_progress(self) -> PlanSpec:
         import dataclasses  # noqa: PLC0415

@@ -58,14 +58,6 @@ class Block(torch.nn.Module):
         return torch.tanh(_Delay.apply(self.lin(x)))
 
 
-def _collapse(values: list[float]) -> list[float]:
-    out: list[float] = []
-    for v in values:
-        if not out or out[-1] != v:
-            out.append(v)
-    return out
-
-
 def _pipeline(kind: str, rank: int, world: int):
     from torch.distributed.pipelining import (
         PipelineStage,

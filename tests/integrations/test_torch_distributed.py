@@ -9,13 +9,10 @@ schedule really runs is caught on its first iteration (warn, reset, keep trainin
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from multiproc import collapse, launch_ranks
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.pipelining")
@@ -28,53 +25,8 @@ WORKER = Path(__file__).with_name("pp_worker.py")
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _collapse(values: list[float]) -> list[float]:
-    out: list[float] = []
-    for v in values:
-        if not out or out[-1] != v:
-            out.append(v)
-    return out
-
-
-def _launch(tmp: Path, kind: str, attempt: int = 0) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("POWERLIB_")} | {
-        "POWERLIB_BACKEND": "simulated",
-        "POWERLIB_SIM_GPUS": str(WORLD),
-        "POWERLIB_STATE_DIR": str(tmp / "state"),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(WORLD),
-        "PYTHONWARNINGS": "ignore",
-        "POWERLIB_SIM_ENERGY_PERIOD_S": "0.001",  # per-instruction energy needs a fine counter
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(tmp), kind],
-            env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    port_taken = any("EADDRINUSE" in log or "address already in use" in log.lower() for log in logs)
-    if port_taken and attempt == 0:  # another process took the rendezvous port: not our bug
-        return _launch(tmp, kind, attempt + 1)
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
+def _launch(tmp: Path, kind: str) -> list[dict]:
+    launch_ranks(WORKER, [str(tmp), kind], WORLD, tmp / "state")
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -91,7 +43,7 @@ def test_pipeline_schedule_applies_the_plan_and_catches_a_wrong_order(
         assert auto["applied_from"] == 4
         plan_freqs = [f for *_, f in auto["plan"]]
         assert auto["requested"] == auto["plan"]  # same instructions, same order, same clocks
-        assert auto["applied_first_iteration"] == _collapse(plan_freqs)
+        assert auto["applied_first_iteration"] == collapse(plan_freqs)
         assert res["restored"]
     chunks = {c for res in results for _, _, c, _ in res["auto"]["plan"]}
     assert chunks == ({0, 1} if kind in ("interleaved", "loopedbfs") else {0})

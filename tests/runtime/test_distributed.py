@@ -9,13 +9,10 @@ Then a plan with a wrong order for stage 1 must make stage 1 warn once, reset an
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from multiproc import collapse, launch_ranks
 
 from powerlib.config import Settings
 from powerlib.journal import StateDir
@@ -30,58 +27,14 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 WORLD = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _collapse(values: list[float]) -> list[float]:
-    out: list[float] = []
-    for v in values:
-        if not out or out[-1] != v:
-            out.append(v)
-    return out
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("dist")
     state = tmp / "state"
-    port = _free_port()
-    env_base = {k: v for k, v in os.environ.items() if not k.startswith("POWERLIB_")} | {
-        "POWERLIB_BACKEND": "simulated",
-        "POWERLIB_SIM_GPUS": str(WORLD),
-        "POWERLIB_STATE_DIR": str(state),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(WORLD),
-        "PYTHONWARNINGS": "ignore",
-        "POWERLIB_SIM_ENERGY_PERIOD_S": "0.001",  # per-instruction energy needs a fine counter
-    }
     settings = Settings(backend="simulated", sim_gpus=WORLD, state_dir=state)
     with open_backend(settings=settings) as backend:
         original = [d.read_state() for d in backend.devices()]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(tmp)],
-            env=env_base | {"RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(WORLD)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=240)
-            outputs.append(out.decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{outputs[r][-4000:]}"
+    outputs = launch_ranks(WORKER, [str(tmp)], WORLD, state)
     with open_backend(settings=settings) as backend:
         final = [d.read_state() for d in backend.devices()]
     results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -113,7 +66,7 @@ def test_each_rank_applies_exactly_its_stage_of_the_plan(run: dict) -> None:
         assert auto["plan_freqs"] == stage_freqs
         assert auto["apply_started_iteration"] == 1 + 3  # warm-up + one iteration per clock
         assert auto["requested"] == stage_freqs  # one request per instruction, in order
-        assert auto["applied_first_iteration"] == _collapse(stage_freqs)
+        assert auto["applied_first_iteration"] == collapse(stage_freqs)
         assert auto["applied_ok"]
         assert auto["warnings"] == []
 

@@ -201,8 +201,9 @@ class Frontier:
         chosen = self.planned_options(point)
         base = self.baseline_time_s if limit_s is None else limit_s
         limit = base * (1.0 + max_slowdown)
+        layout = _layout(self.dag)
         while True:
-            run = _replay(self, chosen, switch_latency_s)
+            run = _replay(self, chosen, switch_latency_s, layout)
             if run.time_s <= limit:
                 return chosen
             candidates = set(run.path) | {
@@ -314,22 +315,43 @@ class _Run:
     penalized: list[bool]  # started at its predecessor's clock
 
 
-def _replay(frontier: Frontier, chosen: Sequence[Option], switch_latency_s: float) -> _Run:
-    """One iteration of per-instruction options on the measured profile (see ``realized``)."""
-    dag = frontier.dag
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """What a replay needs to know about the DAG; it does not change between replays."""
+
+    preds: list[list[int]]  # all predecessors of each node
+    prev: list[int]  # same-stage predecessor (-1 for none)
+    last: dict[int, int]  # a stage's first node -> its last node
+    topo: list[int]  # a topological order
+
+
+def _layout(dag: PipelineDAG) -> _Layout:
     n = len(dag.instructions)
     preds: list[list[int]] = [[] for _ in range(n)]
     for u, v in dag.edges:
         preds[v].append(u)
     prev = [-1] * n
     last: dict[int, int] = {}
-    orders = [dag.stage_order(s) for s in range(dag.num_stages)]
-    for order in orders:
+    for s in range(dag.num_stages):
+        order = dag.stage_order(s)
         for a, b in zip(order, order[1:]):
             prev[b] = a
         if order:
             last[order[0]] = order[-1]
-    topo = _topological(n, dag.edges)
+    return _Layout(preds, prev, last, _topological(n, dag.edges))
+
+
+def _replay(
+    frontier: Frontier,
+    chosen: Sequence[Option],
+    switch_latency_s: float,
+    layout: _Layout | None = None,
+) -> _Run:
+    """One iteration of per-instruction options on the measured profile (see ``realized``)."""
+    dag = frontier.dag
+    n = len(dag.instructions)
+    layout = layout or _layout(dag)
+    preds, prev, last, topo = layout.preds, layout.prev, layout.last, layout.topo
     wrap_gap: dict[int, float] = {}  # first instruction -> idle time before it (from pass 1)
     for pass_no in range(2 if switch_latency_s > 0 else 1):
         finish = [0.0] * n
@@ -408,41 +430,13 @@ def _topological(n: int, edges: Sequence[tuple[int, int]]) -> list[int]:
 
 def _critical_path_s(dag: PipelineDAG, times_s: Sequence[float]) -> float:
     """Longest path through the instruction DAG with the given per-instruction times."""
-    return _critical_path_with_nodes(dag, times_s)[0]
-
-
-def _critical_path_with_nodes(
-    dag: PipelineDAG, times_s: Sequence[float]
-) -> tuple[float, list[int]]:
-    """Longest path length and the instructions on one longest path."""
     preds: list[list[int]] = [[] for _ in dag.instructions]
-    succs: list[list[int]] = [[] for _ in dag.instructions]
-    indegree = [0] * len(dag.instructions)
     for u, v in dag.edges:
         preds[v].append(u)
-        succs[u].append(v)
-        indegree[v] += 1
     finish = [0.0] * len(dag.instructions)
-    via = [-1] * len(dag.instructions)
-    ready = [i for i, k in enumerate(indegree) if k == 0]
-    while ready:
-        v = ready.pop()
-        start = 0.0
-        for u in preds[v]:
-            if finish[u] > start:
-                start, via[v] = finish[u], u
-        finish[v] = start + times_s[v]
-        for w in succs[v]:
-            indegree[w] -= 1
-            if indegree[w] == 0:
-                ready.append(w)
-    if not finish:
-        return 0.0, []
-    end = max(range(len(finish)), key=finish.__getitem__)
-    path = [end]
-    while via[path[-1]] >= 0:
-        path.append(via[path[-1]])
-    return finish[end], path[::-1]
+    for v in _topological(len(finish), dag.edges):
+        finish[v] = max((finish[u] for u in preds[v]), default=0.0) + times_s[v]
+    return max(finish, default=0.0)
 
 
 def compute_frontier(
