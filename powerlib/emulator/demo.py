@@ -22,7 +22,7 @@ from typing import Any
 
 from powerlib.emulator.engine import Emulator, IterationResult
 from powerlib.errors import BackendUnavailableError, InvalidArgumentError
-from powerlib.planning.pipeline import build_schedule
+from powerlib.planning.pipeline import KIND_LETTERS, build_schedule
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile
 from powerlib.runtime.coordination import LocalGroup
@@ -266,16 +266,12 @@ def simulate_plan(
     """
     plan = FrequencyPlan.read(plan_path)
     profile = default_profile() if profile_path is None else Profile.read(profile_path)
-    w = plan.workload
-    schedule_name = str(w.get("schedule", "1f1b"))
-    num_mb = int(
-        w.get("num_microbatches", 1 + max(p.instruction.microbatch for p in plan.stage(0)))
-    )
-    chunks = int(w.get("num_chunks", 1))
-    schedule = build_schedule(schedule_name, plan.num_stages, num_mb, chunks)
+    # The plan lists every stage's instructions in execution order: that is the schedule.
+    schedule = [[p.instruction for p in plan.stage(s)] for s in range(plan.num_stages)]
     emulator = Emulator(
         profile,
         schedule,
+        placement=str(plan.workload.get("placement", "looped")),
         p_block_w=p_block_w,
         switch_latency_s=switch_latency_s,
         straggler_time_s=straggler_time_s,
@@ -400,7 +396,7 @@ def write_timeline(result: IterationResult, path: str | Path, *, title: str = ""
             ax.text(
                 (ex.start_s + ex.end_s) / 2 - result.start_s,
                 y,
-                ("F" if ex.instruction.kind == "forward" else "B") + str(ex.instruction.microbatch),
+                KIND_LETTERS[ex.instruction.kind] + str(ex.instruction.microbatch),
                 ha="center",
                 va="center",
                 fontsize=5,

@@ -89,6 +89,7 @@ class Emulator:
     Args:
         profile: Per (stage, kind, frequency) time and energy: the devices' ground truth.
         schedule: The instructions of each stage, in execution order.
+        placement: ``looped`` or ``v`` (which model pieces a stage's chunks hold).
         p_block_w: Power of a waiting GPU.
         switch_latency_s: Clock-change latency.
         counter_period_s: Energy-counter update period.
@@ -103,6 +104,7 @@ class Emulator:
         profile: Profile,
         schedule: Schedule,
         *,
+        placement: str = "looped",
         p_block_w: float,
         switch_latency_s: float = 0.0,
         counter_period_s: float = 0.0,
@@ -111,9 +113,11 @@ class Emulator:
         seed: int = 0,
         device_name: str = "Emulated GPU",
     ) -> None:
-        self.dag = build_dag(schedule)
+        self.dag = build_dag(schedule, placement)
         num_stages = self.dag.num_stages
-        profile.validate_for(num_stages)
+        profile.validate_for(num_stages, ())
+        for ins in self.dag.instructions:
+            profile.options(ins.stage, ins.kind)  # PlanError when the profile lacks the kind
         self.clock = VirtualTime()
         self.devices = [
             EmulatedDevice(

@@ -9,6 +9,13 @@ order. Three orders are built in:
 - :func:`schedule_gpipe`: all forwards, then all backwards (torch's ``ScheduleGPipe``).
 - :func:`schedule_interleaved_1f1b`: Megatron-core's interleaved 1F1B with virtual stages.
 
+Other orders (zero-bubble, V schedules, whatever a framework really runs) come in as recorded
+per-stage lists; :func:`check_deadlock_free` and :func:`build_dag` accept any complete order.
+
+Kinds: a forward (``F``) and either a full backward (``B``) or a backward split into its input
+part (``I``, the gradient the previous model chunk waits for) and its weight part (``W``, which
+only needs this chunk's ``I`` and can fill bubbles), as zero-bubble schedules run them.
+
 :func:`build_dag` turns a schedule into an activity-on-node DAG (:class:`PipelineDAG`): one node
 per computation; edges for program order on each stage, activations flowing forward and gradients
 flowing backward. Communication is not modelled (a transfer takes no time), as in Perseus.
@@ -16,11 +23,14 @@ flowing backward. Communication is not modelled (a transfer takes no time), as i
 hand-written or recorded schedule cannot finish.
 
 Model chunks:
-    With ``N`` stages and ``V`` chunks per stage, stage ``s`` holds chunks ``c = 0..V-1`` and
-    chunk ``c`` of stage ``s`` is model chunk ``k = c*N + s`` (the model is cut into ``N*V``
-    consecutive pieces, dealt round-robin over the stages). Non-interleaved schedules have
-    ``V = 1`` and ``k = s``. The forward of a microbatch visits ``k = 0, 1, ..., N*V-1``; its
-    backward visits them in reverse.
+    With ``N`` stages and ``V`` chunks per stage, stage ``s`` holds chunks ``c = 0..V-1``. In the
+    ``looped`` placement (the default; Megatron interleaved, torch looped schedules) chunk ``c``
+    of stage ``s`` is model chunk ``k = c*N + s`` (the model is cut into ``N*V`` consecutive
+    pieces, dealt round-robin over the stages). In the ``v`` placement (``V = 2``: torch
+    ZBVZeroBubble and DualPipeV, DeepSpeed DualPipeV) chunk 0 of stage ``s`` is ``k = s`` and
+    chunk 1 is ``k = 2N-1-s``, so stage 0 holds the first and the last piece. Non-interleaved
+    schedules have ``V = 1`` and ``k = s``. The forward of a microbatch visits
+    ``k = 0, 1, ..., N*V-1``; its backward visits them in reverse.
 
 This module is pure: it imports only the standard library.
 """
@@ -34,8 +44,12 @@ from powerlib.errors import PlanError
 
 __all__ = [
     "BACKWARD",
+    "BACKWARD_INPUT",
+    "BACKWARD_WEIGHT",
     "FORWARD",
     "KINDS",
+    "KIND_LETTERS",
+    "PLACEMENTS",
     "SCHEDULE_NAMES",
     "Instruction",
     "PipelineDAG",
@@ -50,18 +64,24 @@ __all__ = [
 
 FORWARD = "forward"
 BACKWARD = "backward"
-KINDS = (FORWARD, BACKWARD)
+BACKWARD_INPUT = "backward_input"
+BACKWARD_WEIGHT = "backward_weight"
+KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 """The computation kinds, in the order profiles and plans list them."""
+
+PLACEMENTS = ("looped", "v")
+"""How a stage's model chunks map onto the model (see the module docstring)."""
 
 SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved")
 """The names :func:`build_schedule` accepts."""
 
-_KIND_LETTER = {FORWARD: "F", BACKWARD: "B"}
+KIND_LETTERS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}
+"""The one-letter form of each kind, as schedules are usually written."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Instruction:
-    """One computation of a pipeline stage: a forward or a backward of one microbatch.
+    """One computation of a pipeline stage: a forward or (part of) a backward of one microbatch.
 
     The string form is compact, e.g. ``"S1 F mb3"`` for the forward of microbatch 3 on stage 1;
     a chunk other than 0 is appended, as in ``"S1 B mb3 c1"``.
@@ -69,7 +89,7 @@ class Instruction:
     Attributes:
         stage: The pipeline stage (pp rank) that runs it, from 0.
         microbatch: The microbatch index, from 0.
-        kind: :data:`FORWARD` or :data:`BACKWARD`.
+        kind: One of :data:`KINDS`: forward, backward, backward_input or backward_weight.
         chunk: The virtual-stage (model chunk) index on this stage; 0 unless interleaved.
 
     Raises:
@@ -83,7 +103,9 @@ class Instruction:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise PlanError(f"unknown instruction kind {self.kind!r}; expected forward or backward")
+            raise PlanError(
+                f"unknown instruction kind {self.kind!r}; expected one of {', '.join(KINDS)}"
+            )
         for name in ("stage", "microbatch", "chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -99,7 +121,7 @@ Schedule = list[list[Instruction]]
 
 def _short(instruction: Instruction) -> str:
     """The string form of an instruction without its stage, e.g. ``"F mb3"`` or ``"B mb3 c1"``."""
-    text = f"{_KIND_LETTER[instruction.kind]} mb{instruction.microbatch}"
+    text = f"{KIND_LETTERS[instruction.kind]} mb{instruction.microbatch}"
     return f"{text} c{instruction.chunk}" if instruction.chunk else text
 
 
@@ -164,7 +186,7 @@ def schedule_gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     return [
         [
             Instruction(stage=stage, microbatch=m, kind=kind)
-            for kind in KINDS
+            for kind in (FORWARD, BACKWARD)
             for m in range(num_microbatches)
         ]
         for stage in range(num_stages)
@@ -323,42 +345,79 @@ def _key(instruction: Instruction) -> _Key:
     return (instruction.stage, instruction.chunk, instruction.microbatch, instruction.kind)
 
 
+def _check_placement(placement: str, num_chunks: int) -> None:
+    if placement not in PLACEMENTS:
+        raise PlanError(f"unknown placement {placement!r}; expected one of {', '.join(PLACEMENTS)}")
+    if placement == "v" and num_chunks != 2:
+        raise PlanError(f"the v placement needs 2 chunks per stage, the schedule has {num_chunks}")
+
+
 class _Shape:
     """The stage/chunk layout of a validated schedule and the cross-stage dependency rule."""
 
-    __slots__ = ("num_chunks", "num_microbatches", "num_stages")
+    __slots__ = ("num_chunks", "num_microbatches", "num_stages", "placement", "split")
 
-    def __init__(self, num_stages: int, num_chunks: int, num_microbatches: int) -> None:
+    def __init__(
+        self,
+        num_stages: int,
+        num_chunks: int,
+        num_microbatches: int,
+        placement: str = "looped",
+        split: frozenset[tuple[int, int, int]] = frozenset(),
+    ) -> None:
+        _check_placement(placement, num_chunks)
         self.num_stages = num_stages
         self.num_chunks = num_chunks
         self.num_microbatches = num_microbatches
+        self.placement = placement
+        self.split = split  # (stage, chunk, microbatch) whose backward runs as I + W
+
+    def model_chunk(self, stage: int, chunk: int) -> int:
+        """The model piece ``k`` that ``chunk`` of ``stage`` holds."""
+        n = self.num_stages
+        if self.placement == "v" and chunk == 1:
+            return 2 * n - 1 - stage
+        return chunk * n + stage
+
+    def locate(self, k: int) -> tuple[int, int]:
+        """``(stage, chunk)`` holding model piece ``k``."""
+        n = self.num_stages
+        if self.placement == "v" and k >= n:
+            return 2 * n - 1 - k, 1
+        chunk, stage = divmod(k, n)
+        return stage, chunk
 
     def dependency(self, ins: Instruction) -> Instruction | None:
         """The one computation on which ``ins`` depends besides its stage predecessor.
 
         A forward of model chunk ``k > 0`` needs the forward of chunk ``k - 1`` (activations); a
-        backward of chunk ``k`` below the last needs the backward of chunk ``k + 1`` (gradients);
-        the backward of the last chunk needs its own forward.
+        backward (or its input part) of chunk ``k`` below the last needs the backward (or input
+        part) of chunk ``k + 1`` (gradients); the backward of the last chunk needs its own
+        forward; a weight part needs its own input part.
         """
-        n = self.num_stages
-        last = n * self.num_chunks - 1
-        k = ins.chunk * n + ins.stage
+        mb = ins.microbatch
+        if ins.kind == BACKWARD_WEIGHT:
+            return Instruction(stage=ins.stage, microbatch=mb, kind=BACKWARD_INPUT, chunk=ins.chunk)
+        last = self.num_stages * self.num_chunks - 1
+        k = self.model_chunk(ins.stage, ins.chunk)
         if ins.kind == FORWARD:
             if k == 0:
                 return None
-            k -= 1
-        elif k < last:
-            k += 1
-        else:
-            return Instruction(
-                stage=ins.stage, microbatch=ins.microbatch, kind=FORWARD, chunk=ins.chunk
-            )
-        chunk, stage = divmod(k, n)
-        return Instruction(stage=stage, microbatch=ins.microbatch, kind=ins.kind, chunk=chunk)
+            stage, chunk = self.locate(k - 1)
+            return Instruction(stage=stage, microbatch=mb, kind=FORWARD, chunk=chunk)
+        if k == last:
+            return Instruction(stage=ins.stage, microbatch=mb, kind=FORWARD, chunk=ins.chunk)
+        stage, chunk = self.locate(k + 1)
+        kind = BACKWARD_INPUT if (stage, chunk, mb) in self.split else BACKWARD
+        return Instruction(stage=stage, microbatch=mb, kind=kind, chunk=chunk)
 
 
-def _validate(schedule: Schedule) -> _Shape:
-    """Check a schedule's structure: one list per stage, every computation exactly once."""
+def _validate(schedule: Schedule, placement: str = "looped") -> _Shape:
+    """Check a schedule's structure: one list per stage, every computation exactly once.
+
+    Every (stage, chunk, microbatch) needs its forward and either a full backward or both
+    backward parts (input and weight), never both forms.
+    """
     if not isinstance(schedule, (list, tuple)) or not schedule:
         raise PlanError("a schedule needs at least one stage (a non-empty list of lists)")
     seen: set[_Key] = set()
@@ -381,26 +440,38 @@ def _validate(schedule: Schedule) -> _Shape:
             seen.add(key)
             num_chunks = max(num_chunks, ins.chunk + 1)
             num_microbatches = max(num_microbatches, ins.microbatch + 1)
-    shape = _Shape(len(schedule), num_chunks, num_microbatches)
-    expected = shape.num_stages * num_chunks * num_microbatches * len(KINDS)
-    if len(seen) != expected:
-        missing = [
-            Instruction(stage=s, microbatch=m, kind=kind, chunk=c)
-            for s in range(shape.num_stages)
-            for c in range(num_chunks)
-            for kind in KINDS
-            for m in range(num_microbatches)
-            if (s, c, m, kind) not in seen
-        ]
+    split: set[tuple[int, int, int]] = set()
+    missing: list[Instruction] = []
+    for s in range(len(schedule)):
+        for c in range(num_chunks):
+            for m in range(num_microbatches):
+                kinds = [kind for kind in KINDS if (s, c, m, kind) in seen]
+                if BACKWARD in kinds and len(kinds) > 2:
+                    raise PlanError(
+                        f"stage {s} runs both a full backward and a split one (I/W) of "
+                        f"mb{m}" + (f" c{c}" if c else "")
+                    )
+                need = [FORWARD]
+                if BACKWARD_INPUT in kinds or BACKWARD_WEIGHT in kinds:
+                    need += [BACKWARD_INPUT, BACKWARD_WEIGHT]
+                    split.add((s, c, m))
+                else:
+                    need.append(BACKWARD)
+                missing += [
+                    Instruction(stage=s, microbatch=m, kind=kind, chunk=c)
+                    for kind in need
+                    if kind not in kinds
+                ]
+    if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise PlanError(
-            f"schedule misses {missing[0]}{more} (expected {shape.num_stages} stages x "
+            f"schedule misses {missing[0]}{more} (expected {len(schedule)} stages x "
             f"{num_chunks} chunk(s) x {num_microbatches} microbatches x forward/backward)"
         )
-    return shape
+    return _Shape(len(schedule), num_chunks, num_microbatches, placement, frozenset(split))
 
 
-def check_deadlock_free(schedule: Schedule) -> None:
+def check_deadlock_free(schedule: Schedule, placement: str = "looped") -> None:
     """Check that a schedule is complete and can run to the end.
 
     Each stage executes its list in order; a computation starts once its stage predecessor and
@@ -409,13 +480,14 @@ def check_deadlock_free(schedule: Schedule) -> None:
 
     Args:
         schedule: One instruction list per stage.
+        placement: ``looped`` or ``v`` (see the module docstring).
 
     Raises:
         PlanError: The schedule misses or repeats a computation, lists one under the wrong stage,
             or stalls; a stall names where every unfinished stage waits, e.g.
             ``"deadlock: S0 waits at B mb0 (needs S1 B mb0), S1 waits at F mb1 (needs S0 F mb1)"``.
     """
-    shape = _validate(schedule)
+    shape = _validate(schedule, placement)
     done: set[_Key] = set()
     position = [0] * shape.num_stages
     waiting: dict[_Key, list[int]] = {}
@@ -442,7 +514,7 @@ def check_deadlock_free(schedule: Schedule) -> None:
         raise PlanError("deadlock: " + ", ".join(blocked))
 
 
-def build_dag(schedule: Schedule) -> PipelineDAG:
+def build_dag(schedule: Schedule, placement: str = "looped") -> PipelineDAG:
     """Turn a schedule into its activity-on-node precedence DAG.
 
     Edges, deduplicated and sorted:
@@ -450,7 +522,8 @@ def build_dag(schedule: Schedule) -> PipelineDAG:
     - program order: each instruction to the next one on the same stage;
     - activations: forward of model chunk ``k`` to forward of chunk ``k + 1``, same microbatch
       (``F(s, m) -> F(s+1, m)`` without interleaving);
-    - gradients: backward of chunk ``k + 1`` to backward of chunk ``k``, same microbatch.
+    - gradients: backward of chunk ``k + 1`` to backward of chunk ``k``, same microbatch (the
+      input part ``I`` where the backward is split; ``W`` follows its own ``I``).
 
     The backward of the last model chunk also depends on its own forward. Both run on the last
     stage, and :func:`check_deadlock_free` (called first) guarantees the forward comes earlier
@@ -462,6 +535,7 @@ def build_dag(schedule: Schedule) -> PipelineDAG:
 
     Args:
         schedule: One instruction list per stage.
+        placement: ``looped`` or ``v`` (see the module docstring).
 
     Returns:
         The DAG.
@@ -469,13 +543,9 @@ def build_dag(schedule: Schedule) -> PipelineDAG:
     Raises:
         PlanError: The schedule is incomplete, repeats a computation or deadlocks.
     """
-    check_deadlock_free(schedule)
+    check_deadlock_free(schedule, placement)
     instructions = [ins for order in schedule for ins in order]
-    shape = _Shape(
-        len(schedule),
-        1 + max(ins.chunk for ins in instructions),
-        1 + max(ins.microbatch for ins in instructions),
-    )
+    shape = _validate(schedule, placement)
     index = {_key(ins): node for node, ins in enumerate(instructions)}
     edges: set[tuple[int, int]] = set()
     start = 0  # node index of each stage's first instruction

@@ -36,7 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.errors import PlanError
-from powerlib.planning.pipeline import KINDS
+from powerlib.planning.pipeline import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    KINDS,
+)
 
 __all__ = ["CSV_COLUMNS", "PROFILE_SCHEMA", "Profile", "ProfileRow"]
 
@@ -60,7 +66,8 @@ class ProfileRow:
 
     Attributes:
         stage: Pipeline stage, from 0.
-        instruction: ``"forward"`` or ``"backward"``.
+        instruction: One of :data:`~powerlib.planning.pipeline.KINDS` (forward, backward,
+            backward_input, backward_weight).
         freq_mhz: The locked SM frequency, in MHz.
         time_s: Mean duration of one execution, in seconds.
         energy_j: Mean energy of one execution, in joules.
@@ -139,9 +146,15 @@ class Profile:
                     f"{', '.join(map(str, stages))}); stages must be numbered 0..N-1 without gaps"
                 )
         for stage in stages:
-            for kind in KINDS:
-                if (stage, kind) not in options:
-                    other = next(k for k in KINDS if (stage, k) in options)
+            present = [k for k in KINDS if (stage, k) in options]
+            need = [FORWARD]  # and a full backward, or both of its parts, or both forms
+            if BACKWARD_INPUT in present or BACKWARD_WEIGHT in present:
+                need += [BACKWARD_INPUT, BACKWARD_WEIGHT]
+            else:
+                need.append(BACKWARD)
+            for kind in need:
+                if kind not in present:
+                    other = present[0]
                     raise PlanError(
                         f"{source}: stage {stage} has {other} rows (first at "
                         f"{location[stage, other]}) but no {kind} rows"
@@ -194,7 +207,7 @@ class Profile:
 
         Args:
             stage: The pipeline stage.
-            kind: ``"forward"`` or ``"backward"``.
+            kind: One of :data:`~powerlib.planning.pipeline.KINDS`.
 
         Returns:
             ``(freq_mhz, time_s, energy_j)`` tuples, highest (fastest) frequency first. The list
@@ -210,7 +223,7 @@ class Profile:
 
         Args:
             stage: The pipeline stage.
-            kind: ``"forward"`` or ``"backward"``.
+            kind: One of :data:`~powerlib.planning.pipeline.KINDS`.
 
         Returns:
             The frequency in MHz.
@@ -220,7 +233,7 @@ class Profile:
         """
         return self._points(stage, kind)[0][0]
 
-    def validate_for(self, num_stages: int, kinds: Sequence[str] = KINDS) -> None:
+    def validate_for(self, num_stages: int, kinds: Sequence[str] = (FORWARD, BACKWARD)) -> None:
         """Check that the profile fits a pipeline of ``num_stages`` stages.
 
         Args:
@@ -519,7 +532,7 @@ def _check_row(row: ProfileRow, source: str, loc: _Where) -> ProfileRow:
     kind = row.instruction.strip().lower() if isinstance(row.instruction, str) else None
     if kind not in KINDS:
         raise PlanError(
-            f"{source}: {loc}: unknown instruction {row.instruction!r}; expected forward or backward"
+            f"{source}: {loc}: unknown instruction {row.instruction!r}; expected {', '.join(KINDS)}"
         )
     numbers: list[float] = []
     for name, label, unit in _NUMBER_FIELDS:

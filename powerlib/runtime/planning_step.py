@@ -20,7 +20,13 @@ from typing import Any
 from powerlib.errors import BackendUnavailableError, PlanError
 from powerlib.planning.perseus.frontier import POLICIES, compute_frontier
 from powerlib.planning.perseus.report import plot_frontier, summary, write_frontier_csv
-from powerlib.planning.pipeline import Instruction, Schedule, build_dag, build_schedule
+from powerlib.planning.pipeline import (
+    PLACEMENTS,
+    Instruction,
+    Schedule,
+    build_dag,
+    build_schedule,
+)
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile, ProfileRow
 from powerlib.profiling.sweep import aggregate_stage_rows
@@ -37,6 +43,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+RECORDED = "recorded"
+"""The schedule name that means: plan on the order the hooks recorded, there is no other."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanSpec:
@@ -45,8 +54,11 @@ class PlanSpec:
     Attributes:
         num_stages: Pipeline stages.
         num_microbatches: Microbatches per iteration.
-        schedule: ``1f1b``, ``gpipe`` or ``interleaved``.
-        num_chunks: Model chunks per stage (interleaved).
+        schedule: ``1f1b``, ``gpipe`` or ``interleaved``; or ``recorded``: no built-in order,
+            only the one the hooks recorded while profiling (zero-bubble and V schedules).
+        num_chunks: Model chunks per stage (interleaved, V schedules).
+        placement: ``looped`` (chunk ``c`` of stage ``s`` is model piece ``c*N + s``) or ``v``
+            (two chunks: pieces ``s`` and ``2N-1-s``).
         policy: ``fastest``, ``deadline`` or ``min-energy``.
         deadline_s: T′ for ``deadline``.
         deadline_ratio: T′ as a multiple of the all-max iteration time (a straggler factor), for
@@ -66,6 +78,7 @@ class PlanSpec:
     num_microbatches: int
     schedule: str = "1f1b"
     num_chunks: int = 1
+    placement: str = "looped"
     policy: str = "fastest"
     deadline_s: float | None = None
     deadline_ratio: float | None = None
@@ -91,7 +104,14 @@ class PlanSpec:
             raise PlanError(f"max_slowdown must be >= 0, got {self.max_slowdown}")
         if not (math.isfinite(self.switch_latency_s) and self.switch_latency_s >= 0):
             raise PlanError(f"switch_latency_s must be >= 0, got {self.switch_latency_s}")
-        build_schedule(self.schedule, self.num_stages, self.num_microbatches, self.num_chunks)
+        if self.placement not in PLACEMENTS:
+            raise PlanError(
+                f"unknown placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}"
+            )
+        if self.placement == "v" and self.num_chunks != 2:
+            raise PlanError(f"the v placement needs num_chunks=2, got {self.num_chunks}")
+        if self.schedule != RECORDED:
+            build_schedule(self.schedule, self.num_stages, self.num_microbatches, self.num_chunks)
 
 
 def rows_to_payload(rows: list[ProfileRow]) -> list[list[Any]]:
@@ -153,13 +173,22 @@ def _schedule_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> tuple[Sched
 
     Every rank sends the order its hooks saw in the last profiled iteration; the ranks of a
     stage must agree. The recorded order is used when it forms a complete, deadlock-free
-    pipeline the planner models; otherwise the generated order of ``spec.schedule`` is.
+    pipeline the planner models; otherwise the generated order of ``spec.schedule`` is
+    (``recorded`` has none: then the recorded order must do).
     """
-    generated = build_schedule(
-        spec.schedule, spec.num_stages, spec.num_microbatches, spec.num_chunks
-    )
-    if not payloads or not all(p.get("order") for p in payloads):
+    generated: Schedule | None = None
+    if spec.schedule != RECORDED:
+        generated = build_schedule(
+            spec.schedule, spec.num_stages, spec.num_microbatches, spec.num_chunks
+        )
+
+    def fallback(why: str) -> tuple[Schedule, str]:
+        if generated is None:
+            raise PlanError(f"schedule 'recorded' but {why}; there is no built-in order to use")
         return generated, "generated"
+
+    if not payloads or not all(p.get("order") for p in payloads):
+        return fallback("no instruction order was recorded")
     by_stage: dict[int, list[tuple[int, int, str]]] = {}
     for p in payloads:
         order = [(int(c), int(m), str(k)) for c, m, k in p["order"]]
@@ -169,21 +198,25 @@ def _schedule_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> tuple[Sched
                 f"the ranks of stage {p['stage']} ran different instruction orders while profiling"
             )
     if sorted(by_stage) != list(range(spec.num_stages)):
-        return generated, "generated"
+        return fallback(f"the recorded orders cover stages {sorted(by_stage)}")
     recorded = [
         [Instruction(stage=s, microbatch=m, kind=k, chunk=c) for c, m, k in by_stage[s]]
         for s in range(spec.num_stages)
     ]
     try:
-        build_dag(recorded)
+        build_dag(recorded, spec.placement)
     except PlanError as err:
+        if generated is None:
+            raise PlanError(
+                f"the recorded order is not a pipeline the planner models: {err}"
+            ) from None
         _say(
             spec,
             f"the recorded order is not a pipeline the planner models ({err}); "
             f"planning on the {spec.schedule} order",
         )
         return generated, "generated"
-    if recorded != generated:
+    if generated is not None and recorded != generated:
         _say(spec, f"the recorded instruction order differs from {spec.schedule}'s; planning on it")
     return recorded, "recorded"
 
@@ -225,7 +258,7 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
             )
         profile = Profile(rows, source=GATHERED)
         measured_p_block = [] if measured is None else [measured]
-    profile.validate_for(spec.num_stages)
+    profile.validate_for(spec.num_stages, ())  # kinds: checked against the order
     if spec.p_block_w is not None:
         p_block_w = spec.p_block_w
     elif measured_p_block:
@@ -258,6 +291,7 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
         schedule_name=spec.schedule,
         num_microbatches=num_microbatches,
         num_chunks=num_chunks,
+        placement=spec.placement,
         p_block_w=p_block_w,
         unit_time_s=unit_time_s,
     )

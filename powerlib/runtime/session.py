@@ -45,7 +45,7 @@ from powerlib.config import Settings
 from powerlib.control import ControlSession
 from powerlib.device import Backend, Device
 from powerlib.errors import InvalidArgumentError, PlanError
-from powerlib.planning.pipeline import BACKWARD, FORWARD
+from powerlib.planning.pipeline import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.profiling.meter import EnergyMeter
 from powerlib.profiling.sweep import FrequencySweep, ProfileRecorder, SweepConfig
@@ -63,10 +63,16 @@ MODES = ("auto", "profile", "plan", "apply")
 _KINDS = {
     FORWARD: FORWARD,
     BACKWARD: BACKWARD,
+    BACKWARD_INPUT: BACKWARD_INPUT,
+    BACKWARD_WEIGHT: BACKWARD_WEIGHT,
     "F": FORWARD,
     "B": BACKWARD,
+    "I": BACKWARD_INPUT,
+    "W": BACKWARD_WEIGHT,
     "f": FORWARD,
     "b": BACKWARD,
+    "i": BACKWARD_INPUT,
+    "w": BACKWARD_WEIGHT,
     "fwd": FORWARD,
     "bwd": BACKWARD,
 }
@@ -83,7 +89,8 @@ def _kind(kind: str) -> str:
         return _KINDS[kind]
     except (KeyError, TypeError):
         raise InvalidArgumentError(
-            f"instruction kind must be forward/backward (or F/B), got {kind!r}"
+            "instruction kind must be forward, backward, backward_input or backward_weight "
+            f"(or F/B/I/W), got {kind!r}"
         ) from None
 
 
@@ -103,8 +110,12 @@ class Session:
         num_microbatches: Microbatches per iteration.
         mode: ``auto``, ``profile``, ``plan`` or ``apply``.
         stage: This rank's pipeline stage; default: the rank, when there is one rank per stage.
-        schedule: ``1f1b``, ``gpipe`` or ``interleaved``.
-        num_chunks: Model chunks per stage (interleaved).
+        schedule: ``1f1b``, ``gpipe``, ``interleaved``, or ``recorded`` (plan only on the order
+            the hooks record while profiling: zero-bubble and V schedules).
+        num_chunks: Model chunks per stage (interleaved, V schedules).
+        placement: ``looped`` or ``v``: which model pieces a stage's chunks hold (see
+            :mod:`powerlib.planning.pipeline`). Integrations set schedule, chunks and placement
+            through :meth:`set_layout` when they know them.
         backend: A :class:`Backend`, a backend name, or ``None`` (``POWERLIB_BACKEND``).
         device: The device (index, id or :class:`Device`); default ``LOCAL_RANK`` or 0.
         policy: ``fastest`` (no slowdown), ``deadline`` or ``min-energy``.
@@ -146,6 +157,7 @@ class Session:
         stage: int | None = None,
         schedule: str = "1f1b",
         num_chunks: int = 1,
+        placement: str = "looped",
         backend: Backend | str | None = None,
         device: int | str | Device | None = None,
         policy: str = "fastest",
@@ -206,6 +218,7 @@ class Session:
             num_microbatches=num_microbatches,
             schedule=schedule,
             num_chunks=num_chunks,
+            placement=placement,
             policy=policy,
             deadline_s=deadline_s,
             deadline_ratio=deadline_ratio,
@@ -345,6 +358,35 @@ class Session:
             self._own_backend = None
         if self.phase != "not started":
             self.phase = "closed"
+
+    def set_layout(
+        self,
+        *,
+        schedule: str | None = None,
+        num_chunks: int | None = None,
+        placement: str | None = None,
+    ) -> None:
+        """Describe the pipeline the hooks will see (integrations call it when they attach).
+
+        Args:
+            schedule: See :class:`Session`; ``recorded`` for orders with no built-in generator.
+            num_chunks: Model chunks per stage.
+            placement: ``looped`` or ``v``.
+
+        Raises:
+            InvalidArgumentError: An instruction already ran, or the layout is invalid.
+        """
+        if self.iteration or self._pos:
+            raise InvalidArgumentError("set_layout must be called before the first instruction")
+        import dataclasses  # noqa: PLC0415
+
+        changes = {"schedule": schedule, "num_chunks": num_chunks, "placement": placement}
+        try:
+            self.spec = dataclasses.replace(
+                self.spec, **{k: v for k, v in changes.items() if v is not None}
+            )
+        except PlanError as err:
+            raise InvalidArgumentError(str(err)) from None
 
     # -- hooks -----------------------------------------------------------------------------------
 

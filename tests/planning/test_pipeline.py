@@ -9,6 +9,8 @@ import pytest
 from powerlib.errors import PlanError
 from powerlib.planning.pipeline import (
     BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
     FORWARD,
     KINDS,
     Instruction,
@@ -462,4 +464,95 @@ def test_interleaved_makespan_has_the_reduced_bubble(n: int, m: int, v: int) -> 
 
 
 def test_kinds_constant() -> None:
-    assert KINDS == (FORWARD, BACKWARD) == ("forward", "backward")
+    assert KINDS == ("forward", "backward", "backward_input", "backward_weight")
+    assert (FORWARD, BACKWARD) == KINDS[:2]
+
+
+# --- split backward (I/W) and the V placement ---------------------------------------------------
+
+
+def _order(stage: int, text: str) -> list[Instruction]:
+    """``"F0 I0c1 W0"`` -> instructions of ``stage`` (kind letter, microbatch, optional chunk)."""
+    kinds = {"F": FORWARD, "B": BACKWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
+    out = []
+    for token in text.split():
+        mb, _, chunk = token[1:].partition("c")
+        out.append(
+            Instruction(
+                stage=stage, microbatch=int(mb), kind=kinds[token[0]], chunk=int(chunk or 0)
+            )
+        )
+    return out
+
+
+def _edges_by_name(dag: PipelineDAG) -> set[tuple[str, str]]:
+    return {(str(dag.instructions[u]), str(dag.instructions[v])) for u, v in dag.edges}
+
+
+def test_split_backward_edges_and_makespan() -> None:
+    """I carries the gradient to the previous stage; W only waits for its own I."""
+    schedule = [_order(0, "F0 I0 W0"), _order(1, "F0 I0 W0")]
+    dag = build_dag(schedule)
+    assert _edges_by_name(dag) == {
+        ("S0 F mb0", "S0 I mb0"),
+        ("S0 I mb0", "S0 W mb0"),
+        ("S1 F mb0", "S1 I mb0"),
+        ("S1 I mb0", "S1 W mb0"),
+        ("S0 F mb0", "S1 F mb0"),
+        ("S1 I mb0", "S0 I mb0"),  # not from S1's W: the bubble W fills
+    }
+    # unit-time F, I, W: stage 0's I starts right after stage 1's I (t=3), so the iteration
+    # takes 5 units instead of the 6 a full two-unit backward would take
+    finish = topological_finish_times(dag, 1.0, 1.0)
+    assert max(finish) == 5.0
+    full = build_dag([_order(0, "F0 B0"), _order(1, "F0 B0")])
+    assert max(topological_finish_times(full, 1.0, 2.0)) == 6.0
+
+
+def test_split_and_full_backward_mix_per_microbatch() -> None:
+    """DualPipeV splits only some backwards: each (stage, chunk, mb) picks one form."""
+    schedule = [_order(0, "F0 F1 B0 I1 W1"), _order(1, "F0 B0 F1 I1 W1")]
+    dag = build_dag(schedule)
+    edges = _edges_by_name(dag)
+    assert ("S1 B mb0", "S0 B mb0") in edges and ("S1 I mb1", "S0 I mb1") in edges
+
+
+@pytest.mark.parametrize(
+    ("orders", "match"),
+    [
+        ((["F0 B0 I0 W0", "F0 B0"]), "both a full backward and a split one"),
+        ((["F0 I0", "F0 I0 W0"]), "misses S0 W mb0"),
+        ((["F0 W0", "F0 I0 W0"]), "misses S0 I mb0"),
+        ((["F0 W0 I0", "F0 I0 W0"]), "deadlock: S0 waits at W mb0"),
+    ],
+)
+def test_split_backward_errors(orders: list[str], match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        build_dag([_order(s, text) for s, text in enumerate(orders)])
+
+
+def test_v_placement_edges() -> None:
+    """V: stage 0 holds pieces 0 and 3, stage 1 pieces 1 and 2 (N=2)."""
+    schedule = [_order(0, "F0 F0c1 B0c1 B0"), _order(1, "F0 F0c1 B0c1 B0")]
+    dag = build_dag(schedule, "v")
+    assert _edges_by_name(dag) - {
+        (str(a), str(b)) for order in schedule for a, b in zip(order, order[1:])
+    } == {
+        ("S0 F mb0", "S1 F mb0"),  # piece 0 -> 1
+        ("S1 F mb0 c1", "S0 F mb0 c1"),  # piece 2 -> 3
+        ("S0 B mb0 c1", "S1 B mb0 c1"),  # gradients 3 -> 2
+        ("S1 B mb0", "S0 B mb0"),  # 1 -> 0
+    }
+    # the same order read as looped (pieces 0,2 on stage 0) needs S1's c1 forward first
+    check_deadlock_free(schedule, "looped")
+    assert _edges_by_name(build_dag(schedule, "looped")) != _edges_by_name(dag)
+
+
+@pytest.mark.parametrize(
+    ("placement", "chunks", "match"),
+    [("zigzag", 1, "unknown placement 'zigzag'"), ("v", 1, "v placement needs 2 chunks")],
+)
+def test_placement_errors(placement: str, chunks: int, match: str) -> None:
+    schedule = schedule_interleaved_1f1b(2, 2, 2) if chunks == 2 else schedule_1f1b(2, 2)
+    with pytest.raises(PlanError, match=match):
+        build_dag(schedule, placement)

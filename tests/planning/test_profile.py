@@ -236,7 +236,7 @@ def replace(line_no: int, new: str) -> list[str]:
         ),
         (
             replace(7, "1,recompute,1200,0.01,2.0"),
-            "line 7: unknown instruction 'recompute'; expected forward or backward",
+            "line 7: unknown instruction 'recompute'; expected forward, backward, backward_input, backward_weight",
         ),
         (replace(7, "1,forward,1200"), "line 7: expected 5 fields as in the header, got 3"),
         (

@@ -9,7 +9,8 @@ from powerlib.emulator.demo import default_profile
 from powerlib.emulator.device import EmulatedDevice, VirtualTime
 from powerlib.emulator.engine import Emulator
 from powerlib.planning.perseus.frontier import compute_frontier
-from powerlib.planning.pipeline import build_schedule
+from powerlib.planning.pipeline import Instruction, build_schedule
+from powerlib.planning.profile import Profile, ProfileRow
 
 
 def _frontier(profile, stages: int, mb: int, p_block_w: float, tau: float = 1e-3):
@@ -179,3 +180,69 @@ def test_a_profile_where_only_the_top_clock_is_useful_gives_one_plan() -> None:
     assert len(frontier.points) == 1
     assert set(frontier.frequencies(frontier.fastest)) == {1410.0}
     assert frontier.fastest.time_s == pytest.approx(frontier.baseline_time_s, abs=1e-3)
+
+
+# torch 2.13 ScheduleZBVZeroBubble, 2 ranks, 4 microbatches, as the integration test recorded it
+ZBV_ORDERS = [
+    "F0 F1 F2 F0c1 I0c1 W0c1 F1c1 I1c1 W1c1 F3 I0 W0 F2c1 I2c1 W2c1 I1 W1 F3c1 I3c1 W3c1 I2 W2 I3 W3",
+    "F0 F0c1 F1 F1c1 I0c1 W0c1 F2 I0 W0 F2c1 I1c1 W1c1 F3 I1 W1 F3c1 I2c1 W2c1 I2 I3c1 I3 W2 W3c1 W3",
+]
+
+
+def _split_profile() -> Profile:
+    """toy_profile with each backward split into I (60 %) and W (40 %)."""
+    rows = []
+    for row in toy_profile(2).rows:
+        if row.instruction == "forward":
+            rows.append(row)
+            continue
+        for kind, share in (("backward_input", 0.6), ("backward_weight", 0.4)):
+            rows.append(
+                ProfileRow(
+                    stage=row.stage,
+                    instruction=kind,
+                    freq_mhz=row.freq_mhz,
+                    time_s=row.time_s * share,
+                    energy_j=row.energy_j * share,
+                )
+            )
+    return Profile(rows, source="toy-split")
+
+
+def test_a_zero_bubble_v_schedule_realizes_what_the_planner_replays() -> None:
+    kinds = {"F": "forward", "I": "backward_input", "W": "backward_weight"}
+    schedule = []
+    for stage, text in enumerate(ZBV_ORDERS):
+        order = []
+        for token in text.split():
+            mb, _, chunk = token[1:].partition("c")
+            order.append(
+                Instruction(
+                    stage=stage, microbatch=int(mb), kind=kinds[token[0]], chunk=int(chunk or 0)
+                )
+            )
+        schedule.append(order)
+    profile = _split_profile()
+    frontier = compute_frontier(
+        profile,
+        schedule,
+        schedule_name="recorded",
+        num_microbatches=4,
+        num_chunks=2,
+        placement="v",
+        p_block_w=80.0,
+        unit_time_s=1e-3,
+    )
+    emulator = Emulator(profile, schedule, placement="v", p_block_w=80.0)
+    base = emulator.run_iteration()
+    assert base.time_s == pytest.approx(frontier.baseline().time_s, rel=1e-12)
+    for point in frontier.points[:: max(1, len(frontier.points) // 8)]:
+        options = frontier.planned_options(point)
+        got = emulator.run_frequencies([o.freq_mhz for o in options])
+        want = frontier.realized(options)
+        assert got.time_s == pytest.approx(want.time_s, rel=1e-12)
+        assert got.energy_j == pytest.approx(want.energy_j, rel=1e-12)
+    guarded = frontier.within_slowdown(frontier.fastest, 0.001)
+    run = emulator.run_frequencies([o.freq_mhz for o in guarded])
+    assert run.time_s <= base.time_s * 1.001
+    assert run.energy_j < base.energy_j  # the V schedule's bubbles leave something to save

@@ -21,8 +21,7 @@ from powerlib.planning.perseus.cost_model import (
 )
 from powerlib.planning.perseus.solver import PhillipsDessouky
 from powerlib.planning.pipeline import (
-    BACKWARD,
-    FORWARD,
+    KINDS,
     Instruction,
     PipelineDAG,
     Schedule,
@@ -89,6 +88,8 @@ class Frontier:
     baseline_busy: dict[int, tuple[float, float]]  # stage -> (busy time, energy) at max frequency
     measured: dict[tuple[int, str], dict[float, tuple[float, float]]] = field(default_factory=dict)
     """(stage, kind) -> frequency -> measured (time_s, energy_j), every profiled frequency."""
+    placement: str = "looped"
+    """How each stage's model chunks map onto the model (``looped`` or ``v``)."""
 
     @property
     def num_stages(self) -> int:
@@ -289,6 +290,7 @@ class Frontier:
                 "num_microbatches": self.num_microbatches,
                 "schedule": self.schedule_name,
                 "num_chunks": self.num_chunks,
+                "placement": self.placement,
                 "p_block_w": self.p_block_w,
                 "unit_time_s": self.unit_time_s,
                 "order": self.order,
@@ -446,6 +448,7 @@ def compute_frontier(
     schedule_name: str,
     num_microbatches: int,
     num_chunks: int = 1,
+    placement: str = "looped",
     p_block_w: float,
     unit_time_s: float,
     order: str = "filter-then-subtract",
@@ -461,12 +464,13 @@ def compute_frontier(
         raise PlanError(f"--unit-time-s must be a positive number of seconds, got {unit_time_s}")
     if not (p_block_w >= 0 and math.isfinite(p_block_w)):
         raise PlanError(f"--p-block-w must be a non-negative number of watts, got {p_block_w}")
-    dag = build_dag(schedule)
-    profile.validate_for(dag.num_stages)
+    dag = build_dag(schedule, placement)
+    used = {(ins.stage, ins.kind) for ins in dag.instructions}
+    profile.validate_for(dag.num_stages, ())
     options: dict[tuple[int, str], list[Option]] = {}
     models: dict[tuple[int, str], Any] = {}
     for stage in range(dag.num_stages):
-        for kind in (FORWARD, BACKWARD):
+        for kind in (k for k in KINDS if (stage, k) in used):
             opts = prepare_options(
                 profile.options(stage, kind),
                 unit_time_s=unit_time_s,
@@ -529,7 +533,7 @@ def compute_frontier(
         baseline_busy=busy,
         measured={
             (stage, kind): {f: (t, e) for f, t, e in profile.options(stage, kind)}
-            for stage in range(dag.num_stages)
-            for kind in (FORWARD, BACKWARD)
+            for stage, kind in sorted(used)
         },
+        placement=placement,
     )
