@@ -12,15 +12,16 @@ Two one-line hookups inside a session (integrations.md §2.3, §2.4)::
             loss_fn(model(x), y).backward()        # per microbatch, optimizer.step() ends the step
             optimizer.step()
 
-``attach_pipeline`` wraps each local ``PipelineStage``'s ``forward_one_chunk`` and
-``backward_one_chunk`` (instance attributes, removed on exit) and the schedule's ``step``. The
-receive waits happen before those calls, so the bracketed span is compute only. The chunk of a
-stage is its position among the rank's stages (``stage_index // P`` for looped schedules). The
-session records the order these hooks see in the profile phase and plans on it, so nothing relies
-on ``pipeline_order`` (wrong for the last stage of ``Schedule1F1B`` in torch 2.13).
-
-Schedules that split the backward (zero-bubble, V schedules: I and W actions) are refused at
-attach time: the planner does not model I/W instructions yet.
+``attach_pipeline`` wraps each local ``PipelineStage``'s ``forward_one_chunk`` (F),
+``backward_one_chunk`` (B, or I when ``full_backward=False``) and ``backward_weight_one_chunk``
+(W) (instance attributes, removed on exit) and the schedule's ``step``. The receive waits happen
+before those calls, so the bracketed span is compute only. The chunk of a stage is its position
+among the rank's stages: ``stage_index = c*P + rank`` for looped schedules, stages ``rank`` and
+``2P-1-rank`` for V schedules (ZBVZeroBubble, DualPipeV), which the session is told through
+``set_layout``. The session records the order these hooks see in the profile phase and plans on
+it, so nothing relies on ``pipeline_order`` (wrong for the last stage of ``Schedule1F1B`` in torch
+2.13); zero-bubble and V schedules are planned on the recorded order only (``schedule="recorded"``).
+DualPipeV's ``OVERLAP_F_B`` runs its F and B one after the other, and they are hooked as such.
 
 Pure glue: no planning and no device calls; torch is imported lazily; ``enabled=False`` (or no
 session) makes both a no-op.
@@ -61,12 +62,26 @@ def _splits_backward(schedule: Any) -> bool:
     return False
 
 
+def _placement(stages: list[Any], num_ranks: int, rank: int) -> str:
+    """``looped`` or ``v``, from the stage indices this rank holds."""
+    ids = [s.stage_index for s in stages]
+    if ids == [c * num_ranks + rank for c in range(len(ids))]:
+        return "looped"
+    if ids == [rank, 2 * num_ranks - 1 - rank]:
+        return "v"
+    raise NotSupportedError(
+        f"rank {rank} holds stages {ids}: neither looped (rank + c*{num_ranks}) nor V "
+        f"({rank} and {2 * num_ranks - 1 - rank}); powerlib cannot label their chunks"
+    )
+
+
 def _wrap(session: Any, kind: str, chunk: int, method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def hooked(microbatch: int, *args: Any, **kwargs: Any) -> Any:
         if kind == "backward" and kwargs.get("full_backward", True) is False:
-            raise NotSupportedError("a split backward (I/W) ran; powerlib does not plan I/W yet")
-        session.begin(kind, microbatch, chunk)
+            session.begin("backward_input", microbatch, chunk)
+        else:
+            session.begin(kind, microbatch, chunk)
         try:
             return method(microbatch, *args, **kwargs)
         finally:
@@ -81,31 +96,39 @@ def attach_pipeline(session: Any, schedule: Any, *, enabled: bool = True) -> Ite
 
     Args:
         session: The :class:`powerlib.Session` of this rank (its ``stage`` is the pp rank).
-        schedule: A ``PipelineScheduleSingle`` (GPipe, 1F1B) or looped multi-stage schedule
-            (Interleaved1F1B, LoopedBFS) built over this rank's ``PipelineStage`` objects.
+        schedule: A ``PipelineScheduleSingle`` (GPipe, 1F1B) or multi-stage schedule
+            (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) built
+            over this rank's ``PipelineStage`` objects.
         enabled: ``False`` attaches nothing.
 
     Raises:
-        NotSupportedError: The schedule is not a pipelining schedule, or splits the backward.
+        NotSupportedError: The schedule is not a pipelining schedule, or its stages are placed
+            neither looped nor V.
     """
     if not enabled or session is None:
         yield
         return
     stages = _local_stages(schedule)
-    if _splits_backward(schedule):
-        raise NotSupportedError(
-            f"{type(schedule).__name__} splits the backward into I and W: powerlib does not plan "
-            "zero-bubble or V schedules yet; use GPipe, 1F1B, Interleaved1F1B or LoopedBFS"
-        )
+    num_ranks = session.spec.num_stages
+    placement = _placement(stages, num_ranks, stages[0].stage_index % num_ranks)
+    name = session.spec.schedule
+    if (
+        _splits_backward(schedule)
+        or placement == "v"
+        or (len(stages) > 1) != (name == "interleaved")
+    ):
+        name = "recorded"  # no built-in order fits: plan on what the hooks see
+    session.set_layout(schedule=name, num_chunks=len(stages), placement=placement)
     patched: list[tuple[Any, str]] = []
     try:
         for chunk, stage in enumerate(stages):
-            for name, kind in (
+            for method, kind in (
                 ("forward_one_chunk", "forward"),
                 ("backward_one_chunk", "backward"),
+                ("backward_weight_one_chunk", "backward_weight"),
             ):
-                setattr(stage, name, _wrap(session, kind, chunk, getattr(stage, name)))
-                patched.append((stage, name))
+                setattr(stage, method, _wrap(session, kind, chunk, getattr(stage, method)))
+                patched.append((stage, method))
         step = schedule.step
 
         @functools.wraps(step)

@@ -48,27 +48,49 @@ class _Delay(torch.autograd.Function):
         return grad
 
 
+class _WeightDelay(torch.autograd.Function):
+    """Free in forward; in backward it delays the weight gradient (the W of a split backward)."""
+
+    @staticmethod
+    def forward(ctx, w):  # noqa: ANN001, ANN205
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        _Delay._sleep()
+        return grad
+
+
 class Block(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # after the linear layer, so the delay's backward runs even where x needs no gradient
-        return torch.tanh(_Delay.apply(self.lin(x)))
+        # after the linear layer, so the delay's backward runs even where x needs no gradient;
+        # the weight's own delay makes W (weight gradient only) as long as I
+        weight = _WeightDelay.apply(self.lin.weight)
+        return torch.tanh(_Delay.apply(torch.nn.functional.linear(x, weight, self.lin.bias)))
 
 
 def _pipeline(kind: str, rank: int, world: int):
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
+        ScheduleDualPipeV,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
         ScheduleLoopedBFS,
+        ScheduleZBVZeroBubble,
     )
 
-    chunks = 2 if kind in ("interleaved", "loopedbfs") else 1
-    ids = [rank + k * world for k in range(chunks)]
+    v_shape = kind in ("zbv", "dualpipev")
+    chunks = 2 if kind in ("interleaved", "loopedbfs", "interleavedzb") or v_shape else 1
+    if v_shape:  # rank r holds stages r and 2P-1-r
+        ids = [rank, 2 * world - 1 - rank]
+    else:
+        ids = [rank + k * world for k in range(chunks)]
     stages = [PipelineStage(Block(), i, world * chunks, torch.device("cpu")) for i in ids]
     loss = lambda out, tgt: ((out - tgt) ** 2).mean()  # noqa: E731
     cls = {
@@ -76,11 +98,14 @@ def _pipeline(kind: str, rank: int, world: int):
         "1f1b": Schedule1F1B,
         "interleaved": ScheduleInterleaved1F1B,
         "loopedbfs": ScheduleLoopedBFS,
+        "interleavedzb": ScheduleInterleavedZeroBubble,
+        "zbv": ScheduleZBVZeroBubble,
+        "dualpipev": ScheduleDualPipeV,
     }[kind]
     schedule = cls(stages if chunks > 1 else stages[0], n_microbatches=M, loss_fn=loss)
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.SGD(params, lr=0.01)
-    first, last = 0, (world * chunks - 1) % world
+    first, last = 0, 0 if v_shape else (world * chunks - 1) % world
 
     def iteration() -> None:
         x, y = torch.randn(M * 2, 16), torch.randn(M * 2, 16)
@@ -127,7 +152,10 @@ def main() -> int:
     else:
         schedule, iteration, chunks = _pipeline(kind, rank, world)
         num_stages, stage, microbatches = world, rank, M
-        schedule_name = {"interleaved": "interleaved", "loopedbfs": "interleaved"}.get(kind, kind)
+        # zero-bubble and V schedules: no built-in order; the integration sets the placement
+        schedule_name = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved"}.get(
+            kind, "interleaved" if kind == "loopedbfs" else "recorded"
+        )
 
         def attach(session):  # noqa: ANN001, ANN202
             return attach_pipeline(session, schedule)
@@ -177,6 +205,7 @@ def main() -> int:
                 if plan
                 else None,
                 "order_source": plan.workload.get("order_source") if plan else None,
+                "placement": plan.workload.get("placement") if plan else None,
             }
     result["auto"]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, Warning)]
     for w in caught:

@@ -30,7 +30,18 @@ def _launch(tmp: Path, kind: str) -> list[dict]:
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved", "loopedbfs"])
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "loopedbfs", "interleavedzb", "zbv", "dualpipev"]
+TWO_CHUNKS = {"interleaved", "loopedbfs", "interleavedzb", "zbv", "dualpipev"}
+V_SHAPED = {"zbv", "dualpipev"}
+SPLIT_BACKWARD = {"interleavedzb", "zbv", "dualpipev"}  # I and W instructions
+
+
+def _is_subsequence(short: list, long: list) -> bool:
+    it = iter(long)
+    return all(any(x == y for y in it) for x in short)
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
 def test_pipeline_schedule_applies_the_plan_and_catches_a_wrong_order(
     kind: str, tmp_path: Path
 ) -> None:
@@ -43,10 +54,24 @@ def test_pipeline_schedule_applies_the_plan_and_catches_a_wrong_order(
         assert auto["applied_from"] == 4
         plan_freqs = [f for *_, f in auto["plan"]]
         assert auto["requested"] == auto["plan"]  # same instructions, same order, same clocks
-        assert auto["applied_first_iteration"] == collapse(plan_freqs)
+        applied = auto["applied_first_iteration"]
+        if kind in SPLIT_BACKWARD and res["rank"] == 0:
+            # torch skips the I of the first model piece (its input needs no gradient; W does
+            # the whole backward), so the clock asked for that ~0 ms instruction may be
+            # superseded by the next one before the controller applies it (latest wins)
+            assert _is_subsequence(applied, collapse(plan_freqs)), (applied, plan_freqs)
+            assert len(applied) >= len(collapse(plan_freqs)) // 2
+        else:
+            assert applied == collapse(plan_freqs)
         assert res["restored"]
     chunks = {c for res in results for _, _, c, _ in res["auto"]["plan"]}
-    assert chunks == ({0, 1} if kind in ("interleaved", "loopedbfs") else {0})
+    assert chunks == ({0, 1} if kind in TWO_CHUNKS else {0})
+    kinds = {k for res in results for k, _, _, _ in res["auto"]["plan"]}
+    if kind in SPLIT_BACKWARD:
+        assert {"backward_input", "backward_weight"} <= kinds
+    else:
+        assert kinds == {"forward", "backward"}
+    assert results[0]["auto"]["placement"] == ("v" if kind in V_SHAPED else "looped")
     assert [len(res["mismatch"]["warnings"]) for res in results] == [0, 1]
     assert "does not run the plan's instruction order" in results[1]["mismatch"]["warnings"][0]
     assert [res["mismatch"]["phase"] for res in results] == ["apply", "done"]

@@ -11,8 +11,13 @@ from powerlib.integrations.torch_distributed import attach_module, attach_pipeli
 
 
 class _Recorder:
-    def __init__(self) -> None:
+    def __init__(self, num_stages: int = 2, schedule: str = "1f1b") -> None:
         self.events: list[tuple] = []
+        self.spec = types.SimpleNamespace(num_stages=num_stages, schedule=schedule)
+        self.layout: dict = {}
+
+    def set_layout(self, **layout: object) -> None:
+        self.layout = layout
 
     def begin(self, kind: str, microbatch: int = 0, chunk: int = 0) -> None:
         self.events.append(("begin", kind, microbatch, chunk))
@@ -34,6 +39,9 @@ class _Stage:
     def backward_one_chunk(
         self, mb: int, loss: object = None, full_backward: bool = True, last_backward: bool = False
     ) -> None:
+        return None
+
+    def backward_weight_one_chunk(self, mb: int, last_backward: bool = False) -> None:
         return None
 
 
@@ -66,21 +74,44 @@ def test_labels_chunks_by_stage_position_and_restores_the_methods() -> None:
         ("end",),
         ("step",),
     ]
+    # two looped chunks: the generated 1F1B order cannot fit, so the recorded order is used
+    assert rec.layout == {"schedule": "recorded", "num_chunks": 2, "placement": "looped"}
     for stage in schedule._stages:
-        assert "forward_one_chunk" not in vars(stage) and "backward_one_chunk" not in vars(stage)
+        assert not {"forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"} & set(
+            vars(stage)
+        )
     assert "step" not in vars(schedule)
     rec.events.clear()
     schedule.step()
     assert rec.events == []  # detached
 
 
-def test_split_backward_schedules_are_refused_before_anything_is_wrapped() -> None:
-    schedule = _Multi([_Stage(0)])
+def test_split_backward_and_v_placement_are_labelled() -> None:
+    rec = _Recorder(schedule="interleaved")
+    schedule = _Multi([_Stage(3), _Stage(0)])  # rank 0 of P=2 in a V: stages 0 and 3
     schedule.pipeline_order = {
         0: [types.SimpleNamespace(computation_type=types.SimpleNamespace(value="W"))]
     }
+    with attach_pipeline(rec, schedule):
+        stage0, stage3 = sorted(schedule._stages, key=lambda s: s.stage_index)
+        stage3.backward_one_chunk(2, full_backward=False)
+        stage3.backward_weight_one_chunk(2)
+        stage0.backward_one_chunk(1)
+    assert rec.layout == {"schedule": "recorded", "num_chunks": 2, "placement": "v"}
+    assert rec.events == [
+        ("begin", "backward_input", 2, 1),
+        ("end",),
+        ("begin", "backward_weight", 2, 1),
+        ("end",),
+        ("begin", "backward", 1, 0),
+        ("end",),
+    ]
+
+
+def test_stages_placed_neither_looped_nor_v_are_refused_before_anything_is_wrapped() -> None:
+    schedule = _Multi([_Stage(0), _Stage(1)])  # P=2: rank 0 would hold 0 and 2 (or 0 and 3)
     with (
-        pytest.raises(NotSupportedError, match="splits the backward"),
+        pytest.raises(NotSupportedError, match="neither looped"),
         attach_pipeline(_Recorder(), schedule),
     ):
         pass
