@@ -1,0 +1,221 @@
+"""DeepSpeed: the pipeline engine (``TrainSchedule``, DualPipeV) and ZeRO engines without PP.
+
+One line inside the session hooks an engine (integrations.md §2.2)::
+
+    with powerlib.optimize(num_stages=P, num_microbatches=M, stage=engine.stage_id) as session:
+        with attach_pipeline(session, engine):       # engine from deepspeed.initialize
+            for _ in range(steps):
+                engine.train_batch(data_iter)        # every ForwardPass/BackwardPass is one
+
+    with powerlib.optimize(num_stages=1, num_microbatches=GAS, stage=0) as session:
+        with attach_engine(session, engine):         # ZeRO-0/1/2/3 without pipelining
+            for x, y in loader:
+                engine.backward(loss_fn(engine(x), y))   # F and B of microbatch i
+                engine.step()                        # the accumulation boundary ends the step
+
+``attach_pipeline`` wraps the F/B entries of a copy of the engine class's ``_INSTRUCTION_MAP``
+(patching ``_exec_forward_pass`` has no effect: the map holds the original functions) and the
+engine's ``train_batch``; send/receive are separate instructions, so the span is compute only.
+The microbatch is counted per ``train_batch`` (instructions carry only ``buffer_id``);
+DualPipeV's carry ``phase`` and ``buffer_id = phase * M + mb``: chunk = phase (chunk 0 holds
+model piece ``r``, chunk 1 piece ``2P - 1 - r``: the V placement, planned on the recorded order).
+
+Tested: deepspeed 0.19.8, torch 2.13 CPU, gloo (PP=2, PP2xDP2, DualPipeV on 2 ranks, ZeRO-1
+with DP=2). Limits: the pipeline engine refuses ZeRO-2/3; ``eval_batch`` and forwards without
+gradients are not hooked (they run at whatever clock is in force); the ZeRO backward at the
+boundary includes the gradient reduction; private DeepSpeed names are checked at attach time.
+
+Pure glue: no planning and no device calls; deepspeed is imported lazily; ``enabled=False`` (or
+no session) makes both a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from powerlib.errors import InvalidArgumentError, NotSupportedError
+
+__all__ = ["attach_engine", "attach_pipeline"]
+
+_TESTED = "tested: deepspeed 0.19.8"
+
+
+def _unsupported(what: str) -> NotSupportedError:
+    return NotSupportedError(f"{what}: not a DeepSpeed version this integration knows ({_TESTED})")
+
+
+def _pipe_types(engine: Any) -> tuple[type, type, dict[Any, Any], bool]:
+    """ForwardPass, BackwardPass, the engine class's map, and whether it is DualPipeV."""
+    try:
+        from deepspeed.runtime.pipe import schedule  # noqa: PLC0415
+        from deepspeed.runtime.pipe.engine import PipelineEngine  # noqa: PLC0415
+    except ImportError as err:
+        raise _unsupported(f"deepspeed.runtime.pipe cannot be imported ({err})") from None
+    if not isinstance(engine, PipelineEngine):
+        raise InvalidArgumentError(
+            f"{type(engine).__name__} is not a DeepSpeed PipelineEngine; use attach_engine"
+        )
+    fwd, bwd = getattr(schedule, "ForwardPass", None), getattr(schedule, "BackwardPass", None)
+    table = getattr(type(engine), "_INSTRUCTION_MAP", None)
+    if not isinstance(table, dict) or fwd not in table or bwd not in table:
+        raise _unsupported(f"{type(engine).__name__} has no _INSTRUCTION_MAP with F/B entries")
+    for name in ("train_batch", "stage_id", "num_stages", "micro_batches"):
+        if not hasattr(engine, name):
+            raise _unsupported(f"{type(engine).__name__} has no {name}")
+    try:
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine  # noqa: PLC0415
+    except ImportError:
+        return fwd, bwd, table, False
+    return fwd, bwd, table, isinstance(engine, DualPipeVEngine)
+
+
+def _check_shape(session: Any, engine: Any) -> None:
+    if engine.stage_id != session.stage:
+        raise InvalidArgumentError(
+            f"the engine's pipeline stage is {engine.stage_id}, the session's {session.stage}: "
+            "pass stage=engine.stage_id to powerlib.optimize"
+        )
+    if engine.num_stages != session.spec.num_stages:
+        raise InvalidArgumentError(
+            f"the engine has {engine.num_stages} pipeline stage(s), the session "
+            f"{session.spec.num_stages}"
+        )
+
+
+@contextlib.contextmanager
+def attach_pipeline(session: Any, engine: Any, *, enabled: bool = True) -> Iterator[None]:
+    """Drive ``session``'s hooks from a DeepSpeed ``PipelineEngine`` (or ``DualPipeVEngine``).
+
+    Args:
+        session: This rank's entered :class:`powerlib.Session` (``stage`` = ``engine.stage_id``).
+        engine: The engine ``deepspeed.initialize`` returned for a ``PipelineModule``.
+        enabled: ``False`` attaches nothing.
+
+    Raises:
+        NotSupportedError: The DeepSpeed version lacks the private names the hooks use.
+        InvalidArgumentError: Not a pipeline engine, or its stage differs from the session's.
+    """
+    if not enabled or session is None:
+        yield
+        return
+    fwd, bwd, table, dualpipev = _pipe_types(engine)
+    _check_shape(session, engine)
+    if dualpipev:
+        session.set_layout(num_chunks=2, placement="v", schedule="recorded")
+    state = {"active": False, "F": 0, "B": 0}
+    num_mb = engine.micro_batches
+
+    def wrap(kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def hooked(self: Any, buffer_id: int, **kwargs: Any) -> Any:
+            if self is not engine or not state["active"]:  # other engines, eval_batch
+                return method(self, buffer_id, **kwargs)
+            phase = kwargs.get("phase")
+            if phase is None:
+                mb, chunk = state[kind], 0
+            else:
+                mb, chunk = buffer_id - phase * num_mb, phase
+            state[kind] += 1
+            session.begin(kind, mb, chunk)
+            try:
+                return method(self, buffer_id, **kwargs)
+            finally:
+                session.end()
+
+        return hooked
+
+    cls = type(engine)
+    own = "_INSTRUCTION_MAP" in cls.__dict__
+    train_batch = engine.train_batch
+
+    @functools.wraps(train_batch)
+    def hooked_train_batch(*args: Any, **kwargs: Any) -> Any:
+        state.update(active=True, F=0, B=0)
+        try:
+            result = train_batch(*args, **kwargs)
+        finally:
+            state["active"] = False
+        session.step()
+        return result
+
+    cls._INSTRUCTION_MAP = {**table, fwd: wrap("F", table[fwd]), bwd: wrap("B", table[bwd])}
+    try:
+        engine.train_batch = hooked_train_batch
+        yield
+    finally:
+        with contextlib.suppress(AttributeError):
+            del engine.train_batch
+        if own:
+            cls._INSTRUCTION_MAP = table
+        else:
+            del cls._INSTRUCTION_MAP
+
+
+@contextlib.contextmanager
+def attach_engine(session: Any, engine: Any, *, enabled: bool = True) -> Iterator[None]:
+    """Drive ``session``'s hooks from a DeepSpeed engine without pipelining (ZeRO-0/1/2/3).
+
+    The i-th ``engine(...)`` forward with gradients enabled is instruction ``("F", i)``, the i-th
+    ``engine.backward(loss)`` is ``("B", i)``; ``engine.step()`` at the gradient-accumulation
+    boundary ends the iteration and restarts the count.
+
+    Args:
+        session: This rank's :class:`powerlib.Session` (``num_microbatches`` = accumulation steps).
+        engine: The ``DeepSpeedEngine`` ``deepspeed.initialize`` returned.
+        enabled: ``False`` attaches nothing.
+
+    Raises:
+        NotSupportedError: The engine lacks ``is_gradient_accumulation_boundary``.
+        InvalidArgumentError: ``engine`` is a pipeline engine (use :func:`attach_pipeline`).
+    """
+    if not enabled or session is None:
+        yield
+        return
+    import torch  # noqa: PLC0415
+
+    if hasattr(type(engine), "_INSTRUCTION_MAP"):
+        raise InvalidArgumentError("a DeepSpeed PipelineEngine: use attach_pipeline")
+    for name in ("forward", "backward", "step", "is_gradient_accumulation_boundary"):
+        if not callable(getattr(engine, name, None)):
+            raise _unsupported(f"{type(engine).__name__} has no {name}()")
+    state = {"F": 0, "B": 0}
+    originals = {name: getattr(engine, name) for name in ("forward", "backward", "step")}
+
+    def instruction(kind: str) -> Callable[..., Any]:
+        method = originals["forward" if kind == "F" else "backward"]
+
+        @functools.wraps(method)
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            if kind == "F" and not torch.is_grad_enabled():  # evaluation: not an instruction
+                return method(*args, **kwargs)
+            session.begin(kind, state[kind])
+            state[kind] += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                session.end()
+
+        return hooked
+
+    @functools.wraps(originals["step"])
+    def hooked_step(*args: Any, **kwargs: Any) -> Any:
+        managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
+        boundary = engine.is_gradient_accumulation_boundary() or not managed
+        result = originals["step"](*args, **kwargs)
+        if boundary:
+            state.update(F=0, B=0)
+            session.step()
+        return result
+
+    try:
+        engine.forward = instruction("F")
+        engine.backward = instruction("B")
+        engine.step = hooked_step
+        yield
+    finally:
+        for name in originals:
+            with contextlib.suppress(AttributeError):
+                delattr(engine, name)
