@@ -1,0 +1,107 @@
+"""Test-only shims that let megatron-core 0.16.1's pipeline schedules run on CPU (gloo).
+
+Megatron-core assumes CUDA in a few places of the schedule path. These shims patch ``torch.cuda``
+**globally inside the process**, so they belong in test workers and CPU-only examples, never in
+library code (integrations.md §5, "Megatron CPU shims"; §6.3 item 9). The reference's list, and
+what this module does for each item:
+
+1. ``torch.cuda.current_device`` -> ``torch.device("cpu")``: ``P2PCommunicator._communicate``
+   allocates its receive buffers (and shape tensors) on the current device. Done by
+   :func:`install`.
+2. ``torch.cuda.synchronize`` -> no-op: called after the batched P2P exchange
+   (``batch_p2p_comm=True, batch_p2p_sync=True``, the defaults). Done by :func:`install`;
+   alternatively build the config with ``batch_p2p_sync=False``.
+3. A ``TorchFunctionMode`` that rewrites any ``device="cuda…"`` keyword to ``"cpu"``, entered
+   around the ``forward_backward_func`` call: all three schedules allocate
+   ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")`` (trial M0 fails there
+   with "Torch not compiled with CUDA enabled"). Done by :func:`cuda_to_cpu`.
+4. Only for real models that use the tensor-parallel RNG tracker (``GPTModel``): route
+   ``torch.cuda.manual_seed``/``get_rng_state`` and ``tensor_parallel.random``'s
+   ``_get_cuda_rng_state``/``_set_cuda_rng_state`` to the CPU RNG, and call
+   ``model_parallel_cuda_manual_seed`` inside :func:`cuda_to_cpu`. **Not implemented here**: the
+   tests use a custom stage module (below), which never touches the RNG tracker.
+
+A custom stage module must carry what the schedules look up: ``.config`` (the
+``ModelParallelConfig``), ``.model_type`` (``ModelType.encoder_or_decoder``) and
+``set_input_tensor()`` (trial M0's second failure: ``_get_attr_wrapped_model couldn't find
+attribute model_type``). :class:`StageModule` is such a module around any ``torch.nn.Module``.
+
+``torch.cuda.is_available()`` is left alone, so powerlib's session still sees a CPU-only process
+and does not pick ``torch.cuda.synchronize`` as its device sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["CudaToCpu", "StageModule", "cuda_to_cpu", "install"]
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class CudaToCpu(TorchFunctionMode):
+    """Shim 3: every torch call with a ``device="cuda…"`` keyword gets ``device="cpu"``."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def cuda_to_cpu() -> CudaToCpu:
+    """Shim 3 as a context manager: ``with cuda_to_cpu(): forward_backward_func(...)``."""
+    return CudaToCpu()
+
+
+def install() -> Callable[[], None]:
+    """Shims 1 and 2; returns a function that puts the originals back."""
+    saved = (torch.cuda.current_device, torch.cuda.synchronize)
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+
+    def uninstall() -> None:
+        torch.cuda.current_device, torch.cuda.synchronize = saved
+
+    return uninstall
+
+
+class StageModule(torch.nn.Module):
+    """A pipeline stage (or model chunk) Megatron's schedules accept: wraps ``body``.
+
+    The schedule hands the received activation to :meth:`set_input_tensor` before each forward;
+    the first stage has none and takes its input from the data iterator instead.
+    """
+
+    def __init__(self, body: torch.nn.Module, config: Any) -> None:
+        from megatron.core.enums import ModelType  # noqa: PLC0415
+
+        super().__init__()
+        self.body = body
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        """Megatron passes a list with one tensor (``None`` on the first stage)."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def forward(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` from the data on the first stage, else the received activation."""
+        return self.body(self.input_tensor if self.input_tensor is not None else x)
