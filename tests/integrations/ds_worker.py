@@ -11,7 +11,7 @@ rank 0 plans, every rank applies. Cases:
 - ``zero``: ZeRO-1 without pipelining, data parallel over every rank (``attach_engine``); run
   it before the pipeline cases (a pipeline engine leaves its grid as DeepSpeed's global mpu).
 
-Each stage's module sleeps ``BASE_S * f_max / f`` in forward and backward for the clock in force
+Each stage's module sleeps ``BASE_S * f_max / f`` (``clocked.py``) in forward and backward for the clock in force
 (the simulated GPU does not run torch). Writes ``rank<R>.json``: ``{case: result}``.
 """
 
@@ -31,6 +31,7 @@ import deepspeed  # noqa: E402
 import deepspeed.comm  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from clocked import FREQS, SWEEP, Block, Delay, drive, record  # noqa: E402
 
 import powerlib  # noqa: E402
 from powerlib.integrations.deepspeed import attach_engine, attach_pipeline  # noqa: E402
@@ -39,40 +40,8 @@ from powerlib.integrations.deepspeed import attach_engine, attach_pipeline  # no
 # binds the torch package, not the submodule).
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
-BASE_S = 0.02  # well above a simulated clock change (~1 ms), so no request is superseded
 M = 4
 MICRO = 2
-FREQS = [1410.0, 1200.0, 1005.0]
-
-
-class _Delay(torch.autograd.Function):
-    device: powerlib.Device
-
-    @staticmethod
-    def _sleep() -> None:
-        locked = _Delay.device.read_state().locked_sm_freqs_mhz
-        f_max = _Delay.device.info.max_sm_freq_mhz
-        time.sleep(BASE_S * f_max / (locked[1] if locked else f_max))
-
-    @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
-        _Delay._sleep()
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        _Delay._sleep()
-        return grad
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # after the linear layer, so the delay's backward runs even where x needs no gradient
-        return torch.tanh(_Delay.apply(self.lin(x)))
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -162,42 +131,19 @@ def _run_case(case: str, out: Path, rank: int, world: int, device: powerlib.Devi
         warnings.simplefilter("always")
         with (
             powerlib.optimize(
-                freqs_mhz=FREQS,
-                warmup_iterations=1,
-                settle_iterations=0,
-                iterations_per_freq=1,
+                **SWEEP,
                 out_dir=out / case,
                 **common,
             ) as session,
             attach(session, engine),
         ):
-            marks = []
-            for i in range(1 + len(FREQS) + 2):
-                marks.append(len(session.controller.applied))
+
+            def run(i: int) -> None:
                 if case == "pp" and i == len(FREQS):  # the last profiled iteration: not hooked
                     engine.eval_batch(_DATA)
                 iteration()
-                session.controller.wait_idle()  # for the record only
-            marks.append(len(session.controller.applied))
-            plan = session.plan
-            first = session.apply_started_iteration
-            applied = [c.freq_mhz for c in session.controller.applied]
-            result["auto"] = {
-                "phase": session.phase,
-                "applied_from": first,
-                "plan": [
-                    [p.instruction.kind, p.instruction.microbatch, p.instruction.chunk, p.freq_mhz]
-                    for p in plan.stage(common["stage"])
-                ]
-                if plan
-                else None,
-                "requested": [[k[3], k[2], k[1], f] for k, f in session.first_apply_requests],
-                "applied_first_iteration": applied[marks[first] : marks[first + 1]]
-                if plan
-                else None,
-                "order_source": plan.workload.get("order_source") if plan else None,
-                "profiled_freqs_mhz": session.report()["profiled_freqs_mhz"],
-            }
+
+            result["auto"] = record(session, drive(session, run))
     # powerlib's own warnings only: DeepSpeed's deprecation notices are not this test's business
     result["auto"]["warnings"] = [str(w.message) for w in caught if "powerlib" in str(w.message)]
     for w in caught:
@@ -239,7 +185,7 @@ def main() -> int:
     torch.manual_seed(0)
     backend = powerlib.open_backend()
     device = backend.device(rank)
-    _Delay.device = device
+    Delay.device = device
     results: dict = {"backend": dist.get_backend()}
     for case in cases:
         started = time.perf_counter()

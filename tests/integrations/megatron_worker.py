@@ -5,7 +5,7 @@ non-interleaved 1F1B; ``interleaved``: virtual pipeline size 2), a PP=2 megatron
 loop (``get_forward_backward_func`` with M=4 microbatches) through a session with
 ``powerlib.integrations.megatron.attach`` on the simulated backend: profile three clocks, plan on
 rank 0, apply. Each iteration also runs a ``forward_only=True`` evaluation pass, which must not
-count as instructions. Each stage's module sleeps ``BASE_S * f_max / f`` in forward and backward
+count as instructions. Each stage's module sleeps ``BASE_S * f_max / f`` (``clocked.py``) in forward and backward
 for the clock in force (the simulated GPU does not run torch). Then it applies a plan whose
 stage-1 order was tampered with, and records the warnings; and checks that a session whose stage
 is not the pipeline rank is refused. Megatron runs on CPU through the test-only shims of
@@ -27,6 +27,7 @@ import megatron.core.transformer.multi_token_prediction  # noqa: F401
 import megatron_shims as shims
 import torch
 import torch.distributed as dist
+from clocked import SWEEP, Block, Delay, drive, record
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -35,41 +36,10 @@ import powerlib
 from powerlib.errors import InvalidArgumentError
 from powerlib.integrations.megatron import attach
 
-BASE_S = 0.02  # well above a simulated clock change (~1 ms), so no request is superseded
 M = 4
 SEQ, MBS, HIDDEN = 4, 2, 16
-FREQS = [1410.0, 1200.0, 1005.0]
 # forward_step imports multi_token_prediction lazily, and that import warns "Apex is not
 # installed": imported above, so the warning does not land in the sessions' warning records.
-
-
-class _Delay(torch.autograd.Function):
-    device: powerlib.Device
-
-    @staticmethod
-    def _sleep() -> None:
-        locked = _Delay.device.read_state().locked_sm_freqs_mhz
-        f_max = _Delay.device.info.max_sm_freq_mhz
-        time.sleep(BASE_S * f_max / (locked[1] if locked else f_max))
-
-    @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
-        _Delay._sleep()
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        _Delay._sleep()
-        return grad
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(_Delay.apply(self.lin(x)))
 
 
 def _forward_step_func(data_iterator, model):  # noqa: ANN001, ANN202
@@ -98,7 +68,7 @@ def _training(kind: str, world: int):  # noqa: ANN202
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
     )
-    chunks = [shims.StageModule(Block(), config) for _ in range(vp or 1)]
+    chunks = [shims.StageModule(Block(HIDDEN), config) for _ in range(vp or 1)]
     opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=0.01)
 
     def run(forward_only: bool) -> None:
@@ -144,40 +114,13 @@ def _case(kind: str, out: Path, rank: int, world: int, device: powerlib.Device) 
         warnings.simplefilter("always")
         with (
             powerlib.optimize(
-                freqs_mhz=FREQS,
-                warmup_iterations=1,
-                settle_iterations=0,
-                iterations_per_freq=1,
+                **SWEEP,
                 out_dir=out / kind / "auto",
                 **common,
             ) as session,
             attach(session),
         ):
-            marks = []
-            for _ in range(1 + len(FREQS) + 2):
-                marks.append(len(session.controller.applied))
-                iteration()
-                session.controller.wait_idle()  # for the record only
-            marks.append(len(session.controller.applied))
-            plan = session.plan
-            first = session.apply_started_iteration
-            applied = [c.freq_mhz for c in session.controller.applied]
-            result["auto"] = {
-                "phase": session.phase,
-                "iterations": session.iteration,
-                "applied_from": first,
-                "plan": [
-                    [p.instruction.kind, p.instruction.microbatch, p.instruction.chunk, p.freq_mhz]
-                    for p in plan.stage(session.stage)
-                ]
-                if plan
-                else None,
-                "requested": [[k[3], k[2], k[1], f] for k, f in session.first_apply_requests],
-                "applied_first_iteration": applied[marks[first] : marks[first + 1]]
-                if plan
-                else None,
-                "order_source": plan.workload.get("order_source") if plan else None,
-            }
+            result["auto"] = record(session, drive(session, lambda i: iteration()))
     result["auto"]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, Warning)]
     result["auto"]["restored"] = device.read_state().locked_sm_freqs_mhz == before
     result["auto"]["unpatched"] = (schedules.forward_step, schedules.backward_step) == originals
@@ -220,7 +163,7 @@ def main() -> int:
     torch.manual_seed(0)
     backend = powerlib.open_backend()
     device = backend.device(rank)
-    _Delay.device = device
+    Delay.device = device
     result: dict = {"rank": rank}
     for kind in kinds:
         t0 = time.perf_counter()

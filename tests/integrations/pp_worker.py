@@ -3,7 +3,7 @@
 ``pp_worker.py OUT SCHEDULE`` runs a 2-stage-per-rank or 1-stage-per-rank pipeline with the named
 ``torch.distributed.pipelining`` schedule (or ``ddp``: a DDP model with two accumulated
 microbatches) through a session with the integration attached, on the simulated backend: profile
-three clocks, plan on rank 0, apply. Each stage's module sleeps ``BASE_S * f_max / f`` in forward
+three clocks, plan on rank 0, apply. Each stage's module sleeps ``BASE_S * f_max / f`` (``clocked.py``) in forward
 and backward for the clock in force (the simulated GPU does not run torch). Then it applies a plan
 whose stage-1 order was tampered with, and records the warnings. Writes ``rank<R>.json``.
 """
@@ -13,64 +13,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from clocked import SWEEP, Block, Delay, drive, record
 
 import powerlib
 from powerlib.integrations.torch_distributed import attach_module, attach_pipeline
 
-BASE_S = 0.02  # well above a simulated clock change (~1 ms), so no request is superseded
 M = 4
-FREQS = [1410.0, 1200.0, 1005.0]
-
-
-class _Delay(torch.autograd.Function):
-    device: powerlib.Device
-
-    @staticmethod
-    def _sleep() -> None:
-        locked = _Delay.device.read_state().locked_sm_freqs_mhz
-        f_max = _Delay.device.info.max_sm_freq_mhz
-        time.sleep(BASE_S * f_max / (locked[1] if locked else f_max))
-
-    @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
-        _Delay._sleep()
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        _Delay._sleep()
-        return grad
-
-
-class _WeightDelay(torch.autograd.Function):
-    """Free in forward; in backward it delays the weight gradient (the W of a split backward)."""
-
-    @staticmethod
-    def forward(ctx, w):  # noqa: ANN001, ANN205
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        _Delay._sleep()
-        return grad
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # after the linear layer, so the delay's backward runs even where x needs no gradient;
-        # the weight's own delay makes W (weight gradient only) as long as I
-        weight = _WeightDelay.apply(self.lin.weight)
-        return torch.tanh(_Delay.apply(torch.nn.functional.linear(x, weight, self.lin.bias)))
 
 
 def _pipeline(kind: str, rank: int, world: int):
@@ -91,7 +44,10 @@ def _pipeline(kind: str, rank: int, world: int):
         ids = [rank, 2 * world - 1 - rank]
     else:
         ids = [rank + k * world for k in range(chunks)]
-    stages = [PipelineStage(Block(), i, world * chunks, torch.device("cpu")) for i in ids]
+    stages = [
+        PipelineStage(Block(delay_weight_grad=True), i, world * chunks, torch.device("cpu"))
+        for i in ids
+    ]
     loss = lambda out, tgt: ((out - tgt) ** 2).mean()  # noqa: E731
     cls = {
         "gpipe": ScheduleGPipe,
@@ -130,12 +86,12 @@ def main() -> int:
     torch.manual_seed(0)
     backend = powerlib.open_backend()
     device = backend.device(rank)
-    _Delay.device = device
+    Delay.device = device
     before = device.read_state().locked_sm_freqs_mhz
     result: dict = {"rank": rank}
 
     if kind == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(Block())
+        model = torch.nn.parallel.DistributedDataParallel(Block(delay_weight_grad=True))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         num_stages, stage, schedule_name, chunks = 1, 0, "1f1b", 1
 
@@ -173,40 +129,13 @@ def main() -> int:
         warnings.simplefilter("always")
         with (
             powerlib.optimize(
-                freqs_mhz=FREQS,
-                warmup_iterations=1,
-                settle_iterations=0,
-                iterations_per_freq=1,
+                **SWEEP,
                 out_dir=out / "auto",
                 **common,
             ) as session,
             attach(session),
         ):
-            marks = []
-            for _ in range(1 + len(FREQS) + 2):
-                marks.append(len(session.controller.applied))
-                iteration()
-                session.controller.wait_idle()  # for the record only
-            marks.append(len(session.controller.applied))
-            plan = session.plan
-            first = session.apply_started_iteration
-            applied = [c.freq_mhz for c in session.controller.applied]
-            result["auto"] = {
-                "phase": session.phase,
-                "applied_from": first,
-                "plan": [
-                    [p.instruction.kind, p.instruction.microbatch, p.instruction.chunk, p.freq_mhz]
-                    for p in plan.stage(stage)
-                ]
-                if plan
-                else None,
-                "requested": [[k[3], k[2], k[1], f] for k, f in session.first_apply_requests],
-                "applied_first_iteration": applied[marks[first] : marks[first + 1]]
-                if plan
-                else None,
-                "order_source": plan.workload.get("order_source") if plan else None,
-                "placement": plan.workload.get("placement") if plan else None,
-            }
+            result["auto"] = record(session, drive(session, lambda i: iteration()))
     result["auto"]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, Warning)]
     for w in caught:
         print(f"rank {rank} warning: {w.message}", file=sys.stderr, flush=True)
