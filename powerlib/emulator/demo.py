@@ -22,6 +22,7 @@ from typing import Any
 
 from powerlib.emulator.engine import Emulator, IterationResult
 from powerlib.errors import BackendUnavailableError, InvalidArgumentError
+from powerlib.planning.perseus.report import pyplot
 from powerlib.planning.pipeline import KIND_LETTERS, build_schedule
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile
@@ -355,16 +356,9 @@ def write_timeline(result: IterationResult, path: str | Path, *, title: str = ""
     Raises:
         BackendUnavailableError: matplotlib is not installed (``pip install 'powerlib[plot]'``).
     """
-    try:
-        import matplotlib  # noqa: PLC0415 - optional extra
+    plt = pyplot()
+    from matplotlib import cm, colors  # noqa: PLC0415 - installed: pyplot() imported it
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-        from matplotlib import cm, colors  # noqa: PLC0415
-    except ImportError as err:
-        raise BackendUnavailableError(
-            "plotting needs matplotlib: pip install 'powerlib[plot]'"
-        ) from err
     freqs = [f for ex in result.executed for _, _, f in ex.segments]
     norm = colors.Normalize(
         vmin=min(freqs), vmax=max(freqs) if max(freqs) > min(freqs) else min(freqs) + 1

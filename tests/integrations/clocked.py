@@ -8,8 +8,10 @@ request is superseded by the next one before it lands.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -119,3 +121,19 @@ def record(session: Any, marks: list[int]) -> dict[str, Any]:
         "placement": plan.workload.get("placement") if plan else None,
         "profiled_freqs_mhz": session.report()["profiled_freqs_mhz"],
     }
+
+
+def tampered_plan(plan_path: Path, out: Path, rank: int) -> Path:
+    """``plan_path`` with stage 1's last two instructions swapped, written by rank 0 to ``out``.
+
+    Collective: every rank waits at a barrier until the file exists.
+    """
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if rank == 0:
+        data = json.loads(plan_path.read_text())
+        ins = data["stages"][1]["instructions"]
+        ins[-1], ins[-2] = ins[-2], ins[-1]
+        out.write_text(json.dumps(data))
+    dist.barrier()
+    return out

@@ -31,7 +31,7 @@ import deepspeed  # noqa: E402
 import deepspeed.comm  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from clocked import FREQS, SWEEP, Block, Delay, drive, record  # noqa: E402
+from clocked import FREQS, SWEEP, Block, Delay, drive, record, tampered_plan  # noqa: E402
 
 import powerlib  # noqa: E402
 from powerlib.integrations.deepspeed import attach_engine, attach_pipeline  # noqa: E402
@@ -151,13 +151,7 @@ def _run_case(case: str, out: Path, rank: int, world: int, device: powerlib.Devi
     result["restored"] = device.read_state().locked_sm_freqs_mhz == before
 
     if case == "pp":
-        tampered = out / "tampered.json"
-        if rank == 0:
-            data = json.loads((out / case / "plan.json").read_text())
-            ins = data["stages"][1]["instructions"]
-            ins[-1], ins[-2] = ins[-2], ins[-1]
-            tampered.write_text(json.dumps(data))
-        dist.barrier()
+        tampered = tampered_plan(out / case / "plan.json", out / "tampered.json", rank)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with (

@@ -27,7 +27,7 @@ import megatron.core.transformer.multi_token_prediction  # noqa: F401
 import megatron_shims as shims
 import torch
 import torch.distributed as dist
-from clocked import SWEEP, Block, Delay, drive, record
+from clocked import SWEEP, Block, Delay, drive, record, tampered_plan
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -125,13 +125,7 @@ def _case(kind: str, out: Path, rank: int, world: int, device: powerlib.Device) 
     result["auto"]["restored"] = device.read_state().locked_sm_freqs_mhz == before
     result["auto"]["unpatched"] = (schedules.forward_step, schedules.backward_step) == originals
 
-    tampered = out / kind / "tampered.json"
-    if rank == 0:
-        data = json.loads((out / kind / "auto" / "plan.json").read_text())
-        ins = data["stages"][1]["instructions"]
-        ins[-1], ins[-2] = ins[-2], ins[-1]
-        tampered.write_text(json.dumps(data))
-    dist.barrier()
+    tampered = tampered_plan(out / kind / "auto" / "plan.json", out / kind / "tampered.json", rank)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with (

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from clocked import SWEEP, Block, Delay, drive, record
+from clocked import SWEEP, Block, Delay, drive, record, tampered_plan
 
 import powerlib
 from powerlib.integrations.torch_distributed import attach_module, attach_pipeline
@@ -141,13 +141,7 @@ def main() -> int:
         print(f"rank {rank} warning: {w.message}", file=sys.stderr, flush=True)
 
     if num_stages > 1:
-        tampered = out / "tampered.json"
-        if rank == 0:
-            data = json.loads((out / "auto" / "plan.json").read_text())
-            ins = data["stages"][1]["instructions"]
-            ins[-1], ins[-2] = ins[-2], ins[-1]
-            tampered.write_text(json.dumps(data))
-        dist.barrier()
+        tampered = tampered_plan(out / "auto" / "plan.json", out / "tampered.json", rank)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with (

@@ -10,7 +10,14 @@ from typing import Any
 from powerlib.errors import BackendUnavailableError
 from powerlib.planning.perseus.frontier import Frontier, FrontierPoint
 
-__all__ = ["FRONTIER_COLUMNS", "plot_frontier", "summary", "write_frontier_csv", "write_plan_json"]
+__all__ = [
+    "FRONTIER_COLUMNS",
+    "plot_frontier",
+    "pyplot",
+    "summary",
+    "write_frontier_csv",
+    "write_plan_json",
+]
 
 FRONTIER_COLUMNS = ("iteration", "time_s", "energy_j", "effective_energy_j", "cost_change_j")
 
@@ -108,8 +115,8 @@ def _saving_percent(energy_j: float, baseline_j: float) -> float | None:
     return 100.0 * (1.0 - energy_j / baseline_j) if baseline_j > 0 else None
 
 
-def plot_frontier(frontier: Frontier, chosen: FrontierPoint, path: str | Path) -> None:
-    """Frontier energy vs time with T_min, T* and the chosen plan marked.
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend (the optional ``plot`` extra).
 
     Raises:
         BackendUnavailableError: matplotlib is not installed (``pip install 'powerlib[plot]'``).
@@ -123,6 +130,16 @@ def plot_frontier(frontier: Frontier, chosen: FrontierPoint, path: str | Path) -
         raise BackendUnavailableError(
             "plotting needs matplotlib: pip install 'powerlib[plot]'"
         ) from err
+    return plt
+
+
+def plot_frontier(frontier: Frontier, chosen: FrontierPoint, path: str | Path) -> None:
+    """Frontier energy vs time with T_min, T* and the chosen plan marked.
+
+    Raises:
+        BackendUnavailableError: matplotlib is not installed (``pip install 'powerlib[plot]'``).
+    """
+    plt = pyplot()
     times = [p.time_s for p in frontier.points]
     energies = [p.energy_j for p in frontier.points]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
