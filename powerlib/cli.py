@@ -887,14 +887,43 @@ def plan(
             click.echo(f"{label} written to {path}")
 
 
-@cli.command()
-@click.option(
+# Shared by `demo` and `simulate`: the emulated GPUs' ground truth.
+_EMULATED_PROFILE = click.option(
     "--profile",
     "profile_path",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
     help="Ground-truth profile of the emulated GPUs (default: the shipped GPT-3 175B A100 one).",
 )
+_EMULATED_P_BLOCK = click.option(
+    "--p-block-w",
+    type=click.FloatRange(min=0.0),
+    default=83.64,
+    show_default=True,
+    help="Power of a waiting emulated GPU (ground truth: sessions measure it, they are not told).",
+)
+_EMULATED_SWITCH_LATENCY = click.option(
+    "--switch-latency-s",
+    type=click.FloatRange(min=0.0),
+    default=0.005,
+    show_default=True,
+    help="Clock-change latency of the emulated GPUs.",
+)
+
+
+def _versus_all_max(base: dict[str, Any], label: str, run: dict[str, Any]) -> None:
+    """The all-max-clock vs plan table of `demo` and `simulate`."""
+    _table(
+        ["", "iteration time", "energy / iteration"],
+        [
+            ["all max clock", f"{base['time_s']:.4f} s", f"{base['energy_j']:.1f} J"],
+            [label, f"{run['time_s']:.4f} s", f"{run['energy_j']:.1f} J"],
+        ],
+    )
+
+
+@cli.command()
+@_EMULATED_PROFILE
 @click.option("--microbatches", type=click.IntRange(min=1), default=12, show_default=True)
 @click.option(
     "--schedule",
@@ -914,20 +943,8 @@ def plan(
     default=None,
     help="Plan policy (default: fastest; deadline with --straggler).",
 )
-@click.option(
-    "--p-block-w",
-    type=click.FloatRange(min=0.0),
-    default=83.64,
-    show_default=True,
-    help="Power of a waiting emulated GPU (the sessions measure it, they are not told).",
-)
-@click.option(
-    "--switch-latency-s",
-    type=click.FloatRange(min=0.0),
-    default=0.005,
-    show_default=True,
-    help="Clock-change latency of the emulated GPUs.",
-)
+@_EMULATED_P_BLOCK
+@_EMULATED_SWITCH_LATENCY
 @click.option(
     "--counter-period-s",
     type=click.FloatRange(min=0.0),
@@ -1007,13 +1024,7 @@ def demo(
             else ""
         )
     )
-    _table(
-        ["", "iteration time", "energy / iteration"],
-        [
-            ["all max clock", f"{b['time_s']:.4f} s", f"{b['energy_j']:.1f} J"],
-            [f"powerlib ({report['policy']})", f"{p['time_s']:.4f} s", f"{p['energy_j']:.1f} J"],
-        ],
-    )
+    _versus_all_max(b, f"powerlib ({report['policy']})", p)
     click.echo(
         click.style(
             f"energy saved: {report['saving_percent']:.2f} %  "
@@ -1033,17 +1044,9 @@ def demo(
 
 @cli.command()
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(exists=True, dir_okay=False))
-@click.option(
-    "--profile",
-    "profile_path",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="Ground-truth profile of the emulated GPUs (default: the shipped GPT-3 175B A100 one).",
-)
-@click.option("--p-block-w", type=click.FloatRange(min=0.0), default=83.64, show_default=True)
-@click.option(
-    "--switch-latency-s", type=click.FloatRange(min=0.0), default=0.005, show_default=True
-)
+@_EMULATED_PROFILE
+@_EMULATED_P_BLOCK
+@_EMULATED_SWITCH_LATENCY
 @click.option(
     "--deadline-s",
     type=click.FloatRange(min=0.0),
@@ -1076,13 +1079,7 @@ def simulate(
         _emit_json(result)
         return
     b, r = result["baseline"], result["plan_result"]
-    _table(
-        ["", "iteration time", "energy / iteration"],
-        [
-            ["all max clock", f"{b['time_s']:.4f} s", f"{b['energy_j']:.1f} J"],
-            ["plan", f"{r['time_s']:.4f} s", f"{r['energy_j']:.1f} J"],
-        ],
-    )
+    _versus_all_max(b, "plan", r)
     click.echo(
         f"energy saved: {result['saving_percent']:.2f} %  (slowdown {result['slowdown_percent']:+.3f} %)"
     )
