@@ -26,17 +26,55 @@ from typing import Any
 from powerlib.errors import PlanError
 from powerlib.planning.pipeline import KINDS, Instruction
 
-__all__ = ["PLAN_SCHEMA", "FrequencyPlan", "PlannedInstruction"]
+__all__ = ["EXECUTIONS", "PLAN_SCHEMA", "FrequencyPlan", "PartitionSetting", "PlannedInstruction"]
 
 PLAN_SCHEMA = "powerlib.plan.v1"
+
+EXECUTIONS = ("sequential", "nanobatch")
+"""How an instruction of an overlap plan runs: whole microbatch, or two overlapped nanobatches."""
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionSetting:
+    """How one partition type runs inside an instruction (Kareus overlap plans).
+
+    Attributes:
+        slot: The launch slot whose first kernel the collective starts with (``rope_0``), or
+            ``None``: after the compute (no overlap).
+        sm_count: CTAs (one per SM) of the communication kernel; on NCCL, the communicator's
+            CTA limit.
+        block_size: Threads per CTA.
+    """
+
+    slot: str | None
+    sm_count: int
+    block_size: int = 1024
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"slot", "sm_count", "block_size"}``."""
+        return {"slot": self.slot, "sm_count": self.sm_count, "block_size": self.block_size}
 
 
 @dataclass(frozen=True, slots=True)
 class PlannedInstruction:
-    """One instruction of a stage's plan and its frequency."""
+    """One instruction of a stage's plan and its frequency.
+
+    Attributes:
+        instruction: Which instruction.
+        freq_mhz: Its locked SM clock.
+        execution: ``sequential`` (a Perseus plan, or an overlap plan's whole-microbatch option)
+            or ``nanobatch`` (two overlapped nanobatches, configured by ``overlap``).
+        overlap: Per partition type (``fwd_attn``, ...), its setting; empty unless nanobatched.
+        predicted_time_s: The planner's time for it, when the plan records one.
+        predicted_energy_j: The planner's energy for it, when the plan records one.
+    """
 
     instruction: Instruction
     freq_mhz: float
+    execution: str = "sequential"
+    overlap: Mapping[str, PartitionSetting] = field(default_factory=dict)
+    predicted_time_s: float | None = None
+    predicted_energy_j: float | None = None
 
     @property
     def key(self) -> tuple[int, int, int, str]:
@@ -178,18 +216,68 @@ class FrequencyPlan:
                 {
                     "stage": s,
                     "instructions": [
-                        {
-                            "kind": p.instruction.kind,
-                            "microbatch": p.instruction.microbatch,
-                            "chunk": p.instruction.chunk,
-                            "freq_mhz": p.freq_mhz,
-                        }
+                        _instruction_json(p)
                         for p in planned
                     ],
                 }
                 for s, planned in enumerate(self.stages)
             ],
         }
+
+
+def _instruction_json(p: PlannedInstruction) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "kind": p.instruction.kind,
+        "microbatch": p.instruction.microbatch,
+        "chunk": p.instruction.chunk,
+        "freq_mhz": p.freq_mhz,
+    }
+    if p.predicted_time_s is not None:
+        out["predicted_time_s"] = p.predicted_time_s
+    if p.predicted_energy_j is not None:
+        out["predicted_energy_j"] = p.predicted_energy_j
+    if p.execution != "sequential" or p.overlap:
+        out["execution"] = p.execution
+        out["overlap"] = {key: setting.to_json() for key, setting in p.overlap.items()}
+    return out
+
+
+def _number(item: dict[str, Any], name: str, where: str) -> float | None:
+    value = item.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise PlanError(f"{where}: {name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _overlap(item: dict[str, Any], where: str) -> tuple[str, dict[str, PartitionSetting]]:
+    execution = item.get("execution", "sequential")
+    if execution not in EXECUTIONS:
+        raise PlanError(f"{where}: execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")
+    raw = item.get("overlap", {})
+    if not isinstance(raw, dict):
+        raise PlanError(f"{where}: overlap must be an object of partition settings")
+    if execution == "sequential" and raw:
+        raise PlanError(f"{where}: a sequential instruction has no partition settings")
+    if execution == "nanobatch" and not raw:
+        raise PlanError(f"{where}: a nanobatch instruction needs its partition settings")
+    settings: dict[str, PartitionSetting] = {}
+    for key, entry in raw.items():
+        at = f"{where}.overlap.{key}"
+        if not isinstance(entry, dict):
+            raise PlanError(f"{at} must be an object with slot, sm_count and block_size")
+        slot = entry.get("slot")
+        if slot is not None and (not isinstance(slot, str) or not slot):
+            raise PlanError(f"{at}: slot must be a slot name or null, got {slot!r}")
+        sm = entry.get("sm_count")
+        if isinstance(sm, bool) or not isinstance(sm, int) or sm < 1:
+            raise PlanError(f"{at}: sm_count must be a positive integer, got {sm!r}")
+        block = entry.get("block_size", 1024)
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise PlanError(f"{at}: block_size must be a positive integer, got {block!r}")
+        settings[str(key)] = PartitionSetting(slot=slot, sm_count=sm, block_size=block)
+    return execution, settings
 
 
 def _instruction(item: Any, stage: int, where: str) -> PlannedInstruction:
@@ -215,4 +303,12 @@ def _instruction(item: Any, stage: int, where: str) -> PlannedInstruction:
         )
     except PlanError as err:
         raise PlanError(f"{where}: {err}") from err
-    return PlannedInstruction(ins, float(freq))
+    execution, overlap = _overlap(item, where)
+    return PlannedInstruction(
+        ins,
+        float(freq),
+        execution=execution,
+        overlap=overlap,
+        predicted_time_s=_number(item, "predicted_time_s", where),
+        predicted_energy_j=_number(item, "predicted_energy_j", where),
+    )
