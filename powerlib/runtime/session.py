@@ -27,6 +27,13 @@ path (normal exit, exception, SIGTERM/SIGHUP, atexit; a killed process by the ne
 ``powerlib restore``).
 
 Instructions are keyed by ``(stage, chunk, microbatch, kind)``.
+
+A Kareus overlap plan (instructions with ``execution``/``overlap`` fields) also loads
+:attr:`Session.overlap` (:class:`~powerlib.runtime.overlap.Overlap`) for this rank's stage when
+the plan arrives: the session's instruction hooks drive it, so an integration asks
+``session.overlap.config(key)`` or wraps partitions in ``session.overlap.partition(...)`` and gets
+the running instruction's settings. Its instruction-order check is its own: a loop that does not
+follow the plan sends every partition down the default path, whatever the clocks do.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from powerlib.profiling.sweep import FrequencySweep, ProfileRecorder, SweepConfi
 from powerlib.registry import open_backend
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, default_coordinator
+from powerlib.runtime.overlap import Overlap, plan_has_overlap
 from powerlib.runtime.planning_step import PlanSpec, make_plan, rows_to_payload, write_profile
 
 __all__ = ["MODES", "Session", "optimize"]
@@ -145,6 +153,9 @@ class Session:
         prefetch: In the apply phase, request the next instruction's clock when one ends, so the
             switch overlaps the wait between instructions (after the order check).
         plot: Rank 0 also draws ``frontier.png`` in ``out_dir`` (``plot`` extra).
+        overlap_groups: For overlap plans on NCCL: the global ranks of every group the overlapped
+            collectives run on (every tensor/context-parallel group of the job, the same lists on
+            every rank); default: the whole world. See :mod:`powerlib.runtime.overlap`.
         settings: Settings; default from the environment.
     """
 
@@ -184,6 +195,7 @@ class Session:
         guardian: bool = False,
         prefetch: bool = True,
         plot: bool = False,
+        overlap_groups: Sequence[Sequence[int]] | None = None,
         settings: Settings | None = None,
     ) -> None:
         if mode not in MODES:
@@ -261,6 +273,9 @@ class Session:
         self._order_now: list[tuple[int, int, str]] = []
         self._recorded_order: list[tuple[int, int, str]] = []
         self.apply_started_iteration: int | None = None
+        self._overlap_groups = overlap_groups
+        self.overlap = Overlap()
+        """Overlap plans' runtime (:mod:`powerlib.runtime.overlap`); inactive without one."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -394,6 +409,8 @@ class Session:
         """An instruction starts (call right before launching its work)."""
         if self._pos == 0 and (not self._started or self._vote is not None or self.phase is _AWAIT):
             self.start_iteration()
+        if self.overlap.schedule is not None:
+            self.overlap.begin(_kind(kind), microbatch, chunk)
         phase = self.phase
         if phase is _APPLY:
             key = (self.stage, chunk, microbatch, _kind(kind))
@@ -417,6 +434,7 @@ class Session:
 
     def end(self) -> None:
         """The instruction started last ends (call after its work is issued)."""
+        self.overlap.end()
         if self.phase is _APPLY:
             if self._prefetch and not self._checking:
                 # Ask for the next instruction's clock now: the switch (milliseconds on real
@@ -493,6 +511,7 @@ class Session:
                 self._vote = self._coordinator.all_agree(stop)  # type: ignore[union-attr]
             else:
                 sweep.advance()
+        self.overlap.step()
         self._iter_energy = 0.0
         self._pos = 0
         self._open = None
@@ -583,6 +602,10 @@ class Session:
                 raise PlanError(
                     f"{plan.source}: {plan.num_stages} stage(s), the job has {self.spec.num_stages}"
                 )
+            if plan_has_overlap(plan):
+                # Before any per-rank check: on NCCL this creates communicators, a collective
+                # every rank must join at the same point.
+                self.overlap.load(plan, self.stage, group_ranks=self._overlap_groups)
             plan.check_frequencies(self.device.info.supported_sm_freqs_mhz, self.stage)  # type: ignore[union-attr]
         except PlanError as err:
             if strict:
@@ -648,6 +671,7 @@ class Session:
             "measured_p_block_w": self.recorder.p_block_w,
             "frequency_changes": len(applied),
             "plan": None if self.plan is None else dict(self.plan.summary),
+            "overlap": self.overlap.report() if self.overlap.schedule is not None else None,
         }
 
 

@@ -37,7 +37,9 @@ __all__ = [
     "BLOCK_SIZE",
     "REDUCE_SCATTER",
     "Collective",
+    "Budget",
     "Config",
+    "MODELS",
     "ModelShape",
     "Op",
     "Parallelism",
@@ -268,7 +270,7 @@ class PartitionType:
         return first
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(frozen=True, slots=True)
 class Config:
     """One partition configuration.
 

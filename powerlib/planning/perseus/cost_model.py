@@ -29,8 +29,8 @@ import logging
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -92,6 +92,9 @@ class Option:
         quant: ``time_s`` floor-quantized to the time quantum: ``int(time_s // unit_time_s)``
             with IEEE float floor division (so 0.030 s at τ = 1 ms is 29, as in lowtime).
         eff_energy_j: Effective energy, ``energy_j - p_block_w * quant * unit_time_s``.
+        knob: What else besides the clock the option sets, or ``None`` for a pure frequency
+            option; Kareus options carry their execution mode and partition configurations
+            (an object with ``to_plan() -> dict`` of plan fields).
     """
 
     freq_mhz: float
@@ -99,6 +102,7 @@ class Option:
     energy_j: float
     quant: int
     eff_energy_j: float
+    knob: Any = field(default=None, compare=False)
 
 
 def _check_finite(name: str, value: float) -> float:
@@ -158,7 +162,9 @@ def prepare_options(
 
     Args:
         points: ``(freq_mhz, time_s, energy_j)`` per measured frequency; frequencies must be
-            distinct, times positive and energies finite.
+            distinct, times positive and energies finite. Or ``(freq_mhz, time_s, energy_j,
+            knob)``: several options per clock that differ in ``knob`` (Kareus), which then
+            need not have distinct frequencies.
         unit_time_s: The time quantum τ in seconds (1 ms in the paper's A100 runs).
         p_block_w: The GPU's power while blocked on communication, in watts (e.g. 83.64 on
             A100 in the paper artifact).
@@ -187,13 +193,17 @@ def prepare_options(
     freqs: list[float] = []
     times: list[float] = []
     energies: list[float] = []
+    knobs: list[Any] = []
     for k, point in enumerate(points):
         try:
-            f_raw, t_raw, e_raw = point
+            f_raw, t_raw, e_raw, *knob = point
+            if len(knob) > 1:
+                raise ValueError("too many fields")
         except (TypeError, ValueError) as err:
             raise PlanError(
                 f"point {k} must be a (freq_mhz, time_s, energy_j) triple, got {point!r}"
             ) from err
+        knobs.append(knob[0] if knob else None)
         f = _check_finite(f"point {k} frequency", f_raw)
         t = _check_finite(f"point {k} time", t_raw)
         e = _check_finite(f"point {k} energy", e_raw)
@@ -202,10 +212,11 @@ def prepare_options(
         freqs.append(f)
         times.append(t)
         energies.append(e)
-    if len(set(freqs)) != len(freqs):
+    with_knobs = any(knob is not None for knob in knobs)
+    if not with_knobs and len(set(freqs)) != len(freqs):
         raise PlanError("points must have distinct frequencies (one row per frequency)")
     if len(freqs) < 2:
-        raise PlanError(f"need at least two measured frequencies, got {len(freqs)}")
+        raise PlanError(f"need at least two measured options, got {len(freqs)}")
 
     quants = [int(t // tau) for t in times]
     effs = [e - p_block * q * tau for e, q in zip(energies, quants)]
@@ -229,6 +240,7 @@ def prepare_options(
             energy_j=energies[i],
             quant=quants[i],
             eff_energy_j=effs[i],
+            knob=knobs[i],
         )
         for _, i in sorted(best.items())
     ]

@@ -8,7 +8,7 @@ effective energy the solver minimises. Each frontier point reports both.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +90,9 @@ class Frontier:
     """(stage, kind) -> frequency -> measured (time_s, energy_j), every profiled frequency."""
     placement: str = "looped"
     """How each stage's model chunks map onto the model (``looped`` or ``v``)."""
+    reference_times: dict[tuple[int, str], float] | None = None
+    """(stage, kind) -> the baseline's time per instruction, when the baseline is not the
+    fastest option (Kareus: sequential execution at the maximum clock)."""
 
     @property
     def num_stages(self) -> int:
@@ -153,7 +156,12 @@ class Frontier:
     @property
     def baseline_time_s(self) -> float:
         """Critical path with every instruction at its measured maximum-frequency time."""
-        times = [self.options[(ins.stage, ins.kind)][0].time_s for ins in self.dag.instructions]
+        if self.reference_times is not None:
+            times = [self.reference_times[(ins.stage, ins.kind)] for ins in self.dag.instructions]
+        else:
+            times = [
+                self.options[(ins.stage, ins.kind)][0].time_s for ins in self.dag.instructions
+            ]
         return _critical_path_s(self.dag, times)
 
     def saving(self, point: FrontierPoint) -> float:
@@ -264,24 +272,24 @@ class Frontier:
                 :meth:`within_slowdown`).
             metadata: Extra workload fields.
         """
-        freqs = self.frequencies(point) if chosen is None else [o.freq_mhz for o in chosen]
+        options = self.planned_options(point) if chosen is None else list(chosen)
         stages = []
         for stage in range(self.num_stages):
-            stages.append(
-                {
-                    "stage": stage,
-                    "instructions": [
-                        {
-                            "kind": self.dag.instructions[i].kind,
-                            "microbatch": self.dag.instructions[i].microbatch,
-                            "chunk": self.dag.instructions[i].chunk,
-                            "freq_mhz": freqs[i],
-                            "planned_time_s": point.durations[i] * self.unit_time_s,
-                        }
-                        for i in self.dag.stage_order(stage)
-                    ],
+            entries = []
+            for i in self.dag.stage_order(stage):
+                entry = {
+                    "kind": self.dag.instructions[i].kind,
+                    "microbatch": self.dag.instructions[i].microbatch,
+                    "chunk": self.dag.instructions[i].chunk,
+                    "freq_mhz": options[i].freq_mhz,
+                    "planned_time_s": point.durations[i] * self.unit_time_s,
                 }
-            )
+                if options[i].knob is not None:  # Kareus: execution mode and partition settings
+                    entry["predicted_time_s"] = options[i].time_s
+                    entry["predicted_energy_j"] = options[i].energy_j
+                    entry.update(options[i].knob.to_plan())
+                entries.append(entry)
+            stages.append({"stage": stage, "instructions": entries})
         base = self.baseline(point.time_s)
         return {
             "schema": PLAN_SCHEMA,
@@ -442,7 +450,7 @@ def _critical_path_s(dag: PipelineDAG, times_s: Sequence[float]) -> float:
 
 
 def compute_frontier(
-    profile: Profile,
+    profile: Profile | None,
     schedule: Schedule,
     *,
     schedule_name: str,
@@ -454,8 +462,19 @@ def compute_frontier(
     order: str = "filter-then-subtract",
     cost_model: str = "exp",
     progress: Callable[[int, int], None] | None = None,
+    candidates: Mapping[tuple[int, str], Sequence[tuple[Any, ...]]] | None = None,
+    reference: Mapping[tuple[int, str], tuple[float, float]] | None = None,
 ) -> Frontier:
     """Profile + schedule -> the exact frontier of the relaxed (fitted) problem.
+
+    Args:
+        candidates: Instead of ``profile`` (then ``None``): per ``(stage, kind)``, the
+            execution options ``(freq_mhz, time_s, energy_j, knob)``, several per clock allowed
+            (Kareus's composed instruction options). The solver is the same; only the options
+            differ.
+        reference: With ``candidates``: per ``(stage, kind)``, the ``(time_s, energy_j)`` of
+            the baseline the savings are measured against (Kareus: sequential execution at the
+            maximum clock). Default: each pair's fastest option.
 
     Raises:
         PlanError: The profile does not cover the schedule, or parameters are out of range.
@@ -466,13 +485,22 @@ def compute_frontier(
         raise PlanError(f"--p-block-w must be a non-negative number of watts, got {p_block_w}")
     dag = build_dag(schedule, placement)
     used = {(ins.stage, ins.kind) for ins in dag.instructions}
-    profile.validate_for(dag.num_stages, ())
+    if candidates is None:
+        if profile is None:
+            raise PlanError("compute_frontier needs a profile or per-instruction candidates")
+        profile.validate_for(dag.num_stages, ())
+        points_of: Callable[[int, str], Sequence[tuple[Any, ...]]] = profile.options
+    else:
+        missing = sorted(used - set(candidates))
+        if missing:
+            raise PlanError(f"no execution options for (stage, kind) {missing[0]}")
+        points_of = lambda stage, kind: candidates[(stage, kind)]  # noqa: E731
     options: dict[tuple[int, str], list[Option]] = {}
     models: dict[tuple[int, str], Any] = {}
     for stage in range(dag.num_stages):
         for kind in (k for k in KINDS if (stage, k) in used):
             opts = prepare_options(
-                profile.options(stage, kind),
+                points_of(stage, kind),
                 unit_time_s=unit_time_s,
                 p_block_w=p_block_w,
                 order=order,
@@ -515,10 +543,22 @@ def compute_frontier(
         t = e = 0.0
         for i in dag.stage_order(stage):
             ins = dag.instructions[i]
-            fastest = max(profile.options(ins.stage, ins.kind), key=lambda o: o[0])
-            t += fastest[1]
-            e += fastest[2]
+            if reference is not None:
+                ref_t, ref_e = reference[(ins.stage, ins.kind)]
+            elif candidates is not None:
+                _, ref_t, ref_e, *_ = min(candidates[(ins.stage, ins.kind)], key=lambda o: o[1])
+            else:
+                _, ref_t, ref_e = max(profile.options(ins.stage, ins.kind), key=lambda o: o[0])
+            t += ref_t
+            e += ref_e
         busy[stage] = (t, e)
+    measured: dict[tuple[int, str], dict[float, tuple[float, float]]] = {}
+    for stage, kind in sorted(used):
+        at: dict[float, tuple[float, float]] = {}
+        for f, t, e, *_ in points_of(stage, kind):  # the fastest option at each clock
+            if f not in at or t < at[f][0]:
+                at[f] = (t, e)
+        measured[(stage, kind)] = at
     return Frontier(
         points=tuple(points),
         dag=dag,
@@ -531,9 +571,9 @@ def compute_frontier(
         order=order,
         cost_model=cost_model,
         baseline_busy=busy,
-        measured={
-            (stage, kind): {f: (t, e) for f, t, e in profile.options(stage, kind)}
-            for stage, kind in sorted(used)
-        },
+        measured=measured,
         placement=placement,
+        reference_times=(
+            None if reference is None else {key: tr for key, (tr, _) in reference.items()}
+        ),
     )

@@ -1,0 +1,932 @@
+"""Simulated partition evaluator: a fluid model of one GPU running Kareus's overlap partitions.
+
+The model is kareus.md §5.1 (formulas), calibrated against the phenomena of §5.3 on the real
+workloads of :mod:`powerlib.planning.kareus.partition`. It shares the A100's clocks, voltage
+curve, static power, per-SM power, power cap, thermal constants and energy-counter period with the
+simulated backend (:data:`powerlib.backends.simulated.MODELS`), so the two simulators agree.
+
+**Compute kernel** ``i`` (FLOPs ``F``, HBM bytes ``B``, CTAs ``G``) on ``n`` SMs at clock ``f``
+with HBM bandwidth ``BW_a`` available::
+
+    t_comp = F / (η_c(F) · min(n, G/o) · π_sm · f),   η_c(F) = η_max · F / (F + F_half)
+    t_mem  = B / BW_a
+    t_i    = (t_comp^p + t_mem^p)^(1/p) + t_launch          (smooth max, p = 3)
+
+**Collective** with ``s`` CTAs: ``t = α + wire_bytes / r``, where
+``r = smoothmin(BW_link, s · b_sm · (f/f_max)^γ)``; it holds its ``s`` SMs for its lifetime and
+moves ``κ · r`` bytes/s through HBM.
+
+**Overlap.** Compute ops run in order; the collective starts with the first op of its launch slot
+(or after the last op with no overlap). While it runs, compute has ``N_sm − s`` SMs and HBM is
+shared max-min fair between the running kernel's demand and the collective's ``κ·r``. Rates are
+recomputed at every event (kernel end, collective latency end, collective end). The partition ends
+at ``max(compute end, comm end)`` plus a sync overhead.
+
+**Power**: ``P = P_s(θ) + c_sm·φ(f)·(Σ_compute u_c + s·u_comm) + c_hbm·BW/BW_hbm + c_link·r/BW_link``
+with ``φ(f) = (f/f_max)(v(f)/v_max)²`` (flat voltage below the knee) and ``u_c = t_comp / t_i``;
+idle SMs draw nothing beyond static power.
+
+The noise-free functions (:func:`model`, :func:`simulate`, :func:`model_sequential`,
+:func:`model_compute`) are exact ground truth for exhaustive searches. The
+:class:`SimulatedOverlapEvaluator` wraps them in the thermally stable measurement protocol
+(kareus.md §2.1) in virtual time: settle, warm-up, window, cool-down; temperature-dependent static
+power; an NVML-like energy counter updated every 100 ms; multiplicative noise. Power-cap throttling
+and Theorem 1 (kareus.md §2.4) are reproduced by :func:`run_capped` and :func:`run_locked`.
+
+Pure Python + numpy (for the seeded random generator); no sleeping.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+import numpy as np
+
+from powerlib.backends.simulated import MODELS as _SIM_MODELS
+from powerlib.errors import PlanError
+from powerlib.planning.kareus.evaluator import MeasureProtocol, Measurement
+from powerlib.planning.kareus.partition import Collective, Config, Op, PartitionType, Segment
+
+__all__ = [
+    "A100",
+    "H100",
+    "CappedRun",
+    "LockedRun",
+    "OverlapDeviceParams",
+    "OverlapResult",
+    "SimulatedOverlapEvaluator",
+    "Work",
+    "model",
+    "model_compute",
+    "model_power",
+    "model_sequential",
+    "run_capped",
+    "run_locked",
+    "simulate",
+]
+
+_SIM_A100 = _SIM_MODELS["a100"]
+_SIM_H100 = _SIM_MODELS["h100"]
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OverlapDeviceParams:
+    """One GPU model's parameters for the overlap simulator (kareus.md §5.1, §5.4).
+
+    Attributes:
+        name: Model name.
+        num_sms: Streaming multiprocessors ``N_sm``.
+        min_freq_mhz: Lowest supported (lockable) SM clock.
+        max_freq_mhz: Highest supported SM clock ``f_max``.
+        freq_step_mhz: Spacing of supported clocks (and of power-cap throttle steps).
+        knee_freq_mhz: Clock below which the voltage stays at its floor.
+        v_min_ratio: Voltage floor as a fraction of the voltage at ``f_max``.
+        hbm_bw_bps: Peak HBM bandwidth, bytes/s (independent of the SM clock).
+        eta_mem: Achievable fraction of peak HBM bandwidth ``η_m``.
+        peak_flops: Dense BF16 tensor peak at ``f_max``, FLOP/s.
+        eta_max: Compute efficiency of a large kernel ``η_max``.
+        flops_half: ``F_half`` of the small-problem penalty ``η_c(F) = η_max·F/(F+F_half)``.
+        ctas_per_sm: CTAs resident per SM ``o`` (a kernel of ``G`` CTAs uses ≤ ``G/o`` SMs).
+        link_bw_bps: Effective per-GPU collective (bus) bandwidth applied to wire bytes, bytes/s.
+        sm_link_bw_bps: Collective bandwidth one CTA drives at ``f_max`` ``b_sm``, bytes/s.
+        comm_freq_gamma: ``γ`` of the per-CTA rate's clock dependence ``(f/f_max)^γ``.
+        comm_latency_s: Collective start-up latency ``α``.
+        hbm_bytes_per_wire_byte: HBM bytes per wire byte of a collective ``κ``.
+        comm_busy: SM busy fraction of the collective's CTAs ``u_comm``.
+        p_static_w: Static power ``P_s`` (powered, context resident, blocked on P2P).
+        sm_power_w: ``c_sm``: power of one fully busy SM at ``f_max``.
+        hbm_power_w: ``c_hbm``: power of HBM traffic at peak bandwidth.
+        link_power_w: ``c_link``: power of the links at full collective bandwidth.
+        power_cap_w: Default power limit (TDP).
+        cap_period_s: Power-cap control period (the windowed average is over one period).
+        cap_margin_w: The controller raises the clock again below ``cap − margin``.
+        thermal_resistance_c_per_w: ``R``: steady-state temperature rise per watt.
+        thermal_capacitance_j_per_c: ``C``: heat capacity; ``τ = R·C``.
+        ambient_c: Inlet temperature ``θ_amb``.
+        static_temp_coeff_per_c: ``α_θ``: relative rise of static power per °C above the reference.
+        static_ref_temp_c: Temperature at which static power equals ``p_static_w``.
+        energy_update_period_s: How often the energy counter publishes a new value.
+        energy_quantum_j: Resolution of the energy counter.
+        noise: Default multiplicative measurement noise (relative standard deviation of energy).
+        launch_overhead_s: Per-kernel launch overhead added to each compute kernel.
+        sync_overhead_s: End-of-partition stream join.
+        default_comm_sms: CTAs of a stock collective (NCCL) running alone (sequential execution).
+        smooth_p: Exponent of the smooth max/min.
+    """
+
+    name: str
+    num_sms: int
+    min_freq_mhz: float
+    max_freq_mhz: float
+    freq_step_mhz: float
+    knee_freq_mhz: float
+    v_min_ratio: float
+    hbm_bw_bps: float
+    eta_mem: float
+    peak_flops: float
+    eta_max: float
+    flops_half: float
+    ctas_per_sm: float
+    link_bw_bps: float
+    sm_link_bw_bps: float
+    comm_freq_gamma: float
+    comm_latency_s: float
+    hbm_bytes_per_wire_byte: float
+    comm_busy: float
+    p_static_w: float
+    sm_power_w: float
+    hbm_power_w: float
+    link_power_w: float
+    power_cap_w: float
+    cap_period_s: float
+    cap_margin_w: float
+    thermal_resistance_c_per_w: float
+    thermal_capacitance_j_per_c: float
+    ambient_c: float
+    static_temp_coeff_per_c: float
+    static_ref_temp_c: float
+    energy_update_period_s: float
+    energy_quantum_j: float
+    noise: float
+    launch_overhead_s: float
+    sync_overhead_s: float
+    default_comm_sms: int
+    smooth_p: float = 3.0
+
+    @property
+    def flops_per_sm_cycle(self) -> float:
+        """``π_sm``: peak FLOP per SM per cycle (peak / (N_sm · f_max))."""
+        return self.peak_flops / (self.num_sms * self.max_freq_mhz * 1e6)
+
+    @property
+    def supported_freqs_mhz(self) -> tuple[float, ...]:
+        """Every lockable clock, ascending."""
+        count = int(round((self.max_freq_mhz - self.min_freq_mhz) / self.freq_step_mhz)) + 1
+        return tuple(float(self.min_freq_mhz + i * self.freq_step_mhz) for i in range(count))
+
+    def voltage_ratio(self, freq_mhz: float) -> float:
+        """``v(f) / v_max``: flat at the floor up to the knee, then linear to 1 at ``f_max``."""
+        if freq_mhz <= self.knee_freq_mhz:
+            return self.v_min_ratio
+        span = self.max_freq_mhz - self.knee_freq_mhz
+        return self.v_min_ratio + (1.0 - self.v_min_ratio) * (freq_mhz - self.knee_freq_mhz) / span
+
+    def phi(self, freq_mhz: float) -> float:
+        """Dynamic-power factor ``(f / f_max)·(v(f)/v_max)²``; 1 at ``f_max``."""
+        return (freq_mhz / self.max_freq_mhz) * self.voltage_ratio(freq_mhz) ** 2
+
+
+A100 = OverlapDeviceParams(
+    name="A100-SXM4-40GB",
+    num_sms=_SIM_A100.num_sms,  # 108: kareus.md §5.4 (TechPowerUp), = simulated backend
+    min_freq_mhz=_SIM_A100.min_freq_mhz,  # 210 MHz: kareus.md §5.4 "210-1410 MHz, 15 MHz steps"
+    max_freq_mhz=_SIM_A100.max_freq_mhz,  # 1410 MHz: kareus.md §5.4
+    freq_step_mhz=_SIM_A100.freq_step_mhz,  # 15 MHz: kareus.md §5.4
+    knee_freq_mhz=_SIM_A100.knee_freq_mhz,  # 900 MHz: kareus.md §5.4 energy floor (P App. B)
+    v_min_ratio=_SIM_A100.v_min_ratio,  # 0.70 [assumption], = simulated backend
+    hbm_bw_bps=1555e9,  # kareus.md §5.4: 1,555 GB/s
+    eta_mem=0.85,  # [assumption] STREAM-like kernels reach ~1.3 TB/s on A100
+    peak_flops=312e12,  # kareus.md §5.4: dense BF16 312 TFLOP/s -> π_sm = 2048 FLOP/cycle/SM
+    eta_max=0.80,  # [assumption] large cuBLAS GEMMs reach ~80 % of peak
+    flops_half=1.0e9,  # [assumption] a 1 GFLOP kernel runs at half of η_max (kareus.md §5.1)
+    ctas_per_sm=1.0,  # [assumption] one 128x128-tile CTA per SM; kareus.md §7: one CTA per SM
+    link_bw_bps=230e9,  # [assumption] NCCL all-reduce bus bandwidth on 8xA100 NVLink3 (300 GB/s/dir raw)
+    sm_link_bw_bps=230e9 / 25.0,  # kareus.md §5.1: b_sm ≈ BW_link_eff / 25 (saturates at 20-30 SMs)
+    comm_freq_gamma=0.3,  # kareus.md §5.1: γ ≈ 0-0.5
+    comm_latency_s=15e-6,  # [assumption] NVLink collective start-up latency
+    hbm_bytes_per_wire_byte=2.5,  # kareus.md §5.1: κ ≈ 2-3
+    comm_busy=0.3,  # kareus.md §5.1: u_comm ≈ 0.2-0.4
+    p_static_w=_SIM_A100.idle_power_w + _SIM_A100.clock_power_w,  # 85 W: kareus.md §1.1 (artifact GPU_CONFIGS)
+    sm_power_w=_SIM_A100.dynamic_power_w / _SIM_A100.num_sms,  # 2.4 W: kareus.md §5.4 c_sm
+    hbm_power_w=80.0,  # [assumption] HBM2 + L2/NoC traffic at full bandwidth (backend: 60 W HBM only)
+    link_power_w=40.0,  # [assumption] NVLink SerDes at full rate; makes overlap exceed the 400 W cap (§5.3 item 6)
+    power_cap_w=_SIM_A100.default_power_limit_w,  # 400 W: kareus.md §5.4 TDP
+    cap_period_s=0.02,  # kareus.md §5.1: control period 10-100 ms [assumption]
+    cap_margin_w=5.0,  # [assumption] hysteresis of the throttle controller
+    thermal_resistance_c_per_w=_SIM_A100.thermal_resistance_c_per_w,  # 0.10: 400 W -> 65 °C (§5.1)
+    thermal_capacitance_j_per_c=_SIM_A100.thermal_capacitance_j_per_c,  # 15: τ = 1.5 s (§5.1)
+    ambient_c=_SIM_A100.ambient_c,  # 25 °C [assumption], = simulated backend
+    static_temp_coeff_per_c=0.006,  # [assumption] leakage +0.6 %/°C (kareus.md §5.1 P_s(θ))
+    static_ref_temp_c=30.0,  # [assumption] P_static (85 W) is measured on a cool (~30 °C) GPU
+    energy_update_period_s=_SIM_A100.energy_update_period_s,  # 100 ms: kareus.md §2.1, §5.4
+    energy_quantum_j=1e-3,  # NVML counts whole millijoules
+    noise=0.01,  # kareus.md §5.1: ±1-2 % multiplicative
+    launch_overhead_s=4e-6,  # [assumption] per-kernel launch gap
+    sync_overhead_s=10e-6,  # [assumption] event-based stream join at partition end
+    default_comm_sms=24,  # [assumption] NCCL's channel count on an NVSwitch A100 node
+)
+"""A100 SXM4 40GB, the paper's testbed GPU."""
+
+H100 = replace(
+    A100,
+    name="H100-SXM5-80GB",
+    num_sms=_SIM_H100.num_sms,  # 132: kareus.md §5.4 (Lockwood)
+    min_freq_mhz=_SIM_H100.min_freq_mhz,  # [assumption] as the simulated backend
+    max_freq_mhz=_SIM_H100.max_freq_mhz,  # 1980 MHz: kareus.md §5.4
+    knee_freq_mhz=_SIM_H100.knee_freq_mhz,  # 1050 MHz: kareus.md §5.4 "[D] 1000-1100"
+    hbm_bw_bps=3.35e12,  # kareus.md §5.4
+    peak_flops=989e12,  # kareus.md §5.4 dense BF16
+    flops_half=3.0e9,  # [assumption] scaled with peak
+    link_bw_bps=360e9,  # [assumption] NVLink4 all-reduce bus bandwidth (450 GB/s/dir raw)
+    sm_link_bw_bps=360e9 / 25.0,  # [assumption] kareus.md §5.4 "re-calibrate"
+    p_static_w=_SIM_H100.idle_power_w + _SIM_H100.clock_power_w,  # 115 W [D] kareus.md §5.4
+    sm_power_w=_SIM_H100.dynamic_power_w / _SIM_H100.num_sms,  # 3.6 W: kareus.md §5.4
+    hbm_power_w=120.0,  # [assumption]
+    link_power_w=60.0,  # [assumption]
+    power_cap_w=_SIM_H100.default_power_limit_w,  # 700 W: kareus.md §5.4
+    thermal_resistance_c_per_w=_SIM_H100.thermal_resistance_c_per_w,  # [assumption] backend
+    thermal_capacitance_j_per_c=_SIM_H100.thermal_capacitance_j_per_c,  # [assumption] backend
+    default_comm_sms=32,  # [assumption]
+)
+"""H100 SXM5 80GB: unvalidated starting values (kareus.md §5.4 marks most as [D])."""
+
+
+# --------------------------------------------------------------------------------------------
+# Noise-free model
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OverlapResult:
+    """One noise-free execution.
+
+    Attributes:
+        time_s: Wall time of one execution (sync overhead included).
+        energy_j: Total energy (static included).
+        dynamic_energy_j: ``energy_j − P_static · time_s``.
+        compute_end_s: When the last compute kernel finished.
+        comm_end_s: When the last collective finished (0 without one).
+        exposed_comm_s: Collective time not hidden behind compute.
+    """
+
+    time_s: float
+    energy_j: float
+    dynamic_energy_j: float
+    compute_end_s: float
+    comm_end_s: float
+    exposed_comm_s: float
+
+    @property
+    def avg_power_w(self) -> float:
+        """Average power over the execution."""
+        return self.energy_j / self.time_s if self.time_s > 0 else 0.0
+
+
+# A prepared op: (flops, hbm_bytes, max usable SMs, efficiency)
+_PreOp = tuple[float, float, float, float]
+
+
+@lru_cache(maxsize=4096)
+def _prepare(ops: tuple[Op, ...], params: OverlapDeviceParams) -> tuple[_PreOp, ...]:
+    out = []
+    for op in ops:
+        flops = float(op.flops)
+        eta = params.eta_max * flops / (flops + params.flops_half) if flops > 0 else 1.0
+        out.append((flops, float(op.hbm_bytes), max(1.0, op.ctas / params.ctas_per_sm), eta))
+    return tuple(out)
+
+
+def _check_freq(freq_mhz: float, params: OverlapDeviceParams) -> float:
+    f = float(freq_mhz)
+    if not (math.isfinite(f) and params.min_freq_mhz - 1e-9 <= f <= params.max_freq_mhz + 1e-9):
+        raise PlanError(
+            f"clock {freq_mhz!r} MHz is outside the {params.name}'s range "
+            f"{params.min_freq_mhz:g}-{params.max_freq_mhz:g} MHz"
+        )
+    return f
+
+
+def _check_sms(sm_count: int, params: OverlapDeviceParams) -> int:
+    if isinstance(sm_count, bool) or not isinstance(sm_count, int | np.integer):
+        raise PlanError(f"SM count must be an integer, got {sm_count!r}")
+    if not 1 <= sm_count < params.num_sms:
+        raise PlanError(
+            f"SM count {sm_count} for the collective must be in 1-{params.num_sms - 1} "
+            f"(the {params.name} has {params.num_sms} SMs)"
+        )
+    return int(sm_count)
+
+
+def _run(
+    pre: tuple[_PreOp, ...],
+    comm: Collective | None,
+    start: int | None,
+    sms: int,
+    freq_mhz: float,
+    params: OverlapDeviceParams,
+) -> OverlapResult:
+    """The event-driven fluid simulation of one partition (or of compute alone: ``comm=None``).
+
+    ``start`` is the op index the collective launches with; ``None`` runs it after the compute.
+    """
+    p = params.smooth_p
+    inv_p = 1.0 / p
+    fr = freq_mhz / params.max_freq_mhz
+    phi_sm = params.sm_power_w * params.phi(freq_mhz)
+    sm_rate = params.flops_per_sm_cycle * freq_mhz * 1e6  # FLOP/s per SM at full efficiency
+    hbm_cap = params.eta_mem * params.hbm_bw_bps
+    kappa = params.hbm_bytes_per_wire_byte
+    launch = params.launch_overhead_s
+    hbm_w = params.hbm_power_w / params.hbm_bw_bps
+    n_all = float(params.num_sms)
+
+    if comm is not None:
+        r_sm = sms * params.sm_link_bw_bps * fr**params.comm_freq_gamma
+        r_link = (params.link_bw_bps ** -p + r_sm ** -p) ** -inv_p
+        link_w = params.link_power_w / params.link_bw_bps
+        comm_sm_w = phi_sm * sms * params.comm_busy
+        lat_left = params.comm_latency_s
+        bytes_left = comm.wire_bytes
+    else:
+        r_link = link_w = comm_sm_w = lat_left = bytes_left = 0.0
+    comm_on = False
+    comm_done = comm is None
+    comm_end = 0.0
+    t = 0.0
+    e = 0.0
+
+    for i, (flops, nbytes, max_sms, eta) in enumerate(pre):
+        if not comm_done and start == i:
+            comm_on = True
+        x = 1.0  # remaining fraction of the op
+        while x > 1e-12:
+            n = n_all - sms if comm_on else n_all
+            n_used = n if n < max_sms else max_sms
+            t_comp = flops / (eta * n_used * sm_rate) if flops > 0 else 0.0
+            if comm_on and lat_left <= 0.0:
+                # Max-min fair HBM sharing between the kernel's demand and the collective's.
+                t_mem_full = nbytes / hbm_cap
+                t_full = (t_comp**p + t_mem_full**p) ** inv_p + launch
+                d_c = nbytes / t_full
+                d_m = kappa * r_link
+                if d_c + d_m > hbm_cap:
+                    half = 0.5 * hbm_cap
+                    if d_c <= half:
+                        a_c, a_m = d_c, hbm_cap - d_c
+                    elif d_m <= half:
+                        a_c, a_m = hbm_cap - d_m, d_m
+                    else:
+                        a_c = a_m = half
+                else:
+                    a_c, a_m = hbm_cap, d_m
+                t_mem = nbytes / a_c
+                rate = min(r_link, a_m / kappa)
+            else:
+                t_mem = nbytes / hbm_cap
+                rate = 0.0
+            t_i = (t_comp**p + t_mem**p) ** inv_p + launch
+            dt = x * t_i
+            if comm_on:
+                dt_comm = lat_left if lat_left > 0.0 else bytes_left / rate
+                if dt_comm < dt:
+                    dt = dt_comm
+            power = phi_sm * n_used * (t_comp / t_i) + hbm_w * (nbytes / t_i)
+            if comm_on:
+                power += comm_sm_w + rate * (kappa * hbm_w + link_w)
+                if lat_left > 0.0:
+                    lat_left -= dt
+                    if lat_left <= 1e-15:
+                        lat_left = 0.0
+                else:
+                    bytes_left -= rate * dt
+                    if bytes_left <= 1e-6:
+                        comm_on, comm_done, comm_end = False, True, t + dt
+            e += power * dt
+            t += dt
+            x -= dt / t_i
+    compute_end = t
+    if not comm_done:
+        # The collective runs alone (never started, or still in flight): full HBM, idle SMs.
+        rate = min(r_link, hbm_cap / kappa)
+        t_alone = lat_left + bytes_left / rate
+        e += comm_sm_w * t_alone + (rate * (kappa * hbm_w + link_w)) * (bytes_left / rate)
+        t += t_alone
+        comm_end = t
+    exposed = max(0.0, comm_end - compute_end)
+    if comm is not None:
+        t += params.sync_overhead_s
+    energy = e + params.p_static_w * t
+    return OverlapResult(
+        time_s=t,
+        energy_j=energy,
+        dynamic_energy_j=e,
+        compute_end_s=compute_end,
+        comm_end_s=comm_end,
+        exposed_comm_s=exposed,
+    )
+
+
+def simulate(
+    ptype: PartitionType, config: Config, *, params: OverlapDeviceParams = A100
+) -> OverlapResult:
+    """One noise-free execution of ``ptype`` under ``config``.
+
+    Raises:
+        PlanError: On a slot the partition does not have, an SM count outside ``1..N_sm−1`` or a
+            clock outside the device's range.
+    """
+    f = _check_freq(config.freq_mhz, params)
+    sms = _check_sms(config.sm_count, params)
+    if config.slot is None:
+        start = None
+    else:
+        slot_ops = ptype.slot_ops
+        if config.slot not in slot_ops:
+            raise PlanError(
+                f"partition {ptype.key!r} has no launch slot {config.slot!r}; "
+                f"it has {', '.join(slot_ops)}"
+            )
+        start = slot_ops[config.slot]
+    return _run(_prepare(ptype.ops, params), ptype.comm, start, sms, f, params)
+
+
+def model(
+    ptype: PartitionType, config: Config, *, params: OverlapDeviceParams = A100
+) -> tuple[float, float]:
+    """Noise-free ``(time_s, energy_j)`` of one execution of ``ptype`` under ``config``."""
+    r = simulate(ptype, config, params=params)
+    return r.time_s, r.energy_j
+
+
+def model_power(
+    ptype: PartitionType, config: Config, *, params: OverlapDeviceParams = A100
+) -> tuple[float, float, float]:
+    """Noise-free ``(time_s, energy_j, avg_power_w)`` of one execution."""
+    r = simulate(ptype, config, params=params)
+    return r.time_s, r.energy_j, r.avg_power_w
+
+
+def model_sequential(
+    segments: Sequence[Segment],
+    freq_mhz: float,
+    sm_count: int | None = None,
+    *,
+    params: OverlapDeviceParams = A100,
+) -> tuple[float, float]:
+    """Noise-free ``(time_s, energy_j)`` of segments run without overlap.
+
+    Each segment's compute runs on all SMs, then its collective alone with ``sm_count`` CTAs
+    (default: the stock collective's :attr:`OverlapDeviceParams.default_comm_sms`), fully exposed.
+    """
+    f = _check_freq(freq_mhz, params)
+    sms = _check_sms(params.default_comm_sms if sm_count is None else sm_count, params)
+    time_s = energy_j = 0.0
+    for seg in segments:
+        r = _run(_prepare(seg.ops, params), seg.comm, None, sms, f, params)
+        time_s += r.time_s
+        energy_j += r.energy_j
+    return time_s, energy_j
+
+
+def model_compute(
+    ops: Sequence[Op], freq_mhz: float, *, params: OverlapDeviceParams = A100
+) -> tuple[float, float]:
+    """Noise-free ``(time_s, energy_j)`` of compute ops alone on all SMs."""
+    f = _check_freq(freq_mhz, params)
+    r = _run(_prepare(tuple(ops), params), None, None, 1, f, params)
+    return r.time_s, r.energy_j
+
+
+# --------------------------------------------------------------------------------------------
+# Repeated work, power-cap throttling and Theorem 1
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """A unit of work run back to back: partitions, sequential segments and plain compute.
+
+    Each item is ``(PartitionType, Config)`` (the config's clock is ignored: the run sets it),
+    ``(tuple[Segment, ...], sm_count)`` for sequential execution, or ``tuple[Op, ...]``.
+    """
+
+    items: tuple[object, ...]
+    params: OverlapDeviceParams = field(default=A100)
+
+    def at(self, freq_mhz: float) -> tuple[float, float]:
+        """``(time_s, energy_j)`` of one unit at a (possibly off-grid) clock."""
+        time_s = energy_j = 0.0
+        for item in self.items:
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], PartitionType):
+                ptype, cfg = item
+                t, e = model(ptype, replace(cfg, freq_mhz=freq_mhz), params=self.params)
+            elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], int):
+                t, e = model_sequential(item[0], freq_mhz, item[1], params=self.params)
+            elif isinstance(item, tuple) and all(isinstance(op, Op) for op in item):
+                t, e = model_compute(item, freq_mhz, params=self.params)
+            else:
+                raise PlanError(f"cannot run work item {item!r}")
+            time_s += t
+            energy_j += e
+        return time_s, energy_j
+
+
+WorkLike = Work | Callable[[float], tuple[float, float]]
+
+
+def _work_fn(work: WorkLike) -> Callable[[float], tuple[float, float]]:
+    cache: dict[float, tuple[float, float]] = {}
+    fn = work.at if isinstance(work, Work) else work
+
+    def at(freq_mhz: float) -> tuple[float, float]:
+        if freq_mhz not in cache:
+            cache[freq_mhz] = fn(freq_mhz)
+        return cache[freq_mhz]
+
+    return at
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CappedRun:
+    """A power-capped run.
+
+    Attributes:
+        time_s: Duration.
+        energy_j: Total energy.
+        work_units: Units of work completed (fractional).
+        avg_freq_mhz: Time-weighted average clock (off the supported grid in general).
+        avg_power_w: Average power.
+        freq_trace_mhz: Clock in each control period.
+        power_trace_w: Average power in each control period.
+        period_s: Control period.
+    """
+
+    time_s: float
+    energy_j: float
+    work_units: float
+    avg_freq_mhz: float
+    avg_power_w: float
+    freq_trace_mhz: tuple[float, ...]
+    power_trace_w: tuple[float, ...]
+    period_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LockedRun:
+    """A run at one locked clock.
+
+    Attributes:
+        time_s: Duration.
+        energy_j: Total energy.
+        work_units: Units of work completed.
+        freq_mhz: The clock (as given: off-grid clocks are allowed, see :func:`run_locked`).
+        avg_power_w: Average power.
+    """
+
+    time_s: float
+    energy_j: float
+    work_units: float
+    freq_mhz: float
+    avg_power_w: float
+
+
+def run_capped(
+    work: WorkLike,
+    freq_lock_mhz: float,
+    power_cap_w: float | None = None,
+    duration_s: float = 2.0,
+    *,
+    params: OverlapDeviceParams = A100,
+) -> CappedRun:
+    """Repeat ``work`` for ``duration_s`` at lock ``freq_lock_mhz`` under a power cap.
+
+    Every control period the windowed average power is compared with the cap: above it the clock
+    drops one step; below ``cap − margin`` it rises one step toward the lock (kareus.md §5.1 "Power
+    cap"). Work progresses at the instantaneous clock's rate.
+
+    Raises:
+        PlanError: On a clock outside the device range or a non-positive duration or cap.
+    """
+    f_lock = _check_freq(freq_lock_mhz, params)
+    cap = params.power_cap_w if power_cap_w is None else float(power_cap_w)
+    if not (cap > 0 and duration_s > 0):
+        raise PlanError(f"power cap and duration must be positive, got {cap} W, {duration_s} s")
+    fn = _work_fn(work)
+    period = params.cap_period_s
+    steps = max(1, int(math.ceil(duration_s / period - 1e-9)))
+    f = f_lock
+    units = energy = 0.0
+    freqs: list[float] = []
+    powers: list[float] = []
+    for k in range(steps):
+        dt = min(period, duration_s - k * period)
+        t_unit, e_unit = fn(f)
+        power = e_unit / t_unit
+        units += dt / t_unit
+        energy += power * dt
+        freqs.append(f)
+        powers.append(power)
+        if power > cap:
+            f = max(params.min_freq_mhz, f - params.freq_step_mhz)
+        elif power < cap - params.cap_margin_w:
+            f = min(f_lock, f + params.freq_step_mhz)
+    weights = [min(period, duration_s - k * period) for k in range(steps)]
+    avg_f = sum(w * fk for w, fk in zip(weights, freqs)) / duration_s
+    return CappedRun(
+        time_s=duration_s,
+        energy_j=energy,
+        work_units=units,
+        avg_freq_mhz=avg_f,
+        avg_power_w=energy / duration_s,
+        freq_trace_mhz=tuple(freqs),
+        power_trace_w=tuple(powers),
+        period_s=period,
+    )
+
+
+def run_locked(
+    work: WorkLike,
+    freq_mhz: float,
+    *,
+    work_units: float | None = None,
+    duration_s: float | None = None,
+    params: OverlapDeviceParams = A100,
+) -> LockedRun:
+    """Run ``work`` at a constant clock: ``work_units`` of it, or for ``duration_s``.
+
+    The clock may be off the 15 MHz grid (e.g. a capped run's average, to test Theorem 1 exactly);
+    round it to :attr:`OverlapDeviceParams.supported_freqs_mhz` yourself for a lockable value.
+
+    Raises:
+        PlanError: Unless exactly one of ``work_units`` and ``duration_s`` is positive, or on a
+            clock outside the device range.
+    """
+    f = _check_freq(freq_mhz, params)
+    if (work_units is None) == (duration_s is None):
+        raise PlanError("run_locked needs exactly one of work_units and duration_s")
+    t_unit, e_unit = _work_fn(work)(f)
+    if work_units is not None:
+        if work_units <= 0:
+            raise PlanError(f"work_units must be positive, got {work_units}")
+        units = float(work_units)
+    else:
+        assert duration_s is not None
+        if duration_s <= 0:
+            raise PlanError(f"duration_s must be positive, got {duration_s}")
+        units = duration_s / t_unit
+    time_s = units * t_unit
+    energy = units * e_unit
+    return LockedRun(time_s=time_s, energy_j=energy, work_units=units, freq_mhz=f,
+                     avg_power_w=energy / time_s)
+
+
+# --------------------------------------------------------------------------------------------
+# The evaluator: thermally stable protocol in virtual time
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """A stretch of constant non-static power: start time, duration, power, start temperature,
+    cumulative energy at start."""
+
+    t0: float
+    dur: float
+    p0: float
+    theta0: float
+    e0: float
+
+
+class SimulatedOverlapEvaluator:
+    """Measures partitions on a simulated GPU with the thermally stable protocol, in virtual time.
+
+    Each evaluation locks the clock and idles ``settle_s``, runs the work for ``warmup_s``, then
+    for ``window_s`` while an NVML-like counter (published every 100 ms, whole millijoules) is
+    read at the window's edges, then idles ``cooldown_s``. Temperature follows
+    ``C·dθ/dt = P − (θ − θ_amb)/R`` throughout (exactly, piece by piece) and static power rises
+    with it; energy carries multiplicative noise. Without cooldown, the next candidate starts hot:
+    measurements then depend on evaluation order.
+
+    Args:
+        params: Device parameters.
+        protocol: Measurement durations.
+        noise: Relative standard deviation of the energy noise (time gets half of it).
+        seed: Seed of the noise generator (results are deterministic given it).
+        thermal: Static power rises with temperature (off: constant ``p_static_w``).
+        power_cap_w: Power limit; ``None``: no throttling (locked clocks never hit a cap).
+        freqs_mhz: Clocks the search may use (default 900-1410 MHz in 30 MHz steps); any clock
+            on the device's grid can still be evaluated.
+    """
+
+    def __init__(
+        self,
+        params: OverlapDeviceParams = A100,
+        *,
+        protocol: MeasureProtocol | None = None,
+        noise: float = 0.01,
+        seed: int = 0,
+        thermal: bool = True,
+        power_cap_w: float | None = None,
+        freqs_mhz: Sequence[float] | None = None,
+    ) -> None:
+        if not (math.isfinite(noise) and 0 <= noise < 0.5):
+            raise PlanError(f"noise must be a relative standard deviation in [0, 0.5), got {noise}")
+        if power_cap_w is not None and not power_cap_w > 0:
+            raise PlanError(f"power_cap_w must be positive, got {power_cap_w}")
+        self._params = params
+        self._protocol = protocol if protocol is not None else MeasureProtocol()
+        self._noise = float(noise)
+        self._rng = np.random.default_rng(seed)
+        self._thermal = bool(thermal)
+        self._cap = power_cap_w
+        if freqs_mhz is None:
+            top = params.max_freq_mhz
+            lo = max(params.knee_freq_mhz, params.min_freq_mhz)
+            count = int((top - lo) // 30) + 1
+            freqs = [top - 30.0 * i for i in range(count)]
+        else:
+            freqs = [self._grid(f) for f in freqs_mhz]
+        if not freqs:
+            raise PlanError("freqs_mhz must not be empty")
+        self._freqs = tuple(sorted(set(freqs)))
+        self._now_s = 0.0
+        self._theta = params.ambient_c
+        self._energy_j = 0.0
+        self._pieces: deque[_Piece] = deque(maxlen=4096)
+        self._evaluations = 0
+
+    # ---- the Evaluator protocol ---------------------------------------------------------
+
+    @property
+    def p_static_w(self) -> float:
+        """Static power the planner subtracts (the device's ``p_static_w``)."""
+        return self._params.p_static_w
+
+    @property
+    def freqs_mhz(self) -> tuple[float, ...]:
+        """Clocks the search uses, ascending."""
+        return self._freqs
+
+    @property
+    def params(self) -> OverlapDeviceParams:
+        """Device parameters."""
+        return self._params
+
+    @property
+    def virtual_time_s(self) -> float:
+        """Total virtual wall time spent so far (for GPU-hour budgets)."""
+        return self._now_s
+
+    @property
+    def evaluations(self) -> int:
+        """Measurements taken so far."""
+        return self._evaluations
+
+    @property
+    def temperature_c(self) -> float:
+        """Current die temperature."""
+        return self._theta
+
+    def evaluate(self, ptype: PartitionType, config: Config) -> Measurement:
+        """Measure one execution of ``ptype`` under ``config`` (thermally stable protocol).
+
+        Raises:
+            PlanError: On an invalid configuration or a clock off the device's grid.
+        """
+        f = self._grid(config.freq_mhz)
+        simulate(ptype, config, params=self._params)  # validates before time passes
+        cfg = replace(config, freq_mhz=f)
+        return self._measure(lambda fq: model(ptype, replace(cfg, freq_mhz=fq),
+                                              params=self._params), f)
+
+    def evaluate_sequential(
+        self, segments: tuple[Segment, ...], freq_mhz: float, sm_count: int
+    ) -> Measurement:
+        """Measure ``segments`` run without overlap (compute on all SMs, then each collective)."""
+        f = self._grid(freq_mhz)
+        _check_sms(sm_count, self._params)
+        return self._measure(
+            lambda fq: model_sequential(segments, fq, sm_count, params=self._params), f)
+
+    def evaluate_compute(self, ops: tuple[Op, ...], freq_mhz: float) -> Measurement:
+        """Measure compute ``ops`` alone on all SMs."""
+        f = self._grid(freq_mhz)
+        return self._measure(lambda fq: model_compute(ops, fq, params=self._params), f)
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _grid(self, freq_mhz: float) -> float:
+        p = self._params
+        f = _check_freq(freq_mhz, p)
+        steps = (f - p.min_freq_mhz) / p.freq_step_mhz
+        if abs(steps - round(steps)) > 1e-6:
+            raise PlanError(
+                f"clock {freq_mhz!r} MHz is not a supported clock of the {p.name} "
+                f"({p.min_freq_mhz:g}-{p.max_freq_mhz:g} MHz in {p.freq_step_mhz:g} MHz steps)"
+            )
+        return p.min_freq_mhz + round(steps) * p.freq_step_mhz
+
+    def _static_terms(self) -> tuple[float, float]:
+        """Static power as ``a + k·θ``: returns ``(a, k)``."""
+        p = self._params
+        if not self._thermal:
+            return p.p_static_w, 0.0
+        k = p.p_static_w * p.static_temp_coeff_per_c
+        return p.p_static_w - k * p.static_ref_temp_c, k
+
+    def _advance(self, dur: float, p0: float) -> None:
+        """Run ``dur`` seconds with non-static power ``p0`` (exact first-order thermal model)."""
+        if dur <= 0:
+            return
+        self._pieces.append(_Piece(self._now_s, dur, p0, self._theta, self._energy_j))
+        theta, energy = self._integrate(p0, self._theta, dur)
+        self._theta = theta
+        self._energy_j += energy
+        self._now_s += dur
+
+    def _integrate(self, p0: float, theta0: float, dur: float) -> tuple[float, float]:
+        p = self._params
+        a, k = self._static_terms()
+        r, c = p.thermal_resistance_c_per_w, p.thermal_capacitance_j_per_c
+        base = p0 + a
+        b = (k - 1.0 / r) / c
+        theta_inf = -(base + p.ambient_c / r) / c / b
+        decay = math.exp(b * dur)
+        theta = theta_inf + (theta0 - theta_inf) * decay
+        energy = (base + k * theta_inf) * dur + k * (theta0 - theta_inf) * (decay - 1.0) / b
+        return theta, energy
+
+    def _true_energy_at(self, t: float) -> float:
+        for piece in reversed(self._pieces):
+            if piece.t0 <= t:
+                _, e = self._integrate(piece.p0, piece.theta0, min(t - piece.t0, piece.dur))
+                return piece.e0 + e
+        return 0.0
+
+    def _counter_j(self) -> float:
+        """What an NVML-like counter shows now: the energy at the last update, in quanta."""
+        p = self._params
+        tick = math.floor(self._now_s / p.energy_update_period_s + 1e-9) * p.energy_update_period_s
+        q = p.energy_quantum_j
+        return math.floor(self._true_energy_at(tick) / q) * q
+
+    def _run_work(self, fn: Callable[[float], tuple[float, float]], f_lock: float,
+                  dur: float, f_start: float) -> tuple[float, float, float]:
+        """Run repeated work for ``dur``; returns ``(units, freq·time integral, end clock)``."""
+        p = self._params
+        if dur <= 0:
+            return 0.0, 0.0, f_start
+        if self._cap is None:
+            t_unit, e_unit = fn(f_lock)
+            self._advance(dur, e_unit / t_unit - p.p_static_w)
+            return dur / t_unit, f_lock * dur, f_lock
+        f = f_start
+        units = f_int = 0.0
+        done = 0.0
+        while done < dur - 1e-12:
+            dt = min(p.cap_period_s, dur - done)
+            t_unit, e_unit = fn(f)
+            theta_before = self._theta
+            e_before = self._energy_j
+            self._advance(dt, e_unit / t_unit - p.p_static_w)
+            del theta_before
+            power = (self._energy_j - e_before) / dt
+            units += dt / t_unit
+            f_int += f * dt
+            done += dt
+            if power > self._cap:
+                f = max(p.min_freq_mhz, f - p.freq_step_mhz)
+            elif power < self._cap - p.cap_margin_w:
+                f = min(f_lock, f + p.freq_step_mhz)
+        return units, f_int, f
+
+    def _measure(self, fn: Callable[[float], tuple[float, float]], f_lock: float) -> Measurement:
+        p, proto = self._params, self._protocol
+        cache: dict[float, tuple[float, float]] = {}
+
+        def cached(fq: float) -> tuple[float, float]:
+            if fq not in cache:
+                cache[fq] = fn(fq)
+            return cache[fq]
+
+        wall0 = self._now_s
+        self._advance(proto.settle_s, 0.0)  # locked and idle: static power only
+        _, _, f_now = self._run_work(cached, f_lock, proto.warmup_s, f_lock)
+        start_temp = self._theta
+        c0 = self._counter_j()
+        units, f_int, _ = self._run_work(cached, f_lock, proto.window_s, f_now)
+        c1 = self._counter_j()
+        self._advance(proto.cooldown_s, 0.0)
+        self._evaluations += 1
+        time_s = proto.window_s / units
+        energy_j = (c1 - c0) / units
+        if self._noise > 0:
+            energy_j *= 1.0 + self._noise * float(self._rng.standard_normal())
+            time_s *= 1.0 + 0.5 * self._noise * float(self._rng.standard_normal())
+        return Measurement(
+            time_s=time_s,
+            energy_j=energy_j,
+            p_static_w=p.p_static_w,
+            wall_s=self._now_s - wall0,
+            avg_freq_mhz=f_int / proto.window_s,
+            start_temp_c=start_temp,
+        )
