@@ -27,6 +27,8 @@ from typing import Any, NoReturn
 import click
 
 from powerlib import __version__
+from powerlib.cli_options import plan_outputs
+from powerlib.cli_overlap import overlap as _overlap_group
 from powerlib.config import Settings
 from powerlib.control import restore_journals
 from powerlib.device import Backend, Device, PowerState
@@ -729,49 +731,11 @@ def restore(opts: _Options, mode: str, dry_run: bool, as_json: bool) -> None:
     help="Which frontier point to write as the plan.",
 )
 @click.option(
-    "--deadline-s", type=float, default=None, help="Straggler iteration time T' (policy deadline)."
-)
-@click.option(
     "--argmin",
     is_flag=True,
     help="Deadline policy: min-energy point with T <= T' (the paper's emulation rule) instead of the slowest.",
 )
-@click.option(
-    "--max-slowdown",
-    type=click.FloatRange(min=0.0),
-    default=0.001,
-    show_default=True,
-    help="fastest/deadline policies: speed up instructions on the realized critical path until "
-    "the plan, replayed on the measured profile, is at most this much slower than all-max "
-    "(fastest) or than the deadline (a fraction).",
-)
-@click.option(
-    "--switch-latency-s",
-    type=click.FloatRange(min=0.0),
-    default=0.005,
-    show_default=True,
-    help="Clock-change latency the slowdown guard plans for (the old clock runs meanwhile).",
-)
-@click.option(
-    "--frontier-out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the frontier CSV here.",
-)
-@click.option(
-    "--plan-out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the chosen plan (JSON) here.",
-)
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Plot the frontier to this PNG (needs powerlib[plot]).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@plan_outputs
 def plan(
     profile_path: str,
     stages: int,
@@ -1098,6 +1062,9 @@ def _ensure_not_controlled(backend: Backend, dev: Device) -> None:
             f"a powerlib session ({who}) controls this device; it restores the device when it ends",
             device=dev.device_id,
         )
+
+
+cli.add_command(_overlap_group)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -38,6 +38,7 @@ Pure Python + numpy (for the seeded random generator); no sleeping.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -46,9 +47,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from powerlib.backends.simulated import MODELS as _SIM_MODELS
 from powerlib.errors import PlanError
-from powerlib.planning.kareus.evaluator import MeasureProtocol, Measurement
+from powerlib.planning.kareus.evaluator import Measurement, MeasureProtocol
 from powerlib.planning.kareus.partition import Collective, Config, Op, PartitionType, Segment
 
 __all__ = [
@@ -68,9 +68,6 @@ __all__ = [
     "run_locked",
     "simulate",
 ]
-
-_SIM_A100 = _SIM_MODELS["a100"]
-_SIM_H100 = _SIM_MODELS["h100"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,7 +104,8 @@ class OverlapDeviceParams:
         hbm_power_w: ``c_hbm``: power of HBM traffic at peak bandwidth.
         link_power_w: ``c_link``: power of the links at full collective bandwidth.
         power_cap_w: Default power limit (TDP).
-        cap_period_s: Power-cap control period (the windowed average is over one period).
+        cap_period_s: Power-cap control period: the controller acts once per period.
+        cap_window_s: The controller compares the average power over this trailing window.
         cap_margin_w: The controller raises the clock again below ``cap − margin``.
         thermal_resistance_c_per_w: ``R``: steady-state temperature rise per watt.
         thermal_capacitance_j_per_c: ``C``: heat capacity; ``τ = R·C``.
@@ -120,7 +118,8 @@ class OverlapDeviceParams:
         launch_overhead_s: Per-kernel launch overhead added to each compute kernel.
         sync_overhead_s: End-of-partition stream join.
         default_comm_sms: CTAs of a stock collective (NCCL) running alone (sequential execution).
-        smooth_p: Exponent of the smooth max/min.
+        smooth_p: Exponent of the smooth max of compute and memory time.
+        comm_smooth_p: Exponent of the smooth min of link and CTA-driven collective rates.
     """
 
     name: str
@@ -148,6 +147,7 @@ class OverlapDeviceParams:
     link_power_w: float
     power_cap_w: float
     cap_period_s: float
+    cap_window_s: float
     cap_margin_w: float
     thermal_resistance_c_per_w: float
     thermal_capacitance_j_per_c: float
@@ -160,7 +160,8 @@ class OverlapDeviceParams:
     launch_overhead_s: float
     sync_overhead_s: float
     default_comm_sms: int
-    smooth_p: float = 3.0
+    smooth_p: float = 3.0  # kareus.md §5.1: p ≈ 3
+    comm_smooth_p: float = 8.0  # [assumption] a sharp knee: 24 CTAs reach ~90 % of the link
 
     @property
     def flops_per_sm_cycle(self) -> float:
@@ -187,12 +188,12 @@ class OverlapDeviceParams:
 
 A100 = OverlapDeviceParams(
     name="A100-SXM4-40GB",
-    num_sms=_SIM_A100.num_sms,  # 108: kareus.md §5.4 (TechPowerUp), = simulated backend
-    min_freq_mhz=_SIM_A100.min_freq_mhz,  # 210 MHz: kareus.md §5.4 "210-1410 MHz, 15 MHz steps"
-    max_freq_mhz=_SIM_A100.max_freq_mhz,  # 1410 MHz: kareus.md §5.4
-    freq_step_mhz=_SIM_A100.freq_step_mhz,  # 15 MHz: kareus.md §5.4
-    knee_freq_mhz=_SIM_A100.knee_freq_mhz,  # 900 MHz: kareus.md §5.4 energy floor (P App. B)
-    v_min_ratio=_SIM_A100.v_min_ratio,  # 0.70 [assumption], = simulated backend
+    num_sms=108,  # 108: kareus.md §5.4 (TechPowerUp), = simulated backend
+    min_freq_mhz=210.0,  # 210 MHz: kareus.md §5.4 "210-1410 MHz, 15 MHz steps"
+    max_freq_mhz=1410.0,  # 1410 MHz: kareus.md §5.4
+    freq_step_mhz=15.0,  # 15 MHz: kareus.md §5.4
+    knee_freq_mhz=900.0,  # 900 MHz: kareus.md §5.4 energy floor (P App. B)
+    v_min_ratio=0.7,  # 0.70 [assumption], = simulated backend
     hbm_bw_bps=1555e9,  # kareus.md §5.4: 1,555 GB/s
     eta_mem=0.85,  # [assumption] STREAM-like kernels reach ~1.3 TB/s on A100
     peak_flops=312e12,  # kareus.md §5.4: dense BF16 312 TFLOP/s -> π_sm = 2048 FLOP/cycle/SM
@@ -205,19 +206,24 @@ A100 = OverlapDeviceParams(
     comm_latency_s=15e-6,  # [assumption] NVLink collective start-up latency
     hbm_bytes_per_wire_byte=2.5,  # kareus.md §5.1: κ ≈ 2-3
     comm_busy=0.3,  # kareus.md §5.1: u_comm ≈ 0.2-0.4
-    p_static_w=_SIM_A100.idle_power_w + _SIM_A100.clock_power_w,  # 85 W: kareus.md §1.1 (artifact GPU_CONFIGS)
-    sm_power_w=_SIM_A100.dynamic_power_w / _SIM_A100.num_sms,  # 2.4 W: kareus.md §5.4 c_sm
-    hbm_power_w=80.0,  # [assumption] HBM2 + L2/NoC traffic at full bandwidth (backend: 60 W HBM only)
-    link_power_w=40.0,  # [assumption] NVLink SerDes at full rate; makes overlap exceed the 400 W cap (§5.3 item 6)
-    power_cap_w=_SIM_A100.default_power_limit_w,  # 400 W: kareus.md §5.4 TDP
-    cap_period_s=0.02,  # kareus.md §5.1: control period 10-100 ms [assumption]
+    p_static_w=85.0,  # 85 W: kareus.md §1.1 (artifact GPU_CONFIGS)
+    # c_sm: calibrated, not the backend's 2.4 W (kareus.md §5.4's (380-85-30)/108 subtracts the
+    # clock power twice; (400-85-15)/108 ≈ 2.8 W puts a large GEMM at the TDP). 3.0 W with the
+    # HBM and link terms below makes nanobatched overlap at 1410 MHz throttle to ~1350 MHz under
+    # 400 W while sequential execution does not (kareus.md §2.4, §5.3 item 6).
+    sm_power_w=3.0,  # [assumption, calibrated]
+    hbm_power_w=160.0,  # [assumption, calibrated] HBM2 + L2/crossbar/LSU traffic at peak bandwidth
+    link_power_w=90.0,  # [assumption, calibrated] NVLink SerDes + copy engines at full collective rate
+    power_cap_w=400.0,  # 400 W: kareus.md §5.4 TDP
+    cap_period_s=0.01,  # kareus.md §5.1: control period 10-100 ms [assumption]
+    cap_window_s=0.1,  # [assumption] NVML's power average window; longer than a layer
     cap_margin_w=5.0,  # [assumption] hysteresis of the throttle controller
-    thermal_resistance_c_per_w=_SIM_A100.thermal_resistance_c_per_w,  # 0.10: 400 W -> 65 °C (§5.1)
-    thermal_capacitance_j_per_c=_SIM_A100.thermal_capacitance_j_per_c,  # 15: τ = 1.5 s (§5.1)
-    ambient_c=_SIM_A100.ambient_c,  # 25 °C [assumption], = simulated backend
+    thermal_resistance_c_per_w=0.1,  # 0.10: 400 W -> 65 °C (§5.1)
+    thermal_capacitance_j_per_c=15.0,  # 15: τ = 1.5 s (§5.1)
+    ambient_c=25.0,  # 25 °C [assumption], = simulated backend
     static_temp_coeff_per_c=0.006,  # [assumption] leakage +0.6 %/°C (kareus.md §5.1 P_s(θ))
     static_ref_temp_c=30.0,  # [assumption] P_static (85 W) is measured on a cool (~30 °C) GPU
-    energy_update_period_s=_SIM_A100.energy_update_period_s,  # 100 ms: kareus.md §2.1, §5.4
+    energy_update_period_s=0.1,  # 100 ms: kareus.md §2.1, §5.4
     energy_quantum_j=1e-3,  # NVML counts whole millijoules
     noise=0.01,  # kareus.md §5.1: ±1-2 % multiplicative
     launch_overhead_s=4e-6,  # [assumption] per-kernel launch gap
@@ -229,22 +235,22 @@ A100 = OverlapDeviceParams(
 H100 = replace(
     A100,
     name="H100-SXM5-80GB",
-    num_sms=_SIM_H100.num_sms,  # 132: kareus.md §5.4 (Lockwood)
-    min_freq_mhz=_SIM_H100.min_freq_mhz,  # [assumption] as the simulated backend
-    max_freq_mhz=_SIM_H100.max_freq_mhz,  # 1980 MHz: kareus.md §5.4
-    knee_freq_mhz=_SIM_H100.knee_freq_mhz,  # 1050 MHz: kareus.md §5.4 "[D] 1000-1100"
+    num_sms=132,  # 132: kareus.md §5.4 (Lockwood)
+    min_freq_mhz=210.0,  # [assumption] as the simulated backend
+    max_freq_mhz=1980.0,  # 1980 MHz: kareus.md §5.4
+    knee_freq_mhz=1050.0,  # 1050 MHz: kareus.md §5.4 "[D] 1000-1100"
     hbm_bw_bps=3.35e12,  # kareus.md §5.4
     peak_flops=989e12,  # kareus.md §5.4 dense BF16
     flops_half=3.0e9,  # [assumption] scaled with peak
     link_bw_bps=360e9,  # [assumption] NVLink4 all-reduce bus bandwidth (450 GB/s/dir raw)
     sm_link_bw_bps=360e9 / 25.0,  # [assumption] kareus.md §5.4 "re-calibrate"
-    p_static_w=_SIM_H100.idle_power_w + _SIM_H100.clock_power_w,  # 115 W [D] kareus.md §5.4
-    sm_power_w=_SIM_H100.dynamic_power_w / _SIM_H100.num_sms,  # 3.6 W: kareus.md §5.4
+    p_static_w=115.0,  # 115 W [D] kareus.md §5.4
+    sm_power_w=3.6,  # 3.6 W: kareus.md §5.4
     hbm_power_w=120.0,  # [assumption]
     link_power_w=60.0,  # [assumption]
-    power_cap_w=_SIM_H100.default_power_limit_w,  # 700 W: kareus.md §5.4
-    thermal_resistance_c_per_w=_SIM_H100.thermal_resistance_c_per_w,  # [assumption] backend
-    thermal_capacitance_j_per_c=_SIM_H100.thermal_capacitance_j_per_c,  # [assumption] backend
+    power_cap_w=700.0,  # 700 W: kareus.md §5.4
+    thermal_resistance_c_per_w=0.06,  # [assumption] backend
+    thermal_capacitance_j_per_c=25.0,  # [assumption] backend
     default_comm_sms=32,  # [assumption]
 )
 """H100 SXM5 80GB: unvalidated starting values (kareus.md §5.4 marks most as [D])."""
@@ -323,10 +329,12 @@ def _run(
     sms: int,
     freq_mhz: float,
     params: OverlapDeviceParams,
+    trace: list[tuple[float, float]] | None = None,
 ) -> OverlapResult:
     """The event-driven fluid simulation of one partition (or of compute alone: ``comm=None``).
 
     ``start`` is the op index the collective launches with; ``None`` runs it after the compute.
+    With ``trace``, every phase's ``(duration_s, dynamic_power_w)`` is appended to it.
     """
     p = params.smooth_p
     inv_p = 1.0 / p
@@ -341,7 +349,8 @@ def _run(
 
     if comm is not None:
         r_sm = sms * params.sm_link_bw_bps * fr**params.comm_freq_gamma
-        r_link = (params.link_bw_bps ** -p + r_sm ** -p) ** -inv_p
+        q = params.comm_smooth_p
+        r_link = (params.link_bw_bps**-q + r_sm**-q) ** (-1.0 / q)
         link_w = params.link_power_w / params.link_bw_bps
         comm_sm_w = phi_sm * sms * params.comm_busy
         lat_left = params.comm_latency_s
@@ -403,17 +412,24 @@ def _run(
             e += power * dt
             t += dt
             x -= dt / t_i
+            if trace is not None:
+                trace.append((dt, power))
     compute_end = t
     if not comm_done:
         # The collective runs alone (never started, or still in flight): full HBM, idle SMs.
         rate = min(r_link, hbm_cap / kappa)
         t_alone = lat_left + bytes_left / rate
-        e += comm_sm_w * t_alone + (rate * (kappa * hbm_w + link_w)) * (bytes_left / rate)
+        e_alone = comm_sm_w * t_alone + (rate * (kappa * hbm_w + link_w)) * (bytes_left / rate)
+        e += e_alone
         t += t_alone
+        if trace is not None and t_alone > 0:
+            trace.append((t_alone, e_alone / t_alone))
         comm_end = t
     exposed = max(0.0, comm_end - compute_end)
     if comm is not None:
         t += params.sync_overhead_s
+        if trace is not None:
+            trace.append((params.sync_overhead_s, 0.0))
     energy = e + params.p_static_w * t
     return OverlapResult(
         time_s=t,
@@ -507,39 +523,101 @@ class Work:
 
     Each item is ``(PartitionType, Config)`` (the config's clock is ignored: the run sets it),
     ``(tuple[Segment, ...], sm_count)`` for sequential execution, or ``tuple[Op, ...]``.
+
+    Raises:
+        PlanError: On an item of none of these forms (when the work is run).
     """
 
     items: tuple[object, ...]
     params: OverlapDeviceParams = field(default=A100)
 
-    def at(self, freq_mhz: float) -> tuple[float, float]:
-        """``(time_s, energy_j)`` of one unit at a (possibly off-grid) clock."""
-        time_s = energy_j = 0.0
+    def trace(self, freq_mhz: float) -> list[tuple[float, float]]:
+        """One unit's phases at a (possibly off-grid) clock: ``(duration_s, total_power_w)``."""
+        f = _check_freq(freq_mhz, self.params)
+        dyn: list[tuple[float, float]] = []
         for item in self.items:
             if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], PartitionType):
                 ptype, cfg = item
-                t, e = model(ptype, replace(cfg, freq_mhz=freq_mhz), params=self.params)
+                if not isinstance(cfg, Config):
+                    raise PlanError(f"work item {item!r}: expected (PartitionType, Config)")
+                simulate(ptype, cfg, params=self.params)  # validates the slot and SM count
+                start = None if cfg.slot is None else ptype.slot_ops[cfg.slot]
+                _run(
+                    _prepare(ptype.ops, self.params),
+                    ptype.comm,
+                    start,
+                    cfg.sm_count,
+                    f,
+                    self.params,
+                    dyn,
+                )
             elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], int):
-                t, e = model_sequential(item[0], freq_mhz, item[1], params=self.params)
-            elif isinstance(item, tuple) and all(isinstance(op, Op) for op in item):
-                t, e = model_compute(item, freq_mhz, params=self.params)
+                sms = _check_sms(item[1], self.params)
+                for seg in item[0]:
+                    _run(_prepare(seg.ops, self.params), seg.comm, None, sms, f, self.params, dyn)
+            elif isinstance(item, tuple) and item and all(isinstance(op, Op) for op in item):
+                _run(_prepare(item, self.params), None, None, 1, f, self.params, dyn)
             else:
                 raise PlanError(f"cannot run work item {item!r}")
-            time_s += t
-            energy_j += e
-        return time_s, energy_j
+        p_s = self.params.p_static_w
+        return [(dt, p + p_s) for dt, p in dyn if dt > 0]
+
+    def at(self, freq_mhz: float) -> tuple[float, float]:
+        """``(time_s, energy_j)`` of one unit at a (possibly off-grid) clock."""
+        phases = self.trace(freq_mhz)
+        return sum(dt for dt, _ in phases), sum(dt * p for dt, p in phases)
 
 
 WorkLike = Work | Callable[[float], tuple[float, float]]
+"""A :class:`Work`, or any ``freq_mhz -> (time_s, energy_j)`` of one unit (constant power)."""
 
 
-def _work_fn(work: WorkLike) -> Callable[[float], tuple[float, float]]:
-    cache: dict[float, tuple[float, float]] = {}
-    fn = work.at if isinstance(work, Work) else work
+class _Phases:
+    """One unit's phases at one clock, for walking through time."""
 
-    def at(freq_mhz: float) -> tuple[float, float]:
+    __slots__ = ("ends", "powers", "time_s", "energy_j")
+
+    def __init__(self, phases: list[tuple[float, float]]) -> None:
+        self.ends: list[float] = []
+        self.powers: list[float] = []
+        t = e = 0.0
+        for dt, p in phases:
+            t += dt
+            e += dt * p
+            self.ends.append(t)
+            self.powers.append(p)
+        self.time_s = t
+        self.energy_j = e
+
+    def energy_between(self, t0: float, dur: float) -> float:
+        """Energy from ``t0`` (within the unit) for ``dur`` seconds, wrapping around units."""
+        energy = 0.0
+        t = t0 % self.time_s
+        idx = bisect.bisect_right(self.ends, t)
+        left = dur
+        n = len(self.ends)
+        while left > 1e-15:
+            if idx >= n:
+                idx, t = 0, 0.0
+            step = min(self.ends[idx] - t, left)
+            energy += self.powers[idx] * step
+            left -= step
+            t += step
+            if t >= self.ends[idx] - 1e-15:
+                idx += 1
+        return energy
+
+
+def _phases_fn(work: WorkLike) -> Callable[[float], _Phases]:
+    cache: dict[float, _Phases] = {}
+
+    def at(freq_mhz: float) -> _Phases:
         if freq_mhz not in cache:
-            cache[freq_mhz] = fn(freq_mhz)
+            if isinstance(work, Work):
+                cache[freq_mhz] = _Phases(work.trace(freq_mhz))
+            else:
+                t, e = work(freq_mhz)
+                cache[freq_mhz] = _Phases([(t, e / t)])
         return cache[freq_mhz]
 
     return at
@@ -589,6 +667,53 @@ class LockedRun:
     avg_power_w: float
 
 
+class _Throttle:
+    """The power-cap controller: steps the clock by one grid step per control period."""
+
+    def __init__(self, params: OverlapDeviceParams, f_lock: float, cap_w: float) -> None:
+        self.params = params
+        self.f_lock = f_lock
+        self.cap_w = cap_w
+        self.freq_mhz = f_lock
+        self.pos = 0.0  # position within the current unit, as a fraction of it
+        self._window: deque[tuple[float, float]] = deque()
+        self._win_t = 0.0
+        self._win_e = 0.0
+
+    def run(
+        self,
+        phases: Callable[[float], _Phases],
+        duration_s: float,
+        sink: Callable[[float, float, float], None],
+    ) -> float:
+        """Run for ``duration_s``; ``sink(dt, energy, freq)`` per period. Returns work units."""
+        p = self.params
+        units = 0.0
+        done = 0.0
+        while done < duration_s - 1e-12:
+            dt = min(p.cap_period_s, duration_s - done)
+            f = self.freq_mhz
+            ph = phases(f)
+            e = ph.energy_between(self.pos * ph.time_s, dt)
+            units += dt / ph.time_s
+            self.pos = (self.pos + dt / ph.time_s) % 1.0
+            done += dt
+            sink(dt, e, f)
+            self._window.append((dt, e))
+            self._win_t += dt
+            self._win_e += e
+            while self._win_t - self._window[0][0] >= p.cap_window_s - 1e-12:
+                old_t, old_e = self._window.popleft()
+                self._win_t -= old_t
+                self._win_e -= old_e
+            power = self._win_e / self._win_t
+            if power > self.cap_w:
+                self.freq_mhz = max(p.min_freq_mhz, f - p.freq_step_mhz)
+            elif power < self.cap_w - p.cap_margin_w:
+                self.freq_mhz = min(self.f_lock, f + p.freq_step_mhz)
+        return units
+
+
 def run_capped(
     work: WorkLike,
     freq_lock_mhz: float,
@@ -599,9 +724,12 @@ def run_capped(
 ) -> CappedRun:
     """Repeat ``work`` for ``duration_s`` at lock ``freq_lock_mhz`` under a power cap.
 
-    Every control period the windowed average power is compared with the cap: above it the clock
-    drops one step; below ``cap − margin`` it rises one step toward the lock (kareus.md §5.1 "Power
-    cap"). Work progresses at the instantaneous clock's rate.
+    Power follows the work's phases (a GEMM overlapped with a collective draws more than a norm).
+    Every control period the average power over the trailing window is compared with the cap
+    (default: the device's TDP): above it the clock drops one step; below ``cap − margin`` it
+    rises one step toward the lock (kareus.md §5.1 "Power cap"). The window's lag makes the clock
+    oscillate around the clock whose power meets the cap. Work progresses at the instantaneous
+    clock's rate (its position within a unit is kept as a fraction of the unit).
 
     Raises:
         PlanError: On a clock outside the device range or a non-positive duration or cap.
@@ -610,44 +738,34 @@ def run_capped(
     cap = params.power_cap_w if power_cap_w is None else float(power_cap_w)
     if not (cap > 0 and duration_s > 0):
         raise PlanError(f"power cap and duration must be positive, got {cap} W, {duration_s} s")
-    fn = _work_fn(work)
-    period = params.cap_period_s
-    steps = max(1, int(math.ceil(duration_s / period - 1e-9)))
-    f = f_lock
-    units = energy = 0.0
     freqs: list[float] = []
     powers: list[float] = []
-    for k in range(steps):
-        dt = min(period, duration_s - k * period)
-        t_unit, e_unit = fn(f)
-        power = e_unit / t_unit
-        units += dt / t_unit
-        energy += power * dt
+    totals = [0.0, 0.0]  # energy, ∫f dt
+
+    def sink(dt: float, e: float, f: float) -> None:
+        totals[0] += e
+        totals[1] += f * dt
         freqs.append(f)
-        powers.append(power)
-        if power > cap:
-            f = max(params.min_freq_mhz, f - params.freq_step_mhz)
-        elif power < cap - params.cap_margin_w:
-            f = min(f_lock, f + params.freq_step_mhz)
-    weights = [min(period, duration_s - k * period) for k in range(steps)]
-    avg_f = sum(w * fk for w, fk in zip(weights, freqs)) / duration_s
+        powers.append(e / dt)
+
+    units = _Throttle(params, f_lock, cap).run(_phases_fn(work), float(duration_s), sink)
     return CappedRun(
-        time_s=duration_s,
-        energy_j=energy,
+        time_s=float(duration_s),
+        energy_j=totals[0],
         work_units=units,
-        avg_freq_mhz=avg_f,
-        avg_power_w=energy / duration_s,
+        avg_freq_mhz=totals[1] / duration_s,
+        avg_power_w=totals[0] / duration_s,
         freq_trace_mhz=tuple(freqs),
         power_trace_w=tuple(powers),
-        period_s=period,
+        period_s=params.cap_period_s,
     )
 
 
 def run_locked(
     work: WorkLike,
     freq_mhz: float,
-    *,
     work_units: float | None = None,
+    *,
     duration_s: float | None = None,
     params: OverlapDeviceParams = A100,
 ) -> LockedRun:
@@ -663,7 +781,8 @@ def run_locked(
     f = _check_freq(freq_mhz, params)
     if (work_units is None) == (duration_s is None):
         raise PlanError("run_locked needs exactly one of work_units and duration_s")
-    t_unit, e_unit = _work_fn(work)(f)
+    ph = _phases_fn(work)(f)
+    t_unit, e_unit = ph.time_s, ph.energy_j
     if work_units is not None:
         if work_units <= 0:
             raise PlanError(f"work_units must be positive, got {work_units}")
@@ -675,8 +794,9 @@ def run_locked(
         units = duration_s / t_unit
     time_s = units * t_unit
     energy = units * e_unit
-    return LockedRun(time_s=time_s, energy_j=energy, work_units=units, freq_mhz=f,
-                     avg_power_w=energy / time_s)
+    return LockedRun(
+        time_s=time_s, energy_j=energy, work_units=units, freq_mhz=f, avg_power_w=energy / time_s
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -686,8 +806,10 @@ def run_locked(
 
 @dataclass(frozen=True, slots=True)
 class _Piece:
-    """A stretch of constant non-static power: start time, duration, power, start temperature,
-    cumulative energy at start."""
+    """A stretch of constant non-static power.
+
+    Start time, duration, non-static power, start temperature and cumulative energy at start.
+    """
 
     t0: float
     dur: float
@@ -753,6 +875,7 @@ class SimulatedOverlapEvaluator:
         self._energy_j = 0.0
         self._pieces: deque[_Piece] = deque(maxlen=4096)
         self._evaluations = 0
+        self._phases: Callable[[float], _Phases] = _phases_fn(lambda f: (1.0, 0.0))
 
     # ---- the Evaluator protocol ---------------------------------------------------------
 
@@ -794,9 +917,7 @@ class SimulatedOverlapEvaluator:
         """
         f = self._grid(config.freq_mhz)
         simulate(ptype, config, params=self._params)  # validates before time passes
-        cfg = replace(config, freq_mhz=f)
-        return self._measure(lambda fq: model(ptype, replace(cfg, freq_mhz=fq),
-                                              params=self._params), f)
+        return self._measure(Work(((ptype, config),), self._params), f)
 
     def evaluate_sequential(
         self, segments: tuple[Segment, ...], freq_mhz: float, sm_count: int
@@ -804,13 +925,12 @@ class SimulatedOverlapEvaluator:
         """Measure ``segments`` run without overlap (compute on all SMs, then each collective)."""
         f = self._grid(freq_mhz)
         _check_sms(sm_count, self._params)
-        return self._measure(
-            lambda fq: model_sequential(segments, fq, sm_count, params=self._params), f)
+        return self._measure(Work(((tuple(segments), int(sm_count)),), self._params), f)
 
     def evaluate_compute(self, ops: tuple[Op, ...], freq_mhz: float) -> Measurement:
         """Measure compute ``ops`` alone on all SMs."""
         f = self._grid(freq_mhz)
-        return self._measure(lambda fq: model_compute(ops, fq, params=self._params), f)
+        return self._measure(Work((tuple(ops),), self._params), f)
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -869,51 +989,37 @@ class SimulatedOverlapEvaluator:
         q = p.energy_quantum_j
         return math.floor(self._true_energy_at(tick) / q) * q
 
-    def _run_work(self, fn: Callable[[float], tuple[float, float]], f_lock: float,
-                  dur: float, f_start: float) -> tuple[float, float, float]:
-        """Run repeated work for ``dur``; returns ``(units, freq·time integral, end clock)``."""
+    def _run_work(
+        self, work: WorkLike, f_lock: float, dur: float, throttle: _Throttle | None
+    ) -> tuple[float, float]:
+        """Run repeated work for ``dur``; returns ``(units, ∫f dt)``."""
         p = self._params
         if dur <= 0:
-            return 0.0, 0.0, f_start
-        if self._cap is None:
-            t_unit, e_unit = fn(f_lock)
-            self._advance(dur, e_unit / t_unit - p.p_static_w)
-            return dur / t_unit, f_lock * dur, f_lock
-        f = f_start
-        units = f_int = 0.0
-        done = 0.0
-        while done < dur - 1e-12:
-            dt = min(p.cap_period_s, dur - done)
-            t_unit, e_unit = fn(f)
-            theta_before = self._theta
-            e_before = self._energy_j
-            self._advance(dt, e_unit / t_unit - p.p_static_w)
-            del theta_before
-            power = (self._energy_j - e_before) / dt
-            units += dt / t_unit
-            f_int += f * dt
-            done += dt
-            if power > self._cap:
-                f = max(p.min_freq_mhz, f - p.freq_step_mhz)
-            elif power < self._cap - p.cap_margin_w:
-                f = min(f_lock, f + p.freq_step_mhz)
-        return units, f_int, f
+            return 0.0, 0.0
+        if throttle is None:
+            ph = _phases_fn(work)(f_lock)
+            self._advance(dur, ph.energy_j / ph.time_s - p.p_static_w)
+            return dur / ph.time_s, f_lock * dur
+        f_int = [0.0]
 
-    def _measure(self, fn: Callable[[float], tuple[float, float]], f_lock: float) -> Measurement:
+        def sink(dt: float, e: float, f: float) -> None:
+            # The throttle sees static power at the reference; the die sees it at θ.
+            self._advance(dt, e / dt - p.p_static_w)
+            f_int[0] += f * dt
+
+        units = throttle.run(self._phases, dur, sink)
+        return units, f_int[0]
+
+    def _measure(self, work: WorkLike, f_lock: float) -> Measurement:
         p, proto = self._params, self._protocol
-        cache: dict[float, tuple[float, float]] = {}
-
-        def cached(fq: float) -> tuple[float, float]:
-            if fq not in cache:
-                cache[fq] = fn(fq)
-            return cache[fq]
-
+        self._phases = _phases_fn(work)
+        throttle = None if self._cap is None else _Throttle(p, f_lock, self._cap)
         wall0 = self._now_s
         self._advance(proto.settle_s, 0.0)  # locked and idle: static power only
-        _, _, f_now = self._run_work(cached, f_lock, proto.warmup_s, f_lock)
+        self._run_work(work, f_lock, proto.warmup_s, throttle)
         start_temp = self._theta
         c0 = self._counter_j()
-        units, f_int, _ = self._run_work(cached, f_lock, proto.window_s, f_now)
+        units, f_int = self._run_work(work, f_lock, proto.window_s, throttle)
         c1 = self._counter_j()
         self._advance(proto.cooldown_s, 0.0)
         self._evaluations += 1

@@ -215,10 +215,7 @@ class FrequencyPlan:
             "stages": [
                 {
                     "stage": s,
-                    "instructions": [
-                        _instruction_json(p)
-                        for p in planned
-                    ],
+                    "instructions": [_instruction_json(p) for p in planned],
                 }
                 for s, planned in enumerate(self.stages)
             ],
@@ -254,7 +251,9 @@ def _number(item: dict[str, Any], name: str, where: str) -> float | None:
 def _overlap(item: dict[str, Any], where: str) -> tuple[str, dict[str, PartitionSetting]]:
     execution = item.get("execution", "sequential")
     if execution not in EXECUTIONS:
-        raise PlanError(f"{where}: execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")
+        raise PlanError(
+            f"{where}: execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}"
+        )
     raw = item.get("overlap", {})
     if not isinstance(raw, dict):
         raise PlanError(f"{where}: overlap must be an object of partition settings")

@@ -88,7 +88,9 @@ class DeviceEvaluator:
         if not devs:
             raise InvalidArgumentError("the evaluator needs at least one device")
         if not (isinstance(p_static_w, int | float) and p_static_w >= 0):
-            raise InvalidArgumentError(f"p_static_w must be a non-negative power in W, got {p_static_w!r}")
+            raise InvalidArgumentError(
+                f"p_static_w must be a non-negative power in W, got {p_static_w!r}"
+            )
         common: set[float] | None = None
         for dev in devs:
             supported = set(dev.info.supported_sm_freqs_mhz)
@@ -152,7 +154,9 @@ class DeviceEvaluator:
         """
         fn = self._run_sequential
         if fn is None:
-            raise NotSupportedError("this DeviceEvaluator has no run_sequential to run segments with")
+            raise NotSupportedError(
+                "this DeviceEvaluator has no run_sequential to run segments with"
+            )
         return self._measure(freq_mhz, lambda: fn(segments, freq_mhz, sm_count))
 
     def evaluate_compute(self, ops: tuple[Op, ...], freq_mhz: float) -> Measurement:

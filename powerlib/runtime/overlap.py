@@ -20,6 +20,11 @@ runtime does (kareus.md §3.2), through callbacks an integration places in its o
     def start_allreduce(group, setting):                     # called exactly once per partition
         return torch.distributed.all_reduce(buf, group=group, async_op=True)
 
+Partition keys are the plan's: ``fwd_attn``, ``bwd_qkv_rs``, ... (:mod:`powerlib.planning.kareus.
+partition`). A backward instruction with activation checkpointing configures the forward
+partitions it recomputes separately, under ``recompute_<key>`` (``recompute_fwd_attn``): the
+integration's recompute path asks for those keys.
+
 The runtime calls ``launch(group, setting)`` exactly once per partition: when ``part.slot(name)``
 announces the planned slot (the collective is enqueued after everything before that slot's first
 kernel: on CUDA the communicator's stream waits for the compute stream at that point, which is the
@@ -53,8 +58,14 @@ set per communicator on NCCL (``NCCL_NTHREADS`` is process-wide): it is recorded
 enforced: the collective runs on the group the integration passed, the requested count is
 recorded (:attr:`Overlap.records`), and one warning says so.
 
-torch is never imported by this module: the process group comes from ``sys.modules``, so nothing
-is enforced unless the job itself initialised ``torch.distributed``.
+Every rank of a group must run the same stage plan (tensor- and context-parallel ranks share a
+stage), so they launch the same collectives on the same communicators in the same order, as NCCL
+requires; the end-of-partition join is also the ``work.wait()`` torch asks for before another
+communicator is used.
+
+torch is not imported by this module (only :func:`nccl_options` called without ``dist`` does): the
+process group comes from ``sys.modules``, so nothing is enforced unless the job itself initialised
+``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -138,7 +149,9 @@ class OverlapSchedule:
             raise PlanError(f"{source}: an overlap schedule needs at least one instruction")
         stages = {p.instruction.stage for p in planned}
         if len(stages) != 1:
-            raise PlanError(f"{source}: an overlap schedule is one stage's, got stages {sorted(stages)}")
+            raise PlanError(
+                f"{source}: an overlap schedule is one stage's, got stages {sorted(stages)}"
+            )
         self.instructions = planned
         self.stage = planned[0].instruction.stage
         self.source = source
@@ -183,7 +196,9 @@ class OverlapSchedule:
             self._disable(f"instruction {pos} {_fmt(key)} is beyond the plan's {len(self._keys)}")
             return None
         if key != self._keys[pos]:
-            self._disable(f"instruction {pos} is {_fmt(key)}, the plan expects {_fmt(self._keys[pos])}")
+            self._disable(
+                f"instruction {pos} is {_fmt(key)}, the plan expects {_fmt(self._keys[pos])}"
+            )
             return None
         self.position = pos + 1
         self.current = self.instructions[pos]
@@ -231,7 +246,10 @@ class OverlapSchedule:
                 self._missing.add(seen)
                 logger.info(
                     "%s: the plan has no setting for partition %r in %s instructions; it takes the "
-                    "default path", self.source, key, current.instruction.kind,
+                    "default path",
+                    self.source,
+                    key,
+                    current.instruction.kind,
                 )
         return setting
 
@@ -310,6 +328,8 @@ class SMGroups:
         self._warn = warn
         self.groups: dict[tuple[tuple[int, ...], int], Any] = {}
         self._warned: set[str] = set()
+        # id(group) -> (group, backend, ranks): launches ask for the same few groups every time
+        self._seen: dict[int, tuple[Any, str, tuple[int, ...]]] = {}
 
     @property
     def dist(self) -> Any:
@@ -363,7 +383,9 @@ class SMGroups:
         try:
             options = {sm: nccl_options(sm, dist) for sm in counts}
         except NotSupportedError as err:
-            self._warn_once("options", f"powerlib: {err}; overlapped collectives use the default groups")
+            self._warn_once(
+                "options", f"powerlib: {err}; overlapped collectives use the default groups"
+            )
             return 0
         created = 0
         try:
@@ -398,17 +420,23 @@ class SMGroups:
                 "not enforced",
             )
             return group, False
-        if not self.enforceable(group):
+        seen = self._seen.get(id(group))
+        if seen is None or seen[0] is not group:
+            backend = self._backend(group)
+            try:
+                ranks = self._ranks(group) if "nccl" in backend else ()
+            except Exception:  # noqa: BLE001 - an odd group never stops training
+                ranks = ()
+            seen = (group, backend, ranks)
+            self._seen[id(group)] = seen  # holds the group: its id is not reused meanwhile
+        _, backend, ranks = seen
+        if "nccl" not in backend:
             self._warn_once(
                 "backend",
-                f"powerlib: the {self._backend(group) or 'unknown'} backend cannot limit a "
-                "collective's SMs (only NCCL can): overlap SM counts are recorded, not enforced",
+                f"powerlib: the {backend or 'unknown'} backend cannot limit a collective's SMs "
+                "(only NCCL can): overlap SM counts are recorded, not enforced",
             )
             return group, False
-        try:
-            ranks = self._ranks(group)
-        except Exception:  # noqa: BLE001
-            ranks = ()
         pg = self.groups.get((ranks, sm_count))
         if pg is None:
             self._warn_once(

@@ -48,8 +48,9 @@ class AnalyticEvaluator:
     freqs_mhz = FREQS
 
     def _compute(self, ops, freq_mhz: float, sms: int = 108) -> tuple[float, float]:
-        t = sum(max(o.flops / (200e12 * sms / 108 * freq_mhz / 1410), o.hbm_bytes / 1.4e12)
-                for o in ops)
+        t = sum(
+            max(o.flops / (200e12 * sms / 108 * freq_mhz / 1410), o.hbm_bytes / 1.4e12) for o in ops
+        )
         e = sum(o.flops for o in ops) / 1e12 * (0.4 + 0.6 * (freq_mhz / 1410) ** 2)
         return t, e
 
@@ -122,14 +123,15 @@ def test_composition_matches_brute_force_enumeration(tp_case) -> None:
                 e = sum(n * stage.layers * r[2] for (p, n), r in zip(types, combo))
                 sums.append((t + ext.time_s, e + ext.dynamic_energy_j))
             brute = sorted(sums[i] for i in pareto_indices(*zip(*sums)))
-            got = sorted(
-                (o[1], o[2] - P_STATIC_W * o[1]) for o in composed if o[0] == f
-            )
+            got = sorted((o[1], o[2] - P_STATIC_W * o[1]) for o in composed if o[0] == f)
             # Options dominated across clocks are pruned as well; each survivor is on its
             # clock's brute-force front, and the clock's front points that survive all match.
             for point in got:
-                assert any(math.isclose(point[0], b[0], rel_tol=1e-12)
-                           and math.isclose(point[1], b[1], rel_tol=1e-12) for b in brute)
+                assert any(
+                    math.isclose(point[0], b[0], rel_tol=1e-12)
+                    and math.isclose(point[1], b[1], rel_tol=1e-12)
+                    for b in brute
+                )
             all_opts = [(o[1], o[2] - P_STATIC_W * o[1]) for o in options[(1, kind)]]
             for b in brute:  # a front point missing from the options must be dominated by one
                 if not any(math.isclose(b[0], g[0], rel_tol=1e-12) for g in got):
@@ -141,13 +143,15 @@ def test_every_option_carries_one_configuration_per_partition_type(tp_case) -> N
     options = compose_options(workload, records, components)
     fwd_keys = {p.key for p in workload.partitions if p.phase == "fwd"}
     bwd_keys = {p.key for p in workload.partitions if p.phase == "bwd"}
-    for (stage, kind), opts in options.items():
-        for f, t, e, knob in opts:
+    for (_stage, kind), opts in options.items():
+        for f, _t, _e, knob in opts:
             if knob.execution == "sequential":
                 assert knob.configs == ()
                 continue
             keys = [k for k, _ in knob.configs]
-            want = fwd_keys if kind == "forward" else {f"recompute_{k}" for k in fwd_keys} | bwd_keys
+            want = (
+                fwd_keys if kind == "forward" else {f"recompute_{k}" for k in fwd_keys} | bwd_keys
+            )
             assert sorted(keys) == sorted(want)
             assert all(c.freq_mhz == f for _, c in knob.configs)  # one clock per instruction
 
@@ -203,12 +207,18 @@ def test_overlap_plan_round_trips_with_partition_settings(tp_case, tmp_path: Pat
     [
         ({"execution": "both"}, "execution must be one of"),
         ({"execution": "nanobatch", "overlap": {}}, "needs its partition settings"),
-        ({"execution": "nanobatch", "overlap": {"fwd_attn": {"slot": "rope_0", "sm_count": 0}}},
-         "sm_count must be a positive integer"),
-        ({"overlap": {"fwd_attn": {"slot": "rope_0", "sm_count": 3}}},
-         "a sequential instruction has no partition settings"),
-        ({"execution": "nanobatch", "overlap": {"fwd_attn": {"slot": 3, "sm_count": 3}}},
-         "slot must be a slot name or null"),
+        (
+            {"execution": "nanobatch", "overlap": {"fwd_attn": {"slot": "rope_0", "sm_count": 0}}},
+            "sm_count must be a positive integer",
+        ),
+        (
+            {"overlap": {"fwd_attn": {"slot": "rope_0", "sm_count": 3}}},
+            "a sequential instruction has no partition settings",
+        ),
+        (
+            {"execution": "nanobatch", "overlap": {"fwd_attn": {"slot": 3, "sm_count": 3}}},
+            "slot must be a slot name or null",
+        ),
     ],
 )
 def test_malformed_overlap_fields_are_one_clear_error(patch, message) -> None:

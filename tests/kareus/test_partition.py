@@ -45,8 +45,15 @@ def test_context_parallel_layer_has_the_artifacts_twelve_types() -> None:
     fwd = [p.key for p in w.partitions if p.phase == "fwd"]
     bwd = [p.key for p in w.partitions if p.phase == "bwd"]
     assert fwd == ["fwd_qkv_ar", "fwd_qkv_ag", "fwd_ao_ag", "fwd_ao_ar", "fwd_mlp"]
-    assert bwd == ["bwd_mlp", "bwd_o_ar", "bwd_o_ag", "bwd_a_ag", "bwd_a_rs", "bwd_qkv_rs",
-                   "bwd_qkv_ar"]
+    assert bwd == [
+        "bwd_mlp",
+        "bwd_o_ar",
+        "bwd_o_ag",
+        "bwd_a_ag",
+        "bwd_a_rs",
+        "bwd_qkv_rs",
+        "bwd_qkv_ar",
+    ]
     assert sum(p.per_layer for p in w.partitions if p.phase == "fwd") == 6
     assert sum(p.per_layer for p in w.partitions if p.phase == "bwd") == 8
     assert w.partition("fwd_qkv_ag").comm.kind == ALL_GATHER
@@ -81,24 +88,31 @@ def test_spaces_fit_the_exhaustive_limit_and_budgets_the_papers(tp, cp, model) -
 def test_recompute_makes_a_backward_rerun_the_forward_types() -> None:
     w = _workload()
     assert [p.key for p, _ in w.instruction_types("backward")] == [
-        "fwd_attn", "fwd_mlp", "bwd_mlp", "bwd_attn"]
-    w2 = build_workload(MODELS["llama3.2-3b"],
-                        Parallelism(tp=8, micro_batch=8, seq_len=4096, recompute=False), [28])
+        "fwd_attn",
+        "fwd_mlp",
+        "bwd_mlp",
+        "bwd_attn",
+    ]
+    w2 = build_workload(
+        MODELS["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096, recompute=False), [28]
+    )
     assert [p.key for p, _ in w2.instruction_types("backward")] == ["bwd_mlp", "bwd_attn"]
     assert [op.name for op in w2.stages[0].extra_forward] == ["embedding", "output_layer", "loss"]
 
 
 def test_bad_shapes_and_splits_are_one_clear_error() -> None:
     with pytest.raises(PlanError, match="add up to 27"):
-        build_workload(MODELS["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096),
-                       [14, 13])
+        build_workload(
+            MODELS["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096), [14, 13]
+        )
     with pytest.raises(PlanError, match="at least 2"):
         Parallelism(tp=8, micro_batch=1, seq_len=4096)
     with pytest.raises(PlanError, match="divisible by cp"):
         Parallelism(tp=4, cp=3, micro_batch=8, seq_len=4096)
     with pytest.raises(PlanError, match="multiple of kv_groups"):
-        ModelShape(name="x", hidden=64, heads=6, kv_groups=4, head_dim=16, ffn=128, layers=2,
-                   vocab=100)
+        ModelShape(
+            name="x", hidden=64, heads=6, kv_groups=4, head_dim=16, ffn=128, layers=2, vocab=100
+        )
     with pytest.raises(PlanError, match="unknown partition type 'fwd_qkv_ag'"):
         _workload().partition("fwd_qkv_ag")
     with pytest.raises(PlanError, match="SM counts"):

@@ -46,6 +46,7 @@ __all__ = [
     "Components",
     "Knob",
     "calibrate_correction",
+    "compare_frontiers",
     "compose_options",
     "measure_components",
     "method_frontier",
@@ -197,8 +198,10 @@ def _pareto(items: list[_Partial]) -> list[_Partial]:
 
 
 def _types_of(workload: Workload, kind: str, layers: int) -> list[tuple[str, PartitionType, int]]:
-    """(plan key, partition type, multiplicity) of one instruction; recomputed forward types of a
-    backward get the plan key ``recompute_<key>``."""
+    """(plan key, partition type, multiplicity) of one instruction.
+
+    The forward types a backward recomputes get the plan key ``recompute_<key>``.
+    """
     out = []
     for ptype, per_layer in workload.instruction_types(kind):
         key = ptype.key
@@ -254,7 +257,7 @@ def compose_options(
                 )
             by_type[p.key] = {f: _pareto(items) for f, items in per_f.items()}
         common = set(freqs)
-        for key, per_f in by_type.items():
+        for per_f in by_type.values():
             common &= set(per_f)
         if not common:
             raise PlanError("the partition types were not measured at any common clock")
@@ -270,13 +273,16 @@ def compose_options(
                 ext_t = ext.time_s if ext else 0.0
                 ext_d = ext.dynamic_energy_j if ext else 0.0
                 if method in ("kareus", "perseus"):
-                    phases = ("fwd",) if kind == FORWARD else (
-                        ("fwd", "bwd") if workload.parallelism.recompute else ("bwd",)
+                    phases = (
+                        ("fwd",)
+                        if kind == FORWARD
+                        else (("fwd", "bwd") if workload.parallelism.recompute else ("bwd",))
                     )
                     t = sum(components.sequential[(ph, f)].time_s for ph in phases) * st.layers
                     d = sum(components.sequential[(ph, f)].dynamic_energy_j for ph in phases)
-                    cands.append((f, t + ext_t, d * st.layers + ext_d, Knob("sequential", (),
-                                                                            "sequential")))
+                    cands.append(
+                        (f, t + ext_t, d * st.layers + ext_d, Knob("sequential", (), "sequential"))
+                    )
                 if method in ("kareus", "nanobatch"):
                     t = d = 0.0
                     configs = []
@@ -284,23 +290,35 @@ def compose_options(
                         m = components.stock[(ptype.key, f)]
                         t += mult * m.time_s
                         d += mult * m.dynamic_energy_j
-                        configs.append(
-                            (key, _stock_config(ptype, f, components.stock_sm_count))
+                        configs.append((key, _stock_config(ptype, f, components.stock_sm_count)))
+                    cands.append(
+                        (
+                            f,
+                            correction * t + ext_t,
+                            correction * d + ext_d,
+                            Knob("nanobatch", tuple(configs), "stock"),
                         )
-                    cands.append((f, correction * t + ext_t, correction * d + ext_d,
-                                  Knob("nanobatch", tuple(configs), "stock")))
+                    )
                 if method == "kareus":
                     acc: list[_Partial] = [(0.0, 0.0, ())]
                     for key, ptype, mult in types:
                         opts = by_type[ptype.key][f]
-                        acc = _pareto([
-                            (ta + mult * tb, ea + mult * eb, ca + ((key, cb[0][1]),))
-                            for ta, ea, ca in acc
-                            for tb, eb, cb in opts
-                        ])
+                        acc = _pareto(
+                            [
+                                (ta + mult * tb, ea + mult * eb, ca + ((key, cb[0][1]),))
+                                for ta, ea, ca in acc
+                                for tb, eb, cb in opts
+                            ]
+                        )
                     for t, d, configs in acc:
-                        cands.append((f, correction * t + ext_t, correction * d + ext_d,
-                                      Knob("nanobatch", configs, "search")))
+                        cands.append(
+                            (
+                                f,
+                                correction * t + ext_t,
+                                correction * d + ext_d,
+                                Knob("nanobatch", configs, "search"),
+                            )
+                        )
             keep = pareto_indices([c[1] for c in cands], [c[2] for c in cands])
             out[(st.stage, kind)] = [
                 (cands[i][0], cands[i][1], cands[i][2] + p_s * cands[i][1], cands[i][3])
@@ -389,3 +407,71 @@ def sample_frontier(points: Sequence[FrontierPoint], n: int = 10) -> list[Fronti
     if sampled[-1] is not points[-1]:
         sampled.append(points[-1])
     return sampled
+
+
+def _lowest_energy_within(points: Sequence[FrontierPoint], time_s: float) -> FrontierPoint | None:
+    fits = [p for p in points if p.time_s <= time_s + 1e-12]
+    return min(fits, key=lambda p: (p.energy_j, p.time_s)) if fits else None
+
+
+def compare_frontiers(
+    kareus: Frontier, perseus: Frontier, nanobatch: Frontier | None = None, *, samples: int = 10
+) -> dict[str, Any]:
+    """The paper's metrics (kareus.md §4 "Metrics") on planner frontiers.
+
+    - ``iso_time_energy_reduction``: the lowest energy Kareus reaches with ``T ≤`` the fastest
+      Perseus-only (M+P) time, against that M+P point's energy.
+    - ``iso_energy_time_reduction``: the shortest Kareus time with ``E ≤`` the minimum-energy
+      M+P point's energy, against that point's time.
+    - ``max_throughput``: each method's fastest point against Megatron-LM (sequential, highest
+      clock, the frontiers' common baseline): time and energy reductions.
+    - ``dominates``: per baseline, whether at each of its ``samples`` sampled points Kareus has a
+      point no slower and no costlier (weak dominance), with the worst margin.
+    """
+    out: dict[str, Any] = {}
+    mp_fast = perseus.fastest
+    got = _lowest_energy_within(kareus.points, mp_fast.time_s)
+    out["iso_time_energy_reduction"] = (
+        None if got is None else 1.0 - got.energy_j / mp_fast.energy_j
+    )
+    out["iso_time"] = {
+        "time_s": mp_fast.time_s,
+        "perseus_energy_j": mp_fast.energy_j,
+        "kareus_energy_j": None if got is None else got.energy_j,
+        "kareus_time_s": None if got is None else got.time_s,
+    }
+    mp_min = perseus.min_energy
+    fits = [p for p in kareus.points if p.energy_j <= mp_min.energy_j + 1e-9]
+    fastest = min(fits, key=lambda p: p.time_s) if fits else None
+    out["iso_energy_time_reduction"] = (
+        None if fastest is None else 1.0 - fastest.time_s / mp_min.time_s
+    )
+    base = perseus.baseline()
+    methods = {"kareus": kareus, "perseus": perseus}
+    if nanobatch is not None:
+        methods["nanobatch"] = nanobatch
+    out["megatron"] = {"time_s": base.time_s, "energy_j": base.energy_j}
+    out["max_throughput"] = {
+        name: {
+            "time_s": f.fastest.time_s,
+            "energy_j": f.fastest.energy_j,
+            "time_reduction": 1.0 - f.fastest.time_s / base.time_s,
+            "energy_reduction": 1.0 - f.fastest.energy_j / base.energy_j,
+        }
+        for name, f in methods.items()
+    }
+    dominance: dict[str, Any] = {}
+    for name, f in methods.items():
+        if name == "kareus":
+            continue
+        margins = []
+        for p in sample_frontier(f.points, samples):
+            k = _lowest_energy_within(kareus.points, p.time_s)
+            margins.append(-math.inf if k is None else (p.energy_j - k.energy_j) / p.energy_j)
+        dominance[name] = {
+            "weakly_dominated": all(m >= -1e-9 for m in margins),
+            "min_margin": min(margins),
+            "samples": len(margins),
+        }
+    out["dominance"] = dominance
+    return out

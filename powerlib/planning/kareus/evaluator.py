@@ -102,8 +102,10 @@ class Evaluator(Protocol):
     def evaluate_sequential(
         self, segments: tuple[Segment, ...], freq_mhz: float, sm_count: int
     ) -> Measurement:
-        """One execution of ``segments`` without overlap: each segment's compute on all SMs,
-        then its collective with ``sm_count`` CTAs."""
+        """One execution of ``segments`` without overlap.
+
+        Each segment's compute runs on all SMs, then its collective with ``sm_count`` CTAs.
+        """
         ...
 
     def evaluate_compute(self, ops: tuple[Op, ...], freq_mhz: float) -> Measurement:

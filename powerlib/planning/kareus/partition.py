@@ -404,10 +404,22 @@ def _elementwise(name: str, slot: str, elements: float, passes: float, flops_per
     )
 
 
-def _attention(name: str, slot: str, tokens: float, seq_len: int, kv_tokens: float,
-               heads: float, kv_heads: float, d: int, backward: bool) -> Op:
-    """Causal flash attention: ``tokens`` queries (all sequences), each seeing ``seq_len`` keys
-    of its own sequence, half of them masked; ``kv_tokens`` keys and values are read."""
+def _attention(
+    name: str,
+    slot: str,
+    tokens: float,
+    seq_len: int,
+    kv_tokens: float,
+    heads: float,
+    kv_heads: float,
+    d: int,
+    backward: bool,
+) -> Op:
+    """Causal flash attention over ``tokens`` queries (all sequences).
+
+    Each query sees ``seq_len`` keys of its own sequence, half of them masked; ``kv_tokens``
+    keys and values are read.
+    """
     flops = 4.0 * tokens * seq_len * heads * d * 0.5 * (2.5 if backward else 1.0)
     data = _BF16 * (tokens * heads * d * (4 if backward else 2) + 2 * kv_tokens * kv_heads * d)
     ctas = max(1, math.ceil(tokens / 128) * int(heads))
@@ -430,8 +442,9 @@ def _layer_segments(
     norm = _elementwise("bda_norm", "norm_0", tokens * h, 4, 8)
     qkv = _gemm("qkv", "linear_0", tokens, h, qkv_out)
     rope = _elementwise("qkv_post_rope", "rope_0", tokens * qkv_out, 2, 6)
-    attn = _attention("flash_attn", "attn_0", tokens, par.seq_len, kv_tokens, q_heads, kv_heads, d,
-                      backward=False)
+    attn = _attention(
+        "flash_attn", "attn_0", tokens, par.seq_len, kv_tokens, q_heads, kv_heads, d, backward=False
+    )
     proj = _gemm("out_proj", "linear_1", tokens, q_heads * d, h)
     fc1 = _gemm("fc1", "linear_0", tokens, h, 2 * ffn)
     act = _elementwise("swiglu", "activation_0", tokens * ffn, 3, 4)
@@ -439,53 +452,75 @@ def _layer_segments(
 
     # Backward: data and weight gradients double each GEMM; memory-bound ops re-read their input.
     def bwd_gemm(op: Op, slot: str) -> Op:
-        return Op(name=op.name + "_bwd", slot=slot, flops=2 * op.flops,
-                  hbm_bytes=2 * op.hbm_bytes, ctas=op.ctas)
+        return Op(
+            name=op.name + "_bwd",
+            slot=slot,
+            flops=2 * op.flops,
+            hbm_bytes=2 * op.hbm_bytes,
+            ctas=op.ctas,
+        )
 
     def bwd_elem(op: Op, slot: str) -> Op:
-        return Op(name=op.name + "_bwd", slot=slot, flops=1.5 * op.flops,
-                  hbm_bytes=1.5 * op.hbm_bytes, ctas=op.ctas)
+        return Op(
+            name=op.name + "_bwd",
+            slot=slot,
+            flops=1.5 * op.flops,
+            hbm_bytes=1.5 * op.hbm_bytes,
+            ctas=op.ctas,
+        )
 
-    attn_b = _attention("flash_attn_bwd", "attn_0", tokens, par.seq_len, kv_tokens, q_heads,
-                        kv_heads, d, backward=True)
+    attn_b = _attention(
+        "flash_attn_bwd",
+        "attn_0",
+        tokens,
+        par.seq_len,
+        kv_tokens,
+        q_heads,
+        kv_heads,
+        d,
+        backward=True,
+    )
+    norm_b = bwd_elem(norm, "norm_0")
+    mlp_fwd = Segment(name="mlp", ops=(norm, fc1, act, fc2), comm=tp_ar)
+    mlp_bwd = Segment(
+        name="mlp",
+        ops=(
+            norm_b,
+            bwd_gemm(fc2, "linear_0"),
+            bwd_elem(act, "activation_0"),
+            bwd_gemm(fc1, "linear_1"),
+        ),
+        comm=tp_ar,
+    )
     if par.cp == 1:
-        fwd = (
-            Segment(name="attn", ops=(norm, qkv, rope, attn, proj), comm=tp_ar),
-            Segment(name="mlp", ops=(norm, fc1, act, fc2), comm=tp_ar),
+        attn_ops = (
+            norm_b,
+            bwd_gemm(proj, "linear_0"),
+            attn_b,
+            bwd_elem(rope, "rope_0"),
+            bwd_gemm(qkv, "linear_1"),
         )
-        bwd = (
-            Segment(
-                name="mlp",
-                ops=(bwd_elem(norm, "norm_0"), bwd_gemm(fc2, "linear_0"),
-                     bwd_elem(act, "activation_0"), bwd_gemm(fc1, "linear_1")),
-                comm=tp_ar,
-            ),
-            Segment(
-                name="attn",
-                ops=(bwd_elem(norm, "norm_0"), bwd_gemm(proj, "linear_0"), attn_b,
-                     bwd_elem(rope, "rope_0"), bwd_gemm(qkv, "linear_1")),
-                comm=tp_ar,
-            ),
-        )
-        return {"fwd": fwd, "bwd": bwd}
+        return {
+            "fwd": (Segment(name="attn", ops=(norm, qkv, rope, attn, proj), comm=tp_ar), mlp_fwd),
+            "bwd": (mlp_bwd, Segment(name="attn", ops=attn_ops, comm=tp_ar)),
+        }
     kv_bytes = _BF16 * 2 * kv_tokens * kv_heads * d  # gathered K and V (one fused collective)
     ag = Collective(kind=ALL_GATHER, payload_bytes=kv_bytes, group_size=par.cp)
     rs = Collective(kind=REDUCE_SCATTER, payload_bytes=kv_bytes, group_size=par.cp)
     fwd = (
         Segment(name="qkv", ops=(norm, qkv, rope), comm=ag),
         Segment(name="ao", ops=(attn, proj), comm=tp_ar),
-        Segment(name="mlp", ops=(norm, fc1, act, fc2), comm=tp_ar),
+        mlp_fwd,
     )
     bwd = (
+        mlp_bwd,
+        Segment(name="o", ops=(norm_b, bwd_gemm(proj, "linear_0")), comm=ag),
+        Segment(name="a", ops=(attn_b,), comm=rs),
         Segment(
-            name="mlp",
-            ops=(bwd_elem(norm, "norm_0"), bwd_gemm(fc2, "linear_0"),
-                 bwd_elem(act, "activation_0"), bwd_gemm(fc1, "linear_1")),
+            name="qkv",
+            ops=(bwd_elem(rope, "rope_0"), bwd_gemm(qkv, "linear_0")),
             comm=tp_ar,
         ),
-        Segment(name="o", ops=(bwd_elem(norm, "norm_0"), bwd_gemm(proj, "linear_0")), comm=ag),
-        Segment(name="a", ops=(attn_b,), comm=rs),
-        Segment(name="qkv", ops=(bwd_elem(rope, "rope_0"), bwd_gemm(qkv, "linear_0")), comm=tp_ar),
     )
     return {"fwd": fwd, "bwd": bwd}
 
@@ -509,31 +544,66 @@ def _partitions(phase: str, segments: Sequence[Segment]) -> list[PartitionType]:
         candidates = tuple(slots[:-1]) if len(slots) > 1 else tuple(slots)
         if first.kind == second.kind:
             comm = first if first.wire_bytes >= second.wire_bytes else second
-            out.append(PartitionType(key=f"{phase}_{seg.name}", phase=phase, ops=seg.ops,
-                                     comm=comm, slots=candidates, per_layer=2))
+            out.append(
+                PartitionType(
+                    key=f"{phase}_{seg.name}",
+                    phase=phase,
+                    ops=seg.ops,
+                    comm=comm,
+                    slots=candidates,
+                    per_layer=2,
+                )
+            )
         else:
             for comm in (first, second):
-                out.append(PartitionType(key=f"{phase}_{seg.name}_{comm.abbrev}", phase=phase,
-                                         ops=seg.ops, comm=comm, slots=candidates, per_layer=1))
+                out.append(
+                    PartitionType(
+                        key=f"{phase}_{seg.name}_{comm.abbrev}",
+                        phase=phase,
+                        ops=seg.ops,
+                        comm=comm,
+                        slots=candidates,
+                        per_layer=1,
+                    )
+                )
     return out
 
 
-def _extras(model: ModelShape, par: Parallelism, stage: int, num_stages: int
-            ) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
+def _extras(
+    model: ModelShape, par: Parallelism, stage: int, num_stages: int
+) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
     tokens = par.micro_batch * par.seq_len / par.cp
     fwd: list[Op] = []
     bwd: list[Op] = []
     if stage == 0:
         emb = _elementwise("embedding", "embedding_0", tokens * model.hidden, 2, 0)
         fwd.append(emb)
-        bwd.extend([Op(name="embedding_bwd", slot="embedding_0", flops=0.0,
-                       hbm_bytes=2 * emb.hbm_bytes, ctas=emb.ctas)])
+        bwd.extend(
+            [
+                Op(
+                    name="embedding_bwd",
+                    slot="embedding_0",
+                    flops=0.0,
+                    hbm_bytes=2 * emb.hbm_bytes,
+                    ctas=emb.ctas,
+                )
+            ]
+        )
     if stage == num_stages - 1:
         out = _gemm("output_layer", "linear_0", tokens, model.hidden, model.vocab / par.tp)
         loss = _elementwise("loss", "loss_0", tokens * model.vocab / par.tp, 3, 5)
         fwd.extend([out, loss])
-        bwd.extend([Op(name="output_layer_bwd", slot="linear_0", flops=2 * out.flops,
-                       hbm_bytes=2 * out.hbm_bytes, ctas=out.ctas)])
+        bwd.extend(
+            [
+                Op(
+                    name="output_layer_bwd",
+                    slot="linear_0",
+                    flops=2 * out.flops,
+                    hbm_bytes=2 * out.hbm_bytes,
+                    ctas=out.ctas,
+                )
+            ]
+        )
     return tuple(fwd), tuple(bwd)
 
 
@@ -613,8 +683,12 @@ def config_space(
     slots: list[str | None] = list(ptype.slots)
     if not overlap_only:
         slots.append(None)
-    return [Config(freq_mhz=f, sm_count=int(s), slot=slot)
-            for f in freqs for s in sorted(set(sms)) for slot in slots]
+    return [
+        Config(freq_mhz=f, sm_count=int(s), slot=slot)
+        for f in freqs
+        for s in sorted(set(sms))
+        for slot in slots
+    ]
 
 
 @dataclass(frozen=True, slots=True)

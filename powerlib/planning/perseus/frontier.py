@@ -148,8 +148,13 @@ class Frontier:
         """All-max-frequency energy at ``time_s`` (default: its own iteration time).
 
         ``E = Σ_s [busy energy_s + P_block · (T - busy time_s)]`` (perseus.md §4.4, Table 6).
+        With ``reference_times`` (Kareus), ``T`` is at least the baseline's own time.
         """
         t = self.baseline_time_s if time_s is None else time_s
+        if self.reference_times is not None:
+            # A baseline of another execution model (Kareus: sequential) may be slower than the
+            # plan; it cannot run faster than its own critical path.
+            t = max(t, self.baseline_time_s)
         energy = sum(e + self.p_block_w * (t - busy) for busy, e in self.baseline_busy.values())
         return Baseline(time_s=t, energy_j=energy)
 
@@ -159,9 +164,7 @@ class Frontier:
         if self.reference_times is not None:
             times = [self.reference_times[(ins.stage, ins.kind)] for ins in self.dag.instructions]
         else:
-            times = [
-                self.options[(ins.stage, ins.kind)][0].time_s for ins in self.dag.instructions
-            ]
+            times = [self.options[(ins.stage, ins.kind)][0].time_s for ins in self.dag.instructions]
         return _critical_path_s(self.dag, times)
 
     def saving(self, point: FrontierPoint) -> float:
@@ -468,6 +471,18 @@ def compute_frontier(
     """Profile + schedule -> the exact frontier of the relaxed (fitted) problem.
 
     Args:
+        profile: Measured (stage, instruction, frequency, time, energy) rows, or ``None`` with
+            ``candidates``.
+        schedule: Per stage, its instructions in execution order.
+        schedule_name: Recorded in plans.
+        num_microbatches: Microbatches per iteration (recorded).
+        num_chunks: Model chunks per stage.
+        placement: ``looped`` or ``v``.
+        p_block_w: Power while blocked (waiting), charged to idle time.
+        unit_time_s: The time quantum τ.
+        order: Pareto filter before or after subtracting blocking energy.
+        cost_model: ``exp`` or ``convex``.
+        progress: ``(done, expected)`` callback per solver step.
         candidates: Instead of ``profile`` (then ``None``): per ``(stage, kind)``, the
             execution options ``(freq_mhz, time_s, energy_j, knob)``, several per clock allowed
             (Kareus's composed instruction options). The solver is the same; only the options

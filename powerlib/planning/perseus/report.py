@@ -88,7 +88,12 @@ def summary(
             "realized_energy_j": realized.energy_j,
         },
         "baseline": {
-            "description": "every instruction at its maximum frequency, blocking power up to the chosen time",
+            "description": (
+                "every instruction at its maximum frequency, blocking power up to the chosen time"
+                if frontier.reference_times is None
+                else "Megatron-LM: sequential execution at the maximum clock, blocking power up "
+                "to the chosen time (or its own, if slower)"
+            ),
             "own_time_s": frontier.baseline_time_s,
             "time_s": baseline.time_s,
             "energy_j": baseline.energy_j,
@@ -104,7 +109,7 @@ def summary(
             "switch_latency_s": switch_latency_s,
             "instructions_sped_up": None
             if guarded is None
-            else sum(1 for o, f in zip(guarded, frontier.frequencies(chosen)) if o.freq_mhz != f),
+            else sum(1 for o, p in zip(guarded, frontier.planned_options(chosen)) if o != p),
         },
         "solve_time_s": solve_time_s,
     }

@@ -1,0 +1,474 @@
+"""``powerlib overlap``: the Kareus overlap scheduler from the command line.
+
+``search`` runs the per-partition multi-pass search for a model's partition types and measures
+the sequential, stock and non-partition components, into a *study* directory (resumable: rerun
+the same command to continue an interrupted search). ``plan`` composes the study into
+per-instruction options, solves the iteration frontier with the Perseus solver and writes a plan
+whose instructions carry their partition settings.
+
+Measurements come from the simulated partition evaluator (A100 or H100 parameters). Measuring
+real GPUs needs the partition kernels of the training framework: use
+:class:`powerlib.profiling.overlap.DeviceEvaluator` from Python with a callable that runs one
+partition, and the same study layout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from powerlib.cli_options import plan_outputs
+from powerlib.errors import PlanError
+
+__all__ = ["overlap"]
+
+
+def _freqs(text: str) -> tuple[float, ...]:
+    """``900:1410:30`` (inclusive range) or ``900,1200,1410``."""
+    try:
+        if ":" in text:
+            lo, hi, step = (float(x) for x in text.split(":"))
+            if step <= 0 or hi < lo:
+                raise ValueError
+            n = int(round((hi - lo) / step))
+            return tuple(lo + i * step for i in range(n + 1) if lo + i * step <= hi + 1e-9)
+        return tuple(sorted({float(x) for x in text.split(",") if x.strip()}))
+    except ValueError as err:
+        raise PlanError(
+            f"--freqs must be LOW:HIGH:STEP or a comma-separated list of MHz values, got {text!r}"
+        ) from err
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError as err:
+        raise PlanError(
+            f"--stage-layers must be comma-separated layer counts, got {text!r}"
+        ) from err
+
+
+def _emit(data: Any) -> None:
+    click.echo(json.dumps(data, indent=1, sort_keys=True))
+
+
+@click.group()
+def overlap() -> None:
+    """Kareus: per-partition launch point, SM share and clock, planned with Perseus."""
+
+
+@overlap.command()
+@click.argument("study_dir", metavar="STUDY_DIR", type=click.Path(file_okay=False))
+@click.option(
+    "--model",
+    type=click.Choice(["llama3.2-3b", "qwen3-1.7b"]),
+    default="llama3.2-3b",
+    show_default=True,
+    help="Layer shapes (kareus.md §5.4).",
+)
+@click.option(
+    "--tp", type=click.IntRange(min=1), default=8, show_default=True, help="Tensor parallel."
+)
+@click.option(
+    "--cp", type=click.IntRange(min=1), default=1, show_default=True, help="Context parallel."
+)
+@click.option("--micro-batch", type=click.IntRange(min=2), default=8, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option(
+    "--stage-layers",
+    default="15,13",
+    show_default=True,
+    help="Layers per pipeline stage (comma-separated; must add up to the model's layers).",
+)
+@click.option("--no-recompute", is_flag=True, help="No activation checkpointing.")
+@click.option(
+    "--freqs",
+    "freqs_text",
+    default="900:1410:30",
+    show_default=True,
+    help="Clocks to search: LOW:HIGH:STEP or a list (MHz).",
+)
+@click.option(
+    "--partition",
+    "partitions",
+    multiple=True,
+    help="Search only these partition types (repeatable; default all).",
+)
+@click.option("--gpu", type=click.Choice(["a100", "h100"]), default="a100", show_default=True)
+@click.option(
+    "--noise",
+    type=click.FloatRange(min=0.0, max=0.2),
+    default=0.01,
+    show_default=True,
+    help="Simulated measurement noise (relative standard deviation).",
+)
+@click.option(
+    "--window-s",
+    type=click.FloatRange(min=0.1),
+    default=5.0,
+    show_default=True,
+    help="Measurement window per candidate.",
+)
+@click.option(
+    "--cooldown-s",
+    type=click.FloatRange(min=0.0),
+    default=5.0,
+    show_default=True,
+    help="Idle time between candidates.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+def search(
+    study_dir: str,
+    model: str,
+    tp: int,
+    cp: int,
+    micro_batch: int,
+    seq_len: int,
+    stage_layers: str,
+    no_recompute: bool,
+    freqs_text: str,
+    partitions: tuple[str, ...],
+    gpu: str,
+    noise: float,
+    window_s: float,
+    cooldown_s: float,
+    seed: int,
+    as_json: bool,
+) -> None:
+    """Search every partition type of a model's layer and measure the other components.
+
+    Writes STUDY_DIR/study.json and one resumable evaluation log per partition type
+    (STUDY_DIR/<type>.jsonl). Rerunning with the same options continues from the logs.
+    """
+    from powerlib.emulator.overlap import A100, H100, SimulatedOverlapEvaluator  # noqa: PLC0415
+    from powerlib.planning.kareus.compose import measure_components  # noqa: PLC0415
+    from powerlib.planning.kareus.evaluator import MeasureProtocol  # noqa: PLC0415
+    from powerlib.planning.kareus.partition import (  # noqa: PLC0415
+        MODELS,
+        Parallelism,
+        build_workload,
+        config_space,
+        search_budget,
+    )
+    from powerlib.planning.kareus.search import search_partition  # noqa: PLC0415
+    from powerlib.planning.kareus.study import log_path, write_study  # noqa: PLC0415
+
+    par = Parallelism(
+        tp=tp, cp=cp, micro_batch=micro_batch, seq_len=seq_len, recompute=not no_recompute
+    )
+    layers = _layers(stage_layers)
+    workload = build_workload(MODELS[model], par, layers)
+    freqs = _freqs(freqs_text)
+    wanted = (
+        [workload.partition(k) for k in partitions] if partitions else list(workload.partitions)
+    )
+    protocol = MeasureProtocol(window_s=window_s, cooldown_s=cooldown_s)
+    evaluator = SimulatedOverlapEvaluator(
+        A100 if gpu == "a100" else H100,
+        protocol=protocol,
+        noise=noise,
+        seed=seed,
+        freqs_mhz=freqs,
+    )
+    freqs = evaluator.freqs_mhz
+    out = Path(study_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    err = click.get_text_stream("stderr")
+    rows = []
+    started = time.perf_counter()
+    for ptype in wanted:
+        space = config_space(ptype, freqs)
+        budget = search_budget(ptype)
+        with click.progressbar(
+            length=budget.total, label=f"{ptype.key:<12}", file=err, show_pos=True
+        ) as bar:
+            last = [0]
+
+            def progress(
+                done: int, total: int, message: str, bar: Any = bar, last: list[int] = last
+            ) -> None:
+                bar.length = max(total, 1)
+                bar.update(done - last[0])
+                last[0] = done
+
+            result = search_partition(
+                ptype,
+                space,
+                evaluator,
+                budget=budget,
+                seed=seed,
+                log_path=log_path(out, ptype.key),
+                progress=progress,
+            )
+        front = result.pareto("total")
+        rows.append(
+            {
+                "partition": ptype.key,
+                "space": len(space),
+                "budget": budget.total,
+                "evaluations": result.evaluations_used,
+                "batches": result.batches_run,
+                "stopped": result.stopped,
+                "pareto_points": len(front),
+                "profiling_h": result.wall_s / 3600.0,
+                "fastest_s": front[0].time_s if front else None,
+                "log": str(log_path(out, ptype.key)),
+            }
+        )
+    with click.progressbar(length=1, label="components  ", file=err, show_pos=True) as bar:
+
+        def comp_progress(done: int, total: int, what: str) -> None:
+            bar.length = max(total, 1)
+            bar.update(1)
+
+        components = measure_components(workload, evaluator, freqs, progress=comp_progress)
+    path = write_study(
+        out,
+        model_key=model,
+        parallelism=par,
+        stage_layers=layers,
+        freqs_mhz=freqs,
+        components=components,
+        evaluator={
+            "kind": "simulated",
+            "gpu": gpu,
+            "noise": noise,
+            "seed": seed,
+            "window_s": window_s,
+            "cooldown_s": cooldown_s,
+        },
+    )
+    data = {
+        "schema": "powerlib.overlap-search.v1",
+        "study": str(path),
+        "workload": workload.label,
+        "partitions": rows,
+        "evaluations": sum(r["evaluations"] for r in rows),
+        "profiling_gpu_h_equivalent": sum(r["profiling_h"] for r in rows),
+        "elapsed_s": time.perf_counter() - started,
+    }
+    if as_json:
+        _emit(data)
+        return
+    click.echo(f"{workload.label}: {len(rows)} partition type(s), {len(freqs)} clocks")
+    click.echo(
+        f"{'partition':<12} {'space':>5} {'evals':>5} {'budget':>6} {'front':>5} "
+        f"{'stopped':<9} {'profiling':>9}"
+    )
+    for r in rows:
+        click.echo(
+            f"{r['partition']:<12} {r['space']:>5} {r['evaluations']:>5} "
+            f"{r['budget']:>6} {r['pareto_points']:>5} {r['stopped']:<9} "
+            f"{r['profiling_h']:>8.2f}h"
+        )
+    click.echo(f"study written to {path}; next: powerlib overlap plan {study_dir} --microbatches 8")
+
+
+@overlap.command(name="plan")
+@click.argument("study_dir", metavar="STUDY_DIR", type=click.Path(file_okay=False))
+@click.option(
+    "--microbatches",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Microbatches M per iteration.",
+)
+@click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True)
+@click.option("--unit-time-s", type=float, default=0.001, show_default=True, help="Time quantum τ.")
+@click.option(
+    "--cost-model",
+    type=click.Choice(["convex", "exp"]),
+    default="convex",
+    show_default=True,
+    help="Lower convex hull (frontiers of nested option sets nest) or the exponential fit.",
+)
+@click.option(
+    "--correction",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Factor on composed partition sums (isolated vs in-situ gap; the artifact: 1.15).",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(["fastest", "deadline", "min-energy"]),
+    default="fastest",
+    show_default=True,
+)
+@click.option(
+    "--compare",
+    is_flag=True,
+    help="Also solve Perseus-only and nanobatch+Perseus and report the paper's metrics.",
+)
+@plan_outputs
+def plan_(
+    study_dir: str,
+    microbatches: int,
+    schedule: str,
+    unit_time_s: float,
+    cost_model: str,
+    correction: float,
+    policy: str,
+    deadline_s: float | None,
+    max_slowdown: float,
+    switch_latency_s: float,
+    compare: bool,
+    frontier_out: str | None,
+    plan_out: str | None,
+    plot_path: str | None,
+    as_json: bool,
+) -> None:
+    """Compose a study into instruction options, solve the frontier and pick a plan.
+
+    Same outputs as `powerlib plan`, plus each instruction's execution mode (sequential or
+    nanobatch) and per-partition launch slot and SM count. Savings are against Megatron-LM:
+    sequential execution at the highest clock.
+    """
+    from powerlib.planning.kareus.compose import (  # noqa: PLC0415
+        compare_frontiers,
+        compose_options,
+        method_frontier,
+    )
+    from powerlib.planning.kareus.search import read_log  # noqa: PLC0415
+    from powerlib.planning.kareus.study import log_path, read_study  # noqa: PLC0415
+    from powerlib.planning.perseus.report import (  # noqa: PLC0415
+        plot_frontier,
+        summary,
+        write_frontier_csv,
+    )
+    from powerlib.planning.pipeline import build_schedule  # noqa: PLC0415
+
+    if policy == "deadline" and deadline_s is None:
+        raise click.UsageError("--policy deadline needs --deadline-s")
+    study = read_study(study_dir)
+    workload = study.workload
+    records = {}
+    for p in workload.partitions:
+        path = log_path(study_dir, p.key)
+        if not path.exists():
+            raise PlanError(
+                f"{path}: no evaluation log for partition type {p.key}; run "
+                f"`powerlib overlap search {study_dir} --partition {p.key}`"
+            )
+        records[p.key] = [
+            (r.config, r.time_s, r.dynamic_energy_j) for r in read_log(path, partition=p.key)
+        ]
+    sched = build_schedule(schedule, len(workload.stages), microbatches, 1)
+    err = click.get_text_stream("stderr")
+    methods = ("kareus", "perseus", "nanobatch") if compare else ("kareus",)
+    frontiers = {}
+    started = time.perf_counter()
+    for method in methods:
+        options = compose_options(
+            workload, records, study.components, method=method, correction=correction
+        )
+        with click.progressbar(
+            length=1, label=f"solving {method:<9}", file=err, show_pos=True
+        ) as bar:
+
+            def progress(done: int, expected: int, bar: Any = bar) -> None:
+                bar.length = max(expected, 1)
+                bar.update(1)
+
+            frontiers[method] = method_frontier(
+                workload,
+                options,
+                study.components,
+                sched,
+                schedule_name=schedule,
+                num_microbatches=microbatches,
+                unit_time_s=unit_time_s,
+                cost_model=cost_model,
+                progress=progress,
+            )
+    solve_time_s = time.perf_counter() - started
+    frontier = frontiers["kareus"]
+    chosen = frontier.select(policy, deadline_s)
+    guarded = None
+    if policy in ("fastest", "deadline"):
+        guarded = frontier.within_slowdown(
+            chosen,
+            max_slowdown,
+            switch_latency_s=switch_latency_s,
+            limit_s=deadline_s if policy == "deadline" else None,
+        )
+    options_used = guarded if guarded is not None else frontier.planned_options(chosen)
+    metadata = {
+        "kareus": {
+            "model": study.model_key,
+            "workload": workload.label,
+            "stage_layers": list(study.stage_layers),
+            "correction": correction,
+            "p_static_w": study.components.p_static_w,
+            "evaluator": dict(study.evaluator),
+        }
+    }
+    plan_data = frontier.plan_json(chosen, policy=policy, chosen=options_used, metadata=metadata)
+    if frontier_out:
+        write_frontier_csv(frontier, frontier_out)
+    if plan_out:
+        Path(plan_out).write_text(json.dumps(plan_data, indent=1) + "\n", encoding="utf-8")
+    if plot_path:
+        plot_frontier(frontier, chosen, plot_path)
+    data = summary(
+        frontier,
+        chosen,
+        policy=policy,
+        solve_time_s=solve_time_s,
+        guarded=guarded,
+        max_slowdown=max_slowdown if guarded is not None else None,
+        switch_latency_s=switch_latency_s,
+    )
+    nano = sum(1 for o in options_used if o.knob is not None and o.knob.execution == "nanobatch")
+    data["overlap"] = {
+        "workload": workload.label,
+        "instructions": len(options_used),
+        "nanobatch_instructions": nano,
+        "sequential_instructions": len(options_used) - nano,
+        "partition_types": [p.key for p in workload.partitions],
+        "megatron_time_s": frontier.baseline_time_s,
+    }
+    if compare:
+        data["comparison"] = compare_frontiers(
+            frontiers["kareus"], frontiers["perseus"], frontiers["nanobatch"]
+        )
+    if as_json:
+        _emit(data)
+        return
+    c = data["chosen"]
+    click.echo(
+        f"frontier: {data['num_points']} points, {data['t_max_s']:.4f} s -> "
+        f"{data['t_min_s']:.4f} s (T_min); minimum energy {data['t_star_energy_j']:.1f} J at "
+        f"T* = {data['t_star_s']:.4f} s; Megatron-LM (sequential, max clock) "
+        f"{frontier.baseline_time_s:.4f} s; solved in {solve_time_s:.1f} s"
+    )
+    click.echo(
+        f"chosen ({policy}): {c['time_s']:.4f} s, {c['energy_j']:.1f} J planned; "
+        f"{c['realized_time_s']:.4f} s, {c['realized_energy_j']:.1f} J replayed; "
+        f"{nano} of {len(options_used)} instructions nanobatched"
+    )
+    click.echo(
+        f"Megatron-LM energy at that time: {data['baseline']['energy_j']:.1f} J -> "
+        f"saving {data['saving_percent']:.2f} % planned"
+    )
+    if compare:
+        cmp_ = data["comparison"]
+        iso_t, iso_e = cmp_["iso_time_energy_reduction"], cmp_["iso_energy_time_reduction"]
+        click.echo(
+            "vs Perseus-only: iso-time energy reduction "
+            + ("n/a" if iso_t is None else f"{100 * iso_t:.2f} %")
+            + ", iso-energy time reduction "
+            + ("n/a" if iso_e is None else f"{100 * iso_e:.2f} %")
+        )
+        for name, d in cmp_["dominance"].items():
+            click.echo(
+                f"  weakly dominates {name}+Perseus at {d['samples']} sampled points: "
+                f"{'yes' if d['weakly_dominated'] else 'NO'}"
+            )
+    for label, path in (("frontier", frontier_out), ("plan", plan_out), ("plot", plot_path)):
+        if path:
+            click.echo(f"{label} written to {path}")

@@ -1,0 +1,167 @@
+"""The device evaluator: Kareus's thermally stable protocol on simulated GPUs, in virtual time."""
+
+from __future__ import annotations
+
+import pytest
+
+from powerlib.backends.simulated import SimulatedBackend, VirtualClock, Workload
+from powerlib.config import Settings
+from powerlib.errors import InvalidArgumentError, NotSupportedError
+from powerlib.journal import StateDir
+from powerlib.planning.kareus.evaluator import Evaluator, MeasureProtocol
+from powerlib.planning.kareus.partition import (
+    MODELS,
+    Config,
+    Parallelism,
+    PartitionType,
+    build_workload,
+)
+from powerlib.profiling.overlap import DeviceEvaluator
+
+WORK = Workload(time_at_max_s=0.04, compute_fraction=0.8, sm_activity=0.9, memory_activity=0.2)
+PROTOCOL = MeasureProtocol(settle_s=2.0, warmup_s=1.0, window_s=5.0, cooldown_s=5.0)
+
+
+@pytest.fixture
+def backend(tmp_path) -> SimulatedBackend:
+    settings = Settings(backend="simulated", sim_gpus=2, state_dir=tmp_path / "state",
+                        sim_energy_period_s=0.001)
+    return SimulatedBackend(settings, clock=VirtualClock(1000.0))
+
+
+@pytest.fixture(scope="module")
+def ptype() -> PartitionType:
+    workload = build_workload(MODELS["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096),
+                              [15, 13])
+    return workload.partition("fwd_attn")
+
+
+class Runner:
+    """Runs ``WORK`` on every device at once (one partition execution) and notes the clocks."""
+
+    def __init__(self, backend: SimulatedBackend, fail_after: int | None = None) -> None:
+        self.backend = backend
+        self.locks: set[object] = set()
+        self.calls = 0
+        self.fail_after = fail_after
+
+    def __call__(self, ptype: PartitionType, config: Config) -> None:
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        devices = self.backend.devices()
+        self.locks.update(d.read_state().locked_sm_freqs_mhz for d in devices)
+        duration = max(d.begin_work(WORK) for d in devices)
+        self.backend.clock.advance(duration)
+        for d in devices:
+            d.end_work()
+
+
+def _evaluator(backend: SimulatedBackend, run, **kwargs) -> DeviceEvaluator:
+    clock = backend.clock
+    return DeviceEvaluator(backend, run, p_static_w=85.0, protocol=PROTOCOL, clock=clock.now,
+                           sleep=clock.advance, **kwargs)
+
+
+def test_the_protocol_measures_one_execution_at_the_locked_clock(backend, ptype) -> None:
+    run = Runner(backend)
+    config = Config(freq_mhz=1050.0, sm_count=12, slot="rope_0")
+    with _evaluator(backend, run) as ev:
+        assert isinstance(ev, Evaluator)
+        assert ev.freqs_mhz[0] == 210.0 and ev.freqs_mhz[-1] == 1410.0
+        start = backend.clock.now()
+        m = ev.evaluate(ptype, config)
+    model = backend.model
+    t = model.duration_s(WORK, 1050.0)
+    assert m.time_s == pytest.approx(t, rel=1e-9)
+    assert m.energy_j == pytest.approx(model.power_w(1050.0, WORK) * t, rel=2e-3)
+    assert m.p_static_w == 85.0
+    assert m.dynamic_energy_j == pytest.approx(m.energy_j - 85.0 * m.time_s)
+    assert run.locks == {(1050.0, 1050.0)}  # every execution ran locked, on both devices
+    expected_runs = int(1.0 / t) + 1 + int(5.0 / t) + 1  # warm-up, then the window
+    assert abs(run.calls - expected_runs) <= 2
+    assert m.wall_s == pytest.approx(backend.clock.now() - start)
+    assert m.wall_s >= PROTOCOL.per_candidate_s
+    assert m.start_temp_c is not None and m.start_temp_c > model.ambient_c
+    assert all(d.read_state().locked_sm_freqs_mhz is None for d in backend.devices())
+
+
+def test_lower_clocks_take_longer_and_cost_less(backend, ptype) -> None:
+    with _evaluator(backend, Runner(backend)) as ev:
+        fast = ev.evaluate(ptype, Config(freq_mhz=1410.0, sm_count=6, slot=None))
+        slow = ev.evaluate(ptype, Config(freq_mhz=990.0, sm_count=6, slot=None))
+    assert slow.time_s > fast.time_s and slow.dynamic_energy_j < fast.dynamic_energy_j
+    assert ev.evaluations == 2
+
+
+def test_clocks_are_restored_when_the_run_fails(backend, ptype) -> None:
+    devices = backend.devices()
+    devices[1].lock_sm_clocks(1200.0, 1410.0)  # someone's setting before the evaluator
+    run = Runner(backend, fail_after=3)
+    ev = _evaluator(backend, run)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        ev.evaluate(ptype, Config(freq_mhz=900.0, sm_count=3, slot="norm_0"))
+    assert run.locks == {(900.0, 900.0)}
+    assert devices[0].read_state().locked_sm_freqs_mhz is None
+    assert devices[1].read_state().locked_sm_freqs_mhz == (1200.0, 1410.0)
+    ev.close()
+    ev.close()  # idempotent
+
+
+def test_a_journaled_device_is_journaled_while_measured_and_clean_afterwards(tmp_path, ptype) -> None:
+    settings = Settings(backend="simulated", sim_gpus=1, state_dir=tmp_path / "state",
+                        sim_energy_period_s=0.001)
+    backend = SimulatedBackend(settings, clock=VirtualClock(10.0), persist=True)
+    state = StateDir(settings.state_dir)
+    journals = []
+
+    class Journaling(Runner):
+        def __call__(self, ptype, config) -> None:
+            journals.append(len(state.journals()))
+            super().__call__(ptype, config)
+
+    run = Journaling(backend, fail_after=2)
+    with pytest.raises(RuntimeError), _evaluator(backend, run) as ev:
+        ev.evaluate(ptype, Config(freq_mhz=900.0, sm_count=3, slot=None))
+    assert journals and set(journals) == {1}  # the original was on disk before the change
+    assert state.journals() == []
+    assert backend.devices()[0].read_state().locked_sm_freqs_mhz is None
+
+
+def test_bad_arguments_are_one_line_errors(backend, ptype) -> None:
+    with pytest.raises(InvalidArgumentError, match="cannot all lock 1000 MHz"):
+        _evaluator(backend, Runner(backend), freqs_mhz=[1000.0])
+    with pytest.raises(InvalidArgumentError, match="p_static_w"):
+        DeviceEvaluator(backend, Runner(backend), p_static_w=-1.0)
+    ev = _evaluator(backend, Runner(backend), freqs_mhz=[990.0, 1410.0])
+    assert ev.freqs_mhz == (990.0, 1410.0)
+    with pytest.raises(InvalidArgumentError, match="1200 MHz is not one of"):
+        ev.evaluate(ptype, Config(freq_mhz=1200.0, sm_count=3, slot=None))
+    with pytest.raises(NotSupportedError, match="no run_sequential"):
+        ev.evaluate_sequential((), 990.0, 3)
+    with pytest.raises(NotSupportedError, match="no run_compute"):
+        ev.evaluate_compute(ptype.ops, 990.0)
+    lazy = _evaluator(backend, lambda p, c: None)
+    with pytest.raises(InvalidArgumentError, match="took no time"):
+        lazy.evaluate(ptype, Config(freq_mhz=990.0, sm_count=3, slot=None))
+    assert all(d.read_state().locked_sm_freqs_mhz is None for d in backend.devices())
+
+
+def test_sequential_and_compute_runs_use_the_same_protocol(backend, ptype) -> None:
+    runner = Runner(backend)
+    seen = []
+
+    def sequential(segments, freq_mhz, sm_count) -> None:
+        seen.append(("seq", freq_mhz, sm_count))
+        runner(ptype, Config(freq_mhz=freq_mhz, sm_count=sm_count, slot=None))
+
+    def compute(ops, freq_mhz) -> None:
+        seen.append(("compute", freq_mhz, len(ops)))
+        runner(ptype, Config(freq_mhz=freq_mhz, sm_count=1, slot=None))
+
+    with _evaluator(backend, runner, run_sequential=sequential, run_compute=compute) as ev:
+        a = ev.evaluate_sequential((), 1200.0, 20)
+        b = ev.evaluate_compute(ptype.ops, 1200.0)
+    assert a.time_s == pytest.approx(b.time_s)
+    assert {s[0] for s in seen} == {"seq", "compute"} and ("seq", 1200.0, 20) in seen
+    assert runner.locks == {(1200.0, 1200.0)}
