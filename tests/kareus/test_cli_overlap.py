@@ -26,14 +26,26 @@ def _run(*args: str) -> tuple[int, str, str]:
 def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("study")
     code, stdout, stderr = _run(
-        "overlap", "search", str(out), "--model", "qwen3-1.7b", "--tp", "8", "--freqs", FREQS,
+        "overlap",
+        "search",
+        str(out),
+        "--model",
+        "qwen3-1.7b",
+        "--tp",
+        "8",
+        "--freqs",
+        FREQS,
         "--json",
     )
     assert code == 0, stderr
     data = json.loads(stdout)
     assert data["workload"] == "qwen3-1.7b_tp8_mbs8_seq4096"
     assert [r["partition"] for r in data["partitions"]] == [
-        "fwd_attn", "fwd_mlp", "bwd_mlp", "bwd_attn"]
+        "fwd_attn",
+        "fwd_mlp",
+        "bwd_mlp",
+        "bwd_attn",
+    ]
     for row in data["partitions"]:
         assert 0 < row["evaluations"] <= min(row["budget"], row["space"])
         assert row["pareto_points"] >= 1
@@ -46,7 +58,15 @@ def test_search_writes_a_study_and_resumes_from_its_logs(study: Path) -> None:
     assert logs == ["bwd_attn.jsonl", "bwd_mlp.jsonl", "fwd_attn.jsonl", "fwd_mlp.jsonl"]
     before = {p: p.read_text() for p in study.glob("*.jsonl")}
     code, stdout, stderr = _run(
-        "overlap", "search", str(study), "--model", "qwen3-1.7b", "--tp", "8", "--freqs", FREQS,
+        "overlap",
+        "search",
+        str(study),
+        "--model",
+        "qwen3-1.7b",
+        "--tp",
+        "8",
+        "--freqs",
+        FREQS,
         "--json",
     )
     assert code == 0, stderr
@@ -57,8 +77,17 @@ def test_search_writes_a_study_and_resumes_from_its_logs(study: Path) -> None:
 def test_plan_writes_a_plan_with_partition_settings(study: Path, tmp_path: Path) -> None:
     plan_path = tmp_path / "plan.json"
     code, stdout, stderr = _run(
-        "overlap", "plan", str(study), "--microbatches", "4", "--compare", "--json",
-        "--plan-out", str(plan_path), "--frontier-out", str(tmp_path / "f.csv"),
+        "overlap",
+        "plan",
+        str(study),
+        "--microbatches",
+        "4",
+        "--compare",
+        "--json",
+        "--plan-out",
+        str(plan_path),
+        "--frontier-out",
+        str(tmp_path / "f.csv"),
     )
     assert code == 0, stderr
     data = json.loads(stdout)
@@ -71,18 +100,24 @@ def test_plan_writes_a_plan_with_partition_settings(study: Path, tmp_path: Path)
     assert plan.workload["kareus"]["workload"] == "qwen3-1.7b_tp8_mbs8_seq4096"
     backward = next(p for p in plan.stage(0) if p.instruction.kind == "backward")
     assert set(backward.overlap) == {
-        "recompute_fwd_attn", "recompute_fwd_mlp", "bwd_mlp", "bwd_attn"}
+        "recompute_fwd_attn",
+        "recompute_fwd_mlp",
+        "bwd_mlp",
+        "bwd_attn",
+    }
     assert backward.freq_mhz in (1110.0, 1260.0, 1410.0)
     assert (tmp_path / "f.csv").read_text().startswith("iteration,time_s")
 
 
 def test_plan_text_output_and_policies(study: Path) -> None:
-    code, stdout, stderr = _run("overlap", "plan", str(study), "--microbatches", "4",
-                                "--policy", "min-energy")
+    code, stdout, stderr = _run(
+        "overlap", "plan", str(study), "--microbatches", "4", "--policy", "min-energy"
+    )
     assert code == 0, stderr
     assert "chosen (min-energy)" in stdout and "nanobatched" in stdout
-    code, _, stderr = _run("overlap", "plan", str(study), "--microbatches", "4",
-                           "--policy", "deadline")
+    code, _, stderr = _run(
+        "overlap", "plan", str(study), "--microbatches", "4", "--policy", "deadline"
+    )
     assert code == 2 and "--deadline-s" in stderr
 
 
