@@ -57,6 +57,7 @@ from powerlib.emulator.overlap import (
 )
 from powerlib.planning.kareus.compose import (
     METHODS,
+    calibrate_correction,
     compare_frontiers,
     compose_options,
     measure_components,
@@ -200,6 +201,33 @@ def _sequential_faster(workload: Any, kind: str, freq_mhz: float) -> bool:
     return seq_t < nano_t
 
 
+def _calibration(workload: Any, frontier: Any) -> dict[str, Any]:
+    """The composition correction, fitted from composed vs in-situ instruction times.
+
+    In situ: the instruction's partitions and extra work run back to back on the simulated GPU
+    (noise-free); composed: the planner's sum of separately measured (noisy) partitions.
+    """
+    pairs = []
+    seen = set()
+    for ins, o in zip(frontier.dag.instructions, frontier.planned_options(frontier.fastest)):
+        key = (ins.stage, ins.kind, o.freq_mhz, o.knob)
+        if o.knob.execution != "nanobatch" or key in seen:
+            continue
+        seen.add(key)
+        stage = workload.stages[ins.stage]
+        items: list[Any] = []
+        for name, cfg in o.knob.configs:
+            ptype = workload.partition(name.removeprefix("recompute_"))
+            items += [(ptype, cfg)] * (ptype.per_layer * stage.layers)
+        extra = stage.extra_forward if ins.kind == "forward" else stage.extra_backward
+        if extra:
+            items.append(tuple(extra))
+        pairs.append((o.time_s, Work(tuple(items), params=A100).at(o.freq_mhz)[0]))
+    if not pairs:  # every instruction runs sequentially: there is nothing composed to calibrate
+        return {"instructions": 0, "factor": None}
+    return {"instructions": len(pairs), "factor": calibrate_correction(pairs)}
+
+
 def _theorem1() -> dict[str, Any]:
     """Qwen3 1.7B TP8: one nanobatched layer, each partition type at its fastest config."""
     w = build_workload(
@@ -239,6 +267,14 @@ def _theorem1() -> dict[str, Any]:
     }
 
 
+def _time_quantum(options: dict[str, Any]) -> float:
+    """τ: a power of ten at most 1/20 of the shortest instruction (1 ms for the 4K-token
+    configurations, as in the artifact; finer for the small one, where floor quantization
+    would otherwise hide several percent of each instruction)."""
+    shortest = min(o[1] for opts in options.values() for lst in opts.values() for o in lst)
+    return float(10.0 ** np.floor(np.log10(shortest / 20.0)))
+
+
 def run_config(name: str, seed: int) -> dict[str, Any]:
     model_key, par = CONFIGS[name]
     workload = build_workload(MODELS[model_key], par, STAGE_LAYERS)
@@ -246,17 +282,20 @@ def run_config(name: str, seed: int) -> dict[str, Any]:
     started = time.perf_counter()
     per_type, records, components = _search(workload, seed)
     sched = schedule_1f1b(len(STAGE_LAYERS), MICROBATCHES)
-    frontiers = {}
-    for method in METHODS:
-        options = compose_options(workload, records, components, method=method)
-        frontiers[method] = method_frontier(
+    all_options = {m: compose_options(workload, records, components, method=m) for m in METHODS}
+    unit_time_s = _time_quantum(all_options)
+    frontiers = {
+        m: method_frontier(
             workload,
-            options,
+            all_options[m],
             components,
             sched,
             schedule_name="1f1b",
             num_microbatches=MICROBATCHES,
+            unit_time_s=unit_time_s,
         )
+        for m in METHODS
+    }
     cmp_ = compare_frontiers(frontiers["kareus"], frontiers["perseus"], frontiers["nanobatch"])
     kareus = frontiers["kareus"]
     sampled = sample_frontier(kareus.points)
@@ -269,6 +308,7 @@ def run_config(name: str, seed: int) -> dict[str, Any]:
     recovered_random = [t["pareto_recovered_random_same_budget"] for t in per_type.values()]
     return {
         "workload": workload.label,
+        "unit_time_s": unit_time_s,
         "partitions": per_type,
         "min_relative_hv_total": min(hv),
         "mean_pareto_recovered": float(np.mean(recovered)),
@@ -292,6 +332,7 @@ def run_config(name: str, seed: int) -> dict[str, Any]:
         "comparison": cmp_,
         "kareus_sampled_total_energy_u_shape": _u_shape([p.energy_j for p in sampled]),
         "execution_switch": switch,
+        "correction_calibration": _calibration(workload, kareus),
         "elapsed_s": time.perf_counter() - started,
     }
 

@@ -179,7 +179,7 @@ def search(
     out = Path(study_dir)
     out.mkdir(parents=True, exist_ok=True)
     err = click.get_text_stream("stderr")
-    rows = []
+    rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     for ptype in wanted:
         space = config_space(ptype, freqs)
@@ -469,6 +469,6 @@ def plan_(
                 f"  weakly dominates {name}+Perseus at {d['samples']} sampled points: "
                 f"{'yes' if d['weakly_dominated'] else 'NO'}"
             )
-    for label, path in (("frontier", frontier_out), ("plan", plan_out), ("plot", plot_path)):
-        if path:
-            click.echo(f"{label} written to {path}")
+    for label, written in (("frontier", frontier_out), ("plan", plan_out), ("plot", plot_path)):
+        if written:
+            click.echo(f"{label} written to {written}")

@@ -285,18 +285,20 @@ def compose_options(
                     )
                 if method in ("kareus", "nanobatch"):
                     t = d = 0.0
-                    configs = []
+                    stock_configs: list[tuple[str, Config]] = []
                     for key, ptype, mult in types:
                         m = components.stock[(ptype.key, f)]
                         t += mult * m.time_s
                         d += mult * m.dynamic_energy_j
-                        configs.append((key, _stock_config(ptype, f, components.stock_sm_count)))
+                        stock_configs.append(
+                            (key, _stock_config(ptype, f, components.stock_sm_count))
+                        )
                     cands.append(
                         (
                             f,
                             correction * t + ext_t,
                             correction * d + ext_d,
-                            Knob("nanobatch", tuple(configs), "stock"),
+                            Knob("nanobatch", tuple(stock_configs), "stock"),
                         )
                     )
                 if method == "kareus":
@@ -423,8 +425,9 @@ def compare_frontiers(
       Perseus-only (M+P) time, against that M+P point's energy.
     - ``iso_energy_time_reduction``: the shortest Kareus time with ``E ≤`` the minimum-energy
       M+P point's energy, against that point's time.
-    - ``max_throughput``: each method's fastest point against Megatron-LM (sequential, highest
-      clock, the frontiers' common baseline): time and energy reductions.
+    - ``max_throughput``: each method's fastest plan, replayed on the measurements, against
+      Megatron-LM (sequential, highest clock, the frontiers' common baseline): time and energy
+      reductions.
     - ``dominates``: per baseline, whether at each of its ``samples`` sampled points Kareus has a
       point no slower and no costlier (weak dominance), with the worst margin.
     """
@@ -451,15 +454,18 @@ def compare_frontiers(
     if nanobatch is not None:
         methods["nanobatch"] = nanobatch
     out["megatron"] = {"time_s": base.time_s, "energy_j": base.energy_j}
-    out["max_throughput"] = {
-        name: {
-            "time_s": f.fastest.time_s,
-            "energy_j": f.fastest.energy_j,
-            "time_reduction": 1.0 - f.fastest.time_s / base.time_s,
-            "energy_reduction": 1.0 - f.fastest.energy_j / base.energy_j,
+    out["max_throughput"] = {}
+    for name, f in methods.items():
+        # Replayed on the measurements (real, not floor-quantized, durations), so that the
+        # comparison with Megatron-LM's critical path is like for like.
+        run = f.replay(f.fastest)
+        out["max_throughput"][name] = {
+            "time_s": run.time_s,
+            "energy_j": run.energy_j,
+            "planned_time_s": f.fastest.time_s,
+            "time_reduction": 1.0 - run.time_s / base.time_s,
+            "energy_reduction": 1.0 - run.energy_j / base.energy_j,
         }
-        for name, f in methods.items()
-    }
     dominance: dict[str, Any] = {}
     for name, f in methods.items():
         if name == "kareus":

@@ -376,6 +376,7 @@ class Workload:
         A forward runs the forward types; a backward runs the backward types and, with
         recompute, the forward types again (kareus.md §1.4).
         """
+        phases: tuple[str, ...]
         if kind == "forward":
             phases = ("fwd",)
         elif kind == "backward":

@@ -191,9 +191,9 @@ def read_study(directory: str | Path) -> Study:
         for ph in ("fwd", "bwd"):
             if (ph, f) not in sequential:
                 raise PlanError(f"{source}: no sequential {ph} measurement at {f:g} MHz")
-        for key in known:
-            if (key, f) not in stock:
-                raise PlanError(f"{source}: no stock measurement of {key} at {f:g} MHz")
+        for name in sorted(known):
+            if (name, f) not in stock:
+                raise PlanError(f"{source}: no stock measurement of {name} at {f:g} MHz")
     components = Components(
         p_static_w=p_s,
         sequential=sequential,

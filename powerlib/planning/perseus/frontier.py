@@ -563,6 +563,7 @@ def compute_frontier(
             elif candidates is not None:
                 _, ref_t, ref_e, *_ = min(candidates[(ins.stage, ins.kind)], key=lambda o: o[1])
             else:
+                assert profile is not None  # checked above
                 _, ref_t, ref_e = max(profile.options(ins.stage, ins.kind), key=lambda o: o[0])
             t += ref_t
             e += ref_e
