@@ -53,6 +53,7 @@ from powerlib.device import (
     PowerState,
     ProbeResult,
 )
+from powerlib.dvfs import VoltageCurve
 from powerlib.errors import ConfigError, NotSupportedError, PermissionDeniedError
 
 __all__ = [
@@ -72,7 +73,7 @@ _STATE_SCHEMA = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GpuModel:
+class GpuModel(VoltageCurve):
     """Parameters of one simulated GPU model. Powers in W at the maximum clock unless noted.
 
     Attributes:
@@ -118,23 +119,6 @@ class GpuModel:
     thermal_resistance_c_per_w: float
     thermal_capacitance_j_per_c: float
     energy_update_period_s: float = 0.1
-
-    @property
-    def supported_freqs_mhz(self) -> tuple[float, ...]:
-        """Supported SM clocks, ascending."""
-        count = int(round((self.max_freq_mhz - self.min_freq_mhz) / self.freq_step_mhz)) + 1
-        return tuple(float(self.min_freq_mhz + i * self.freq_step_mhz) for i in range(count))
-
-    def voltage_ratio(self, freq_mhz: float) -> float:
-        """``V(f) / V_max``: flat at the floor up to the knee, then linear to 1."""
-        if freq_mhz <= self.knee_freq_mhz:
-            return self.v_min_ratio
-        span = self.max_freq_mhz - self.knee_freq_mhz
-        return self.v_min_ratio + (1.0 - self.v_min_ratio) * (freq_mhz - self.knee_freq_mhz) / span
-
-    def phi(self, freq_mhz: float) -> float:
-        """Dynamic-power factor ``(f / f_max) · (V(f) / V_max)²``; 1 at the maximum clock."""
-        return (freq_mhz / self.max_freq_mhz) * self.voltage_ratio(freq_mhz) ** 2
 
     def duration_s(self, work: Workload, freq_mhz: float) -> float:
         """How long ``work`` takes at ``freq_mhz``."""

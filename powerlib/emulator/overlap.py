@@ -47,6 +47,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from powerlib.dvfs import VoltageCurve
 from powerlib.errors import PlanError
 from powerlib.planning.kareus.evaluator import Measurement, MeasureProtocol
 from powerlib.planning.kareus.partition import Collective, Config, Op, PartitionType, Segment
@@ -76,7 +77,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class OverlapDeviceParams:
+class OverlapDeviceParams(VoltageCurve):
     """One GPU model's parameters for the overlap simulator (kareus.md §5.1, §5.4).
 
     Attributes:
@@ -167,23 +168,6 @@ class OverlapDeviceParams:
     def flops_per_sm_cycle(self) -> float:
         """``π_sm``: peak FLOP per SM per cycle (peak / (N_sm · f_max))."""
         return self.peak_flops / (self.num_sms * self.max_freq_mhz * 1e6)
-
-    @property
-    def supported_freqs_mhz(self) -> tuple[float, ...]:
-        """Every lockable clock, ascending."""
-        count = int(round((self.max_freq_mhz - self.min_freq_mhz) / self.freq_step_mhz)) + 1
-        return tuple(float(self.min_freq_mhz + i * self.freq_step_mhz) for i in range(count))
-
-    def voltage_ratio(self, freq_mhz: float) -> float:
-        """``v(f) / v_max``: flat at the floor up to the knee, then linear to 1 at ``f_max``."""
-        if freq_mhz <= self.knee_freq_mhz:
-            return self.v_min_ratio
-        span = self.max_freq_mhz - self.knee_freq_mhz
-        return self.v_min_ratio + (1.0 - self.v_min_ratio) * (freq_mhz - self.knee_freq_mhz) / span
-
-    def phi(self, freq_mhz: float) -> float:
-        """Dynamic-power factor ``(f / f_max)·(v(f)/v_max)²``; 1 at ``f_max``."""
-        return (freq_mhz / self.max_freq_mhz) * self.voltage_ratio(freq_mhz) ** 2
 
 
 A100 = OverlapDeviceParams(
