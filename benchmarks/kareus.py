@@ -188,12 +188,9 @@ def _sequential_check(workload: Any, frontier: Any, point: Any) -> dict[str, Any
 
 def _sequential_faster(workload: Any, kind: str, freq_mhz: float) -> bool:
     """Sequential layer time < the best nanobatched layer time at ``freq_mhz`` (noise-free)."""
-    phases = (
-        ("fwd",)
-        if kind == "forward"
-        else (("fwd", "bwd") if workload.parallelism.recompute else ("bwd",))
+    seq_t = sum(
+        model_sequential(workload.sequential[ph], freq_mhz)[0] for ph in workload.phases(kind)
     )
-    seq_t = sum(model_sequential(workload.sequential[ph], freq_mhz)[0] for ph in phases)
     nano_t = 0.0
     for ptype, per_layer in workload.instruction_types(kind):
         best = min(model(ptype, c)[0] for c in config_space(ptype, [freq_mhz]))

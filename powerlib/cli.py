@@ -27,7 +27,8 @@ from typing import Any, NoReturn
 import click
 
 from powerlib import __version__
-from powerlib.cli_options import plan_outputs
+from powerlib.cli_options import emit_json as _emit_json
+from powerlib.cli_options import plan_outputs, select_and_write
 from powerlib.cli_overlap import overlap as _overlap_group
 from powerlib.config import Settings
 from powerlib.control import restore_journals
@@ -80,10 +81,6 @@ def _settings(opts: _Options) -> Settings:
 
 def _open(opts: _Options) -> Backend:
     return open_backend(settings=_settings(opts))
-
-
-def _emit_json(data: object) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
 def _pct(value: float | None) -> str:
@@ -763,12 +760,6 @@ def plan(
     maximum frequency, blocking power included, at the chosen plan's iteration time.
     """
     from powerlib.planning.perseus.frontier import compute_frontier  # noqa: PLC0415 - keep CLI start fast
-    from powerlib.planning.perseus.report import (  # noqa: PLC0415
-        plot_frontier,
-        summary,
-        write_frontier_csv,
-        write_plan_json,
-    )
     from powerlib.planning.pipeline import build_schedule  # noqa: PLC0415
     from powerlib.planning.profile import Profile  # noqa: PLC0415
 
@@ -798,29 +789,17 @@ def plan(
             progress=progress,
         )
     solve_time_s = time.perf_counter() - started
-    chosen = frontier.select(policy, deadline_s, argmin=argmin)
-    guarded = None
-    if policy in ("fastest", "deadline"):
-        guarded = frontier.within_slowdown(
-            chosen,
-            max_slowdown,
-            switch_latency_s=switch_latency_s,
-            limit_s=deadline_s if policy == "deadline" else None,
-        )
-    if frontier_out:
-        write_frontier_csv(frontier, frontier_out)
-    if plan_out:
-        write_plan_json(frontier, chosen, plan_out, policy=policy, chosen=guarded)
-    if plot_path:
-        plot_frontier(frontier, chosen, plot_path)
-    data = summary(
+    _, _, data = select_and_write(
         frontier,
-        chosen,
         policy=policy,
-        solve_time_s=solve_time_s,
-        guarded=guarded,
-        max_slowdown=max_slowdown if guarded is not None else None,
+        deadline_s=deadline_s,
+        argmin=argmin,
+        max_slowdown=max_slowdown,
         switch_latency_s=switch_latency_s,
+        frontier_out=frontier_out,
+        plan_out=plan_out,
+        plot_path=plot_path,
+        solve_time_s=solve_time_s,
     )
     if as_json:
         _emit_json(data)

@@ -14,14 +14,13 @@ partition, and the same study layout.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import click
 
-from powerlib.cli_options import plan_outputs
+from powerlib.cli_options import emit_json, plan_outputs, select_and_write
 from powerlib.errors import PlanError
 
 __all__ = ["overlap"]
@@ -50,10 +49,6 @@ def _layers(text: str) -> tuple[int, ...]:
         raise PlanError(
             f"--stage-layers must be comma-separated layer counts, got {text!r}"
         ) from err
-
-
-def _emit(data: Any) -> None:
-    click.echo(json.dumps(data, indent=1, sort_keys=True))
 
 
 @click.group()
@@ -253,7 +248,7 @@ def search(
         "elapsed_s": time.perf_counter() - started,
     }
     if as_json:
-        _emit(data)
+        emit_json(data)
         return
     click.echo(f"{workload.label}: {len(rows)} partition type(s), {len(freqs)} clocks")
     click.echo(
@@ -335,11 +330,6 @@ def plan_(
     )
     from powerlib.planning.kareus.search import read_log  # noqa: PLC0415
     from powerlib.planning.kareus.study import log_path, read_study  # noqa: PLC0415
-    from powerlib.planning.perseus.report import (  # noqa: PLC0415
-        plot_frontier,
-        summary,
-        write_frontier_csv,
-    )
     from powerlib.planning.pipeline import build_schedule  # noqa: PLC0415
 
     if policy == "deadline" and deadline_s is None:
@@ -387,16 +377,6 @@ def plan_(
             )
     solve_time_s = time.perf_counter() - started
     frontier = frontiers["kareus"]
-    chosen = frontier.select(policy, deadline_s)
-    guarded = None
-    if policy in ("fastest", "deadline"):
-        guarded = frontier.within_slowdown(
-            chosen,
-            max_slowdown,
-            switch_latency_s=switch_latency_s,
-            limit_s=deadline_s if policy == "deadline" else None,
-        )
-    options_used = guarded if guarded is not None else frontier.planned_options(chosen)
     metadata = {
         "kareus": {
             "model": study.model_key,
@@ -407,22 +387,19 @@ def plan_(
             "evaluator": dict(study.evaluator),
         }
     }
-    plan_data = frontier.plan_json(chosen, policy=policy, chosen=options_used, metadata=metadata)
-    if frontier_out:
-        write_frontier_csv(frontier, frontier_out)
-    if plan_out:
-        Path(plan_out).write_text(json.dumps(plan_data, indent=1) + "\n", encoding="utf-8")
-    if plot_path:
-        plot_frontier(frontier, chosen, plot_path)
-    data = summary(
+    chosen, guarded, data = select_and_write(
         frontier,
-        chosen,
         policy=policy,
-        solve_time_s=solve_time_s,
-        guarded=guarded,
-        max_slowdown=max_slowdown if guarded is not None else None,
+        deadline_s=deadline_s,
+        max_slowdown=max_slowdown,
         switch_latency_s=switch_latency_s,
+        frontier_out=frontier_out,
+        plan_out=plan_out,
+        plot_path=plot_path,
+        solve_time_s=solve_time_s,
+        metadata=metadata,
     )
+    options_used = guarded if guarded is not None else frontier.planned_options(chosen)
     nano = sum(1 for o in options_used if o.knob is not None and o.knob.execution == "nanobatch")
     data["overlap"] = {
         "workload": workload.label,
@@ -437,7 +414,7 @@ def plan_(
             frontiers["kareus"], frontiers["perseus"], frontiers["nanobatch"]
         )
     if as_json:
-        _emit(data)
+        emit_json(data)
         return
     c = data["chosen"]
     click.echo(

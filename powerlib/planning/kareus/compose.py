@@ -273,11 +273,7 @@ def compose_options(
                 ext_t = ext.time_s if ext else 0.0
                 ext_d = ext.dynamic_energy_j if ext else 0.0
                 if method in ("kareus", "perseus"):
-                    phases = (
-                        ("fwd",)
-                        if kind == FORWARD
-                        else (("fwd", "bwd") if workload.parallelism.recompute else ("bwd",))
-                    )
+                    phases = workload.phases(kind)
                     t = sum(components.sequential[(ph, f)].time_s for ph in phases) * st.layers
                     d = sum(components.sequential[(ph, f)].dynamic_energy_j for ph in phases)
                     cands.append(

@@ -370,19 +370,24 @@ class Workload:
         known = ", ".join(p.key for p in self.partitions)
         raise PlanError(f"unknown partition type {key!r}; this workload has {known}")
 
-    def instruction_types(self, kind: str) -> list[tuple[PartitionType, int]]:
-        """Partition types an instruction of ``kind`` runs, with occurrences per layer.
+    def phases(self, kind: str) -> tuple[str, ...]:
+        """The layer phases an instruction of ``kind`` runs, in order.
 
-        A forward runs the forward types; a backward runs the backward types and, with
-        recompute, the forward types again (kareus.md §1.4).
+        A forward runs ``fwd``; a backward runs ``bwd`` and, with recompute, ``fwd`` first
+        (kareus.md §1.4).
+
+        Raises:
+            PlanError: For a kind other than forward or backward.
         """
-        phases: tuple[str, ...]
         if kind == "forward":
-            phases = ("fwd",)
-        elif kind == "backward":
-            phases = ("fwd", "bwd") if self.parallelism.recompute else ("bwd",)
-        else:
-            raise PlanError(f"Kareus plans forward and backward instructions, not {kind!r}")
+            return ("fwd",)
+        if kind == "backward":
+            return ("fwd", "bwd") if self.parallelism.recompute else ("bwd",)
+        raise PlanError(f"Kareus plans forward and backward instructions, not {kind!r}")
+
+    def instruction_types(self, kind: str) -> list[tuple[PartitionType, int]]:
+        """Partition types an instruction of ``kind`` runs, with occurrences per layer."""
+        phases = self.phases(kind)
         return [(p, p.per_layer) for p in self.partitions if p.phase in phases]
 
 

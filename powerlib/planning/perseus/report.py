@@ -40,13 +40,20 @@ def write_frontier_csv(frontier: Frontier, path: str | Path) -> None:
 
 
 def write_plan_json(
-    frontier: Frontier, point: FrontierPoint, path: str | Path, *, policy: str, chosen: Any = None
+    frontier: Frontier,
+    point: FrontierPoint,
+    path: str | Path,
+    *,
+    policy: str,
+    chosen: Any = None,
+    metadata: dict[str, Any] | None = None,
 ) -> None:
     """The plan file a session applies (schema ``powerlib.plan.v1``).
 
-    ``chosen`` overrides the point's per-instruction options (the slowdown guard's result).
+    ``chosen`` overrides the point's per-instruction options (the slowdown guard's result);
+    ``metadata`` adds workload fields.
     """
-    data = frontier.plan_json(point, policy=policy, chosen=chosen)
+    data = frontier.plan_json(point, policy=policy, chosen=chosen, metadata=metadata)
     Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
 
 
