@@ -16,7 +16,6 @@ names the file and the offending entry. This module is pure (standard library on
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.errors import PlanError
+from powerlib.inputs import load_json_file
 from powerlib.planning.pipeline import KINDS, Instruction
 
 __all__ = ["EXECUTIONS", "PLAN_SCHEMA", "FrequencyPlan", "PartitionSetting", "PlannedInstruction"]
@@ -142,6 +142,84 @@ class FrequencyPlan:
                         f"which the device does not support ({min(allowed):g}-{max(allowed):g} MHz)"
                     )
 
+    def check_workload(
+        self,
+        *,
+        num_stages: int | None = None,
+        num_microbatches: int | None = None,
+        schedule: str | None = None,
+        num_chunks: int | None = None,
+        placement: str | None = None,
+        against: str = "the session",
+    ) -> None:
+        """Refuse a plan made for another workload than the one it is applied to.
+
+        The plan's workload is what its ``workload`` metadata says, and where that is silent,
+        what its instructions show (microbatches and chunks: one more than the largest index);
+        metadata that contradicts the instructions is refused too. Only the arguments given are
+        compared. A schedule named ``recorded`` on either side, or a plan planned on the order
+        its hooks recorded (``workload.order_source == "recorded"``), leaves the order to the
+        session's check of the first iteration.
+
+        Args:
+            num_stages: Pipeline stages of the session or profile.
+            num_microbatches: Microbatches per iteration.
+            schedule: The schedule's name.
+            num_chunks: Model chunks per stage.
+            placement: ``looped`` or ``v``.
+            against: What the plan is compared with, for the message (``the session``, ``the
+                profile x.csv``).
+
+        Raises:
+            PlanError: One line naming the plan, both values and what they count, e.g.
+                ``plan.json: the plan has 4 stages, the session has 8``.
+        """
+        instructions = [p.instruction for stage in self.stages for p in stage]
+        shown = {
+            "num_microbatches": 1 + max(ins.microbatch for ins in instructions),
+            "num_chunks": 1 + max(ins.chunk for ins in instructions),
+        }
+        for name, value in shown.items():
+            said = self.workload.get(name)
+            if said is not None and said != value:
+                raise PlanError(
+                    f"{self.source}: workload.{name} is {repr(said)[:40]} but the plan's "
+                    f"instructions have {value}"
+                )
+        if num_stages is not None and self.num_stages != num_stages:
+            raise PlanError(
+                f"{self.source}: the plan has {_count(self.num_stages, 'stage')}, {against} has "
+                f"{num_stages}"
+            )
+        if num_microbatches is not None and shown["num_microbatches"] != num_microbatches:
+            raise PlanError(
+                f"{self.source}: the plan is for "
+                f"{_count(shown['num_microbatches'], 'microbatch', 'microbatches')}, {against} "
+                f"has {num_microbatches}"
+            )
+        if num_chunks is not None and shown["num_chunks"] != num_chunks:
+            raise PlanError(
+                f"{self.source}: the plan has {_count(shown['num_chunks'], 'chunk')} per stage, "
+                f"{against} has {num_chunks}"
+            )
+        planned = self.workload.get("schedule")
+        if (
+            schedule is not None
+            and planned is not None
+            and planned != schedule
+            and RECORDED not in (planned, schedule)
+            and self.workload.get("order_source") != RECORDED
+        ):
+            raise PlanError(
+                f"{self.source}: the plan is for the {planned} schedule, {against} runs {schedule}"
+            )
+        planned = self.workload.get("placement")
+        if placement is not None and planned is not None and planned != placement:
+            raise PlanError(
+                f"{self.source}: the plan is for the {planned} placement, {against} uses "
+                f"{placement}"
+            )
+
     @classmethod
     def read(cls, path: str | Path) -> FrequencyPlan:
         """Read and validate a plan file.
@@ -149,16 +227,8 @@ class FrequencyPlan:
         Raises:
             PlanError: Unreadable file, malformed JSON, or an invalid plan.
         """
-        source = str(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as err:
-            raise PlanError(f"{source}: cannot read the plan: {err.strerror or err}") from err
-        try:
-            data = json.loads(text)
-        except ValueError as err:
-            raise PlanError(f"{source}: not valid JSON: {err}") from err
-        return cls.from_json(data, source=source)
+        data = load_json_file(path, what="plan", error=PlanError)
+        return cls.from_json(data, source=str(path))
 
     @classmethod
     def from_json(cls, data: Any, *, source: str = "<plan>") -> FrequencyPlan:
@@ -220,6 +290,14 @@ class FrequencyPlan:
                 for s, planned in enumerate(self.stages)
             ],
         }
+
+
+RECORDED = "recorded"
+"""The schedule name of an order that only the training loop's hooks know."""
+
+
+def _count(n: int, singular: str, plural: str | None = None) -> str:
+    return f"{n} {singular if n == 1 else plural or singular + 's'}"
 
 
 def _instruction_json(p: PlannedInstruction) -> dict[str, Any]:

@@ -30,12 +30,13 @@ import csv
 import io
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from powerlib.errors import PlanError
+from powerlib.inputs import parse_json, read_text
 from powerlib.planning.pipeline import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -218,6 +219,10 @@ class Profile:
         """
         return list(self._points(stage, kind))
 
+    def option_points(self) -> dict[tuple[int, str], list[tuple[float, float]]]:
+        """Per ``(stage, kind)``, its measured ``(time_s, energy_j)`` options (fastest first)."""
+        return {key: [(t, e) for _, t, e in points] for key, points in self._options.items()}
+
     def max_freq_mhz(self, stage: int, kind: str) -> float:
         """The highest profiled frequency of one (stage, kind), in MHz.
 
@@ -258,11 +263,16 @@ class Profile:
     # --- reading -------------------------------------------------------------------------------
 
     @classmethod
-    def read(cls, path: str | Path) -> Profile:
+    def read(
+        cls, path: str | Path, *, progress: Callable[[int, int], None] | None = None
+    ) -> Profile:
         """Read a profile file; the format follows the suffix (``.csv`` or ``.json``).
+
+        The file is capped before it is parsed (:mod:`powerlib.inputs`: 64 MiB by default).
 
         Args:
             path: The file.
+            progress: For CSV, ``progress(lines_done, lines_total)`` every 65,536 lines.
 
         Returns:
             The validated profile; error messages name ``path``.
@@ -274,25 +284,26 @@ class Profile:
         suffix = path.suffix.lower()
         if suffix not in (".csv", ".json"):
             raise PlanError(f"{path}: unknown profile format {suffix!r}; use .csv or .json")
-        try:
-            text = path.read_text(encoding="utf-8-sig")
-        except (OSError, UnicodeDecodeError) as err:
-            raise PlanError(f"{path}: cannot read the profile: {err}") from err
+        text = read_text(path, what="profile", error=PlanError)
         if suffix == ".csv":
-            return cls.from_csv_text(text, source=str(path))
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise PlanError(f"{path}: line {err.lineno}: invalid JSON: {err.msg}") from err
+            return cls.from_csv_text(text, source=str(path), progress=progress)
+        data = parse_json(text, path=path, what="profile", error=PlanError)
         return cls.from_json(data, source=str(path))
 
     @classmethod
-    def from_csv_text(cls, text: str, source: str = "<string>") -> Profile:
+    def from_csv_text(
+        cls,
+        text: str,
+        source: str = "<string>",
+        *,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Profile:
         """Parse a CSV profile.
 
         Args:
             text: The CSV text, header first.
             source: Names the text in error messages.
+            progress: ``progress(lines_done, lines_total)`` every 65,536 lines.
 
         Returns:
             The validated profile. Rows repeated once per rank are merged (time = max,
@@ -304,8 +315,9 @@ class Profile:
         """
         text = text.removeprefix("\ufeff")
         reader = csv.reader(io.StringIO(text))
+        rows_in = _csv_rows(reader, source)
         header: list[str] | None = None
-        for fields in reader:
+        for fields in rows_in:
             if any(field.strip() for field in fields):
                 header = [field.strip().lower() for field in fields]
                 break
@@ -332,9 +344,12 @@ class Profile:
         groups: dict[
             tuple[int, str, float], tuple[_Where, list[float], list[float], set[tuple[str, ...]]]
         ] = {}
-        for fields in reader:
+        total_lines = text.count("\n") + 1 if progress is not None else 0
+        for fields in rows_in:
             if not any(field.strip() for field in fields):
                 continue
+            if progress is not None and reader.line_num % 65536 == 0:
+                progress(reader.line_num, total_lines)
             loc = f"line {reader.line_num}"
             if len(fields) != len(header):
                 raise PlanError(
@@ -551,3 +566,15 @@ def _check_row(row: ProfileRow, source: str, loc: _Where) -> ProfileRow:
     return ProfileRow(
         stage=row.stage, instruction=kind, freq_mhz=freq_mhz, time_s=time_s, energy_j=energy_j
     )
+
+
+def _csv_rows(reader: Any, source: str) -> Iterable[list[str]]:
+    """The reader's rows; a malformed row (e.g. a field over csv's 128 KiB limit) is one line."""
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as err:
+            raise PlanError(f"{source}: line {reader.line_num}: malformed CSV: {err}") from None
+        yield fields

@@ -80,6 +80,7 @@ from typing import IO, Any, cast
 import numpy as np
 
 from powerlib.errors import PlanError
+from powerlib.inputs import parse_json, read_text
 from powerlib.planning.kareus.evaluator import Evaluator, Measurement
 from powerlib.planning.kareus.partition import Budget, Config, PartitionType, search_budget
 
@@ -552,20 +553,14 @@ def _log_objects(path: Path) -> Iterator[tuple[int, dict[str, Any], str]]:
     Raises:
         PlanError: Unreadable or empty file, or a line that is not a JSON object.
     """
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise PlanError(f"evaluation log {path}: cannot read it ({err.strerror or err})") from err
+    lines = read_text(path, what="evaluation log", error=PlanError).splitlines()
     if not lines:
         raise PlanError(f"evaluation log {path} is empty but not new: delete it to start over")
     for lineno, line in enumerate(lines, start=1):
         where = f"evaluation log {path}, line {lineno}"
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise PlanError(f"{where}: not valid JSON ({err.msg})") from err
+        obj = parse_json(line, path=where, what="evaluation record", error=PlanError)
         if not isinstance(obj, dict):
             raise PlanError(f"{where}: expected a JSON object")
         yield lineno, obj, where

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.errors import PlanError
+from powerlib.inputs import load_json_file
 from powerlib.planning.kareus.compose import STOCK_SM_COUNT, Components
 from powerlib.planning.kareus.evaluator import Measurement
 from powerlib.planning.kareus.partition import (
@@ -137,15 +138,9 @@ def read_study(directory: str | Path) -> Study:
     """
     path = Path(directory) / STUDY_FILE
     source = str(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise PlanError(
-            f"{source}: cannot read the study ({err.strerror or err}); run "
-            "`powerlib overlap search` first"
-        ) from err
-    except ValueError as err:
-        raise PlanError(f"{source}: not valid JSON: {err}") from err
+    if not path.exists():
+        raise PlanError(f"{source}: no study here; run `powerlib overlap search` first")
+    data = load_json_file(path, what="study", error=PlanError)
     if not isinstance(data, dict) or data.get("schema") != STUDY_SCHEMA:
         got = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise PlanError(f"{source}: schema is {got!r}, expected {STUDY_SCHEMA!r}")
