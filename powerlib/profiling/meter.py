@@ -4,21 +4,128 @@ Most GPUs (NVIDIA Volta and newer, AMD MI-series) and every RAPL domain have an 
 an instruction's energy is the difference of two reads. A device that only reports power gets
 the fallback: a sampler thread reads ``power_w`` every ``sample_period_s`` and integrates it
 (rectangle rule, extended to the moment of the read), so a read costs no driver call.
+
+A counter publishes a new value only every so often (NVML and the simulator: about every 100 ms),
+so the difference of two reads taken closer together than that is mostly zero or one whole update.
+The meter therefore also watches its own reads: how often the value changed between two reads
+tells how often the counter updates (:meth:`EnergyMeter.resolution`,
+:func:`estimate_counter_period_s`), and from that period, an instruction's length and the number
+of samples, :func:`energy_error` bounds how well the profile resolves the instruction's energy.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from powerlib.device import Device
 from powerlib.errors import NotSupportedError, PowerlibError
 
-__all__ = ["EnergyMeter"]
+__all__ = ["CounterResolution", "EnergyMeter", "energy_error", "estimate_counter_period_s"]
 
 logger = logging.getLogger(__name__)
+
+MIN_INTERVALS = 8
+"""Read intervals below which the counter's period is not estimated."""
+
+
+@dataclass(frozen=True, slots=True)
+class CounterResolution:
+    """How finely a device's energy counter moved under the meter's reads.
+
+    Attributes:
+        intervals: Intervals between consecutive reads (of positive length).
+        changes: Of those, how many saw the counter move.
+        period_s: Estimated update period of the counter (see
+            :func:`estimate_counter_period_s`); ``None`` when energy is integrated from power
+            or too few reads were made.
+        at_most: ``period_s`` is an upper bound (every read saw a new value).
+    """
+
+    intervals: int
+    changes: int
+    period_s: float | None
+    at_most: bool = False
+
+    def to_json(self) -> dict[str, object]:
+        """``{"intervals", "changes", "period_s", "at_most"}``."""
+        return {
+            "intervals": self.intervals,
+            "changes": self.changes,
+            "period_s": self.period_s,
+            "at_most": self.at_most,
+        }
+
+
+def estimate_counter_period_s(
+    intervals_s: Sequence[float], changes: int
+) -> tuple[float, bool] | None:
+    """The update period of a counter from how often it moved between reads.
+
+    A counter that updates every ``P`` seconds, read twice ``L`` apart at a random phase, moves
+    with probability ``min(1, L / P)``; the estimate is the ``P`` at which the expected number
+    of moves equals ``changes``.
+
+    Args:
+        intervals_s: Times between consecutive reads (positive).
+        changes: How many of them saw the value change.
+
+    Returns:
+        ``(period_s, at_most)``: when every interval saw a change the period is only known to
+        be at most the shortest interval (``at_most``); when none did, at least their sum (then
+        ``period_s`` is that sum). ``None`` for fewer than :data:`MIN_INTERVALS` intervals.
+    """
+    lengths = [length for length in intervals_s if length > 0]
+    if len(lengths) < MIN_INTERVALS:
+        return None
+    total_s = math.fsum(lengths)
+    if changes <= 0:
+        return total_s, False
+    if changes >= len(lengths):
+        return min(lengths), True
+
+    def expected(period_s: float) -> float:
+        return math.fsum(min(1.0, length / period_s) for length in lengths)
+
+    lo, hi = min(lengths), total_s  # expected(lo) = all intervals, expected(hi) <= 1 <= changes
+    for _ in range(100):  # bisection in log space: the period spans decades
+        mid = math.sqrt(lo * hi)
+        if expected(mid) > changes:
+            lo = mid
+        else:
+            hi = mid
+        if hi / lo < 1.0 + 1e-6:
+            break
+    return math.sqrt(lo * hi), False
+
+
+def energy_error(time_s: float, period_s: float, samples: int) -> float:
+    """Bound on the relative standard error of a mean instruction energy read off a counter.
+
+    An instruction of ``time_s`` spans ``r = time_s / period_s`` counter updates on average, but
+    sees a whole number of them each time, at a random phase: ``floor(r)`` or one more, whose
+    standard deviation is at most one half, and at most ``sqrt(r)`` when ``r < 1`` (mostly
+    none, sometimes one). Over ``samples`` independent samples the error of the mean is at most
+    ``min(0.5, sqrt(r)) / (r * sqrt(samples))`` of the energy.
+
+    Args:
+        time_s: The instruction's (mean) time.
+        period_s: The counter's update period.
+        samples: How many times it was measured.
+
+    Returns:
+        The bound, as a fraction (``inf`` for a zero time or no samples).
+    """
+    if time_s <= 0 or samples <= 0:
+        return math.inf
+    if period_s <= 0:
+        return 0.0
+    updates = time_s / period_s
+    return min(0.5, math.sqrt(updates)) / (updates * math.sqrt(samples))
 
 
 class EnergyMeter:
@@ -50,6 +157,9 @@ class EnergyMeter:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_read: tuple[float, float] | None = None  # (time, value) of the latest read
+        self._intervals_s: list[float] = []
+        self._changes = 0
         if not self.integrated:
             return
         if state.power_w is None:
@@ -65,14 +175,38 @@ class EnergyMeter:
         self._thread = threading.Thread(target=self._sample, name="powerlib-power", daemon=True)
         self._thread.start()
 
-    def read_j(self) -> float:
-        """Cumulative energy now (only differences are meaningful)."""
+    def read_j(self, at_s: float | None = None) -> float:
+        """Cumulative energy now (only differences are meaningful).
+
+        Args:
+            at_s: The caller's clock reading for this read (default: the meter reads its
+                clock); used to watch the counter's resolution.
+        """
         if not self.integrated:
+            now = self._clock() if at_s is None else at_s
             energy = self._device.read_state().energy_j
             assert energy is not None
+            last = self._last_read
+            if last is not None and now > last[0]:
+                self._intervals_s.append(now - last[0])
+                if energy != last[1]:
+                    self._changes += 1
+            self._last_read = (now, energy)
             return energy
         with self._lock:
             return self._energy_j + self._last_w * (self._clock() - self._last_t)
+
+    def resolution(self) -> CounterResolution:
+        """How often the counter moved between this meter's reads so far, and its period."""
+        if self.integrated:  # a model of power over time: no update steps to resolve
+            return CounterResolution(intervals=0, changes=0, period_s=None)
+        estimate = estimate_counter_period_s(self._intervals_s, self._changes)
+        return CounterResolution(
+            intervals=len(self._intervals_s),
+            changes=self._changes,
+            period_s=None if estimate is None else estimate[0],
+            at_most=False if estimate is None else estimate[1],
+        )
 
     def close(self) -> None:
         """Stop the sampler (if any). Idempotent."""

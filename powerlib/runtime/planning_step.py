@@ -1,9 +1,16 @@
 """What rank 0 does between the gather and the broadcast: profiles in, plan JSON out.
 
 Pure apart from writing the output files: merges the ranks' profiles (time = max, energy = mean
-per stage), picks P_block, computes the Perseus frontier, selects the plan by policy (with the
-zero-slowdown guard for ``fastest``), and writes ``profile.csv``, ``frontier.csv``, ``plan.json``
-and ``summary.json`` to the output directory.
+per stage), checks that the energy counter resolved every instruction (:func:`check_resolution`),
+picks P_block, computes the Perseus frontier, selects the plan by policy (with the slowdown guard
+for ``fastest`` and ``deadline``), refuses a plan that would not pay (:func:`plan_objection`), and
+writes ``profile.csv``, ``frontier.csv``, ``plan.json`` and ``summary.json`` to the output
+directory.
+
+When the profile cannot resolve per-instruction energy, or the chosen plan would cost more energy
+than all maximum clocks (or run past the allowed slowdown), rank 0 returns ``{"baseline": reason}``
+instead of a plan: every session then runs at the baseline clocks, and rank 0 says why in one
+warning line.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.errors import BackendUnavailableError, PlanError
-from powerlib.planning.perseus.frontier import POLICIES, compute_frontier
+from powerlib.planning.perseus.cost_model import Option
+from powerlib.planning.perseus.frontier import POLICIES, Frontier, compute_frontier
 from powerlib.planning.perseus.report import plot_frontier, summary, write_frontier_csv
 from powerlib.planning.pipeline import (
     PLACEMENTS,
@@ -29,13 +37,17 @@ from powerlib.planning.pipeline import (
 )
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile, ProfileRow
+from powerlib.profiling.meter import energy_error
 from powerlib.profiling.sweep import aggregate_stage_rows
 
 __all__ = [
+    "MAX_ENERGY_ERROR",
     "PlanSpec",
     "auto_unit_time_s",
+    "check_resolution",
     "make_plan",
     "merge_profiles",
+    "plan_objection",
     "rows_from_payload",
     "rows_to_payload",
     "write_profile",
@@ -45,6 +57,10 @@ logger = logging.getLogger(__name__)
 
 RECORDED = "recorded"
 """The schedule name that means: plan on the order the hooks recorded, there is no other."""
+
+MAX_ENERGY_ERROR = 0.05
+"""The largest relative error (bound on the standard error, :func:`energy_error`) of a profiled
+instruction energy the planner accepts: adjacent clocks differ by a few percent of energy."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,9 +174,144 @@ def merge_profiles(payloads: list[dict[str, Any]]) -> tuple[list[ProfileRow], fl
     return rows, (gap_j / gap_s if gap_s > 0 and gap_j > 0 else None)
 
 
+def _fmt_s(time_s: float) -> str:
+    return f"{time_s * 1e3:.3g} ms" if time_s < 1.0 else f"{time_s:.3g} s"
+
+
+def check_resolution(rows: list[ProfileRow], payloads: list[dict[str, Any]]) -> str | None:
+    """Why the gathered profile cannot resolve per-instruction energy, or ``None`` if it can.
+
+    Two signs, both of an energy counter that publishes more coarsely than the instructions
+    last: a profiled (stage, kind, clock) whose energy is zero (the counter never moved during
+    it), or one whose mean energy is known to worse than :data:`MAX_ENERGY_ERROR`, from the
+    counter period each rank's meter observed (``payload["counter"]``, the coarsest rank of the
+    stage counts), the instruction's time and the number of samples (``payload["samples"]``;
+    :func:`~powerlib.profiling.meter.energy_error`). A counter that moved between every two
+    reads, and payloads without these fields (older callers), are only checked for zero energy.
+
+    Args:
+        rows: The merged rows (:func:`merge_profiles`).
+        payloads: What the ranks sent.
+
+    Returns:
+        One line naming the worst case and what to change, or ``None``.
+    """
+    still = [r for r in rows if r.energy_j <= 0]
+    if still:
+        first = still[0]
+        return (
+            f"the energy counter did not move during {len(still)} of {len(rows)} profiled "
+            f"(stage, kind, clock) cases, e.g. stage {first.stage} {first.instruction} at "
+            f"{first.freq_mhz:g} MHz ({_fmt_s(first.time_s)}): the device publishes energy more "
+            "coarsely than the instructions last, so the profile cannot resolve per-instruction "
+            "energy; profile longer instructions (larger microbatches)"
+        )
+    period_s: dict[int, float] = {}
+    samples: dict[tuple[int, str, float], int] = {}
+    for p in payloads:
+        stage = int(p.get("stage", 0))
+        counter = p.get("counter") or {}
+        # A counter that moved between every two reads is finer than the reads can tell (only
+        # "at most the shortest interval" is known): no evidence against it.
+        if counter.get("period_s") is not None and not counter.get("at_most"):
+            period_s[stage] = max(period_s.get(stage, 0.0), float(counter["period_s"]))
+        for kind, freq, n in p.get("samples", ()):
+            key = (stage, str(kind), float(freq))
+            samples[key] = samples.get(key, 0) + int(n)
+    # The planner fits each (stage, kind)'s energy over all its clocks (the exponential cost
+    # model), so what must be resolved is that curve: the rows' errors pool over the clocks.
+    errors: dict[tuple[int, str], list[tuple[float, ProfileRow, int]]] = {}
+    for r in rows:
+        n = samples.get((r.stage, r.instruction, r.freq_mhz))
+        if r.stage in period_s and n:
+            error = energy_error(r.time_s, period_s[r.stage], n)
+            errors.setdefault((r.stage, r.instruction), []).append((error, r, n))
+    worst: tuple[float, tuple[int, str]] | None = None
+    coarse = 0
+    for pair, cases in errors.items():
+        pooled = math.sqrt(math.fsum(e * e for e, _, _ in cases)) / len(cases)
+        if pooled > MAX_ENERGY_ERROR:
+            coarse += 1
+            if worst is None or pooled > worst[0]:
+                worst = (pooled, pair)
+    if worst is None:
+        return None
+    pooled, (stage, kind) = worst
+    cases = errors[(stage, kind)]
+    times_s = sorted(r.time_s for _, r, _ in cases)
+    lasts = _fmt_s(times_s[0]) + ("" if len(times_s) == 1 else f" to {_fmt_s(times_s[-1])}")
+    n = min(n for _, _, n in cases)
+    more = math.ceil((pooled / MAX_ENERGY_ERROR) ** 2)
+    return (
+        f"the energy counter cannot resolve per-instruction energy: it updates about every "
+        f"{_fmt_s(period_s[stage])}, but stage {stage} {kind} lasts {lasts}, so its energy over "
+        f"{len(cases)} clocks x {n} samples is known to +-{100 * pooled:.0f} % "
+        f"({coarse} of {len(errors)} profiled (stage, kind) worse than "
+        f"+-{100 * MAX_ENERGY_ERROR:.0f} %); profile longer instructions (larger microbatches), "
+        f"more clocks, or about {more}x the measured iterations per clock"
+    )
+
+
+def plan_objection(
+    frontier: Frontier,
+    options: list[Option],
+    *,
+    policy: str,
+    max_slowdown: float,
+    switch_latency_s: float,
+    deadline_s: float | None,
+) -> str | None:
+    """Why the chosen plan must not be applied, or ``None``.
+
+    The plan is replayed on the measured profile with the switch latency (what
+    :meth:`Frontier.realized` predicts); it is refused when it would spend more energy per
+    iteration than all maximum clocks at the same iteration time, or, for ``fastest`` and
+    ``deadline``, take longer than the allowed slowdown over all-max (``fastest``) or the
+    deadline (``deadline``).
+
+    Args:
+        frontier: The frontier the plan comes from.
+        options: The per-instruction options that would be applied.
+        policy: The policy that chose them.
+        max_slowdown: The allowed slowdown, as a fraction.
+        switch_latency_s: Clock-change latency of the replay.
+        deadline_s: T′ for ``deadline``.
+
+    Returns:
+        One line with the predicted and the allowed figures, or ``None``.
+    """
+    realized = frontier.realized(options, switch_latency_s)
+    base = frontier.baseline(realized.time_s)
+    if realized.energy_j > base.energy_j * (1.0 + 1e-9):
+        return (
+            f"the {policy} plan would spend {realized.energy_j:.6g} J per iteration, "
+            f"{100.0 * (realized.energy_j / base.energy_j - 1.0):.2f} % more than all maximum "
+            f"clocks ({base.energy_j:.6g} J at the same iteration time; replayed on the profile)"
+        )
+    if policy in ("fastest", "deadline"):
+        reference_s = frontier.baseline_time_s if policy == "fastest" else deadline_s
+        assert reference_s is not None
+        allowed_s = reference_s * (1.0 + max_slowdown)
+        if realized.time_s > allowed_s * (1.0 + 1e-12):
+            what = "all maximum clocks" if policy == "fastest" else "the deadline"
+            return (
+                f"the {policy} plan would take {realized.time_s:.6g} s per iteration, past the "
+                f"allowed {allowed_s:.6g} s ({what}, {reference_s:.6g} s, + max_slowdown "
+                f"{100.0 * max_slowdown:g} %; replayed on the profile)"
+            )
+    return None
+
+
 def write_profile(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rank 0 in ``profile`` mode: merge the profiles and write ``profile.csv``; no plan."""
+    """Rank 0 in ``profile`` mode: merge the profiles and write ``profile.csv``; no plan.
+
+    A profile that cannot resolve per-instruction energy (:func:`check_resolution`) is not
+    written; the result carries the reason (``"baseline"``).
+    """
     rows, p_block_w = merge_profiles(payloads)
+    reason = check_resolution(rows, payloads) if rows else None
+    if reason is not None:
+        return {"profile_only": True, "p_block_w": p_block_w, "baseline": reason}
     if spec.out_dir is not None and rows:
         spec.out_dir.mkdir(parents=True, exist_ok=True)
         Profile(rows, source=GATHERED).write_csv(spec.out_dir / "profile.csv")
@@ -224,21 +375,24 @@ def _schedule_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> tuple[Sched
 def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0: merge the profiles, plan, write the files, and return the plan JSON.
 
-    Each payload: ``{"stage": s, "rows": [...], "gap_time_s": ..., "gap_energy_j": ...}`` (time
-    and energy between instructions, for P_block); or, for a saved
-    profile, ``{"profile_path": ...}`` on rank 0; or, for a saved plan, ``{"plan_path": ...}``.
+    Each payload: ``{"stage": s, "rows": [...], "gap_time_s": ..., "gap_energy_j": ...,
+    "counter": {...}, "samples": [[kind, freq_mhz, n], ...]}`` (time and energy between
+    instructions, for P_block; the meter's counter resolution and the samples per row, for
+    :func:`check_resolution`); or, for a saved profile, ``{"profile_path": ...}`` on rank 0; or,
+    for a saved plan, ``{"plan_path": ...}`` (checked against the session's workload by the
+    session).
+
+    Returns:
+        The plan JSON (with ``planner_summary``), or ``{"baseline": reason}`` when the profile
+        cannot resolve per-instruction energy or the chosen plan would not pay
+        (:func:`plan_objection`): then no ``plan.json`` is written.
 
     Raises:
         PlanError: Incomplete or malformed profiles, or a plan the policy cannot meet.
     """
     first = payloads[0]
     if "plan_path" in first:
-        plan = FrequencyPlan.read(first["plan_path"])
-        if plan.num_stages != spec.num_stages:
-            raise PlanError(
-                f"{first['plan_path']}: the plan has {plan.num_stages} stage(s), the job {spec.num_stages}"
-            )
-        return plan.to_json()
+        return FrequencyPlan.read(first["plan_path"]).to_json()
     if "profile_path" in first:
         profile = Profile.read(first["profile_path"])
         measured_p_block: list[float] = []
@@ -246,16 +400,9 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
         rows, measured = merge_profiles(payloads)
         if not rows:
             raise PlanError("no rank measured any instruction: was the session's step() called?")
-        still = [r for r in rows if r.energy_j <= 0]
-        if still:
-            first = still[0]
-            raise PlanError(
-                f"the energy counter did not move during {len(still)} of {len(rows)} profiled "
-                f"(stage, kind, clock) cases, e.g. stage {first.stage} {first.instruction} at "
-                f"{first.freq_mhz:g} MHz ({first.time_s * 1e3:.3g} ms): the device publishes "
-                "energy more coarsely than the instructions last; raise iterations_per_freq, "
-                "or profile larger microbatches"
-            )
+        reason = check_resolution(rows, payloads)
+        if reason is not None:
+            return {"baseline": reason}
         profile = Profile(rows, source=GATHERED)
         measured_p_block = [] if measured is None else [measured]
     profile.validate_for(spec.num_stages, ())  # kinds: checked against the order
@@ -321,6 +468,16 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
         max_slowdown=spec.max_slowdown if guarded is not None else None,
         switch_latency_s=spec.switch_latency_s,
     )
+    objection = plan_objection(
+        frontier,
+        frontier.planned_options(chosen) if guarded is None else guarded,
+        policy=spec.policy,
+        max_slowdown=spec.max_slowdown,
+        switch_latency_s=spec.switch_latency_s,
+        deadline_s=deadline_s,
+    )
+    if objection is not None:
+        info["refused"] = objection
     plan = frontier.plan_json(
         chosen,
         policy=spec.policy,
@@ -343,13 +500,20 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         profile.write_csv(out / "profile.csv")
         write_frontier_csv(frontier, out / "frontier.csv")
-        (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
+        if objection is None:  # a refused plan is not left where `mode="apply"` could pick it up
+            (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
         (out / "summary.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
-        _say(spec, f"profile, frontier, plan and summary written to {out}/")
+        _say(
+            spec,
+            f"profile, frontier, {'plan and ' if objection is None else ''}summary written to "
+            f"{out}/",
+        )
         if spec.plot:
             try:
                 plot_frontier(frontier, chosen, out / "frontier.png")
             except BackendUnavailableError as err:
                 _say(spec, f"no frontier.png: {err}")
+    if objection is not None:
+        return {"baseline": objection}
     plan["planner_summary"] = info
     return plan

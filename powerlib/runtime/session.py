@@ -28,6 +28,17 @@ path (normal exit, exception, SIGTERM/SIGHUP, atexit; a killed process by the ne
 
 Instructions are keyed by ``(stage, chunk, microbatch, kind)``.
 
+Refusals happen at the ``with`` line, before any change: a saved plan made for another workload
+(stages, microbatches, schedule, chunks; :meth:`FrequencyPlan.check_workload
+<powerlib.planning.plan.FrequencyPlan.check_workload>`), and a device another session already
+holds (the session takes the device's lock when it is entered, so a second session on the same
+device, in this process or another, gets :class:`~powerlib.errors.DeviceBusyError` there instead
+of fighting the first one's clocks). The hooks refuse to run outside the ``with`` block. After
+profiling, a profile that cannot resolve per-instruction energy, or a plan that would spend more
+energy than all maximum clocks or run past the allowed slowdown, is not applied: rank 0 says why
+in one warning line and every rank runs at the baseline clocks
+(:mod:`powerlib.runtime.planning_step`).
+
 A Kareus overlap plan (instructions with ``execution``/``overlap`` fields) also loads
 :attr:`Session.overlap` (:class:`~powerlib.runtime.overlap.Overlap`) for this rank's stage when
 the plan arrives: the session's instruction hooks drive it, so an integration asks
@@ -51,7 +62,7 @@ from typing import Any
 from powerlib.config import Settings
 from powerlib.control import ControlSession
 from powerlib.device import Backend, Device
-from powerlib.errors import InvalidArgumentError, PlanError
+from powerlib.errors import DeviceBusyError, InvalidArgumentError, PlanError, PowerlibError
 from powerlib.planning.pipeline import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.profiling.meter import EnergyMeter
@@ -86,10 +97,12 @@ _KINDS = {
 }
 
 # phases
+_NOT_STARTED = "not started"
 _PROFILE = "profile"
 _AWAIT = "awaiting-plan"
 _APPLY = "apply"
 _DONE = "done"  # nothing more to do (profile mode finished, or disabled after a problem)
+_CLOSED = "closed"
 
 
 def _kind(kind: str) -> str:
@@ -118,12 +131,13 @@ class Session:
         num_microbatches: Microbatches per iteration.
         mode: ``auto``, ``profile``, ``plan`` or ``apply``.
         stage: This rank's pipeline stage; default: the rank, when there is one rank per stage.
-        schedule: ``1f1b``, ``gpipe``, ``interleaved``, or ``recorded`` (plan only on the order
-            the hooks record while profiling: zero-bubble and V schedules).
-        num_chunks: Model chunks per stage (interleaved, V schedules).
-        placement: ``looped`` or ``v``: which model pieces a stage's chunks hold (see
+        schedule: ``1f1b`` (default), ``gpipe``, ``interleaved``, or ``recorded`` (plan only on
+            the order the hooks record while profiling: zero-bubble and V schedules).
+        num_chunks: Model chunks per stage (interleaved, V schedules); default 1.
+        placement: ``looped`` (default) or ``v``: which model pieces a stage's chunks hold (see
             :mod:`powerlib.planning.pipeline`). Integrations set schedule, chunks and placement
-            through :meth:`set_layout` when they know them.
+            through :meth:`set_layout` when they know them. A saved plan (``apply`` mode) is
+            checked against the ones given here or through :meth:`set_layout`.
         backend: A :class:`Backend`, a backend name, or ``None`` (``POWERLIB_BACKEND``).
         device: The device (index, id or :class:`Device`); default ``LOCAL_RANK`` or 0.
         policy: ``fastest`` (no slowdown), ``deadline`` or ``min-energy``.
@@ -166,9 +180,9 @@ class Session:
         num_microbatches: int,
         mode: str = "auto",
         stage: int | None = None,
-        schedule: str = "1f1b",
-        num_chunks: int = 1,
-        placement: str = "looped",
+        schedule: str | None = None,
+        num_chunks: int | None = None,
+        placement: str | None = None,
         backend: Backend | str | None = None,
         device: int | str | Device | None = None,
         policy: str = "fastest",
@@ -225,12 +239,14 @@ class Session:
             "stop_after_rises": stop_after_rises,
         }
         self._freqs_arg = freqs_mhz
+        layout = {"schedule": schedule, "num_chunks": num_chunks, "placement": placement}
+        self._layout_given = {name for name, value in layout.items() if value is not None}
         self.spec = PlanSpec(
             num_stages=num_stages,
             num_microbatches=num_microbatches,
-            schedule=schedule,
-            num_chunks=num_chunks,
-            placement=placement,
+            schedule="1f1b" if schedule is None else schedule,
+            num_chunks=1 if num_chunks is None else num_chunks,
+            placement="looped" if placement is None else placement,
             policy=policy,
             deadline_s=deadline_s,
             deadline_ratio=deadline_ratio,
@@ -249,9 +265,12 @@ class Session:
         self.control: ControlSession | None = None
         self.controller: FrequencyController | None = None
         self.plan: FrequencyPlan | None = None
-        self.phase = "not started"
+        self.phase = _NOT_STARTED
+        self._active = False  # inside the with block (the hooks refuse to run otherwise)
+        self.rank = 0
         self.iteration = 0
         self.recorder = ProfileRecorder()
+        self._sample_counts: dict[tuple[str, float], int] = {}
         self._own_backend: Backend | None = None
         self._idle_power_w: float | None = None
         self._meter: EnergyMeter | None = None
@@ -280,11 +299,19 @@ class Session:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def __enter__(self) -> Session:
+        if self.phase is not _NOT_STARTED:
+            raise InvalidArgumentError(
+                "this session was already entered"
+                + (" and has ended" if self.phase is _CLOSED else " and is running")
+                + "; a session is entered once: make a new one with powerlib.optimize(...)"
+            )
         try:
             self._open_session()
+            self._claim_device()
         except BaseException:
             self._close()
             raise
+        self._active = True
         return self
 
     def __exit__(
@@ -361,7 +388,39 @@ class Session:
             self._plan_future = future
             self._try_plan(strict=True)  # a bad plan or profile fails here, before any change
 
+    def _claim_device(self) -> None:
+        """Take the device's lock now, so a second session on it fails at its ``with`` line.
+
+        The lock comes with the first change the session journals; without this, that would
+        be the first clock change inside a hook, where a busy device can only degrade the
+        session (and another session's clocks would be reset under it). Resetting the SM
+        clocks is that first change: the baseline every mode starts from, restored at exit.
+        Only :class:`DeviceBusyError` is raised; a driver that refuses the reset is left to
+        the first clock change, which warns once and leaves training alone.
+
+        Raises:
+            DeviceBusyError: Another session, in this process or another, holds the device.
+        """
+        assert self.control is not None and self.device is not None
+        if not self.control.backend.persistent:
+            return  # nothing is journaled or locked (the emulator)
+        try:
+            self.control.reset_sm_clocks(self.device)
+        except DeviceBusyError:
+            raise
+        except PowerlibError as err:
+            logger.info("could not reset the clocks of %s at the start: %s", self.device, err)
+
+    def _refuse_outside(self, call: str) -> None:
+        """Raise: a hook was called before ``__enter__`` or after ``__exit__``."""
+        when = "before it was entered" if self.phase is _NOT_STARTED else "after it ended"
+        raise InvalidArgumentError(
+            f"session.{call}() was called {when}: call the session's hooks inside "
+            "`with powerlib.optimize(...) as session:`"
+        )
+
     def _close(self) -> None:
+        self._active = False
         if self.controller is not None:
             self.controller.close()
         if self._meter is not None:
@@ -371,8 +430,8 @@ class Session:
         if self._own_backend is not None:
             self._own_backend.close()
             self._own_backend = None
-        if self.phase != "not started":
-            self.phase = "closed"
+        if self.phase is not _NOT_STARTED:
+            self.phase = _CLOSED
 
     def set_layout(
         self,
@@ -390,23 +449,38 @@ class Session:
 
         Raises:
             InvalidArgumentError: An instruction already ran, or the layout is invalid.
+            PlanError: The saved plan being applied was made for another layout (nothing was
+                changed).
         """
         if self.iteration or self._pos:
             raise InvalidArgumentError("set_layout must be called before the first instruction")
         import dataclasses  # noqa: PLC0415
 
         changes = {"schedule": schedule, "num_chunks": num_chunks, "placement": placement}
+        given: dict[str, Any] = {k: v for k, v in changes.items() if v is not None}
         try:
-            self.spec = dataclasses.replace(
-                self.spec, **{k: v for k, v in changes.items() if v is not None}
-            )
+            self.spec = dataclasses.replace(self.spec, **given)
         except PlanError as err:
             raise InvalidArgumentError(str(err)) from None
+        self._layout_given |= set(given)
+        if self.mode == "apply" and self.plan is not None:
+            try:
+                self._check_workload(self.plan)
+            except PlanError:
+                self.plan, self.phase, self._checking = None, _DONE, False  # nothing was applied
+                raise
 
     # -- hooks -----------------------------------------------------------------------------------
 
     def begin(self, kind: str, microbatch: int = 0, chunk: int = 0) -> None:
-        """An instruction starts (call right before launching its work)."""
+        """An instruction starts (call right before launching its work).
+
+        Raises:
+            InvalidArgumentError: Called outside the session's ``with`` block, or an unknown
+                ``kind``.
+        """
+        if not self._active:
+            self._refuse_outside("begin")
         if self._pos == 0 and (not self._started or self._vote is not None or self.phase is _AWAIT):
             self.start_iteration()
         if self.overlap.schedule is not None:
@@ -425,7 +499,7 @@ class Session:
         elif phase is _PROFILE:
             self._sync()
             t = self._clock()
-            e = self._meter.read_j()  # type: ignore[union-attr]
+            e = self._meter.read_j(t)  # type: ignore[union-attr]
             if self._last_end is not None:
                 self.recorder.add_gap(t - self._last_end[0], e - self._last_end[1])
             self._open = (_kind(kind), t, e)
@@ -433,7 +507,13 @@ class Session:
             self._pos += 1
 
     def end(self) -> None:
-        """The instruction started last ends (call after its work is issued)."""
+        """The instruction started last ends (call after its work is issued).
+
+        Raises:
+            InvalidArgumentError: Called outside the session's ``with`` block.
+        """
+        if not self._active:
+            self._refuse_outside("end")
         self.overlap.end()
         if self.phase is _APPLY:
             if self._prefetch and not self._checking:
@@ -447,13 +527,15 @@ class Session:
             return
         self._sync()
         t = self._clock()
-        e = self._meter.read_j()  # type: ignore[union-attr]
+        e = self._meter.read_j(t)  # type: ignore[union-attr]
         kind, t0, e0 = self._open
         self._open = None
         self._last_end = (t, e)
         assert self._sweep is not None
         if self._sweep.measuring:
-            self.recorder.add(kind, self._sweep.freq_mhz, t - t0, e - e0)
+            freq = self._sweep.freq_mhz
+            self.recorder.add(kind, freq, t - t0, e - e0)
+            self._sample_counts[(kind, freq)] = self._sample_counts.get((kind, freq), 0) + 1
             self._iter_energy += e - e0
 
     def _request(self, freq_mhz: float) -> None:
@@ -465,7 +547,11 @@ class Session:
 
     @contextlib.contextmanager
     def instruction(self, kind: str, microbatch: int = 0, chunk: int = 0) -> Iterator[None]:
-        """``with session.instruction("forward", microbatch=3): ...`` = begin + end."""
+        """``with session.instruction("forward", microbatch=3): ...`` = begin + end.
+
+        Raises:
+            InvalidArgumentError: Used outside the session's ``with`` block.
+        """
         self.begin(kind, microbatch, chunk)
         try:
             yield
@@ -478,7 +564,12 @@ class Session:
         Resolves what the ranks agreed at the last :meth:`step` and sets the clock for the
         iteration. Calling it again before the first instruction retries pending agreements
         (the emulator, driving every rank from one thread, relies on that).
+
+        Raises:
+            InvalidArgumentError: Called outside the session's ``with`` block.
         """
+        if not self._active:
+            self._refuse_outside("start_iteration")
         self._started = True
         if self.phase is _PROFILE:
             self._advance_sweep()
@@ -486,7 +577,13 @@ class Session:
             self._try_plan(strict=False)
 
     def step(self) -> None:
-        """One training iteration ended (after the optimizer step)."""
+        """One training iteration ended (after the optimizer step).
+
+        Raises:
+            InvalidArgumentError: Called outside the session's ``with`` block.
+        """
+        if not self._active:
+            self._refuse_outside("step")
         if not self._started:
             self.start_iteration()
         phase = self.phase
@@ -562,6 +659,9 @@ class Session:
             "gap_energy_j": self.recorder.gap_energy_j,
             "order": [list(k) for k in self._recorded_order],  # what the loop really ran
             "idle_power_w": self._idle_power_w,
+            # how finely the energy counter moved, for the planner's resolution check
+            "counter": self._meter.resolution().to_json() if self._meter is not None else None,
+            "samples": [[k, f, n] for (k, f), n in self._sample_counts.items()],
         }
         plan_fn = self._profile_only_fn if self.mode == "profile" else self._plan_fn
         self._plan_future = self._coordinator.exchange(payload, plan_fn)  # type: ignore[union-attr]
@@ -586,7 +686,7 @@ class Session:
         except PlanError as err:
             if strict:
                 raise
-            self._disable(f"planning failed: {err}")
+            self._disable(f"planning failed: {err}", job_wide=True)
             return
         if result is None:
             return
@@ -594,13 +694,24 @@ class Session:
         if result.get("profile_only"):
             self.profile_result = result
             self.phase = _DONE
+            if result.get("baseline"):
+                self._disable(f"{result['baseline']}; no profile written", job_wide=True)
+            return
+        if result.get("baseline"):  # rank 0 refused to plan, or refused the plan it made
+            self._disable(
+                f"{result['baseline']}; running at the baseline clocks, no plan applied",
+                job_wide=True,
+            )
             return
         source = str(self._plan_path) if self.mode == "apply" else "the plan"
         try:
             plan = FrequencyPlan.from_json(result, source=source)
-            if plan.num_stages != self.spec.num_stages:
+            if self.mode == "apply":
+                self._check_workload(plan)
+            elif plan.num_stages != self.spec.num_stages:  # pragma: no cover - made for the job
                 raise PlanError(
-                    f"{plan.source}: {plan.num_stages} stage(s), the job has {self.spec.num_stages}"
+                    f"{plan.source}: the plan has {plan.num_stages} stages, the session has "
+                    f"{self.spec.num_stages}"
                 )
             if plan_has_overlap(plan):
                 # Before any per-rank check: on NCCL this creates communicators, a collective
@@ -623,6 +734,17 @@ class Session:
             f"applying the {plan.summary.get('policy', '')} plan from iteration {self.iteration}"
         )
 
+    def _check_workload(self, plan: FrequencyPlan) -> None:
+        """A saved plan must be for this session's workload (the layout where it was given)."""
+        spec, given = self.spec, self._layout_given
+        plan.check_workload(
+            num_stages=spec.num_stages,
+            num_microbatches=spec.num_microbatches,
+            schedule=spec.schedule if "schedule" in given else None,
+            num_chunks=spec.num_chunks if "num_chunks" in given else None,
+            placement=spec.placement if "placement" in given else None,
+        )
+
     def _check(self, key: tuple[int, int, int, str]) -> None:
         pos = self._pos
         if pos >= len(self._expected):
@@ -642,7 +764,14 @@ class Session:
             f"({detail}); clocks reset, training continues unmanaged"
         )
 
-    def _disable(self, reason: str) -> None:
+    def _disable(self, reason: str, *, job_wide: bool = False) -> None:
+        """Stop managing the device: clocks reset, one warning.
+
+        Args:
+            reason: One line.
+            job_wide: Every rank gets the same reason (rank 0's planning verdict): only rank 0
+                warns, the others log it.
+        """
         self.phase = _DONE
         self._checking = False
         if self.controller is not None:
@@ -650,6 +779,9 @@ class Session:
         if not self._warned:
             self._warned = True
             message = f"powerlib: {reason}"
+            if job_wide and self.rank != 0:
+                logger.info(message)
+                return
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
