@@ -627,7 +627,10 @@ class SimulatedBackend(Backend):
 def _prepare_state_dir(path: Path) -> Path:
     """Create ``path`` (mode 0700) if needed and check that it is a writable real directory."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # The state folder itself is created 0700 too, not with the umask (it would be if
+        # mkdir(parents=True) made it on the way to simulated/).
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
     except OSError as err:
         raise ConfigError(
             f"cannot create the state directory {path}: {err.strerror}; set POWERLIB_STATE_DIR"

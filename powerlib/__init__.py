@@ -32,6 +32,7 @@ from powerlib.errors import (
     PermissionDeniedError,
     PlanError,
     PowerlibError,
+    UntrustedStateError,
 )
 from powerlib.registry import backend_names, open_backend, probe_backends
 
@@ -56,6 +57,7 @@ __all__ = [
     "PlanError",
     "PowerState",
     "PowerlibError",
+    "UntrustedStateError",
     "ProbeResult",
     "RestoreOutcome",
     "Session",

@@ -14,8 +14,9 @@ Environment variables:
 ``POWERLIB_SYSFS_ROOT``   Where sysfs is mounted (default ``/sys``). Point it at a bind mount
                           (containers mask powercap) or a fake tree (tests).
 ``POWERLIB_STATE_DIR``    Locks, journals and simulated-device state. Default: ``/run/powerlib``
-                          when writable (root), else ``$XDG_RUNTIME_DIR/powerlib``, else
-                          ``$TMPDIR/powerlib-<uid>``. Must be a local file system.
+                          when writable (root), else ``$XDG_RUNTIME_DIR/powerlib`` (when it
+                          is the user's own), else ``$TMPDIR/powerlib-<uid>``. Must be a local
+                          file system, owned by the user (or root) and writable by nobody else.
 ``POWERLIB_SIM_GPUS``     Number of simulated GPUs (default 4).
 ``POWERLIB_SIM_MODEL``    Simulated GPU model: ``a100`` (default), ``h100``, ``a40``.
 ``POWERLIB_SIM_CLOCK``    ``wall`` (default; state persists across processes) or ``virtual``
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -46,16 +48,29 @@ SIM_CLOCKS = ("wall", "virtual")
 def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
     """The state directory used when ``POWERLIB_STATE_DIR`` is not set.
 
-    ``/run`` is cleared at boot, exactly when device settings revert too, so a journal there never
-    outlives the state it describes.
+    ``/run/powerlib`` for root; else ``$XDG_RUNTIME_DIR/powerlib`` when that is a directory of
+    this user that nobody else can write (``sudo`` may carry another user's); else
+    ``$TMPDIR/powerlib-<uid>`` (normally ``/tmp/powerlib-<uid>``). ``/run`` is cleared at boot,
+    exactly when device settings revert too, so a journal there never outlives the state it
+    describes. The directory is created 0700 by the first session that needs it; one that
+    another user created or can write is refused (see :mod:`powerlib.journal`).
     """
     env = os.environ if environ is None else environ
     if os.geteuid() == 0 and os.access("/run", os.W_OK):
         return Path("/run/powerlib")
     runtime = env.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime) and os.access(runtime, os.W_OK):
+    if runtime and _is_private_dir(runtime) and os.access(runtime, os.W_OK):
         return Path(runtime) / "powerlib"
     return Path(tempfile.gettempdir()) / f"powerlib-{os.geteuid()}"
+
+
+def _is_private_dir(path: str) -> bool:
+    """True for a real directory of this user that nobody else can write (a runtime dir)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,6 +25,7 @@ the job keeps running.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import select
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -41,7 +42,14 @@ from typing import Any
 
 from powerlib.config import Settings
 from powerlib.device import Backend, Device
-from powerlib.errors import DeviceNotFoundError, InvalidArgumentError, PowerlibError
+from powerlib.errors import (
+    DeviceBusyError,
+    DeviceNotFoundError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    PowerlibError,
+    UntrustedStateError,
+)
 from powerlib.journal import (
     Change,
     DeviceLock,
@@ -52,14 +60,22 @@ from powerlib.journal import (
     device_key,
     iter_entries,
     now_s,
+    show_path,
 )
 from powerlib.registry import open_backend
 
-__all__ = ["ControlSession", "RestoreOutcome", "restore_device", "restore_journals"]
+__all__ = [
+    "ControlSession",
+    "RestoreOutcome",
+    "restore_device",
+    "restore_failure",
+    "restore_journals",
+]
 
 logger = logging.getLogger(__name__)
 
 _POWER_TOLERANCE_W = 1.0
+_CLOCK_TOLERANCE_MHZ = 0.5
 _HANDLED_SIGNALS = tuple(
     s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None
 )
@@ -78,6 +94,9 @@ class RestoreOutcome:
         target: The value restored to (``None`` = unlocked / default).
         journal: Journal file, when the restore came from one.
         owner_pid: The journal owner's pid.
+        error_code: When not ok, the CLI exit code of the failure (the README's table): the
+            driver's error (4, 5, 9, 10...), 11 for an unreadable journal, 12 for an untrusted
+            one, 1 for a device that still reads modified after the restore.
     """
 
     device_id: str
@@ -87,6 +106,7 @@ class RestoreOutcome:
     target: Any = None
     journal: str | None = None
     owner_pid: int | None = None
+    error_code: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON form."""
@@ -98,6 +118,7 @@ class RestoreOutcome:
             "target": self.target,
             "journal": self.journal,
             "owner_pid": self.owner_pid,
+            "error_code": self.error_code,
         }
 
 
@@ -106,12 +127,18 @@ def restore_device(
 ) -> list[RestoreOutcome]:
     """Put back every changed item of ``device`` (last changed first); never raises.
 
+    After a real restore the device is read again, and an item that does not read back as
+    restored (a driver that accepted the write but did not apply it) is reported as failed
+    (``error_code`` 1), so its journal is kept. Memory clock locks cannot be read back and are
+    not verified; neither is a power limit left alone because someone else changed it.
+
     Args:
         device: The device, opened by its backend.
         changes: What was changed, with the originals.
         dry_run: Say what would be done, change nothing.
     """
-    outcomes = []
+    outcomes: list[RestoreOutcome] = []
+    expected: dict[int, Any] = {}  # outcome index -> the value the item must read back as
     for change in reversed(changes):
         original = change.original
         try:
@@ -124,14 +151,19 @@ def restore_device(
                 if not dry_run:
                     if original is None:
                         device.reset_sm_clocks()
+                        expected[len(outcomes)] = None
                     else:
-                        device.lock_sm_clocks(float(original[0]), float(original[1]))
+                        expected[len(outcomes)] = device.lock_sm_clocks(
+                            float(original[0]), float(original[1])
+                        )
             elif change.item == "memory_clocks":
                 action = "unlock memory clocks"
                 if not dry_run:
                     device.reset_memory_clocks()
             else:
                 action = _restore_power_limit(device, change, dry_run)
+                if not dry_run and not action.startswith("left"):
+                    expected[len(outcomes)] = float(original)
             done = action if dry_run or action.startswith("left") else f"{action}: done"
             outcomes.append(
                 RestoreOutcome(
@@ -150,9 +182,53 @@ def restore_device(
                     action=f"failed: {err}",
                     ok=False,
                     target=original,
+                    error_code=err.exit_code,
                 )
             )
+    if expected:
+        _verify(device, outcomes, expected)
     return outcomes
+
+
+def _verify(device: Device, outcomes: list[RestoreOutcome], expected: dict[int, Any]) -> None:
+    """Re-read ``device``; turn each restored item that does not read back as such into a failure."""
+    try:
+        state = device.read_state()
+    except PowerlibError as err:
+        for i in expected:
+            outcomes[i] = dataclasses.replace(
+                outcomes[i],
+                ok=False,
+                action=f"{outcomes[i].action}, but reading the device back failed: {err}",
+                error_code=err.exit_code,
+            )
+        return
+    freqs = device.info.supported_sm_freqs_mhz
+    full_range = (freqs[0], freqs[-1]) if freqs else None
+    for i, want in expected.items():
+        if outcomes[i].item == "sm_clocks":
+            got = state.locked_sm_freqs_mhz
+            want_range = None if want is None or tuple(want) == full_range else tuple(want)
+            same = (got is None and want_range is None) or (
+                got is not None
+                and want_range is not None
+                and all(abs(a - b) <= _CLOCK_TOLERANCE_MHZ for a, b in zip(got, want_range))
+            )
+            shown = "unlocked" if got is None else "locked to {:g}-{:g} MHz".format(*got)
+        else:
+            got_w = state.power_limit_w
+            same = got_w is None or abs(got_w - want) <= _POWER_TOLERANCE_W  # None: cannot tell
+            shown = f"at {got_w:g} W" if got_w is not None else "unknown"
+        if not same:
+            outcomes[i] = dataclasses.replace(
+                outcomes[i],
+                ok=False,
+                action=(
+                    f"failed: {outcomes[i].action.removesuffix(': done')} was accepted, but the "
+                    f"device still reads {shown}: still modified"
+                ),
+                error_code=1,
+            )
 
 
 def _restore_power_limit(device: Device, change: Change, dry_run: bool) -> str:
@@ -180,18 +256,49 @@ def _backend_settings(backend: Backend) -> dict[str, Any]:
     return {"sysfs_root": str(s.sysfs_root), "sim_model": s.sim_model, "sim_gpus": s.sim_gpus}
 
 
-def _settings_for(entry: JournalEntry, base: Settings) -> Settings:
+#: Built-in backends that never read ``Settings.sysfs_root``: a journal's recorded sysfs root
+#: is irrelevant to them. Every other backend (sysfs, plug-ins) must match the invoking one.
+_SYSFS_FREE_BACKENDS = frozenset({"nvidia", "amd", "simulated"})
+
+
+def _settings_for(entry: JournalEntry, base: Settings, journal: Path) -> Settings:
+    """The settings to reopen ``entry``'s backend with: the invoking ones, never the journal's.
+
+    A journal names its backend and, for the simulated one, the model and count (which choose
+    files only inside the invoking state folder). It never chooses where a restore writes: the
+    state folder is always the invoking one, and so is the sysfs root.
+
+    Raises:
+        UntrustedStateError: The journal recorded a different sysfs root for a backend that
+            writes under it.
+    """
     saved = entry.backend_settings
-    return base.replace(
-        backend=entry.backend,
-        sysfs_root=Path(saved.get("sysfs_root", base.sysfs_root)),
-        sim_model=saved.get("sim_model", base.sim_model),
-        sim_gpus=int(saved.get("sim_gpus", base.sim_gpus)),
-        sim_clock="wall",
-        cuda_visible_devices=None,  # a restore must see every device to find this one
-        hip_visible_devices=None,
-        rocr_visible_devices=None,
-    )
+    recorded_root = saved.get("sysfs_root")
+    if (
+        recorded_root is not None
+        and entry.backend not in _SYSFS_FREE_BACKENDS
+        and Path(recorded_root) != base.sysfs_root
+    ):
+        raise UntrustedStateError(
+            f"refusing the journal {show_path(journal)}: it was written with the sysfs root "
+            f"{show_path(recorded_root)} but this restore uses {show_path(base.sysfs_root)}, and a "
+            "journal never chooses where a restore writes; run the restore with "
+            "POWERLIB_SYSFS_ROOT set to that root if it is the right one"
+        )
+    try:
+        return base.replace(
+            backend=entry.backend,
+            sim_model=saved.get("sim_model", base.sim_model),
+            sim_gpus=int(saved.get("sim_gpus", base.sim_gpus)),
+            sim_clock="wall",
+            cuda_visible_devices=None,  # a restore must see every device to find this one
+            hip_visible_devices=None,
+            rocr_visible_devices=None,
+        )
+    except PowerlibError as err:
+        raise JournalError(
+            f"journal {show_path(journal)} records unusable backend settings ({err}); left in place"
+        ) from err
 
 
 def restore_journals(
@@ -200,25 +307,51 @@ def restore_journals(
     include_live: bool = False,
     dry_run: bool = False,
     owner: Owner | None = None,
+    trusted_uids: Iterable[int] = (),
 ) -> list[RestoreOutcome]:
-    """Restore devices from the journals in ``settings.state_dir``; never raises for one journal.
+    """Restore devices from the journals in ``settings.state_dir``.
+
+    The state folder is checked first (see :meth:`StateDir.inspect`): a folder that is
+    untrusted, unreadable or not a folder raises, and nothing is done. A read-only one (which
+    cannot hold device locks nor lose restored journals) restores nothing either, and reports
+    each journaled item as a failed outcome. Otherwise each journal is read (trusted, bounded,
+    validated) and restored on its own; a journal that cannot be read or restored becomes a
+    failed outcome, and the others go on.
 
     Args:
-        settings: Where the state directory is; backends are reopened with the settings each
-            journal recorded.
+        settings: Where the state directory is, and the sysfs root; backends are reopened with
+            the backend, model and count each journal recorded, nothing else.
         include_live: Also restore journals whose owner still runs (``powerlib restore --all``).
         dry_run: Report what would be done; change nothing, delete nothing.
         owner: Only journals of this owner (the guardian).
+        trusted_uids: Owners of state folders and journals to trust besides the euid and root.
 
     Returns:
-        One outcome per item, plus journal-level outcomes (unreadable, skipped).
+        One outcome per item, plus journal-level outcomes (unreadable, refused, skipped). Empty
+        when the state folder does not exist or holds no journal.
+
+    Raises:
+        UntrustedStateError: The state folder (or the folder holding it) is untrusted.
+        ConfigError: The state path cannot be a folder.
+        PermissionDeniedError: The state folder cannot be listed.
     """
-    state = StateDir(settings.state_dir)
+    state = StateDir(settings.state_dir, trusted_uids=trusted_uids)
+    if not state.inspect():
+        return []
+    paths = state.journals()
+    if not paths:
+        return []
+    read_only: PowerlibError | None = None
+    if not dry_run:
+        try:
+            state.check_writable()
+        except PermissionDeniedError as err:
+            read_only = err  # every journal is reported, none is acted on
     outcomes: list[RestoreOutcome] = []
     backends: dict[tuple[Any, ...], Backend] = {}
     try:
         for path, entry in iter_entries(state):
-            if isinstance(entry, JournalError):
+            if isinstance(entry, PowerlibError):
                 outcomes.append(
                     RestoreOutcome(
                         device_id="?",
@@ -226,6 +359,7 @@ def restore_journals(
                         action=str(entry),
                         ok=False,
                         journal=str(path),
+                        error_code=entry.exit_code,
                     )
                 )
                 continue
@@ -234,6 +368,21 @@ def restore_journals(
                 owner.start_time_s,
             ):
                 continue
+            if read_only is not None and (include_live or not entry.owner.is_alive()):
+                outcomes.extend(
+                    RestoreOutcome(
+                        device_id=entry.device_id,
+                        item=change.item,
+                        action=f"not restored: {read_only}",
+                        ok=False,
+                        target=change.original,
+                        journal=str(path),
+                        owner_pid=entry.owner.pid,
+                        error_code=read_only.exit_code,
+                    )
+                    for change in reversed(entry.changes)
+                )
+                continue
             outcomes.extend(
                 _restore_entry(state, path, entry, settings, backends, include_live, dry_run)
             )
@@ -241,6 +390,24 @@ def restore_journals(
         for backend in backends.values():
             backend.close()
     return outcomes
+
+
+def restore_failure(outcomes: Sequence[RestoreOutcome]) -> PowerlibError | None:
+    """The error a restore with these outcomes ends in, or ``None`` if every step succeeded.
+
+    Its exit code is the first failure's (the README's table) and its message is one line: the
+    first failure, and how many more there are.
+    """
+    failed = [o for o in outcomes if not o.ok]
+    if not failed:
+        return None
+    first = failed[0]
+    where = f"{first.device_id} {first.item}: " if first.item != "journal" else ""
+    more = f" (and {len(failed) - 1} more failed step(s), see --json)" if len(failed) > 1 else ""
+    kept = "" if "left in place" in first.action else "; journals kept for another try"
+    err = PowerlibError(f"restore incomplete: {where}{first.action}{more}{kept}")
+    err.exit_code = first.error_code or 1
+    return err
 
 
 def _restore_entry(
@@ -252,23 +419,28 @@ def _restore_entry(
     include_live: bool,
     dry_run: bool,
 ) -> list[RestoreOutcome]:
-    def note(action: str, ok: bool) -> list[RestoreOutcome]:
+    def note(action: str, error: PowerlibError | None = None) -> list[RestoreOutcome]:
         return [
             RestoreOutcome(
                 device_id=entry.device_id,
                 item="journal",
                 action=action,
-                ok=ok,
+                ok=error is None,
                 journal=str(path),
                 owner_pid=entry.owner.pid,
+                error_code=None if error is None else error.exit_code,
             )
         ]
 
     alive = entry.owner.is_alive()
     if alive and not include_live:
         return note(
-            f"skipped: its owner (pid {entry.owner.pid}) is still running; use --all to force", True
+            f"skipped: its owner (pid {entry.owner.pid}) is still running; use --all to force"
         )
+    try:
+        settings = _settings_for(entry, base, path)
+    except PowerlibError as err:
+        return note(f"failed: {err}", err)
     lock = DeviceLock(state, entry.key)
     if not dry_run:
         try:
@@ -276,10 +448,9 @@ def _restore_entry(
             lock.acquire(Owner.current())
         except PowerlibError as err:
             if not include_live:
-                return note(f"skipped: {err}", True)
+                return note(f"failed: not restored, the device lock cannot be taken: {err}", err)
             logger.warning("restoring %s without its lock: %s", entry.device_id, err)
     try:
-        settings = _settings_for(entry, base)
         cache_key = (
             settings.backend,
             str(settings.sysfs_root),
@@ -288,21 +459,21 @@ def _restore_entry(
         )
         if cache_key not in backends:
             backends[cache_key] = open_backend(settings=settings)
-        device = backends[cache_key].device(entry.device_id)
-    except (PowerlibError, ValueError) as err:
+        device = next(
+            (d for d in backends[cache_key].devices() if d.device_id == entry.device_id), None
+        )
+        if device is None:  # exact id only: an index or a prefix must never pick another device
+            raise DeviceNotFoundError(
+                f"no {entry.backend} device has the id {show_path(entry.device_id)}"
+            )
+    except PowerlibError as err:
         lock.release()
-        return note(f"failed: cannot open {entry.backend} device {entry.device_id}: {err}", False)
+        return note(
+            f"failed: cannot open {entry.backend} device {show_path(entry.device_id)}: {err}", err
+        )
     try:
         results = [
-            RestoreOutcome(
-                device_id=o.device_id,
-                item=o.item,
-                action=o.action,
-                ok=o.ok,
-                target=o.target,
-                journal=str(path),
-                owner_pid=entry.owner.pid,
-            )
+            dataclasses.replace(o, journal=str(path), owner_pid=entry.owner.pid)
             for o in restore_device(device, entry.changes, dry_run=dry_run)
         ]
         if not dry_run and all(o.ok for o in results):
@@ -512,6 +683,17 @@ class ControlSession:
             return True
         except InvalidArgumentError:
             raise
+        except DeviceBusyError as err:
+            # Another session owns the device: its clocks are that session's to restore, so
+            # they are not touched here (a reset would undo the other session's lock).
+            self._degraded.add(dev.device_id)
+            message = (
+                f"powerlib leaves {dev.info.name} ({dev.device_id}) alone for this session: {err}; "
+                "training continues"
+            )
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            return False
         except PowerlibError as err:
             self._degraded.add(dev.device_id)
             try:

@@ -25,6 +25,7 @@ __all__ = [
     "PermissionDeniedError",
     "PlanError",
     "PowerlibError",
+    "UntrustedStateError",
 ]
 
 
@@ -148,3 +149,15 @@ class DeviceError(PowerlibError):
     """Any other failure reported by a driver or vendor library (the vendor code is kept)."""
 
     exit_code = 10
+
+
+class UntrustedStateError(PowerlibError):
+    """A state folder or journal is not one that powerlib trusts, so nothing was done with it.
+
+    Trusted means: owned by the invoking user or root (or a uid the caller trusts explicitly),
+    not writable by group or others, and a real folder or regular file (never a symlink or fifo).
+    The message names the path, its owner and its mode. Also raised for a journal that would
+    steer where a restore writes (a recorded sysfs root that is not the invoking one).
+    """
+
+    exit_code = 12

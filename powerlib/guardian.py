@@ -35,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from powerlib.config import Settings  # after the signal setup: imports take a moment
     from powerlib.control import restore_journals, wait_for_owner_exit
+    from powerlib.errors import PowerlibError
     from powerlib.journal import Owner
 
     owner = Owner(
@@ -47,20 +48,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if owner.is_alive():
         return 0
     settings = Settings.from_env()
-    outcomes = restore_journals(settings, owner=owner)
+    try:
+        outcomes = [o.to_json() for o in restore_journals(settings, owner=owner)]
+    except PowerlibError as err:  # an untrusted or unreadable state folder: log it, no traceback
+        outcomes = [{"ok": False, "error": str(err), "error_code": err.exit_code}]
     if outcomes:
         record = {
             "time_s": time.time(),
             "guardian_pid": os.getpid(),
             "owner_pid": owner.pid,
-            "outcomes": [o.to_json() for o in outcomes],
+            "outcomes": outcomes,
         }
         try:
             with open(settings.state_dir / "guardian.log", "a", encoding="utf-8") as log:
                 log.write(json.dumps(record) + "\n")
         except OSError:
             pass
-    return 0 if all(o.ok for o in outcomes) else 1
+    return 0 if all(o["ok"] for o in outcomes) else 1
 
 
 if __name__ == "__main__":

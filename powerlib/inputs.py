@@ -111,21 +111,22 @@ def read_bytes(
         if not stat.S_ISREG(st.st_mode):
             raise error(f"{path}: the {what} is not a regular file")
         if st.st_size > cap:
-            raise error(_too_large(path, what, st.st_size, cap))
+            raise error(_too_large(path, what, st.st_size, cap, max_bytes is None))
         try:
             raw = f.read(cap + 1)
         except OSError as err:
             raise error(f"{path}: cannot read the {what}: {err.strerror}") from err
     if len(raw) > cap:  # grew while we read it
-        raise error(_too_large(path, what, len(raw), cap))
+        raise error(_too_large(path, what, len(raw), cap, max_bytes is None))
     return raw
 
 
-def _too_large(path: str | Path, what: str, size: int, cap: int) -> str:
+def _too_large(path: str | Path, what: str, size: int, cap: int, env_cap: bool) -> str:
+    # Only the default cap comes from the environment; a caller's own cap (journals) is fixed.
+    hint = f" (set {_MAX_BYTES_ENV} to raise it)" if env_cap else ""
     return (
         f"{path}: the {what} is {'at least ' if size == cap + 1 else ''}{human_bytes(size)}, "
-        f"over the {human_bytes(cap)} input limit; nothing was read "
-        f"(set {_MAX_BYTES_ENV} to raise it)"
+        f"over the {human_bytes(cap)} input limit; nothing was read{hint}"
     )
 
 
@@ -209,7 +210,8 @@ def parse_json(
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
-        raise error(f"{path}: line {err.lineno}: invalid JSON: {err.msg}") from None
+        where = f"line {err.lineno}: " if "\n" in text.rstrip("\n") else ""
+        raise error(f"{path}: {where}invalid JSON: {err.msg}") from None
     except (ValueError, RecursionError) as err:  # e.g. an integer with too many digits
         raise error(f"{path}: invalid JSON: {err}") from None
 

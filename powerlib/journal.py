@@ -18,6 +18,14 @@ A journal names its owner by pid *and* process start time (psutil), so a reused 
 mistaken for the owner. Journals are written atomically (temporary file, fsync, rename, fsync of
 the directory) before the change they describe; files are opened with ``O_NOFOLLOW`` and the
 directories are refused if they are symlinks.
+
+Trust (``powerlib restore`` runs as root on shared nodes): a state folder (the root, ``journal/``,
+``locks/``) or a journal is used only if it is owned by the invoking user (euid), root, or a uid
+the caller names explicitly (``powerlib restore --trust-owner UID``), is not writable by group or
+others, and is a real folder or a regular file (never a symlink, fifo or device). Anything else
+raises :class:`~powerlib.errors.UntrustedStateError` with one line naming the path, its owner and
+its mode. A journal is read through :mod:`powerlib.inputs` (1 MiB cap, UTF-8, nesting limit) with
+``O_NOFOLLOW``, and its owner and mode are checked with ``fstat`` on the opened descriptor.
 """
 
 from __future__ import annotations
@@ -28,20 +36,30 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
+import pwd
 import re
 import socket
+import stat
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from powerlib.errors import ConfigError, DeviceBusyError, PermissionDeniedError, PowerlibError
+from powerlib.errors import (
+    ConfigError,
+    DeviceBusyError,
+    PermissionDeniedError,
+    PowerlibError,
+    UntrustedStateError,
+)
+from powerlib.inputs import decode_text, parse_json, read_bytes
 
 __all__ = [
     "JOURNAL_SCHEMA",
@@ -51,14 +69,25 @@ __all__ = [
     "JournalError",
     "Owner",
     "StateDir",
+    "check_trusted",
+    "describe_owner",
     "device_key",
 ]
 
 logger = logging.getLogger(__name__)
 
 JOURNAL_SCHEMA = "powerlib.journal.v1"
+#: A journal is well under 4 KiB; anything over this cap is refused unread.
+JOURNAL_MAX_BYTES = 1024 * 1024
+#: A journal nests 4 levels deep (entry, changes, change, clock range).
+JOURNAL_MAX_DEPTH = 16
 _KEY_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_JOURNAL_NAME = re.compile(r"[A-Za-z0-9._-]+\.json")
+_BACKEND_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _START_TIME_TOLERANCE_S = 0.05
+_MAX_PID = 2**31 - 1
+_MAX_TEXT = 512
+_ITEMS = ("sm_clocks", "memory_clocks", "power_limit")
 
 # Lock files this process holds, by path: opening one again would drop the POSIX lock.
 _HELD: dict[str, DeviceLock] = {}
@@ -74,6 +103,83 @@ class JournalError(PowerlibError):
 def device_key(backend: str, device_id: str) -> str:
     """File-name-safe key of one device: backend name plus stable id."""
     return f"{backend}--{_KEY_UNSAFE.sub('_', device_id)}"
+
+
+def show_path(path: str | os.PathLike[str]) -> str:
+    """A path for a one-line message: as is, or quoted with escapes if it holds control chars."""
+    text = os.fspath(path)
+    return text if text.isprintable() else ascii(text)
+
+
+def describe_owner(uid: int) -> str:
+    """``uid 1000 (alice)``, or ``uid 12345`` when no user of that uid is known."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (KeyError, OverflowError):
+        return f"uid {uid}"
+
+
+def _trusted_owners(trusted_uids: Iterable[int]) -> str:
+    return " or ".join(describe_owner(uid) for uid in sorted(set(trusted_uids)))
+
+
+def check_trusted(
+    path: str | os.PathLike[str],
+    st: os.stat_result,
+    *,
+    what: str,
+    directory: bool,
+    trusted_uids: Iterable[int],
+) -> None:
+    """Refuse ``path`` unless it is state that a restore running as root may act on.
+
+    Args:
+        path: The folder or file (for the message).
+        st: Its ``lstat`` (folders) or the ``fstat`` of its opened descriptor (journals).
+        what: What it is, for the message ("state folder", "journal").
+        directory: True for a folder, False for a regular file.
+        trusted_uids: Owners that are trusted (the euid and root at least).
+
+    Raises:
+        UntrustedStateError: One line naming the path, its owner and mode, and the rule broken.
+    """
+    trusted = set(trusted_uids)
+    mode = st.st_mode
+    want_type = stat.S_ISDIR(mode) if directory else stat.S_ISREG(mode)
+    if not want_type:
+        kind = _file_kind(mode)
+        problem = f"it is {kind}, not {'a folder' if directory else 'a regular file'}"
+        hint = "remove it"
+    elif st.st_uid not in trusted:
+        problem = f"it is not owned by {_trusted_owners(trusted)}"
+        hint = f"if that user is trusted, `powerlib restore --trust-owner {st.st_uid}` acts on it"
+    elif mode & (stat.S_IWGRP | stat.S_IWOTH):
+        writers = " and ".join(
+            who for bit, who in ((stat.S_IWGRP, "group"), (stat.S_IWOTH, "others")) if mode & bit
+        )
+        problem = f"it is writable by {writers}"
+        hint = "chmod go-w it if its content is trusted"
+    else:
+        return
+    raise UntrustedStateError(
+        f"refusing the {what} {show_path(path)} (owner {describe_owner(st.st_uid)}, mode "
+        f"{stat.S_IMODE(mode):04o} {stat.filemode(mode)}): {problem}; {hint}"
+    )
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISFIFO, "a fifo"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file or folder"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,11 +234,16 @@ class Owner:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Owner:
         """Parse the JSON form (``KeyError``/``TypeError``/``ValueError`` when malformed)."""
+        if not isinstance(data, Mapping):
+            raise TypeError("owner is not an object")
+        pid = data["pid"]
+        if not _is_int(pid) or not 0 < pid <= _MAX_PID:
+            raise ValueError(f"owner pid {pid!r} is not a process id")
         return cls(
-            pid=int(data["pid"]),
-            start_time_s=float(data["start_time_s"]),
-            hostname=str(data["hostname"]),
-            argv=str(data.get("argv", "")),
+            pid=pid,
+            start_time_s=_finite(data["start_time_s"], "owner start_time_s"),
+            hostname=_text(data["hostname"], "owner hostname"),
+            argv=_text(data.get("argv", ""), "owner argv", limit=4096),
         )
 
 
@@ -231,34 +342,114 @@ class JournalEntry:
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> JournalEntry:
-        """Parse a journal; ``JournalError`` names ``source`` and what is wrong."""
+        """Parse a journal; ``JournalError`` names ``source`` and what is wrong.
+
+        Every field is checked for its type and range (finite numbers, ``[lo, hi]`` clock
+        ranges, known items, one change per item), so a restore never acts on a guess.
+        """
         try:
+            if not isinstance(data, Mapping):
+                raise TypeError(f"it is a JSON {type(data).__name__}, not an object")
             if data.get("schema") != JOURNAL_SCHEMA:
                 raise ValueError(f"unknown schema {data.get('schema')!r}")
-            changes = []
-            for raw in data["changes"]:
-                item = str(raw["item"])
-                if item not in ("sm_clocks", "memory_clocks", "power_limit"):
+            raw_changes = data["changes"]
+            if not isinstance(raw_changes, list):
+                raise TypeError("changes is not a list")
+            changes: list[Change] = []
+            for raw in raw_changes:
+                if not isinstance(raw, Mapping):
+                    raise TypeError("a change is not an object")
+                item = raw["item"]
+                if item not in _ITEMS:
                     raise ValueError(f"unknown item {item!r}")
+                if any(c.item == item for c in changes):
+                    raise ValueError(f"item {item!r} appears twice")
                 changes.append(
                     Change(
                         item=item,
-                        original=raw["original"],
-                        target=raw.get("target"),
-                        previous_target=raw.get("previous_target"),  # absent in older journals
+                        original=_setting(item, raw["original"], "original"),
+                        target=_setting(item, raw.get("target"), "target"),
+                        previous_target=_setting(  # absent in older journals
+                            item, raw.get("previous_target"), "previous_target"
+                        ),
                     )
                 )
+            backend = data["backend"]
+            if not isinstance(backend, str) or not _BACKEND_NAME.fullmatch(backend):
+                raise ValueError(f"backend {backend!r} is not a backend name")
+            backend_settings = data.get("backend_settings", {})
+            if not isinstance(backend_settings, Mapping):
+                raise TypeError("backend_settings is not an object")
             return cls(
-                device_id=str(data["device_id"]),
-                device_name=str(data.get("device_name", "")),
-                backend=str(data["backend"]),
-                backend_settings=dict(data.get("backend_settings", {})),
+                device_id=_text(data["device_id"], "device_id", empty_ok=False),
+                device_name=_text(data.get("device_name", ""), "device_name"),
+                backend=backend,
+                backend_settings=_backend_settings(backend_settings),
                 owner=Owner.from_json(data["owner"]),
-                created_s=float(data["created_s"]),
+                created_s=_finite(data["created_s"], "created_s"),
                 changes=tuple(changes),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as err:
-            raise JournalError(f"journal {source} is malformed ({err}); left in place") from err
+            raise JournalError(
+                f"journal {show_path(source)} is malformed ({err}); left in place"
+            ) from err
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} is not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} is not finite")
+    return number
+
+
+def _text(value: Any, name: str, *, limit: int = _MAX_TEXT, empty_ok: bool = True) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} is not a string")
+    if len(value) > limit or not value.isprintable() or (not value and not empty_ok):
+        raise ValueError(f"{name} is empty, longer than {limit} characters or not printable")
+    return value
+
+
+def _setting(item: str, value: Any, name: str) -> Any:
+    """A recorded value: ``None``, watts (power limit) or a ``[lo, hi]`` MHz range (clocks)."""
+    if value is None:
+        if item == "power_limit" and name == "original":
+            raise ValueError("the original power limit is missing")
+        return None
+    if item == "power_limit":
+        watts = _finite(value, f"power_limit {name}")
+        if watts <= 0:
+            raise ValueError(f"power_limit {name} {watts:g} W is not positive")
+        return watts
+    if not isinstance(value, list) or len(value) != 2:
+        raise TypeError(f"{item} {name} is not a [lo, hi] MHz range")
+    lo, hi = (_finite(v, f"{item} {name}") for v in value)
+    if not 0 < lo <= hi:
+        raise ValueError(f"{item} {name} [{lo:g}, {hi:g}] is not a clock range")
+    return [lo, hi]
+
+
+def _backend_settings(saved: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in saved.items():
+        if key == "sysfs_root":
+            out[key] = _text(value, f"backend_settings.{key}", limit=4096)
+        elif key == "sim_model":
+            if not isinstance(value, str) or not _BACKEND_NAME.fullmatch(value):
+                raise ValueError(f"backend_settings.sim_model {value!r} is not a model name")
+            out[key] = value
+        elif key == "sim_gpus":
+            if not _is_int(value) or not 0 <= value <= 1024:
+                raise ValueError(f"backend_settings.sim_gpus {value!r} is not a count of GPUs")
+            out[key] = value
+        # Other keys (a newer powerlib's) are ignored: they never reach a backend.
+    return out
 
 
 class StateDir:
@@ -266,37 +457,126 @@ class StateDir:
 
     Args:
         root: ``Settings.state_dir``.
+        trusted_uids: Owners trusted besides the euid and root (``powerlib restore
+            --trust-owner``); only ever widens who may own the folders and journals, never
+            the mode and type rules.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, trusted_uids: Iterable[int] = ()) -> None:
         self.root = Path(root)
         self.journal_dir = self.root / "journal"
         self.lock_dir = self.root / "locks"
+        self.trusted_uids = frozenset({os.geteuid(), 0, *trusted_uids})
 
     def prepare(self) -> StateDir:
-        """Create the directories (0700) and check they are usable.
+        """Create the directories (0700) and check they are usable and trusted.
+
+        The rules are those a restore applies (:meth:`inspect`), so a session never writes a
+        journal that ``powerlib restore`` would refuse.
 
         Raises:
             PermissionDeniedError: A directory cannot be created or written.
-            ConfigError: A directory is a symlink or not a directory.
+            UntrustedStateError: A directory is a symlink, not a directory, owned by someone
+                untrusted, or writable by group or others, or its parent lets others replace it.
         """
         for path in (self.root, self.journal_dir, self.lock_dir):
             try:
                 path.mkdir(mode=0o700, parents=path is self.root, exist_ok=True)
             except OSError as err:
                 raise PermissionDeniedError(
-                    f"cannot create the state directory {path} ({err.strerror}); powerlib will not "
-                    "change a device it cannot journal: set POWERLIB_STATE_DIR to a writable local "
-                    "directory"
+                    f"cannot create the state directory {show_path(path)} ({err.strerror}); "
+                    "powerlib will not change a device it cannot journal: set POWERLIB_STATE_DIR "
+                    "to a writable local directory"
                 ) from err
-            if path.is_symlink() or not path.is_dir():
-                raise ConfigError(f"{path} is a symlink or not a directory; refusing to use it")
+            self._check_folder(path)
+            if path is self.root:
+                self._check_parent()  # a journal restore would refuse protects nothing
             if not os.access(path, os.W_OK | os.X_OK):
                 raise PermissionDeniedError(
-                    f"the state directory {path} is not writable; powerlib will not change a device "
-                    "it cannot journal: set POWERLIB_STATE_DIR to a writable local directory"
+                    f"the state directory {show_path(path)} is not writable; powerlib will not "
+                    "change a device it cannot journal: set POWERLIB_STATE_DIR to a writable "
+                    "local directory"
                 )
         return self
+
+    def _check_folder(self, path: Path) -> bool:
+        """Check one state folder; False if it does not exist."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            if err.errno == errno.ENOTDIR:
+                raise ConfigError(
+                    f"the state folder {show_path(path)} cannot exist: a part of its path is a "
+                    "file, not a folder; set POWERLIB_STATE_DIR to a local folder"
+                ) from err
+            raise PermissionDeniedError(
+                f"cannot inspect the state folder {show_path(path)} ({err.strerror})"
+            ) from err
+        check_trusted(path, st, what="state folder", directory=True, trusted_uids=self.trusted_uids)
+        return True
+
+    def inspect(self) -> bool:
+        """Check, without creating anything, that the state is one a restore may act on.
+
+        The root, ``journal/`` and ``locks/`` must pass :func:`check_trusted`, and the folder
+        holding the root must not let others swap it (owned by a trusted user, and not writable
+        by group or others unless sticky, like ``/tmp``).
+
+        Returns:
+            False if the state folder does not exist (nothing to restore).
+
+        Raises:
+            UntrustedStateError: A folder is untrusted (the line names path, owner and mode).
+            ConfigError: The state path cannot be a folder (a part of it is a file).
+            PermissionDeniedError: A folder cannot be inspected.
+        """
+        if not self._check_folder(self.root):
+            return False
+        self._check_parent()
+        self._check_folder(self.journal_dir)
+        self._check_folder(self.lock_dir)
+        return True
+
+    def _check_parent(self) -> None:
+        """Refuse a state folder that others could rename away and replace with their own."""
+        parent = self.root.parent
+        try:
+            st = os.stat(parent)  # symlinks above the state folder (/var/run -> /run) are fine
+        except OSError as err:
+            raise PermissionDeniedError(
+                f"cannot inspect {show_path(parent)}, the folder holding the state folder "
+                f"({err.strerror})"
+            ) from err
+        others_can_swap = st.st_uid not in self.trusted_uids or (
+            st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX
+        )
+        if others_can_swap:
+            raise UntrustedStateError(
+                f"refusing the state folder {show_path(self.root)}: the folder holding it, "
+                f"{show_path(parent)} (owner {describe_owner(st.st_uid)}, mode "
+                f"{stat.S_IMODE(st.st_mode):04o} {stat.filemode(st.st_mode)}), lets others "
+                "replace it; put the state folder in a folder only trusted users can write "
+                "(/run, $XDG_RUNTIME_DIR, or a sticky one such as /tmp)"
+            )
+
+    def check_writable(self) -> None:
+        """Refuse a restore that could neither lock devices nor remove journals.
+
+        ``os.access`` honours read-only mounts and immutable folders even for root.
+
+        Raises:
+            PermissionDeniedError: ``journal/`` or ``locks/`` (or the root, when ``locks/`` is
+                yet to be created) cannot be written by this process.
+        """
+        for path in (self.journal_dir, self.lock_dir if self.lock_dir.exists() else self.root):
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise PermissionDeniedError(
+                    f"the state folder {show_path(path)} is read-only for uid {os.geteuid()}: "
+                    "restore cannot take device locks or remove journals, so it restored "
+                    "nothing; the journals are left in place"
+                )
 
     def journal_path(self, key: str) -> Path:
         """Where the journal of device ``key`` lives."""
@@ -308,9 +588,7 @@ class StateDir:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         data = json.dumps(entry.to_json(), indent=1).encode()
         try:
-            fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-            )
+            fd = _create_new(tmp)
             try:
                 os.write(fd, data)
                 os.fsync(fd)
@@ -331,31 +609,82 @@ class StateDir:
         return path
 
     def read_journal(self, path: Path) -> JournalEntry:
-        """Read one journal. Raises ``JournalError`` when it is unreadable or malformed."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as f:
-                raw = f.read()
-        except OSError as err:
-            if err.errno == errno.ELOOP:
-                raise JournalError(
-                    f"journal {path} is a symlink; not followed, left in place"
-                ) from err
-            raise JournalError(f"journal {path} cannot be read ({err.strerror})") from err
-        try:
-            data = json.loads(raw)
-        except ValueError as err:
+        """Read one journal, refusing it unless it is trusted, bounded and well-formed.
+
+        The file is opened with ``O_NOFOLLOW`` and its owner, mode and type are checked with
+        ``fstat`` on that descriptor (what is checked is what is read); at most
+        :data:`JOURNAL_MAX_BYTES` are read, as UTF-8 JSON nested at most
+        :data:`JOURNAL_MAX_DEPTH` deep. A journal must be filed under its own device's key.
+
+        Raises:
+            UntrustedStateError: A symlink, fifo or other non-regular file, a file owned by an
+                untrusted user, or a group/world-writable one.
+            JournalError: Unreadable, too large, not UTF-8, not JSON, too deep, malformed, or
+                filed under another device's name.
+        """
+        shown = show_path(path)
+        if not _JOURNAL_NAME.fullmatch(path.name):
             raise JournalError(
-                f"journal {path} is truncated or corrupted ({err}); left in place"
-            ) from err
-        return JournalEntry.from_json(data, str(path))
+                f"journal {shown} is not named after a device key ([A-Za-z0-9._-]+.json); "
+                "left in place"
+            )
+
+        def trusted(st: os.stat_result) -> None:
+            check_trusted(path, st, what="journal", directory=False, trusted_uids=self.trusted_uids)
+
+        try:
+            trusted(os.lstat(path))  # symlinks and fifos are refused before any open
+        except OSError as err:
+            raise JournalError(f"journal {shown} cannot be read ({err.strerror})") from err
+        try:
+            raw = read_bytes(
+                path,
+                what="journal",
+                error=JournalError,
+                max_bytes=JOURNAL_MAX_BYTES,
+                follow_symlinks=False,
+                check=trusted,
+            )
+            text = decode_text(raw, path=shown, what="journal", error=JournalError)
+            data = parse_json(
+                text, path=shown, what="journal", error=JournalError, max_depth=JOURNAL_MAX_DEPTH
+            )
+        except JournalError as err:
+            raise JournalError(f"{err}; the journal is left in place") from err.__cause__
+        entry = JournalEntry.from_json(data, str(path))
+        if path.name != f"{entry.key}.json":
+            raise JournalError(
+                f"journal {shown} describes {entry.backend} device {show_path(entry.device_id)}, "
+                f"whose journal is {entry.key}.json; left in place"
+            )
+        return entry
 
     def journals(self) -> list[Path]:
-        """Every journal file, oldest first."""
-        if not self.journal_dir.is_dir():
+        """Every journal file (``*.json``, not hidden), oldest first.
+
+        Raises:
+            PermissionDeniedError: ``journal/`` exists but cannot be listed.
+        """
+        try:
+            with os.scandir(self.journal_dir) as it:
+                names = [e.name for e in it if e.name.endswith(".json")]
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        paths = [p for p in self.journal_dir.glob("*.json") if not p.name.startswith(".")]
-        return sorted(paths, key=lambda p: (p.lstat().st_mtime, p.name))
+        except OSError as err:
+            raise PermissionDeniedError(
+                f"cannot list the journals in {show_path(self.journal_dir)} ({err.strerror}); "
+                "nothing was restored"
+            ) from err
+        found = []
+        for name in names:
+            if name.startswith("."):
+                continue  # a temporary file of a journal being written
+            path = self.journal_dir / name
+            try:
+                found.append((os.lstat(path).st_mtime, name, path))
+            except FileNotFoundError:
+                continue  # restored and removed meanwhile
+        return [path for _, _, path in sorted(found)]
 
     def remove_journal(self, path: Path) -> None:
         """Delete a journal once its device is restored."""
@@ -394,8 +723,8 @@ class DeviceLock:
         with _HELD_GUARD:
             if str(self.path) in _HELD:
                 raise DeviceBusyError(
-                    f"another powerlib session in this process (pid {os.getpid()}) controls this "
-                    "device",
+                    f"the device is already held by this process (pid {os.getpid()}): another "
+                    "powerlib session in it controls the device; end that session first",
                     device=self.key,
                 )
             try:
@@ -406,6 +735,11 @@ class DeviceLock:
                 raise PermissionDeniedError(
                     f"cannot open the lock file {self.path} ({err.strerror})"
                 ) from err
+            try:
+                self._check_lock_file(fd)
+            except BaseException:
+                os.close(fd)
+                raise
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -426,6 +760,19 @@ class DeviceLock:
             _HELD[str(self.path)] = self
         self._write_owner(owner)
 
+    def _check_lock_file(self, fd: int) -> None:
+        """The opened lock file must be a trusted regular file with one name (no hard link)."""
+        st = os.fstat(fd)
+        check_trusted(
+            self.path, st, what="lock file", directory=False, trusted_uids=self.state.trusted_uids
+        )
+        if st.st_nlink != 1:
+            raise UntrustedStateError(
+                f"refusing the lock file {show_path(self.path)} (owner "
+                f"{describe_owner(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o} "
+                f"{stat.filemode(st.st_mode)}): it has {st.st_nlink} hard links; remove it"
+            )
+
     def release(self) -> None:
         """Give the lock up (idempotent)."""
         with _HELD_GUARD:
@@ -440,9 +787,7 @@ class DeviceLock:
     def _write_owner(self, owner: Owner) -> None:
         tmp = self.owner_path.with_name(f".{self.owner_path.name}.{os.getpid()}.tmp")
         try:
-            fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-            )
+            fd = _create_new(tmp)
             with os.fdopen(fd, "w") as f:
                 json.dump(owner.to_json(), f)
             os.replace(tmp, self.owner_path)
@@ -452,10 +797,18 @@ class DeviceLock:
     def read_owner(self) -> Owner | None:
         """Who holds the lock, as recorded beside it (``None`` if unknown)."""
         try:
-            fd = os.open(self.owner_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd) as f:
-                return Owner.from_json(json.load(f))
-        except (OSError, ValueError, KeyError, TypeError):
+            raw = read_bytes(
+                self.owner_path,
+                what="lock owner",
+                error=JournalError,
+                max_bytes=64 * 1024,
+                follow_symlinks=False,
+            )
+            text = decode_text(raw, path=self.owner_path, what="lock owner", error=JournalError)
+            return Owner.from_json(
+                parse_json(text, path=self.owner_path, what="lock owner", error=JournalError)
+            )
+        except (JournalError, ValueError, KeyError, TypeError):
             return None
 
     @classmethod
@@ -479,12 +832,30 @@ class DeviceLock:
         return True
 
 
-def iter_entries(state: StateDir) -> Iterator[tuple[Path, JournalEntry | JournalError]]:
-    """Every journal with its parsed entry, or the error that makes it unreadable."""
+def _create_new(path: Path) -> int:
+    """Create ``path`` afresh (0600) for writing: whatever had that name is unlinked first.
+
+    ``O_EXCL`` never opens an existing file, so a planted symlink or hard link at a temporary
+    name cannot make this process truncate or write another file.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def iter_entries(state: StateDir) -> Iterator[tuple[Path, JournalEntry | PowerlibError]]:
+    """Every journal with its parsed entry, or the error that refuses it.
+
+    The error is a :class:`JournalError` (unreadable, malformed) or an
+    :class:`~powerlib.errors.UntrustedStateError` (owner, mode, type). A journal removed after
+    it was listed (its owner finished meanwhile) is skipped.
+    """
     for path in state.journals():
         try:
             yield path, state.read_journal(path)
-        except JournalError as err:
+        except (JournalError, UntrustedStateError) as err:
+            if not os.path.lexists(path):
+                continue
             yield path, err
 
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from powerlib import DeviceBusyError, PermissionDeniedError, PowerlibError, Settings
 from powerlib.backends.simulated import SimulatedBackend, VirtualClock
 from powerlib.cli import cli
-from powerlib.control import ControlSession, restore_journals
+from powerlib.control import ControlSession, restore_failure, restore_journals
 from powerlib.journal import Change, JournalEntry, JournalError, Owner, StateDir, device_key
 
 
@@ -151,6 +151,24 @@ def test_a_second_session_on_a_busy_device_fails_fast(
         assert _state(backend, 0)[0] == (900.0, 900.0)
 
 
+def test_a_training_clock_on_a_busy_device_leaves_the_owners_lock_alone(
+    backend: SimulatedBackend, settings: Settings
+) -> None:
+    with ControlSession(backend) as first:
+        first.lock_sm_clocks(0, 900)
+        other = SimulatedBackend(settings.replace(sim_gpus=2), clock=VirtualClock(), persist=True)
+        with ControlSession(other) as second:
+            with pytest.warns(
+                RuntimeWarning, match="leaves .* alone .* already held by this process"
+            ):
+                assert second.apply_sm_clocks(0, 1200) is False
+            assert second.apply_sm_clocks(0, 1200) is False  # degraded: no second warning
+            # Not "a driver error", and no reset: the first session's lock still stands.
+            assert _state(backend, 0)[0] == (900.0, 900.0)
+        assert _state(backend, 0)[0] == (900.0, 900.0)
+    assert _state(backend, 0)[0] is None
+
+
 def test_cli_set_and_reset_refuse_a_controlled_device(
     backend: SimulatedBackend, settings: Settings
 ) -> None:
@@ -233,9 +251,22 @@ def test_a_corrupted_journal_is_never_guessed_at(
     result = CliRunner().invoke(
         cli, ["restore", "--json"], env={"POWERLIB_STATE_DIR": str(settings.state_dir)}
     )
-    assert result.exit_code == 1
-    [outcome] = json.loads(result.stdout)["outcomes"]
+    assert result.exit_code == 11  # unreadable journal, as the README's table says
+    data = json.loads(result.stdout)
+    [outcome] = data["outcomes"]
     assert outcome["item"] == "journal" and not outcome["ok"] and outcome["journal"] == str(path)
+    assert outcome["error_code"] == 11 and data["ok"] is False
+    assert data["still_modified"] == [
+        {
+            "device_id": "?",
+            "item": "unknown",
+            "journal": str(path),
+            "reason": outcome["action"],
+            "error_code": 11,
+        }
+    ]
+    [line] = result.stderr.splitlines()
+    assert line.startswith("powerlib: error: restore incomplete: ") and "left in place" in line
     assert path.exists()
 
 
@@ -343,3 +374,37 @@ def test_atexit_restores_a_session_left_open(settings: Settings) -> None:
     after = SimulatedBackend(settings.replace(sim_gpus=1)).device(0).read_state()
     assert (after.locked_sm_freqs_mhz, after.power_limit_w) == (None, 400.0)
     assert _journals(settings) == []
+
+
+def test_a_restore_that_does_not_read_back_keeps_the_journal(
+    backend: SimulatedBackend, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session = ControlSession(backend).start()
+    session.set_power_limit(0, 200)
+    dev = backend.device(0)
+    monkeypatch.setattr(dev, "_set_power_limit", lambda watts: watts)  # says yes, does nothing
+    [outcome] = session.close()
+    assert not outcome.ok and outcome.error_code == 1
+    assert "still reads at 200 W: still modified" in outcome.action
+    assert _state(backend, 0)[1] == 200.0 and len(_journals(settings)) == 1
+    monkeypatch.undo()
+    [outcome] = restore_journals(settings, include_live=True)
+    assert outcome.ok and outcome.error_code is None and _state(backend, 0)[1] == 400.0
+    assert _journals(settings) == []
+
+
+def test_restore_failures_carry_the_drivers_exit_code(
+    backend: SimulatedBackend, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session = ControlSession(backend).start()
+    session.lock_sm_clocks(0, 900)
+
+    def refuse() -> None:
+        raise PermissionDeniedError("needs root")
+
+    monkeypatch.setattr(backend.device(0), "_reset_sm_clocks", refuse)
+    outcomes = session.close()
+    assert [(o.ok, o.error_code) for o in outcomes] == [(False, 4)]
+    failure = restore_failure(outcomes)
+    assert failure is not None and failure.exit_code == 4 and "needs root" in str(failure)
+    assert restore_failure([]) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import stat
 import subprocess
 import sys
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from powerlib import ConfigError, DeviceBusyError, PermissionDeniedError
+from powerlib import DeviceBusyError, PermissionDeniedError
+from powerlib.errors import UntrustedStateError
 from powerlib.journal import (
     Change,
     DeviceLock,
@@ -87,12 +89,12 @@ def test_symlinks_are_not_followed(tmp_path: Path) -> None:
     target.write_text(json.dumps(_entry().to_json()))
     link = state.journal_dir / "link.json"
     link.symlink_to(target)
-    with pytest.raises(JournalError, match="symlink"):
+    with pytest.raises(UntrustedStateError, match="link.json .*mode 0777 lrwx.*it is a symlink"):
         state.read_journal(link)
     real = tmp_path / "real"
     real.mkdir()
     (tmp_path / "linked-state").symlink_to(real)
-    with pytest.raises(ConfigError, match="symlink"):
+    with pytest.raises(UntrustedStateError, match="linked-state .*it is a symlink"):
         StateDir(tmp_path / "linked-state").prepare()
 
 
@@ -150,3 +152,117 @@ def test_every_field_survives_the_round_trip(tmp_path: Path) -> None:
         item="power_limit", original=350.0, target=190.0, previous_target=250.0
     )
     assert state.read_journal(state.write_journal(entry)) == entry
+
+
+def test_a_refusal_names_path_owner_with_user_name_and_mode(tmp_path: Path) -> None:
+    state = StateDir(tmp_path / "state").prepare()
+    path = state.write_journal(_entry())
+    os.chown(path, 65534, 65534)  # "nobody" in every passwd this runs on
+    user = pwd.getpwuid(65534).pw_name
+    with pytest.raises(UntrustedStateError) as info:
+        state.read_journal(path)
+    line = str(info.value)
+    assert "\n" not in line and str(path) in line
+    assert f"owner uid 65534 ({user})" in line and "mode 0600 -rw-------" in line
+    assert StateDir(state.root, trusted_uids=[65534]).read_journal(path).device_id == "GPU-1234"
+
+
+def test_the_journal_checked_is_the_journal_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Owner and mode come from fstat on the opened descriptor, not from a path lookup."""
+    state = StateDir(tmp_path / "state").prepare()
+    path = state.write_journal(_entry())
+    trusted_looking = os.lstat(path)
+    path.chmod(0o666)
+    real_lstat = os.lstat
+    monkeypatch.setattr(  # a racing swap: the path lookup sees a good file, the open another
+        "powerlib.journal.os.lstat",
+        lambda p, *a, **k: trusted_looking if Path(p) == path else real_lstat(p, *a, **k),
+    )
+    with pytest.raises(UntrustedStateError, match="mode 0666"):
+        state.read_journal(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nested more than 16 levels"),
+        (b"\xff\xfe{}", "not UTF-8"),
+        (b"{}\x00", "binary"),
+        (b" " * (1024 * 1024 + 1), "over the 1.0 MiB input limit"),
+    ],
+)
+def test_hostile_journals_are_one_line_errors_not_crashes(
+    tmp_path: Path, content: bytes, reason: str
+) -> None:
+    state = StateDir(tmp_path).prepare()
+    path = state.journal_dir / "simulated--GPU-1234.json"
+    path.write_bytes(content)
+    with pytest.raises(JournalError, match=reason) as info:
+        state.read_journal(path)
+    assert "\n" not in str(info.value) and "left in place" in str(info.value)
+    assert "POWERLIB_MAX_INPUT_BYTES" not in str(info.value)  # the journal cap is fixed
+
+
+def test_a_folder_that_others_own_or_can_write_is_refused_for_sessions_too(
+    tmp_path: Path,
+) -> None:
+    owned = tmp_path / "owned"
+    owned.mkdir(mode=0o700)
+    os.chown(owned, 12345, 12345)
+    with pytest.raises(UntrustedStateError, match="owner uid 12345"):
+        StateDir(owned).prepare()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UntrustedStateError, match="writable by group and others"):
+        StateDir(shared).prepare()
+    assert not (shared / "journal").exists()  # refused before anything is created in it
+
+
+def test_a_lock_owner_file_is_read_bounded(tmp_path: Path) -> None:
+    state = StateDir(tmp_path).prepare()
+    lock = DeviceLock(state, "k")
+    lock.owner_path.write_bytes(b"[" * 100_000)
+    assert lock.read_owner() is None
+    lock.owner_path.write_text(json.dumps(Owner.current().to_json()))
+    assert lock.read_owner() == Owner.current()
+
+
+def test_a_planted_link_at_a_temporary_name_is_never_written_through(tmp_path: Path) -> None:
+    state = StateDir(tmp_path / "state").prepare()
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    entry = _entry()
+    final = state.journal_path(entry.key)
+    os.link(victim, final.with_name(f".{final.name}.{os.getpid()}.tmp"))
+    lock = DeviceLock(state, "k")
+    os.link(victim, lock.owner_path.with_name(f".{lock.owner_path.name}.{os.getpid()}.tmp"))
+    assert state.read_journal(state.write_journal(entry)) == entry
+    lock.acquire(Owner.current())
+    lock.release()
+    assert victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("kind", ["hard link", "fifo", "world-writable"])
+def test_a_lock_file_that_is_not_a_private_regular_file_is_refused(
+    tmp_path: Path, kind: str
+) -> None:
+    state = StateDir(tmp_path / "state").prepare()
+    lock = DeviceLock(state, "k")
+    if kind == "hard link":
+        other = tmp_path / "other"
+        other.write_text("")
+        os.link(other, lock.path)
+        reason = "2 hard links"
+    elif kind == "fifo":
+        os.mkfifo(lock.path, 0o600)
+        reason = "it is a fifo"
+    else:
+        lock.path.touch(mode=0o600)
+        lock.path.chmod(0o666)
+        reason = "writable by group and others"
+    with pytest.raises(UntrustedStateError, match=reason):
+        lock.acquire(Owner.current())
+    assert not lock.is_held
