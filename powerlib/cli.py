@@ -4,10 +4,10 @@ Every command takes ``--json`` (stable schemas, units in key names; see the READ
 table otherwise. Known failures exit non-zero with one line on stderr and no traceback; ``-v``
 shows the traceback and INFO logs (``-vv``: DEBUG).
 
-Exit codes: 0 success; 1 other powerlib error (e.g. a restore step failed); 2 usage error;
-3 backend unavailable; 4 permission denied; 5 not supported; 6 device not found; 7 invalid
-argument, setting, profile or plan; 8 device busy; 9 device lost; 10 driver/vendor error;
-11 unreadable journal; 130 interrupted.
+Exit codes: 0 success; 1 other powerlib error (e.g. a device still modified after a restore);
+2 usage error; 3 backend unavailable; 4 permission denied; 5 not supported; 6 device not found;
+7 invalid argument, setting, profile or plan; 8 device busy; 9 device lost; 10 driver/vendor
+error; 11 unreadable journal; 12 untrusted state folder or journal refused; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -27,15 +27,21 @@ from typing import Any, NoReturn
 import click
 
 from powerlib import __version__
+from powerlib.cli_options import Number, OutputPath, plan_outputs, progress_bar, select_and_write
 from powerlib.cli_options import emit_json as _emit_json
-from powerlib.cli_options import plan_outputs, select_and_write
 from powerlib.cli_overlap import overlap as _overlap_group
 from powerlib.config import Settings
-from powerlib.control import restore_journals
+from powerlib.control import RestoreOutcome, restore_failure, restore_journals
 from powerlib.device import Backend, Device, PowerState
 from powerlib.errors import DeviceBusyError, PowerlibError
 from powerlib.journal import DeviceLock, StateDir, device_key
-from powerlib.registry import AUTO_ORDER, backend_names, open_backend, probe_backends
+from powerlib.registry import (
+    AUTO_ORDER,
+    backend_names,
+    check_backend_name,
+    open_backend,
+    probe_backends,
+)
 
 __all__ = ["cli", "main"]
 
@@ -62,7 +68,7 @@ class _CliError(click.ClickException):
 
 
 class _Group(click.Group):
-    """Turns PowerlibError into a one-line message and its exit code."""
+    """Turns PowerlibError into a one-line message and its exit code; Ctrl-C exits 130."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -72,6 +78,13 @@ class _Group(click.Group):
             if opts is not None and opts.verbose:
                 traceback.print_exc()
             raise _CliError(err) from err
+        except KeyboardInterrupt as err:  # SIGINT: 128 + 2, as a shell reports it
+            opts = ctx.find_object(_Options)
+            if opts is not None and opts.verbose:
+                traceback.print_exc()
+            interrupted = PowerlibError("interrupted (SIGINT)")
+            interrupted.exit_code = 130
+            raise _CliError(interrupted) from err
 
 
 def _settings(opts: _Options) -> Settings:
@@ -204,6 +217,9 @@ def cli(ctx: click.Context, backend: str | None, verbose: int) -> None:
             format="%(levelname)s %(name)s: %(message)s",
             stream=sys.stderr,
         )
+    # Every command, `env` and the planning ones included, refuses a bad setting up front:
+    # an unknown POWERLIB_BACKEND is a mistake a user must hear about, not a value to print.
+    check_backend_name(_settings(ctx.obj).backend)
 
 
 @cli.command()
@@ -406,7 +422,7 @@ def status(opts: _Options, selector: str | None, as_json: bool) -> None:
 @cli.command()
 @click.option(
     "--interval-s",
-    type=click.FloatRange(min=0.01),
+    type=Number(min=0.01, max=86400.0),
     default=1.0,
     show_default=True,
     help="Seconds between samples.",
@@ -449,37 +465,34 @@ def watch(
                     bold=True,
                 )
             )
-        try:
-            for n in _ticks(interval_s, count):
-                for dev in chosen:
-                    st = dev.read_state()
-                    prev = last.get(dev.device_id)
-                    avg_w = _avg_power_w(prev, st)
-                    last[dev.device_id] = st
-                    if as_json:
-                        row = _state_json(dev, st)
-                        row["sample"] = n
-                        row["avg_power_w"] = avg_w
-                        click.echo(json.dumps(row))
-                    else:
-                        click.echo(
-                            "  ".join(
-                                [
-                                    time.strftime("%H:%M:%S", time.localtime(st.timestamp_s))
-                                    if st.timestamp_s > 1e9
-                                    else f"{st.timestamp_s:8.2f}",
-                                    str(dev.index).rjust(3),
-                                    _fmt(st.power_w).rjust(8),
-                                    _fmt(avg_w).rjust(8),
-                                    _fmt(st.sm_freq_mhz, 0).rjust(7),
-                                    _fmt(st.power_limit_w).rjust(8),
-                                    _fmt(st.energy_j, 3).rjust(14),
-                                    _fmt(st.temperature_c).rjust(6),
-                                ]
-                            )
+        for n in _ticks(interval_s, count):
+            for dev in chosen:
+                st = dev.read_state()
+                prev = last.get(dev.device_id)
+                avg_w = _avg_power_w(prev, st)
+                last[dev.device_id] = st
+                if as_json:
+                    row = _state_json(dev, st)
+                    row["sample"] = n
+                    row["avg_power_w"] = avg_w
+                    click.echo(json.dumps(row))
+                else:
+                    click.echo(
+                        "  ".join(
+                            [
+                                time.strftime("%H:%M:%S", time.localtime(st.timestamp_s))
+                                if st.timestamp_s > 1e9
+                                else f"{st.timestamp_s:8.2f}",
+                                str(dev.index).rjust(3),
+                                _fmt(st.power_w).rjust(8),
+                                _fmt(avg_w).rjust(8),
+                                _fmt(st.sm_freq_mhz, 0).rjust(7),
+                                _fmt(st.power_limit_w).rjust(8),
+                                _fmt(st.energy_j, 3).rjust(14),
+                                _fmt(st.temperature_c).rjust(6),
+                            ]
                         )
-        except KeyboardInterrupt:
-            return
+                    )
 
 
 def _ticks(interval_s: float, count: int | None) -> Iterator[int]:
@@ -504,7 +517,7 @@ def _avg_power_w(prev: PowerState | None, cur: PowerState) -> float | None:
 
 @cli.command(name="set")
 @click.option("--device", "selector", metavar="I", required=True, help="Device index or id.")
-@click.option("--freq-mhz", type=float, default=None, help="Lock the SM clock to one value.")
+@click.option("--freq-mhz", type=Number(), default=None, help="Lock the SM clock to one value.")
 @click.option(
     "--freq-range-mhz",
     type=(float, float),
@@ -512,7 +525,7 @@ def _avg_power_w(prev: PowerState | None, cur: PowerState) -> float | None:
     metavar="LO HI",
     help="Lock the SM clock to a range.",
 )
-@click.option("--power-limit-w", type=float, default=None, help="Set the power limit.")
+@click.option("--power-limit-w", type=Number(), default=None, help="Set the power limit.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_obj
 def set_(
@@ -626,6 +639,37 @@ def reset(opts: _Options, selector: str | None, all_devices: bool, as_json: bool
             raise first_error
 
 
+def _trust_owner_uids(
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+) -> tuple[int, ...]:
+    """``--trust-owner`` values (uids or user names) as uids."""
+    import pwd
+
+    uids = []
+    for value in values:
+        if value.isdigit():
+            uids.append(int(value))
+            continue
+        try:
+            uids.append(pwd.getpwnam(value).pw_uid)
+        except KeyError:
+            raise click.BadParameter(
+                f"no user is named {value!r}; give a uid or a user name"
+            ) from None
+    return tuple(uids)
+
+
+def _still_modified(outcome: RestoreOutcome) -> dict[str, object]:
+    """A failed restore step as a ``still_modified`` row (``item: unknown`` for a journal)."""
+    return {
+        "device_id": outcome.device_id,
+        "item": "unknown" if outcome.item == "journal" else outcome.item,
+        "journal": outcome.journal,
+        "reason": outcome.action,
+        "error_code": outcome.error_code,
+    }
+
+
 @cli.command()
 @click.option(
     "--stale",
@@ -641,30 +685,77 @@ def reset(opts: _Options, selector: str | None, all_devices: bool, as_json: bool
     help="Also restore journals of running owners (for an operator clearing a node).",
 )
 @click.option("--dry-run", is_flag=True, help="Show what would be restored; change nothing.")
+@click.option(
+    "--trust-owner",
+    "trusted_uids",
+    metavar="UID",
+    multiple=True,
+    callback=_trust_owner_uids,
+    help=(
+        "Also act on a state folder and journals owned by this user (uid or name), e.g. the "
+        'Slurm job\'s: --trust-owner "$SLURM_JOB_UID". Repeatable. Only the owner rule is '
+        "relaxed: group/world-writable files, symlinks and fifos are still refused."
+    ),
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_obj
-def restore(opts: _Options, mode: str, dry_run: bool, as_json: bool) -> None:
+def restore(
+    opts: _Options, mode: str, dry_run: bool, trusted_uids: tuple[int, ...], as_json: bool
+) -> None:
     """Put devices back from the journals that sessions left in the state directory.
 
     A session journals each device's original settings before changing it and deletes the
     journal once it has restored them; a journal left behind means its owner was killed
     (SIGKILL, OOM, crash). Run this from a Slurm epilog or a systemd unit to clean up a node.
     Each journal reopens the backend it was written with; --backend is ignored here.
+
+    Only trusted state is acted on: folders and journals owned by you or root (or a
+    --trust-owner), not writable by group or others, real folders and regular files. Anything
+    else is refused with one line naming its path, owner and mode (exit 12). After restoring,
+    each device is read back; whatever is still modified is listed and the exit code is
+    non-zero.
     """
     settings = Settings.from_env()
-    outcomes = restore_journals(settings, include_live=mode == "all", dry_run=dry_run)
-    failed = [o for o in outcomes if not o.ok]
-    if as_json:
-        _emit_json(
-            {
-                "schema": f"powerlib.restore.v{SCHEMA_VERSION}",
-                "state_dir": str(settings.state_dir),
-                "mode": mode,
-                "dry_run": dry_run,
-                "ok": not failed,
-                "outcomes": [o.to_json() for o in outcomes],
-            }
+    report: dict[str, object] = {
+        "schema": f"powerlib.restore.v{SCHEMA_VERSION}",
+        "state_dir": str(settings.state_dir),
+        "mode": mode,
+        "dry_run": dry_run,
+        "trusted_uids": sorted({os.geteuid(), 0, *trusted_uids}),
+    }
+    try:
+        outcomes = restore_journals(
+            settings, include_live=mode == "all", dry_run=dry_run, trusted_uids=trusted_uids
         )
+    except PowerlibError as err:  # the state folder itself: nothing was done
+        if as_json:
+            report.update(
+                ok=False,
+                error=str(err),
+                exit_code=err.exit_code,
+                outcomes=[],
+                still_modified=[
+                    {
+                        "device_id": "?",
+                        "item": "unknown",
+                        "journal": None,
+                        "reason": str(err),
+                        "error_code": err.exit_code,
+                    }
+                ],
+            )
+            _emit_json(report)
+        raise
+    failure = restore_failure(outcomes)
+    if as_json:
+        report.update(
+            ok=failure is None,
+            error=None if failure is None else str(failure),
+            exit_code=0 if failure is None else failure.exit_code,
+            outcomes=[o.to_json() for o in outcomes],
+            still_modified=[_still_modified(o) for o in outcomes if not o.ok],
+        )
+        _emit_json(report)
     elif not outcomes:
         click.echo(f"nothing to restore in {settings.state_dir}")
     else:
@@ -672,8 +763,8 @@ def restore(opts: _Options, mode: str, dry_run: bool, as_json: bool) -> None:
             owner = f" (journal of pid {o.owner_pid})" if o.owner_pid is not None else ""
             line = f"{o.device_id} {o.item}: {o.action}{owner}"
             click.echo(click.style(line, fg=None if o.ok else "red"))
-    if failed:
-        raise PowerlibError(f"{len(failed)} restore step(s) failed; journals kept for another try")
+    if failure is not None:
+        raise failure
 
 
 @cli.command()
@@ -699,12 +790,15 @@ def restore(opts: _Options, mode: str, dry_run: bool, as_json: bool) -> None:
 )
 @click.option(
     "--p-block-w",
-    type=float,
+    type=Number(),
     required=True,
     help="Power while blocked on communication (A100: 83.64, A40: 70.38).",
 )
 @click.option(
-    "--unit-time-s", type=float, required=True, help="Time quantum τ (the artifact: 0.001)."
+    "--unit-time-s",
+    type=Number(),
+    required=True,
+    help="Time quantum τ (the artifact: 0.001).",
 )
 @click.option(
     "--order",
@@ -751,6 +845,7 @@ def plan(
     frontier_out: str | None,
     plan_out: str | None,
     plot_path: str | None,
+    max_work: int,
     as_json: bool,
 ) -> None:
     """Compute the Perseus time-energy frontier of a pipeline from a PROFILE and pick a plan.
@@ -759,18 +854,29 @@ def plan(
     time = max, energy = mean) or a JSON profile. Savings are against every instruction at its
     maximum frequency, blocking power included, at the chosen plan's iteration time.
     """
-    from powerlib.planning.perseus.frontier import compute_frontier  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.planning.perseus.frontier import (  # noqa: PLC0415 - keep CLI start fast
+        WORK_HINT,
+        compute_frontier,
+        estimate_pipeline_work,
+    )
     from powerlib.planning.pipeline import build_schedule  # noqa: PLC0415
-    from powerlib.planning.profile import Profile  # noqa: PLC0415
 
     if policy == "deadline" and deadline_s is None:
         raise click.UsageError("--policy deadline needs --deadline-s")
     num_chunks = chunks if chunks is not None else (2 if schedule == "interleaved" else 1)
-    profile = Profile.read(profile_path)
+    profile = _read_profile(profile_path)
+    profile.validate_for(stages, ())  # a profile of 8 stages cannot plan 100000
+    # Before the schedule is even built: M = 100000 or τ = 1e-7 s would otherwise run for hours.
+    estimate_pipeline_work(
+        profile.option_points(),
+        num_stages=stages,
+        num_microbatches=microbatches,
+        num_chunks=num_chunks,
+        unit_time_s=unit_time_s,
+    ).check(max_work, hint=WORK_HINT)
     sched = build_schedule(schedule, stages, microbatches, num_chunks)
-    err = click.get_text_stream("stderr")
     started = time.perf_counter()
-    with click.progressbar(length=1, label="solving frontier", file=err, show_pos=True) as bar:
+    with progress_bar("solving frontier") as bar:
 
         def progress(done: int, expected: int) -> None:
             bar.length = max(expected, 1)
@@ -787,6 +893,7 @@ def plan(
             order=order,
             cost_model=cost_model,
             progress=progress,
+            max_work=max_work,
         )
     solve_time_s = time.perf_counter() - started
     _, _, data = select_and_write(
@@ -830,6 +937,25 @@ def plan(
             click.echo(f"{label} written to {path}")
 
 
+def _read_profile(path: str) -> Any:
+    """``Profile.read`` with a progress bar (and ETA) on stderr for files over 1 MB."""
+    from powerlib.planning.profile import Profile  # noqa: PLC0415 - keep CLI start fast
+
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        size = 0  # Profile.read says what is wrong with the path
+    if size < 1_000_000:
+        return Profile.read(path)
+    with progress_bar("reading profile") as bar:
+
+        def progress(done: int, total: int) -> None:
+            bar.length = max(total, 1)
+            bar.update(done - bar.pos)
+
+        return Profile.read(path, progress=progress)
+
+
 # Shared by `demo` and `simulate`: the emulated GPUs' ground truth.
 _EMULATED_PROFILE = click.option(
     "--profile",
@@ -840,14 +966,14 @@ _EMULATED_PROFILE = click.option(
 )
 _EMULATED_P_BLOCK = click.option(
     "--p-block-w",
-    type=click.FloatRange(min=0.0),
+    type=Number(min=0.0),
     default=83.64,
     show_default=True,
     help="Power of a waiting emulated GPU (ground truth: sessions measure it, they are not told).",
 )
 _EMULATED_SWITCH_LATENCY = click.option(
     "--switch-latency-s",
-    type=click.FloatRange(min=0.0),
+    type=Number(min=0.0),
     default=0.005,
     show_default=True,
     help="Clock-change latency of the emulated GPUs.",
@@ -876,7 +1002,7 @@ def _versus_all_max(base: dict[str, Any], label: str, run: dict[str, Any]) -> No
 )
 @click.option(
     "--straggler",
-    type=click.FloatRange(min=1.0),
+    type=Number(min=1.0),
     default=None,
     help="Another pipeline is this many times slower (e.g. 1.2): plan for its iteration time.",
 )
@@ -890,14 +1016,14 @@ def _versus_all_max(base: dict[str, Any], label: str, run: dict[str, Any]) -> No
 @_EMULATED_SWITCH_LATENCY
 @click.option(
     "--counter-period-s",
-    type=click.FloatRange(min=0.0),
+    type=Number(min=0.0),
     default=0.001,
     show_default=True,
     help="Energy-counter update period of the emulated GPUs.",
 )
 @click.option(
     "--noise",
-    type=click.FloatRange(min=0.0, max=0.2),
+    type=Number(min=0.0, max=0.2),
     default=0.0,
     show_default=True,
     help="Multiplicative noise (std) on every instruction's time and energy.",
@@ -905,7 +1031,7 @@ def _versus_all_max(base: dict[str, Any], label: str, run: dict[str, Any]) -> No
 @click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
 @click.option(
     "--out-dir",
-    type=click.Path(file_okay=False),
+    type=OutputPath(folder=True),
     default="powerlib-demo",
     show_default=True,
     help="Where profile.csv, frontier.csv, plan.json, summary.json and the pictures go.",
@@ -992,11 +1118,17 @@ def demo(
 @_EMULATED_SWITCH_LATENCY
 @click.option(
     "--deadline-s",
-    type=click.FloatRange(min=0.0),
+    type=Number(min=0.0),
     default=None,
     help="A straggler holds every iteration to this time.",
 )
-@click.option("--iterations", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--iterations",
+    type=click.IntRange(min=1, max=1000),
+    default=3,
+    show_default=True,
+    help="Managed iterations to replay (their mean is reported).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def simulate(
     plan_path: str,

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from powerlib.errors import InvalidArgumentError, PermissionDeniedError
+
 if TYPE_CHECKING:
     from powerlib.planning.perseus.frontier import Frontier, FrontierPoint
 
-__all__ = ["emit_json", "plan_outputs", "select_and_write"]
+__all__ = ["Number", "OutputPath", "emit_json", "plan_outputs", "progress_bar", "select_and_write"]
 
 
 def emit_json(data: object) -> None:
@@ -19,16 +25,116 @@ def emit_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
+class Number(click.FloatRange):
+    """A float option that refuses NaN and infinities (click's ranges let NaN through).
+
+    A non-finite value is an invalid argument (exit 7, one line naming the option); bounds
+    behave as click's :class:`~click.FloatRange` (a usage error, exit 2).
+    """
+
+    name = "number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """Parse ``value``; refuse NaN and infinities, then apply the bounds."""
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            name = param.opts[0] if isinstance(param, click.Option) else "value"
+            raise InvalidArgumentError(f"{name}: must be a finite number, got {value!r}")
+        return super().convert(number, param, ctx)
+
+
+class _Quiet:
+    """A progress bar that shows nothing (stderr is not a terminal)."""
+
+    length: int = 1
+    pos: int = 0
+
+    def update(self, n: int) -> None:
+        self.pos += n
+
+    def __enter__(self) -> _Quiet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def progress_bar(label: str, length: int = 1, *, in_logs: bool = False) -> Any:
+    """A click progress bar (with ETA) on stderr when it is a terminal, else a silent one.
+
+    Logs and pipes get no bar, so a failing command's stderr stays its one error line; with
+    ``in_logs`` they get the label once (click's non-terminal form), for steps of minutes.
+    """
+    if not (in_logs or sys.stderr.isatty()):
+        return _Quiet()
+    return click.progressbar(length=length, label=label, file=sys.stderr, show_pos=True)
+
+
+def _writable(path: Path, mode: int = os.W_OK | os.X_OK) -> bool:
+    # The effective uid decides (a setuid or seteuid caller), as for the open() that follows.
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
+
+
+class OutputPath(click.ParamType):
+    """A file or folder powerlib will write: checked before any work starts.
+
+    A missing or non-folder parent is an invalid argument (exit 7), a folder the caller cannot
+    write is a permission error (exit 4); the message names the option and the path. ``folder``
+    outputs may be created (with their missing parents) when their nearest existing ancestor is
+    a writable folder.
+    """
+
+    name = "path"
+
+    def __init__(self, *, folder: bool = False) -> None:
+        self.folder = folder
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        """Check ``value``; return it unchanged."""
+        path = Path(os.fspath(value))
+        name = "output" if param is None else param.human_readable_name
+        if isinstance(param, click.Option):
+            name = param.opts[0]
+        label = f"{name} {path}"
+        try:
+            self._check(path, label)
+        except OSError as err:  # e.g. EACCES on a folder above: the caller cannot reach it
+            raise PermissionDeniedError(
+                f"{label}: cannot check the path ({err.strerror}: {err.filename})"
+            ) from None
+        return str(path)
+
+    def _check(self, path: Path, label: str) -> None:
+        if self.folder:
+            if path.exists() and not path.is_dir():
+                raise InvalidArgumentError(f"{label}: exists and is not a folder")
+            parent = path
+            while not parent.exists() and parent != parent.parent:
+                parent = parent.parent
+        else:
+            if path.is_dir():
+                raise InvalidArgumentError(f"{label}: is a folder; give a file name")
+            parent = path.parent
+            if not parent.exists():
+                raise InvalidArgumentError(f"{label}: the folder {parent} does not exist")
+        if not parent.is_dir():
+            raise InvalidArgumentError(f"{label}: {parent} is not a folder")
+        if not _writable(parent):
+            raise PermissionDeniedError(f"{label}: the folder {parent} is not writable")
+        if path.exists() and not self.folder and not _writable(path, os.W_OK):
+            raise PermissionDeniedError(f"{label}: the file is not writable")
+
+
 _OPTIONS = (
     click.option(
         "--deadline-s",
-        type=float,
+        type=Number(min=0.0, min_open=True),
         default=None,
         help="Straggler iteration time T' (policy deadline).",
     ),
     click.option(
         "--max-slowdown",
-        type=click.FloatRange(min=0.0),
+        type=Number(min=0.0),
         default=0.001,
         show_default=True,
         help="fastest/deadline policies: speed up instructions on the realized critical path until "
@@ -37,36 +143,48 @@ _OPTIONS = (
     ),
     click.option(
         "--switch-latency-s",
-        type=click.FloatRange(min=0.0),
+        type=Number(min=0.0),
         default=0.005,
         show_default=True,
         help="Clock-change latency the slowdown guard plans for (the old clock runs meanwhile).",
     ),
     click.option(
         "--frontier-out",
-        type=click.Path(dir_okay=False),
+        type=OutputPath(),
         default=None,
         help="Write the frontier CSV here.",
     ),
     click.option(
         "--plan-out",
-        type=click.Path(dir_okay=False),
+        type=OutputPath(),
         default=None,
         help="Write the chosen plan (JSON) here.",
     ),
     click.option(
         "--plot",
         "plot_path",
-        type=click.Path(dir_okay=False),
+        type=OutputPath(),
         default=None,
         help="Plot the frontier to this PNG (needs powerlib[plot]).",
+    ),
+    click.option(
+        "--max-work",
+        type=click.IntRange(min=1),
+        default=50_000_000,
+        show_default=True,
+        help="Refuse a frontier estimated past this many instruction-steps (instructions x time "
+        "quanta; about 1e-5 s and 10 bytes each here) before solving.",
     ),
     click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary."),
 )
 
 
 def plan_outputs(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--deadline-s --max-slowdown --switch-latency-s --frontier-out --plan-out --plot --json``."""
+    """The plan commands' shared output options.
+
+    ``--deadline-s --max-slowdown --switch-latency-s --frontier-out --plan-out --plot
+    --max-work --json``.
+    """
     for option in reversed(_OPTIONS):
         func = option(func)
     return func

@@ -20,7 +20,14 @@ from typing import Any
 
 import click
 
-from powerlib.cli_options import emit_json, plan_outputs, select_and_write
+from powerlib.cli_options import (
+    Number,
+    OutputPath,
+    emit_json,
+    plan_outputs,
+    progress_bar,
+    select_and_write,
+)
 from powerlib.errors import PlanError
 
 __all__ = ["overlap"]
@@ -57,7 +64,7 @@ def overlap() -> None:
 
 
 @overlap.command()
-@click.argument("study_dir", metavar="STUDY_DIR", type=click.Path(file_okay=False))
+@click.argument("study_dir", metavar="STUDY_DIR", type=OutputPath(folder=True))
 @click.option(
     "--model",
     type=click.Choice(["llama3.2-3b", "qwen3-1.7b"]),
@@ -96,21 +103,21 @@ def overlap() -> None:
 @click.option("--gpu", type=click.Choice(["a100", "h100"]), default="a100", show_default=True)
 @click.option(
     "--noise",
-    type=click.FloatRange(min=0.0, max=0.2),
+    type=Number(min=0.0, max=0.2),
     default=0.01,
     show_default=True,
     help="Simulated measurement noise (relative standard deviation).",
 )
 @click.option(
     "--window-s",
-    type=click.FloatRange(min=0.1),
+    type=Number(min=0.1),
     default=5.0,
     show_default=True,
     help="Measurement window per candidate.",
 )
 @click.option(
     "--cooldown-s",
-    type=click.FloatRange(min=0.0),
+    type=Number(min=0.0),
     default=5.0,
     show_default=True,
     help="Idle time between candidates.",
@@ -173,15 +180,12 @@ def search(
     freqs = evaluator.freqs_mhz
     out = Path(study_dir)
     out.mkdir(parents=True, exist_ok=True)
-    err = click.get_text_stream("stderr")
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     for ptype in wanted:
         space = config_space(ptype, freqs)
         budget = search_budget(ptype)
-        with click.progressbar(
-            length=budget.total, label=f"{ptype.key:<12}", file=err, show_pos=True
-        ) as bar:
+        with progress_bar(f"{ptype.key:<12}", budget.total, in_logs=True) as bar:
             last = [0]
 
             def progress(
@@ -215,7 +219,7 @@ def search(
                 "log": str(log_path(out, ptype.key)),
             }
         )
-    with click.progressbar(length=1, label="components  ", file=err, show_pos=True) as bar:
+    with progress_bar("components  ", in_logs=True) as bar:
 
         def comp_progress(done: int, total: int, what: str) -> None:
             bar.length = max(total, 1)
@@ -273,7 +277,13 @@ def search(
     help="Microbatches M per iteration.",
 )
 @click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True)
-@click.option("--unit-time-s", type=float, default=0.001, show_default=True, help="Time quantum τ.")
+@click.option(
+    "--unit-time-s",
+    type=Number(),
+    default=0.001,
+    show_default=True,
+    help="Time quantum τ.",
+)
 @click.option(
     "--cost-model",
     type=click.Choice(["convex", "exp"]),
@@ -283,7 +293,7 @@ def search(
 )
 @click.option(
     "--correction",
-    type=float,
+    type=Number(),
     default=1.0,
     show_default=True,
     help="Factor on composed partition sums (isolated vs in-situ gap; the artifact: 1.15).",
@@ -315,6 +325,7 @@ def plan_(
     frontier_out: str | None,
     plan_out: str | None,
     plot_path: str | None,
+    max_work: int,
     as_json: bool,
 ) -> None:
     """Compose a study into instruction options, solve the frontier and pick a plan.
@@ -330,6 +341,10 @@ def plan_(
     )
     from powerlib.planning.kareus.search import read_log  # noqa: PLC0415
     from powerlib.planning.kareus.study import log_path, read_study  # noqa: PLC0415
+    from powerlib.planning.perseus.frontier import (  # noqa: PLC0415
+        WORK_HINT,
+        estimate_pipeline_work,
+    )
     from powerlib.planning.pipeline import build_schedule  # noqa: PLC0415
 
     if policy == "deadline" and deadline_s is None:
@@ -347,18 +362,25 @@ def plan_(
         records[p.key] = [
             (r.config, r.time_s, r.dynamic_energy_j) for r in read_log(path, partition=p.key)
         ]
-    sched = build_schedule(schedule, len(workload.stages), microbatches, 1)
-    err = click.get_text_stream("stderr")
     methods = ("kareus", "perseus", "nanobatch") if compare else ("kareus",)
-    frontiers = {}
-    started = time.perf_counter()
-    for method in methods:
-        options = compose_options(
+    composed = {
+        method: compose_options(
             workload, records, study.components, method=method, correction=correction
         )
-        with click.progressbar(
-            length=1, label=f"solving {method:<9}", file=err, show_pos=True
-        ) as bar:
+        for method in methods
+    }
+    for options in composed.values():  # before the schedule is built (see `powerlib plan`)
+        estimate_pipeline_work(
+            {key: [(o[1], o[2]) for o in opts] for key, opts in options.items()},
+            num_stages=len(workload.stages),
+            num_microbatches=microbatches,
+            unit_time_s=unit_time_s,
+        ).check(max_work, hint=WORK_HINT)
+    sched = build_schedule(schedule, len(workload.stages), microbatches, 1)
+    frontiers = {}
+    started = time.perf_counter()
+    for method, options in composed.items():
+        with progress_bar(f"solving {method:<9}") as bar:
 
             def progress(done: int, expected: int, bar: Any = bar) -> None:
                 bar.length = max(expected, 1)
@@ -374,6 +396,7 @@ def plan_(
                 unit_time_s=unit_time_s,
                 cost_model=cost_model,
                 progress=progress,
+                max_work=max_work,
             )
     solve_time_s = time.perf_counter() - started
     frontier = frontiers["kareus"]

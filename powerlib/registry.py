@@ -30,6 +30,7 @@ __all__ = [
     "BUILTIN_BACKENDS",
     "ENTRY_POINT_GROUP",
     "backend_names",
+    "check_backend_name",
     "load_backend_class",
     "open_backend",
     "probe_backends",
@@ -68,6 +69,20 @@ def backend_names() -> dict[str, str]:
     return names
 
 
+def check_backend_name(name: str) -> None:
+    """Refuse a name that is neither ``auto``, a built-in nor a registered plug-in.
+
+    Raises:
+        ConfigError: The message lists the valid names.
+    """
+    if name == "auto" or name in BUILTIN_BACKENDS:
+        return
+    names = backend_names()
+    if name not in names:
+        valid = ", ".join(["auto", *names])
+        raise ConfigError(f"unknown backend {name!r}; valid names: {valid}")
+
+
 def load_backend_class(name: str) -> type[Backend]:
     """Import the backend class registered as ``name``.
 
@@ -78,11 +93,8 @@ def load_backend_class(name: str) -> type[Backend]:
     if name in BUILTIN_BACKENDS:
         target = BUILTIN_BACKENDS[name]
     else:
-        plugins = _plugin_entry_points()
-        if name not in plugins:
-            valid = ", ".join(["auto", *backend_names()])
-            raise ConfigError(f"unknown backend {name!r}; valid names: {valid}")
-        target = plugins[name].value
+        check_backend_name(name)
+        target = _plugin_entry_points()[name].value
     module_name, _, attr = target.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)

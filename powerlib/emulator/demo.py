@@ -22,11 +22,13 @@ from typing import Any
 
 from powerlib.emulator.engine import Emulator, IterationResult
 from powerlib.errors import BackendUnavailableError, InvalidArgumentError
+from powerlib.planning.perseus.frontier import DEFAULT_MAX_WORK, estimate_pipeline_work
 from powerlib.planning.perseus.report import pyplot
 from powerlib.planning.pipeline import KIND_LETTERS, build_schedule
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile
 from powerlib.runtime.coordination import LocalGroup
+from powerlib.runtime.planning_step import auto_unit_time_s
 from powerlib.runtime.session import Session
 
 __all__ = ["DemoConfig", "default_profile", "run_demo", "simulate_plan", "write_timeline"]
@@ -109,6 +111,15 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         default_profile() if config.profile_path is None else Profile.read(config.profile_path)
     )
     num_stages = profile.num_stages
+    # The sessions plan at the end of profiling: refuse work they would refuse, before emulating
+    # tens of iterations of it (and before building a schedule of 100000 microbatches).
+    estimate_pipeline_work(
+        profile.option_points(),
+        num_stages=num_stages,
+        num_microbatches=config.num_microbatches,
+        num_chunks=config.num_chunks,
+        unit_time_s=auto_unit_time_s(profile),
+    ).check(DEFAULT_MAX_WORK, hint="use fewer --microbatches")
     schedule = build_schedule(
         config.schedule, num_stages, config.num_microbatches, config.num_chunks
     )
@@ -263,20 +274,30 @@ def simulate_plan(
     instruction ends and lands after the switch latency.
 
     Raises:
-        PlanError: A malformed plan, or one that does not fit the profile.
+        PlanError: A malformed plan, or one that does not fit the profile: another number of
+            stages (the message names both), a workload its own instructions contradict, kinds
+            or clocks the profile lacks. Nothing is run then.
     """
+    from powerlib.errors import PlanError  # noqa: PLC0415
+
     plan = FrequencyPlan.read(plan_path)
     profile = default_profile() if profile_path is None else Profile.read(profile_path)
+    plan.check_workload(num_stages=profile.num_stages, against=f"the profile {profile.source}")
     # The plan lists every stage's instructions in execution order: that is the schedule.
     schedule = [[p.instruction for p in plan.stage(s)] for s in range(plan.num_stages)]
-    emulator = Emulator(
-        profile,
-        schedule,
-        placement=str(plan.workload.get("placement", "looped")),
-        p_block_w=p_block_w,
-        switch_latency_s=switch_latency_s,
-        straggler_time_s=straggler_time_s,
-    )
+    try:
+        emulator = Emulator(
+            profile,
+            schedule,
+            placement=str(plan.workload.get("placement", "looped")),
+            p_block_w=p_block_w,
+            switch_latency_s=switch_latency_s,
+            straggler_time_s=straggler_time_s,
+        )
+    except PlanError as err:  # the plan's order is no pipeline, or it needs what the profile lacks
+        if str(err).startswith((f"{profile.source}:", f"{plan_path}:")):
+            raise
+        raise PlanError(f"{plan_path}: {err}") from err
     base = [emulator.run_iteration() for _ in range(2)][-1]
     for s in range(plan.num_stages):
         plan.check_frequencies(emulator.devices[s].info.supported_sm_freqs_mhz, s)
@@ -285,8 +306,6 @@ def simulate_plan(
     emulator.unlock_all()
     mismatches = [h.mismatch for h in hooks if h.mismatch]
     if mismatches:
-        from powerlib.errors import PlanError  # noqa: PLC0415
-
         raise PlanError(f"{plan_path}: {mismatches[0]}")
     time_s, energy_j = _mean(runs)
     return {

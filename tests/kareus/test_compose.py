@@ -293,7 +293,7 @@ def test_study_round_trip_and_malformed_study(tp_case, tmp_path: Path) -> None:
     with pytest.raises(PlanError, match="no stock measurement"):
         read_study(tmp_path)
     (tmp_path / "study.json").write_text("{")
-    with pytest.raises(PlanError, match="not valid JSON"):
+    with pytest.raises(PlanError, match="study.json: invalid JSON"):
         read_study(tmp_path)
     with pytest.raises(PlanError, match="overlap search"):
         read_study(tmp_path / "missing")

@@ -496,7 +496,7 @@ def _duplicate(lines: list[str]) -> int:
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (_truncate, "not valid JSON"),
+        (_truncate, "line 4: invalid JSON"),
         (_set(2, partition="fwd_mlp"), "record of partition 'fwd_mlp'"),
         (_set(0, partition="fwd_mlp"), "log is for partition 'fwd_mlp'"),
         (_set(0, schema="something.v0"), "header"),

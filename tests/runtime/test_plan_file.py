@@ -99,7 +99,7 @@ def test_unreadable_files(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match="cannot read"):
         FrequencyPlan.read(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(PlanError, match="not valid JSON"):
+    with pytest.raises(PlanError, match="bad.json: invalid JSON"):
         FrequencyPlan.read(tmp_path / "bad.json")
 
 

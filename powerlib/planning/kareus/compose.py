@@ -37,7 +37,12 @@ from typing import Any
 from powerlib.errors import PlanError
 from powerlib.planning.kareus.evaluator import Evaluator, Measurement
 from powerlib.planning.kareus.partition import BLOCK_SIZE, Config, PartitionType, Workload
-from powerlib.planning.perseus.frontier import Frontier, FrontierPoint, compute_frontier
+from powerlib.planning.perseus.frontier import (
+    DEFAULT_MAX_WORK,
+    Frontier,
+    FrontierPoint,
+    compute_frontier,
+)
 from powerlib.planning.pipeline import BACKWARD, FORWARD, Schedule
 
 __all__ = [
@@ -367,6 +372,7 @@ def method_frontier(
     unit_time_s: float = 1e-3,
     cost_model: str = "convex",
     progress: Callable[[int, int], None] | None = None,
+    max_work: int | None = DEFAULT_MAX_WORK,
 ) -> Frontier:
     """The iteration frontier of one method's options on the Perseus solver.
 
@@ -387,6 +393,7 @@ def method_frontier(
         progress=progress,
         candidates=options,
         reference=reference_options(workload, components),
+        max_work=max_work,
     )
 
 
