@@ -85,8 +85,8 @@ SWEEP = {
     # One sample per clock on a shared CPU: the profile's noise can leave the guarded fastest
     # plan a few 1e-4 past all-max (a noisy top clock is dropped as dominated), and the session
     # then rightly refuses it. These tests are about applying the plan and catching a wrong
-    # order, so they allow 2 %; the guard itself is tested in tests/runtime.
-    "max_slowdown": 0.02,
+    # order, so they allow 10 % (a loaded CI machine once showed +4.6 % on DeepSpeed ZeRO); the guard itself is tested in tests/runtime.
+    "max_slowdown": 0.1,
 }
 """Session options of the workers' auto runs: one warm-up, one iteration per clock."""
 
