@@ -31,10 +31,14 @@ from powerlib.cli_options import Number, OutputPath, plan_outputs, progress_bar,
 from powerlib.cli_options import emit_json as _emit_json
 from powerlib.cli_overlap import overlap as _overlap_group
 from powerlib.config import Settings
-from powerlib.control import RestoreOutcome, restore_failure, restore_journals
+from powerlib.control import (
+    RestoreOutcome,
+    ensure_not_controlled,
+    restore_failure,
+    restore_journals,
+)
 from powerlib.device import Backend, Device, PowerState
-from powerlib.errors import DeviceBusyError, PowerlibError
-from powerlib.journal import DeviceLock, StateDir, device_key
+from powerlib.errors import PowerlibError
 from powerlib.registry import (
     AUTO_ORDER,
     backend_names,
@@ -548,7 +552,7 @@ def set_(
         )
     with _open(opts) as backend:
         dev = backend.device(selector)
-        _ensure_not_controlled(backend, dev)
+        ensure_not_controlled(backend, dev)
         lo_hi = (freq_mhz, freq_mhz) if freq_mhz is not None else freq_range_mhz
         if lo_hi is not None:
             dev.validate_sm_clocks(*lo_hi)
@@ -601,7 +605,7 @@ def reset(opts: _Options, selector: str | None, all_devices: bool, as_json: bool
             caps = dev.info.capabilities
             outcome: dict[str, object] = {"index": dev.index, "device_id": dev.device_id}
             try:
-                _ensure_not_controlled(backend, dev)
+                ensure_not_controlled(backend, dev)
             except PowerlibError as err:
                 outcome.update(sm_clocks=f"skipped: {err}", power_limit="skipped")
                 results.append(outcome)
@@ -854,6 +858,7 @@ def plan(
     time = max, energy = mean) or a JSON profile. Savings are against every instruction at its
     maximum frequency, blocking power included, at the chosen plan's iteration time.
     """
+    from powerlib.planning.choice import Policy  # noqa: PLC0415
     from powerlib.planning.perseus.frontier import (  # noqa: PLC0415 - keep CLI start fast
         WORK_HINT,
         compute_frontier,
@@ -896,13 +901,15 @@ def plan(
             max_work=max_work,
         )
     solve_time_s = time.perf_counter() - started
-    _, _, data = select_and_write(
+    _, data = select_and_write(
         frontier,
-        policy=policy,
-        deadline_s=deadline_s,
-        argmin=argmin,
-        max_slowdown=max_slowdown,
-        switch_latency_s=switch_latency_s,
+        Policy(
+            name=policy,
+            deadline_s=deadline_s,
+            argmin=argmin,
+            max_slowdown=max_slowdown,
+            switch_latency_s=switch_latency_s,
+        ),
         frontier_out=frontier_out,
         plan_out=plan_out,
         plot_path=plot_path,
@@ -1158,21 +1165,6 @@ def simulate(
     click.echo(
         f"energy saved: {result['saving_percent']:.2f} %  (slowdown {result['slowdown_percent']:+.3f} %)"
     )
-
-
-def _ensure_not_controlled(backend: Backend, dev: Device) -> None:
-    """`set`/`reset` must not fight a running session: refuse a device whose lock is held."""
-    if not backend.persistent:
-        return
-    state = StateDir(backend.settings.state_dir)
-    key = device_key(dev.info.backend, dev.device_id)
-    if not DeviceLock.is_free(state, key):
-        holder = DeviceLock(state, key).read_owner()
-        who = f"pid {holder.pid}" if holder else "another process"
-        raise DeviceBusyError(
-            f"a powerlib session ({who}) controls this device; it restores the device when it ends",
-            device=dev.device_id,
-        )
 
 
 cli.add_command(_overlap_group)

@@ -15,7 +15,8 @@ import click
 from powerlib.errors import InvalidArgumentError, PermissionDeniedError
 
 if TYPE_CHECKING:
-    from powerlib.planning.perseus.frontier import Frontier, FrontierPoint
+    from powerlib.planning.choice import Choice, Policy
+    from powerlib.planning.perseus.frontier import Frontier
 
 __all__ = ["Number", "OutputPath", "emit_json", "plan_outputs", "progress_bar", "select_and_write"]
 
@@ -192,55 +193,31 @@ def plan_outputs(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def select_and_write(
     frontier: Frontier,
+    policy: Policy,
     *,
-    policy: str,
-    deadline_s: float | None,
-    argmin: bool = False,
-    max_slowdown: float,
-    switch_latency_s: float,
     frontier_out: str | None,
     plan_out: str | None,
     plot_path: str | None,
     solve_time_s: float,
     metadata: dict[str, Any] | None = None,
-) -> tuple[FrontierPoint, Any, dict[str, Any]]:
-    """Pick the policy's point, run the slowdown guard, write the outputs, summarise.
+) -> tuple[Choice, dict[str, Any]]:
+    """Choose the policy's plan (:func:`~powerlib.planning.choice.choose`), write the outputs.
 
     Returns:
-        The chosen point, the guarded per-instruction options (``None`` for ``min-energy``) and
-        the ``--json`` summary.
+        The choice and the ``--json`` summary.
     """
-    from powerlib.planning.perseus.report import (  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.planning.choice import choose  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.planning.perseus.report import (  # noqa: PLC0415
         plot_frontier,
         summary,
         write_frontier_csv,
-        write_plan_json,
     )
 
-    chosen = frontier.select(policy, deadline_s, argmin=argmin)
-    guarded = None
-    if policy in ("fastest", "deadline"):
-        guarded = frontier.within_slowdown(
-            chosen,
-            max_slowdown,
-            switch_latency_s=switch_latency_s,
-            limit_s=deadline_s if policy == "deadline" else None,
-        )
+    choice = choose(frontier, policy)
     if frontier_out:
         write_frontier_csv(frontier, frontier_out)
     if plan_out:
-        write_plan_json(
-            frontier, chosen, plan_out, policy=policy, chosen=guarded, metadata=metadata
-        )
+        choice.plan(metadata=metadata).write(plan_out)
     if plot_path:
-        plot_frontier(frontier, chosen, plot_path)
-    data = summary(
-        frontier,
-        chosen,
-        policy=policy,
-        solve_time_s=solve_time_s,
-        guarded=guarded,
-        max_slowdown=max_slowdown if guarded is not None else None,
-        switch_latency_s=switch_latency_s,
-    )
-    return chosen, guarded, data
+        plot_frontier(frontier, choice.point, plot_path)
+    return choice, summary(choice, solve_time_s=solve_time_s)

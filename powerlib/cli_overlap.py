@@ -8,7 +8,7 @@ whose instructions carry their partition settings.
 
 Measurements come from the simulated partition evaluator (A100 or H100 parameters). Measuring
 real GPUs needs the partition kernels of the training framework: use
-:class:`powerlib.profiling.overlap.DeviceEvaluator` from Python with a callable that runs one
+:class:`powerlib.profiling.partition_meter.DeviceEvaluator` from Python with a callable that runs one
 partition, and the same study layout.
 """
 
@@ -147,7 +147,7 @@ def search(
     Writes STUDY_DIR/study.json and one resumable evaluation log per partition type
     (STUDY_DIR/<type>.jsonl). Rerunning with the same options continues from the logs.
     """
-    from powerlib.emulator.overlap import A100, H100, SimulatedOverlapEvaluator  # noqa: PLC0415
+    from powerlib.emulator.partition_model import A100, H100, SimulatedOverlapEvaluator  # noqa: PLC0415
     from powerlib.planning.kareus.compose import measure_components  # noqa: PLC0415
     from powerlib.planning.kareus.evaluator import MeasureProtocol  # noqa: PLC0415
     from powerlib.planning.kareus.partition import (  # noqa: PLC0415
@@ -334,6 +334,7 @@ def plan_(
     nanobatch) and per-partition launch slot and SM count. Savings are against Megatron-LM:
     sequential execution at the highest clock.
     """
+    from powerlib.planning.choice import Policy  # noqa: PLC0415
     from powerlib.planning.kareus.compose import (  # noqa: PLC0415
         compare_frontiers,
         compose_options,
@@ -410,19 +411,21 @@ def plan_(
             "evaluator": dict(study.evaluator),
         }
     }
-    chosen, guarded, data = select_and_write(
+    choice, data = select_and_write(
         frontier,
-        policy=policy,
-        deadline_s=deadline_s,
-        max_slowdown=max_slowdown,
-        switch_latency_s=switch_latency_s,
+        Policy(
+            name=policy,
+            deadline_s=deadline_s,
+            max_slowdown=max_slowdown,
+            switch_latency_s=switch_latency_s,
+        ),
         frontier_out=frontier_out,
         plan_out=plan_out,
         plot_path=plot_path,
         solve_time_s=solve_time_s,
         metadata=metadata,
     )
-    options_used = guarded if guarded is not None else frontier.planned_options(chosen)
+    options_used = choice.options
     nano = sum(1 for o in options_used if o.knob is not None and o.knob.execution == "nanobatch")
     data["overlap"] = {
         "workload": workload.label,

@@ -65,6 +65,7 @@ from powerlib.journal import (
 from powerlib.registry import open_backend
 
 __all__ = [
+    "ensure_not_controlled",
     "ControlSession",
     "RestoreOutcome",
     "restore_device",
@@ -864,3 +865,25 @@ def wait_for_owner_exit(owner: Owner, stream_fd: int, poll_s: float = 0.2) -> No
             return
         if not owner.is_alive():
             return
+
+
+def ensure_not_controlled(backend: Backend, dev: Device) -> None:
+    """Refuse a device that a running session controls (``powerlib set``/``reset`` use it).
+
+    A session holds the device's lock from its ``with`` line to its restore; changing the
+    device under it would fight its clocks, and its restore would then undo the change.
+
+    Raises:
+        DeviceBusyError: The device's lock is held, naming the holder's pid when known.
+    """
+    if not backend.persistent:
+        return
+    state = StateDir(backend.settings.state_dir)
+    key = device_key(dev.info.backend, dev.device_id)
+    if not DeviceLock.is_free(state, key):
+        holder = DeviceLock(state, key).read_owner()
+        who = f"pid {holder.pid}" if holder else "another process"
+        raise DeviceBusyError(
+            f"a powerlib session ({who}) controls this device; it restores the device when it ends",
+            device=dev.device_id,
+        )

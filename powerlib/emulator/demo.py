@@ -194,13 +194,14 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
                 break
         reports = [s.report() for s in sessions]
         plan = sessions[0].plan
+        outcome = sessions[0].outcome
         first_apply = sessions[0].apply_started_iteration
     if plan is None or len(managed) <= config.apply_iterations:
         raise InvalidArgumentError("the sessions never applied a plan; see the warnings above")
     measured = managed[1:]  # the first applied iteration is the order check
     time_s, energy_j = _mean(measured)
     emulator.unlock_all()
-    summary = dict(plan.summary.get("planner_summary", {}))
+    summary = dict(outcome.summary or {}) if outcome is not None else {}
     report = {
         "schema": "powerlib.demo.v1",
         "workload": {

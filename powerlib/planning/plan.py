@@ -16,6 +16,7 @@ names the file and the offending entry. This module is pure (standard library on
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ class PlannedInstruction:
         execution: ``sequential`` (a Perseus plan, or an overlap plan's whole-microbatch option)
             or ``nanobatch`` (two overlapped nanobatches, configured by ``overlap``).
         overlap: Per partition type (``fwd_attn``, ...), its setting; empty unless nanobatched.
+        planned_time_s: The duration the planner gave it (a multiple of the time quantum), when
+            the plan records one.
         predicted_time_s: The planner's time for it, when the plan records one.
         predicted_energy_j: The planner's energy for it, when the plan records one.
     """
@@ -73,6 +76,7 @@ class PlannedInstruction:
     freq_mhz: float
     execution: str = "sequential"
     overlap: Mapping[str, PartitionSetting] = field(default_factory=dict)
+    planned_time_s: float | None = None
     predicted_time_s: float | None = None
     predicted_energy_j: float | None = None
 
@@ -276,6 +280,15 @@ class FrequencyPlan:
         summary = {k: v for k, v in data.items() if k not in ("schema", "workload", "stages")}
         return cls(stages=tuple(stages), workload=dict(workload), summary=summary, source=source)
 
+    def write(self, path: str | Path) -> None:
+        """Write the plan file (one JSON document, schema ``powerlib.plan.v1``)."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+
+    @property
+    def policy(self) -> str:
+        """The policy that chose the plan (``""`` when the file does not say)."""
+        return str(self.summary.get("policy", ""))
+
     def to_json(self) -> dict[str, Any]:
         """The plan as JSON data (round-trips through :meth:`from_json`)."""
         return {
@@ -307,6 +320,8 @@ def _instruction_json(p: PlannedInstruction) -> dict[str, Any]:
         "chunk": p.instruction.chunk,
         "freq_mhz": p.freq_mhz,
     }
+    if p.planned_time_s is not None:
+        out["planned_time_s"] = p.planned_time_s
     if p.predicted_time_s is not None:
         out["predicted_time_s"] = p.predicted_time_s
     if p.predicted_energy_j is not None:
@@ -386,6 +401,7 @@ def _instruction(item: Any, stage: int, where: str) -> PlannedInstruction:
         float(freq),
         execution=execution,
         overlap=overlap,
+        planned_time_s=_number(item, "planned_time_s", where),
         predicted_time_s=_number(item, "predicted_time_s", where),
         predicted_energy_j=_number(item, "predicted_energy_j", where),
     )

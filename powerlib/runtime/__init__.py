@@ -2,7 +2,7 @@
 
 from powerlib.runtime.controller import AppliedChange, FrequencyController
 from powerlib.runtime.coordination import LocalGroup, SingleProcess, TorchDistributed
-from powerlib.runtime.overlap import LaunchRecord, Overlap, OverlapSchedule, SMGroups
+from powerlib.runtime.launch_control import LaunchRecord, Overlap, OverlapSchedule, SMGroups
 from powerlib.runtime.planning_step import PlanSpec, make_plan
 from powerlib.runtime.session import MODES, Session, optimize
 

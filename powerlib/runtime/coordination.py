@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from powerlib.errors import PlanError, PowerlibError
+from powerlib.runtime.planning_step import PlanningOutcome
 
 __all__ = [
     "Coordinator",
@@ -32,7 +33,7 @@ __all__ = [
 ]
 
 Future = Callable[[], Any]
-PlanFn = Callable[[list[dict[str, Any]]], dict[str, Any]]
+PlanFn = Callable[[list[dict[str, Any]]], PlanningOutcome]
 
 
 class Coordinator(Protocol):
@@ -54,20 +55,20 @@ def _resolved(value: Any) -> Future:
     return lambda: value
 
 
-def _raise_or_return(result: dict[str, Any]) -> dict[str, Any]:
-    if "error" in result:
-        raise PlanError(result["error"])
+def _raise_or_return(result: PlanningOutcome) -> PlanningOutcome:
+    if result.error is not None:
+        raise PlanError(result.error)
     return result
 
 
-def _plan_safely(plan_fn: PlanFn, payloads: list[dict[str, Any]]) -> dict[str, Any]:
+def _plan_safely(plan_fn: PlanFn, payloads: list[dict[str, Any]]) -> PlanningOutcome:
     """Rank 0 plans; an error is shipped to every rank instead of leaving them waiting."""
     try:
         return plan_fn(payloads)
     except PowerlibError as err:
-        return {"error": str(err)}
+        return PlanningOutcome(error=str(err))
     except Exception as err:  # a bug on rank 0 must not leave the other ranks waiting forever
-        return {"error": f"planning failed on rank 0: {type(err).__name__}: {err}"}
+        return PlanningOutcome(error=f"planning failed on rank 0: {type(err).__name__}: {err}")
 
 
 class SingleProcess:
@@ -95,7 +96,7 @@ class LocalGroup:
         self.world_size = world_size
         self._votes: dict[int, list[bool]] = {}
         self._payloads: dict[int, dict[int, dict[str, Any]]] = {}
-        self._plans: dict[int, dict[str, Any]] = {}
+        self._plans: dict[int, PlanningOutcome] = {}
         self._vote_round = [0] * world_size
         self._exchange_round = [0] * world_size
         self._plan_fn: PlanFn | None = None
@@ -129,7 +130,7 @@ class LocalGroup:
             assert self._plan_fn is not None
             self._plans[rnd] = _plan_safely(self._plan_fn, [payloads[r] for r in sorted(payloads)])
 
-        def result() -> dict[str, Any] | None:
+        def result() -> PlanningOutcome | None:
             plan = self._plans.get(rnd)
             return None if plan is None else _raise_or_return(plan)
 

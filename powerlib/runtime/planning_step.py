@@ -3,7 +3,7 @@
 Pure apart from writing the output files: merges the ranks' profiles (time = max, energy = mean
 per stage), checks that the energy counter resolved every instruction (:func:`check_resolution`),
 picks P_block, computes the Perseus frontier, selects the plan by policy (with the slowdown guard
-for ``fastest`` and ``deadline``), refuses a plan that would not pay (:func:`plan_objection`), and
+for ``fastest`` and ``deadline``), refuses a plan that would not pay (:attr:`Choice.objection <powerlib.planning.choice.Choice.objection>`), and
 writes ``profile.csv``, ``frontier.csv``, ``plan.json`` and ``summary.json`` to the output
 directory.
 
@@ -20,13 +20,14 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from powerlib.errors import BackendUnavailableError, PlanError
-from powerlib.planning.perseus.cost_model import Option
-from powerlib.planning.perseus.frontier import POLICIES, Frontier, compute_frontier
+from powerlib.planning.choice import Policy, choose
+from powerlib.planning.perseus.frontier import POLICIES, compute_frontier
 from powerlib.planning.perseus.report import plot_frontier, summary, write_frontier_csv
 from powerlib.planning.pipeline import (
     PLACEMENTS,
@@ -43,11 +44,11 @@ from powerlib.profiling.sweep import aggregate_stage_rows
 __all__ = [
     "MAX_ENERGY_ERROR",
     "PlanSpec",
+    "PlanningOutcome",
     "auto_unit_time_s",
     "check_resolution",
     "make_plan",
     "merge_profiles",
-    "plan_objection",
     "rows_from_payload",
     "rows_to_payload",
     "write_profile",
@@ -128,6 +129,33 @@ class PlanSpec:
             raise PlanError(f"the v placement needs num_chunks=2, got {self.num_chunks}")
         if self.schedule != RECORDED:
             build_schedule(self.schedule, self.num_stages, self.num_microbatches, self.num_chunks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanningOutcome:
+    """What rank 0 sends every rank at the end of profiling (the coordinator ships it).
+
+    Exactly one of these holds: ``plan`` is set (apply it), ``baseline_reason`` is set (run at
+    the baseline clocks; rank 0 warns once), ``profile_only`` (``profile`` mode: no plan was
+    asked for), or ``error`` (planning failed; every rank raises or disables with it).
+
+    Attributes:
+        plan: The plan to apply.
+        summary: The planner's summary of the plan (``summary.json``: frontier, chosen point,
+            baseline, realized saving), when rank 0 planned.
+        baseline_reason: Why no plan is applied (a profile that cannot resolve per-instruction
+            energy, or a plan that would not pay), one line.
+        profile_only: ``profile`` mode: the profile was merged (and written); nothing to apply.
+        p_block_w: The blocking power measured between instructions, when known.
+        error: Planning failed on rank 0 (one line).
+    """
+
+    plan: FrequencyPlan | None = None
+    summary: Mapping[str, Any] | None = None
+    baseline_reason: str | None = None
+    profile_only: bool = False
+    p_block_w: float | None = None
+    error: str | None = None
 
 
 def rows_to_payload(rows: list[ProfileRow]) -> list[list[Any]]:
@@ -252,71 +280,21 @@ def check_resolution(rows: list[ProfileRow], payloads: list[dict[str, Any]]) -> 
     )
 
 
-def plan_objection(
-    frontier: Frontier,
-    options: list[Option],
-    *,
-    policy: str,
-    max_slowdown: float,
-    switch_latency_s: float,
-    deadline_s: float | None,
-) -> str | None:
-    """Why the chosen plan must not be applied, or ``None``.
-
-    The plan is replayed on the measured profile with the switch latency (what
-    :meth:`Frontier.realized` predicts); it is refused when it would spend more energy per
-    iteration than all maximum clocks at the same iteration time, or, for ``fastest`` and
-    ``deadline``, take longer than the allowed slowdown over all-max (``fastest``) or the
-    deadline (``deadline``).
-
-    Args:
-        frontier: The frontier the plan comes from.
-        options: The per-instruction options that would be applied.
-        policy: The policy that chose them.
-        max_slowdown: The allowed slowdown, as a fraction.
-        switch_latency_s: Clock-change latency of the replay.
-        deadline_s: T′ for ``deadline``.
-
-    Returns:
-        One line with the predicted and the allowed figures, or ``None``.
-    """
-    realized = frontier.realized(options, switch_latency_s)
-    base = frontier.baseline(realized.time_s)
-    if realized.energy_j > base.energy_j * (1.0 + 1e-9):
-        return (
-            f"the {policy} plan would spend {realized.energy_j:.6g} J per iteration, "
-            f"{100.0 * (realized.energy_j / base.energy_j - 1.0):.2f} % more than all maximum "
-            f"clocks ({base.energy_j:.6g} J at the same iteration time; replayed on the profile)"
-        )
-    if policy in ("fastest", "deadline"):
-        reference_s = frontier.baseline_time_s if policy == "fastest" else deadline_s
-        assert reference_s is not None
-        allowed_s = reference_s * (1.0 + max_slowdown)
-        if realized.time_s > allowed_s * (1.0 + 1e-12):
-            what = "all maximum clocks" if policy == "fastest" else "the deadline"
-            return (
-                f"the {policy} plan would take {realized.time_s:.6g} s per iteration, past the "
-                f"allowed {allowed_s:.6g} s ({what}, {reference_s:.6g} s, + max_slowdown "
-                f"{100.0 * max_slowdown:g} %; replayed on the profile)"
-            )
-    return None
-
-
-def write_profile(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
+def write_profile(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome:
     """Rank 0 in ``profile`` mode: merge the profiles and write ``profile.csv``; no plan.
 
     A profile that cannot resolve per-instruction energy (:func:`check_resolution`) is not
-    written; the result carries the reason (``"baseline"``).
+    written; the outcome carries the reason (``baseline_reason``).
     """
     rows, p_block_w = merge_profiles(payloads)
     reason = check_resolution(rows, payloads) if rows else None
     if reason is not None:
-        return {"profile_only": True, "p_block_w": p_block_w, "baseline": reason}
+        return PlanningOutcome(profile_only=True, p_block_w=p_block_w, baseline_reason=reason)
     if spec.out_dir is not None and rows:
         spec.out_dir.mkdir(parents=True, exist_ok=True)
         Profile(rows, source=GATHERED).write_csv(spec.out_dir / "profile.csv")
         _say(spec, f"profile written to {spec.out_dir / 'profile.csv'}")
-    return {"profile_only": True, "p_block_w": p_block_w}
+    return PlanningOutcome(profile_only=True, p_block_w=p_block_w)
 
 
 def _schedule_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> tuple[Schedule, str]:
@@ -372,8 +350,8 @@ def _schedule_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> tuple[Sched
     return recorded, "recorded"
 
 
-def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rank 0: merge the profiles, plan, write the files, and return the plan JSON.
+def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome:
+    """Rank 0: merge the profiles, plan, write the files, and return the outcome.
 
     Each payload: ``{"stage": s, "rows": [...], "gap_time_s": ..., "gap_energy_j": ...,
     "counter": {...}, "samples": [[kind, freq_mhz, n], ...]}`` (time and energy between
@@ -383,16 +361,17 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
     session).
 
     Returns:
-        The plan JSON (with ``planner_summary``), or ``{"baseline": reason}`` when the profile
-        cannot resolve per-instruction energy or the chosen plan would not pay
-        (:func:`plan_objection`): then no ``plan.json`` is written.
+        The plan and the planner's summary, or a ``baseline_reason`` when the profile cannot
+        resolve per-instruction energy or the chosen plan would not pay
+        (:attr:`Choice.objection <powerlib.planning.choice.Choice.objection>`): then no
+        ``plan.json`` is written.
 
     Raises:
         PlanError: Incomplete or malformed profiles, or a plan the policy cannot meet.
     """
     first = payloads[0]
     if "plan_path" in first:
-        return FrequencyPlan.read(first["plan_path"]).to_json()
+        return PlanningOutcome(plan=FrequencyPlan.read(first["plan_path"]))
     if "profile_path" in first:
         profile = Profile.read(first["profile_path"])
         measured_p_block: list[float] = []
@@ -402,7 +381,7 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
             raise PlanError("no rank measured any instruction: was the session's step() called?")
         reason = check_resolution(rows, payloads)
         if reason is not None:
-            return {"baseline": reason}
+            return PlanningOutcome(baseline_reason=reason, p_block_w=measured)
         profile = Profile(rows, source=GATHERED)
         measured_p_block = [] if measured is None else [measured]
     profile.validate_for(spec.num_stages, ())  # kinds: checked against the order
@@ -450,38 +429,21 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
     if spec.policy == "deadline":
         assert deadline_s is not None
         deadline_s = max(deadline_s, frontier.fastest.time_s)
-    chosen = frontier.select(spec.policy, deadline_s, argmin=spec.argmin)
-    guarded = None
-    if spec.policy in ("fastest", "deadline"):
-        guarded = frontier.within_slowdown(
-            chosen,
-            spec.max_slowdown,
+    choice = choose(
+        frontier,
+        Policy(
+            name=spec.policy,
+            deadline_s=deadline_s,
+            argmin=spec.argmin,
+            max_slowdown=spec.max_slowdown,
             switch_latency_s=spec.switch_latency_s,
-            limit_s=deadline_s if spec.policy == "deadline" else None,
-        )
-    info = summary(
-        frontier,
-        chosen,
-        policy=spec.policy,
-        solve_time_s=solve_s,
-        guarded=guarded,
-        max_slowdown=spec.max_slowdown if guarded is not None else None,
-        switch_latency_s=spec.switch_latency_s,
+        ),
     )
-    objection = plan_objection(
-        frontier,
-        frontier.planned_options(chosen) if guarded is None else guarded,
-        policy=spec.policy,
-        max_slowdown=spec.max_slowdown,
-        switch_latency_s=spec.switch_latency_s,
-        deadline_s=deadline_s,
-    )
+    info = summary(choice, solve_time_s=solve_s)
+    objection = choice.objection
     if objection is not None:
         info["refused"] = objection
-    plan = frontier.plan_json(
-        chosen,
-        policy=spec.policy,
-        chosen=guarded,
+    plan = choice.plan(
         metadata={
             "deadline_s": deadline_s,
             "profile_source": profile.source,
@@ -501,7 +463,7 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
         profile.write_csv(out / "profile.csv")
         write_frontier_csv(frontier, out / "frontier.csv")
         if objection is None:  # a refused plan is not left where `mode="apply"` could pick it up
-            (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
+            plan.write(out / "plan.json")
         (out / "summary.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
         _say(
             spec,
@@ -510,10 +472,9 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> dict[str, Any]:
         )
         if spec.plot:
             try:
-                plot_frontier(frontier, chosen, out / "frontier.png")
+                plot_frontier(frontier, choice.point, out / "frontier.png")
             except BackendUnavailableError as err:
                 _say(spec, f"no frontier.png: {err}")
     if objection is not None:
-        return {"baseline": objection}
-    plan["planner_summary"] = info
-    return plan
+        return PlanningOutcome(baseline_reason=objection, summary=info, p_block_w=p_block_w)
+    return PlanningOutcome(plan=plan, summary=info, p_block_w=p_block_w)

@@ -40,7 +40,7 @@ in one warning line and every rank runs at the baseline clocks
 (:mod:`powerlib.runtime.planning_step`).
 
 A Kareus overlap plan (instructions with ``execution``/``overlap`` fields) also loads
-:attr:`Session.overlap` (:class:`~powerlib.runtime.overlap.Overlap`) for this rank's stage when
+:attr:`Session.overlap` (:class:`~powerlib.runtime.launch_control.Overlap`) for this rank's stage when
 the plan arrives: the session's instruction hooks drive it, so an integration asks
 ``session.overlap.config(key)`` or wraps partitions in ``session.overlap.partition(...)`` and gets
 the running instruction's settings. Its instruction-order check is its own: a loop that does not
@@ -70,8 +70,14 @@ from powerlib.profiling.sweep import FrequencySweep, ProfileRecorder, SweepConfi
 from powerlib.registry import open_backend
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, default_coordinator
-from powerlib.runtime.overlap import Overlap, plan_has_overlap
-from powerlib.runtime.planning_step import PlanSpec, make_plan, rows_to_payload, write_profile
+from powerlib.runtime.launch_control import Overlap, plan_has_overlap
+from powerlib.runtime.planning_step import (
+    PlanningOutcome,
+    PlanSpec,
+    make_plan,
+    rows_to_payload,
+    write_profile,
+)
 
 __all__ = ["MODES", "Session", "optimize"]
 
@@ -169,7 +175,7 @@ class Session:
         plot: Rank 0 also draws ``frontier.png`` in ``out_dir`` (``plot`` extra).
         overlap_groups: For overlap plans on NCCL: the global ranks of every group the overlapped
             collectives run on (every tensor/context-parallel group of the job, the same lists on
-            every rank); default: the whole world. See :mod:`powerlib.runtime.overlap`.
+            every rank); default: the whole world. See :mod:`powerlib.runtime.launch_control`.
         settings: Settings; default from the environment.
     """
 
@@ -292,9 +298,11 @@ class Session:
         self._order_now: list[tuple[int, int, str]] = []
         self._recorded_order: list[tuple[int, int, str]] = []
         self.apply_started_iteration: int | None = None
+        self.outcome: PlanningOutcome | None = None
+        """What rank 0 sent at the end of profiling (plan, planner summary, or why none)."""
         self._overlap_groups = overlap_groups
         self.overlap = Overlap()
-        """Overlap plans' runtime (:mod:`powerlib.runtime.overlap`); inactive without one."""
+        """Overlap plans' runtime (:mod:`powerlib.runtime.launch_control`); inactive without one."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -668,10 +676,10 @@ class Session:
         self.phase = _AWAIT
         self._try_plan(strict=False)
 
-    def _plan_fn(self, payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    def _plan_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
         return make_plan(self._spec_with_progress(), payloads)
 
-    def _profile_only_fn(self, payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    def _profile_only_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
         return write_profile(self._spec_with_progress(), payloads)
 
     def _spec_with_progress(self) -> PlanSpec:
@@ -691,21 +699,20 @@ class Session:
         if result is None:
             return
         self._plan_future = None
-        if result.get("profile_only"):
-            self.profile_result = result
+        self.outcome = result
+        if result.profile_only:
             self.phase = _DONE
-            if result.get("baseline"):
-                self._disable(f"{result['baseline']}; no profile written", job_wide=True)
+            if result.baseline_reason:
+                self._disable(f"{result.baseline_reason}; no profile written", job_wide=True)
             return
-        if result.get("baseline"):  # rank 0 refused to plan, or refused the plan it made
+        if result.plan is None:  # rank 0 refused to plan, or refused the plan it made
             self._disable(
-                f"{result['baseline']}; running at the baseline clocks, no plan applied",
+                f"{result.baseline_reason}; running at the baseline clocks, no plan applied",
                 job_wide=True,
             )
             return
-        source = str(self._plan_path) if self.mode == "apply" else "the plan"
+        plan = result.plan
         try:
-            plan = FrequencyPlan.from_json(result, source=source)
             if self.mode == "apply":
                 self._check_workload(plan)
             elif plan.num_stages != self.spec.num_stages:  # pragma: no cover - made for the job
@@ -731,7 +738,7 @@ class Session:
         self.phase = _APPLY
         self.apply_started_iteration = self.iteration
         self._say(
-            f"applying the {plan.summary.get('policy', '')} plan from iteration {self.iteration}"
+            f"applying the {plan.policy} plan from iteration {self.iteration}"
         )
 
     def _check_workload(self, plan: FrequencyPlan) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from powerlib.emulator.overlap import SimulatedOverlapEvaluator, model
+from powerlib.emulator.partition_model import SimulatedOverlapEvaluator, model
 from powerlib.planning.kareus.compose import (
     METHODS,
     compare_frontiers,

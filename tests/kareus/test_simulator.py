@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from powerlib.emulator.overlap import (
+from powerlib.emulator.partition_model import (
     A100,
     SimulatedOverlapEvaluator,
     Work,
@@ -378,7 +378,7 @@ def test_bad_input(llama_tp8: Workload) -> None:
 
 
 def test_h100_params_run(llama_tp8: Workload) -> None:
-    from powerlib.emulator.overlap import H100
+    from powerlib.emulator.partition_model import H100
 
     ptype = llama_tp8.partition("fwd_attn")
     t_a, _ = model(ptype, Config(1410, 18, "norm_0"))
@@ -390,7 +390,7 @@ def test_h100_params_run(llama_tp8: Workload) -> None:
 def test_parameters_shared_with_the_simulated_backend_agree() -> None:
     """The core may not import a backend, so the shared numbers are written twice: keep them equal."""
     from powerlib.backends.simulated import MODELS
-    from powerlib.emulator.overlap import H100
+    from powerlib.emulator.partition_model import H100
 
     for params, key in ((A100, "a100"), (H100, "h100")):
         sim = MODELS[key]

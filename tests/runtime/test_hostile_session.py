@@ -33,7 +33,8 @@ from powerlib.planning.plan import PLAN_SCHEMA
 from powerlib.planning.profile import Profile
 from powerlib.registry import open_backend
 from powerlib.runtime.coordination import SingleProcess
-from powerlib.runtime.planning_step import PlanSpec, make_plan, plan_objection
+from powerlib.planning.choice import Policy, objection
+from powerlib.runtime.planning_step import PlanSpec, make_plan
 from powerlib.runtime.session import Session
 
 REPO = Path(__file__).resolve().parents[2]
@@ -399,12 +400,13 @@ def test_a_plan_that_would_spend_more_than_all_max_is_refused_and_not_written(
         progress=False,
     )
     result = make_plan(spec, [{"profile_path": str(path)}])
-    assert result == {
-        "baseline": "the fastest plan would spend 6.6901 J per iteration, 7.06 % more than all "
+    assert result.plan is None
+    assert result.baseline_reason == (
+        "the fastest plan would spend 6.6901 J per iteration, 7.06 % more than all "
         "maximum clocks (6.2492 J at the same iteration time; replayed on the profile)"
-    }
+    )
     assert not (out / "plan.json").exists()  # nobody can apply it later by mistake
-    assert json.loads((out / "summary.json").read_text())["refused"] == result["baseline"]
+    assert json.loads((out / "summary.json").read_text())["refused"] == result.baseline_reason
 
 
 def test_a_session_planning_from_that_profile_runs_at_the_baseline(tmp_path: Path) -> None:
@@ -434,39 +436,13 @@ def test_a_plan_past_the_allowed_slowdown_is_refused() -> None:
         unit_time_s=0.001,
     )
     slowest = [frontier.options[(i.stage, i.kind)][-1] for i in frontier.dag.instructions]
-    assert (
-        plan_objection(
-            frontier,
-            frontier.planned_options(frontier.fastest),
-            policy="fastest",
-            max_slowdown=0.001,
-            switch_latency_s=0.0,
-            deadline_s=None,
-        )
-        is None
-    )
-    objection = plan_objection(
-        frontier,
-        slowest,
-        policy="min-energy",
-        max_slowdown=0.001,
-        switch_latency_s=0.0,
-        deadline_s=None,
-    )
-    assert objection is None or "more than all maximum clocks" in objection  # no time limit
-    objection = plan_objection(
-        frontier,
-        slowest,
-        policy="fastest",
-        max_slowdown=0.001,
-        switch_latency_s=0.0,
-        deadline_s=None,
-    )
-    assert (
-        objection is not None
-        and "past the allowed" in objection
-        and "max_slowdown 0.1 %" in objection
-    )
+    fastest = Policy(name="fastest", max_slowdown=0.001, switch_latency_s=0.0)
+    min_energy = Policy(name="min-energy", max_slowdown=0.001, switch_latency_s=0.0)
+    assert objection(frontier, fastest, frontier.planned_options(frontier.fastest)) is None
+    refused = objection(frontier, min_energy, slowest)
+    assert refused is None or "more than all maximum clocks" in refused  # no time limit
+    refused = objection(frontier, fastest, slowest)
+    assert refused is not None and "past the allowed" in refused and "max_slowdown 0.1 %" in refused
 
 
 # -- examples/ddp.py with the simulated GPU's 100 ms counter -------------------------------------

@@ -20,7 +20,7 @@ from powerlib.config import Settings
 from powerlib.errors import InvalidArgumentError, NotSupportedError, PlanError
 from powerlib.planning.plan import FrequencyPlan, PartitionSetting
 from powerlib.runtime.coordination import SingleProcess
-from powerlib.runtime.overlap import (
+from powerlib.runtime.launch_control import (
     Overlap,
     OverlapSchedule,
     SMGroups,
@@ -402,8 +402,8 @@ class _Block(importlib.abc.MetaPathFinder):
         if name.split('.')[0] == 'torch':
             raise ImportError('blocked: ' + name)
 sys.meta_path.insert(0, _Block())
-from powerlib.runtime.overlap import Overlap
-import powerlib.profiling.overlap, powerlib.runtime
+from powerlib.runtime.launch_control import Overlap
+import powerlib.profiling.partition_meter, powerlib.runtime
 o = Overlap()
 o.begin('forward')
 calls = []

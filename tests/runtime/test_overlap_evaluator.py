@@ -16,7 +16,7 @@ from powerlib.planning.kareus.partition import (
     PartitionType,
     build_workload,
 )
-from powerlib.profiling.overlap import DeviceEvaluator
+from powerlib.profiling.partition_meter import DeviceEvaluator
 
 WORK = Workload(time_at_max_s=0.04, compute_fraction=0.8, sm_activity=0.9, memory_activity=0.2)
 PROTOCOL = MeasureProtocol(settle_s=2.0, warmup_s=1.0, window_s=5.0, cooldown_s=5.0)

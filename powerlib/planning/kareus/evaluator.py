@@ -8,9 +8,9 @@ not warmed up), then cool down before the next candidate, because mean energy fo
 temperature at the start. :class:`MeasureProtocol` holds those durations; an evaluator reports
 the (virtual or real) wall time it spent, so budgets can be stated in GPU-hours.
 
-Implementations: the simulated partition evaluator (:mod:`powerlib.emulator.overlap`) and the
+Implementations: the simulated partition evaluator (:mod:`powerlib.emulator.partition_model`) and the
 device evaluator that drives real clocks through the device contract
-(:mod:`powerlib.profiling.overlap`).
+(:mod:`powerlib.profiling.partition_meter`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from powerlib.planning.pipeline import (
     Schedule,
     build_dag,
 )
-from powerlib.planning.plan import PLAN_SCHEMA
+from powerlib.planning.plan import PLAN_SCHEMA, FrequencyPlan
 from powerlib.planning.profile import Profile
 
 __all__ = [
@@ -404,6 +404,18 @@ class Frontier:
         the fit and the quantization the planner works with.
         """
         return self.realized(self.planned_options(point))
+
+    def plan(
+        self,
+        point: FrontierPoint,
+        *,
+        policy: str,
+        chosen: Sequence[Option] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> FrequencyPlan:
+        """The plan of ``point`` (see :meth:`plan_json`) as a :class:`FrequencyPlan`."""
+        data = self.plan_json(point, policy=policy, chosen=chosen, metadata=metadata)
+        return FrequencyPlan.from_json(data, source="the plan")
 
     def plan_json(
         self,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from powerlib.errors import BackendUnavailableError
 from powerlib.planning.perseus.frontier import Frontier, FrontierPoint
+
+if TYPE_CHECKING:
+    from powerlib.planning.choice import Choice
 
 __all__ = [
     "FRONTIER_COLUMNS",
@@ -16,7 +18,6 @@ __all__ = [
     "pyplot",
     "summary",
     "write_frontier_csv",
-    "write_plan_json",
 ]
 
 FRONTIER_COLUMNS = ("iteration", "time_s", "energy_j", "effective_energy_j", "cost_change_j")
@@ -39,42 +40,14 @@ def write_frontier_csv(frontier: Frontier, path: str | Path) -> None:
             )
 
 
-def write_plan_json(
-    frontier: Frontier,
-    point: FrontierPoint,
-    path: str | Path,
-    *,
-    policy: str,
-    chosen: Any = None,
-    metadata: dict[str, Any] | None = None,
-) -> None:
-    """The plan file a session applies (schema ``powerlib.plan.v1``).
+def summary(choice: Choice, *, solve_time_s: float) -> dict[str, Any]:
+    """What ``powerlib plan --json`` prints (and a session's ``summary.json`` holds).
 
-    ``chosen`` overrides the point's per-instruction options (the slowdown guard's result);
-    ``metadata`` adds workload fields.
+    The realized figures and the slowdown guard's effect come from the choice's options.
     """
-    data = frontier.plan_json(point, policy=policy, chosen=chosen, metadata=metadata)
-    Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-
-
-def summary(
-    frontier: Frontier,
-    chosen: FrontierPoint,
-    *,
-    policy: str,
-    solve_time_s: float,
-    guarded: Any = None,
-    max_slowdown: float | None = None,
-    switch_latency_s: float = 0.0,
-) -> dict[str, Any]:
-    """What ``powerlib plan --json`` prints.
-
-    ``guarded`` are the per-instruction options after the slowdown guard (fastest policy); the
-    realized figures and the guard's effect are reported from them.
-    """
+    frontier, chosen, policy = choice.frontier, choice.point, choice.policy
     baseline = frontier.baseline(chosen.time_s)
-    options = frontier.planned_options(chosen) if guarded is None else guarded
-    realized = frontier.realized(options, switch_latency_s)
+    realized = choice.realized
     own = frontier.baseline()
     t_star = frontier.min_energy
     first = frontier.points[0]
@@ -87,7 +60,7 @@ def summary(
         "t_star_s": t_star.time_s,
         "t_star_energy_j": t_star.energy_j,
         "chosen": {
-            "policy": policy,
+            "policy": policy.name,
             "iteration": chosen.iteration,
             "time_s": chosen.time_s,
             "energy_j": chosen.energy_j,
@@ -112,11 +85,9 @@ def summary(
             "saving_percent": _saving_percent(
                 realized.energy_j, frontier.baseline(realized.time_s).energy_j
             ),
-            "max_slowdown_guard": max_slowdown,
-            "switch_latency_s": switch_latency_s,
-            "instructions_sped_up": None
-            if guarded is None
-            else sum(1 for o, p in zip(guarded, frontier.planned_options(chosen)) if o != p),
+            "max_slowdown_guard": policy.max_slowdown if choice.guarded else None,
+            "switch_latency_s": policy.switch_latency_s,
+            "instructions_sped_up": choice.instructions_sped_up if choice.guarded else None,
         },
         "solve_time_s": solve_time_s,
     }

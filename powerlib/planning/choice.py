@@ -1,0 +1,184 @@
+"""Choosing the plan: one frontier point by policy, guarded against realized slowdown.
+
+Every caller that turns a frontier into a plan (``powerlib plan``, ``powerlib overlap plan``,
+rank 0's planning step in a session, the benchmarks) goes through :func:`choose`::
+
+    choice = choose(frontier, Policy(name="deadline", deadline_s=3.3))
+    plan = choice.plan(metadata={...})        # the FrequencyPlan a session applies
+
+The policy step is Perseus' (SOSP'24 §4.3, docs/perseus.md §2.4): ``fastest`` takes T_min,
+``deadline`` the slowest point that meets a straggler's iteration time T′ (or, with ``argmin``,
+the minimum-energy point with T ≤ T′), ``min-energy`` takes T*. For ``fastest`` and ``deadline``
+the chosen point is then replayed on the measured profile and sped up where it would realize
+slower than allowed (:meth:`Frontier.within_slowdown
+<powerlib.planning.perseus.frontier.Frontier.within_slowdown>`); finally a plan that would spend
+more energy than all maximum clocks, or still run past the allowed time, gets an objection
+(:attr:`Choice.objection`) that callers apply instead of the plan. Pure: nothing is read or
+written here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from powerlib.errors import PlanError
+from powerlib.planning.perseus.frontier import POLICIES
+
+if TYPE_CHECKING:
+    from powerlib.planning.perseus.cost_model import Option
+    from powerlib.planning.perseus.frontier import Baseline, Frontier, FrontierPoint
+    from powerlib.planning.plan import FrequencyPlan
+
+__all__ = ["POLICIES", "Choice", "Policy", "choose", "objection"]
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Policy:
+    """How to pick a plan from a frontier.
+
+    Attributes:
+        name: ``fastest`` (T_min), ``deadline`` (a straggler's iteration time T′) or
+            ``min-energy`` (T*).
+        deadline_s: T′ for ``deadline``.
+        argmin: For ``deadline``: the minimum-energy point with T ≤ T′ (the paper's emulation
+            rule) instead of the slowest point with T ≤ T′.
+        max_slowdown: For ``fastest`` and ``deadline``: the realized slowdown allowed over
+            all-max (``fastest``) or over T′ (``deadline``), as a fraction.
+        switch_latency_s: Clock-change latency the guard's replay assumes.
+    """
+
+    name: str = "fastest"
+    deadline_s: float | None = None
+    argmin: bool = False
+    max_slowdown: float = 0.001
+    switch_latency_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise PlanError(f"unknown policy {self.name!r}; choose one of {', '.join(POLICIES)}")
+        if self.name == "deadline" and (self.deadline_s is None or not math.isfinite(self.deadline_s)):
+            raise PlanError("the deadline policy needs --deadline-s (the straggler's iteration time)")
+        if not (math.isfinite(self.max_slowdown) and self.max_slowdown >= 0):
+            raise PlanError(f"max_slowdown must be >= 0, got {self.max_slowdown}")
+        if not (math.isfinite(self.switch_latency_s) and self.switch_latency_s >= 0):
+            raise PlanError(f"switch_latency_s must be >= 0, got {self.switch_latency_s}")
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the slowdown guard runs (``fastest`` and ``deadline``)."""
+        return self.name in ("fastest", "deadline")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Choice:
+    """The outcome of :func:`choose`.
+
+    Attributes:
+        frontier: The frontier the point comes from.
+        policy: The policy that chose it.
+        point: The chosen frontier point.
+        options: The per-instruction options to apply, in DAG node order: the guarded ones for
+            ``fastest`` and ``deadline``, the point's own for ``min-energy``.
+        realized: ``options`` replayed on the measured profile with the policy's switch latency.
+        objection: Why the plan must not be applied (more energy than all maximum clocks at the
+            same iteration time, or past the allowed slowdown), or ``None``.
+    """
+
+    frontier: Frontier
+    policy: Policy
+    point: FrontierPoint
+    options: tuple[Option, ...]
+    realized: Baseline
+    objection: str | None
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the slowdown guard produced :attr:`options`."""
+        return self.policy.guarded
+
+    @property
+    def instructions_sped_up(self) -> int:
+        """Instructions the guard moved to a faster option than the point planned."""
+        planned = self.frontier.planned_options(self.point)
+        return sum(1 for a, b in zip(planned, self.options) if a != b)
+
+    def plan(self, *, metadata: dict[str, Any] | None = None) -> FrequencyPlan:
+        """The plan a session applies (schema ``powerlib.plan.v1``).
+
+        Args:
+            metadata: Extra workload fields (deadline, profile source, order source, Kareus
+                study).
+        """
+        workload = dict(metadata or {})
+        if self.policy.name == "deadline":
+            workload.setdefault("deadline_s", self.policy.deadline_s)
+        return self.frontier.plan(
+            self.point, policy=self.policy.name, chosen=self.options, metadata=workload
+        )
+
+
+def choose(frontier: Frontier, policy: Policy) -> Choice:
+    """Pick ``policy``'s point of ``frontier``, guard it, and judge whether it pays.
+
+    Raises:
+        PlanError: A deadline below T_min.
+    """
+    point = frontier.select(policy.name, policy.deadline_s, argmin=policy.argmin)
+    if policy.guarded:
+        options = frontier.within_slowdown(
+            point,
+            policy.max_slowdown,
+            switch_latency_s=policy.switch_latency_s,
+            limit_s=policy.deadline_s if policy.name == "deadline" else None,
+        )
+    else:
+        options = frontier.planned_options(point)
+    realized = frontier.realized(options, policy.switch_latency_s)
+    return Choice(
+        frontier=frontier,
+        policy=policy,
+        point=point,
+        options=tuple(options),
+        realized=realized,
+        objection=_judge(frontier, policy, realized),
+    )
+
+
+def objection(frontier: Frontier, policy: Policy, options: Sequence[Option]) -> str | None:
+    """Why per-instruction ``options`` must not be applied under ``policy``, or ``None``.
+
+    They are replayed on the measured profile with the policy's switch latency
+    (:meth:`Frontier.realized <powerlib.planning.perseus.frontier.Frontier.realized>`) and
+    refused when they would spend more energy per iteration than all maximum clocks at the same
+    iteration time, or, for ``fastest`` and ``deadline``, take longer than the allowed slowdown
+    over all-max (``fastest``) or the deadline (``deadline``).
+
+    Returns:
+        One line with the predicted and the allowed figures, or ``None``.
+    """
+    return _judge(frontier, policy, frontier.realized(options, policy.switch_latency_s))
+
+
+def _judge(frontier: Frontier, policy: Policy, realized: Baseline) -> str | None:
+    base = frontier.baseline(realized.time_s)
+    name = policy.name
+    if realized.energy_j > base.energy_j * (1.0 + 1e-9):
+        return (
+            f"the {name} plan would spend {realized.energy_j:.6g} J per iteration, "
+            f"{100.0 * (realized.energy_j / base.energy_j - 1.0):.2f} % more than all maximum "
+            f"clocks ({base.energy_j:.6g} J at the same iteration time; replayed on the profile)"
+        )
+    if policy.guarded:
+        reference_s = frontier.baseline_time_s if name == "fastest" else policy.deadline_s
+        assert reference_s is not None
+        allowed_s = reference_s * (1.0 + policy.max_slowdown)
+        if realized.time_s > allowed_s * (1.0 + 1e-12):
+            what = "all maximum clocks" if name == "fastest" else "the deadline"
+            return (
+                f"the {name} plan would take {realized.time_s:.6g} s per iteration, past the "
+                f"allowed {allowed_s:.6g} s ({what}, {reference_s:.6g} s, + max_slowdown "
+                f"{100.0 * policy.max_slowdown:g} %; replayed on the profile)"
+            )
+    return None
