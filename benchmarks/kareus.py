@@ -29,7 +29,7 @@ artifact's 15/13 layer split, 8 microbatches, 1F1B, A100 parameters):
 Plus **Theorem 1** on the overlapped TP8 attention partition: a run capped at 400 W with the
 clock locked at 1410 MHz against a run locked at the capped run's average clock, same work.
 
-All numbers are simulated (A100 parameter set of :mod:`powerlib.emulator.overlap`); the
+All numbers are simulated (A100 parameter set of :mod:`powerlib.emulator.partition_model`); the
 planner and the search are the library's, unchanged. JSON goes to stdout (and ``--out``);
 progress to stderr.
 """
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from powerlib.emulator.overlap import (
+from powerlib.emulator.partition_model import (
     A100,
     SimulatedOverlapEvaluator,
     Work,
