@@ -112,6 +112,46 @@ def test_backends_and_core_keep_their_layers() -> None:
             )
 
 
+# The design's layering: what each layer may not import (lazy imports inside functions count).
+LAYER_RULES = {
+    "powerlib/planning": ("powerlib.runtime", "powerlib.profiling", "powerlib.control"),
+    "powerlib/runtime": ("powerlib.emulator",),
+    "backends": ("powerlib.planning",),
+}
+
+
+def layer_violations(root: Path = ROOT) -> list[str]:
+    """Every ``file imports name`` that breaks :data:`LAYER_RULES`."""
+    found = []
+    for folder, forbidden in LAYER_RULES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            for name in sorted(_all_imports(path)):
+                if any(name == f or name.startswith(f + ".") for f in forbidden):
+                    found.append(f"{path.relative_to(root)} imports {name}")
+    return found
+
+
+def test_planning_runtime_and_backends_keep_the_design_layers() -> None:
+    """Planning is pure (no runtime, profiling or control); runtime never imports the emulator
+    (the emulator drives the runtime, not the reverse); backends know nothing of planning."""
+    assert layer_violations() == []
+
+
+def test_the_layer_check_sees_lazy_imports(tmp_path: Path) -> None:
+    (tmp_path / "powerlib" / "planning").mkdir(parents=True)
+    (tmp_path / "powerlib" / "runtime").mkdir(parents=True)
+    (tmp_path / "backends").mkdir()
+    (tmp_path / "powerlib" / "planning" / "bad.py").write_text(
+        "def f():\n    from powerlib.runtime.session import Session\n"
+    )
+    (tmp_path / "powerlib" / "runtime" / "ok.py").write_text("import powerlib.emulatorx\n")
+    (tmp_path / "backends" / "bad.py").write_text("import powerlib.planning.plan\n")
+    assert layer_violations(tmp_path) == [
+        "powerlib/planning/bad.py imports powerlib.runtime.session",
+        "backends/bad.py imports powerlib.planning.plan",
+    ]
+
+
 def test_version_has_one_source() -> None:
     import powerlib
 
