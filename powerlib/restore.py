@@ -40,8 +40,8 @@ from powerlib.journal import (
     Owner,
     StateDir,
     iter_entries,
-    show_path,
 )
+from powerlib.ownership import show_path
 from powerlib.registry import open_backend
 
 __all__ = [
