@@ -152,16 +152,7 @@ def restore_device(
                 )
             )
         except PowerlibError as err:
-            outcomes.append(
-                RestoreOutcome(
-                    device_id=device.device_id,
-                    item=change.item,
-                    action=f"failed: {err}",
-                    ok=False,
-                    target=original,
-                    error_code=err.exit_code,
-                )
-            )
+            outcomes.append(_failed_item(device.device_id, change, f"failed: {err}", err))
     if expected:
         _verify(device, outcomes, expected)
     return outcomes
@@ -193,6 +184,28 @@ def restore_and_discard(
     if journal is not None and not dry_run and all(o.ok for o in outcomes):
         state.remove_journal(journal)
     return outcomes
+
+
+def _failed_item(
+    device_id: str,
+    change: Change,
+    action: str,
+    error: PowerlibError,
+    *,
+    journal: Path | None = None,
+    owner_pid: int | None = None,
+) -> RestoreOutcome:
+    """An item that was not put back, with ``error``'s exit code (its journal is kept)."""
+    return RestoreOutcome(
+        device_id=device_id,
+        item=change.item,
+        action=action,
+        ok=False,
+        target=change.original,
+        journal=None if journal is None else str(journal),
+        owner_pid=owner_pid,
+        error_code=error.exit_code,
+    )
 
 
 def _journal_note(
@@ -380,15 +393,13 @@ def restore_journals(
                 continue
             if read_only is not None and (include_live or not entry.owner.is_alive()):
                 outcomes.extend(
-                    RestoreOutcome(
-                        device_id=entry.device_id,
-                        item=change.item,
-                        action=f"not restored: {read_only}",
-                        ok=False,
-                        target=change.original,
-                        journal=str(path),
+                    _failed_item(
+                        entry.device_id,
+                        change,
+                        f"not restored: {read_only}",
+                        read_only,
+                        journal=path,
                         owner_pid=entry.owner.pid,
-                        error_code=read_only.exit_code,
                     )
                     for change in reversed(entry.changes)
                 )
