@@ -15,13 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import socket
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from powerlib.journal import Owner
+
+__all__ = ["main", "wait_for_owner_exit"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,9 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, signal.SIG_IGN)
 
     from powerlib.config import Settings  # after the signal setup: imports take a moment
-    from powerlib.control import restore_journals, wait_for_owner_exit
     from powerlib.errors import PowerlibError
     from powerlib.journal import Owner
+    from powerlib.restore import restore_journals
 
     owner = Owner(
         pid=args.owner_pid, start_time_s=args.owner_start_time, hostname=socket.gethostname()
@@ -65,6 +70,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             pass
     return 0 if all(o["ok"] for o in outcomes) else 1
+
+
+def wait_for_owner_exit(owner: Owner, stream_fd: int, poll_s: float = 0.2) -> None:
+    """Block until ``stream_fd`` reaches EOF or ``owner`` stops running (the guardian's wait).
+
+    Polling the owner as well as the pipe covers a pipe kept open by the owner's forked children.
+    """
+    while True:
+        readable, _, _ = select.select([stream_fd], [], [], poll_s)
+        if readable and not os.read(stream_fd, 4096):
+            return
+        if not owner.is_alive():
+            return
 
 
 if __name__ == "__main__":

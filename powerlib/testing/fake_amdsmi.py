@@ -35,13 +35,13 @@ Behaviour a test can rely on:
   ``fake.concurrent_entries`` counts calls that started while another was still running (set
   ``fake.entry_delay_s`` to widen the window), so tests can check that callers serialise.
 
-This module imports only the standard library.
+The status codes, exception classes and enums are in :mod:`powerlib.testing._amdsmi_types`
+(importable from here too). This module and that one import only the standard library.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import fnmatch
 import hashlib
 import threading
@@ -51,150 +51,29 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from powerlib.testing._amdsmi_types import (
+    INVAL,
+    NO_PERM,
+    NOT_INIT,
+    NOT_SUPPORTED,
+    RETRY,
+    TIMEOUT,
+    AmdSmiClkType,
+    AmdSmiDevPerfLevel,
+    AmdSmiException,
+    AmdSmiInitFlags,
+    AmdSmiLibraryException,
+    AmdSmiParameterException,
+    AmdSmiRetryException,
+    AmdSmiTemperatureMetric,
+    AmdSmiTemperatureType,
+    AmdSmiTimeoutException,
+)
+
 __all__ = ["FakeAmdsmi", "FakeGpu", "make_fake_amdsmi"]
-
-# AMDSMI_STATUS_* codes used by the fake itself (values from amdsmi_wrapper.py 7.0.2).
-_INVAL = 1
-_NOT_SUPPORTED = 2
-_TIMEOUT = 8
-_RETRY = 9
-_NO_PERM = 10
-_NOT_INIT = 32
-
-_STATUS_NAMES = {
-    1: "AMDSMI_STATUS_INVAL - Invalid parameters",
-    2: "AMDSMI_STATUS_NOT_SUPPORTED - Feature not supported",
-    3: "AMDSMI_STATUS_NOT_YET_IMPLEMENTED - Feature not yet implemented",
-    8: "AMDSMI_STATUS_TIMEOUT - Timeout in API call",
-    9: "AMDSMI_STATUS_RETRY - Retry operation",
-    10: "AMDSMI_STATUS_NO_PERM - Permission Denied",
-    18: "AMDSMI_STATUS_INIT_ERROR - Initialization error",
-    30: "AMDSMI_STATUS_BUSY - Device busy",
-    31: "AMDSMI_STATUS_NOT_FOUND - Device Not found",
-    32: "AMDSMI_STATUS_NOT_INIT - Device not initialized",
-    34: "AMDSMI_STATUS_DRIVER_NOT_LOADED - Driver not loaded",
-    55: "AMDSMI_STATUS_SETTING_UNAVAILABLE - Setting is not available",
-}
 
 _NA_UINT16 = 0xFFFF  # the wrapper maps exactly this value to "N/A" in amdsmi_get_power_info
 _MHZ_TO_HZ = 1_000_000
-
-
-# -- exceptions: the names and constructor signatures of amdsmi_exception.py -------------------
-
-
-class AmdSmiException(Exception):
-    """Base class of the fake's exceptions (as in amdsmi)."""
-
-
-class AmdSmiLibraryException(AmdSmiException):
-    """A non-zero ``amdsmi_status_t``."""
-
-    def __init__(self, err_code: int) -> None:
-        err_code = abs(err_code)
-        super().__init__(err_code)
-        self.err_code = err_code
-        self.err_info = _STATUS_NAMES.get(
-            err_code, "AMDSMI_STATUS_UNKNOWN_ERROR - An unknown error occurred"
-        )
-
-    def __str__(self) -> str:
-        return f"Error code:\n\t{self.err_code} | {self.err_info}"
-
-    def get_error_info(self, detailed: bool = True) -> str:
-        """The status name and description (only the name when ``detailed`` is false)."""
-        return self.err_info if detailed else self.err_info.split(" - ")[0]
-
-    def get_error_code(self) -> int:
-        """The status code."""
-        return self.err_code
-
-
-class AmdSmiRetryException(AmdSmiLibraryException):
-    """``AMDSMI_STATUS_RETRY`` (9)."""
-
-    def __init__(self) -> None:
-        super().__init__(_RETRY)
-
-
-class AmdSmiTimeoutException(AmdSmiLibraryException):
-    """``AMDSMI_STATUS_TIMEOUT`` (8)."""
-
-    def __init__(self) -> None:
-        super().__init__(_TIMEOUT)
-
-
-class AmdSmiParameterException(AmdSmiException):
-    """An argument of the wrong Python type (raised before the library is called)."""
-
-    def __init__(self, receivedValue: object, expectedType: object, msg: str | None = None) -> None:  # noqa: N803 - amdsmi's names
-        super().__init__(msg)
-        self.err_code = None
-        self.actualType = type(receivedValue)
-        self.expectedType = expectedType
-        self.err_msg = msg or (
-            f"Invalid parameter: actual type {self.actualType}, expected type {expectedType}"
-        )
-
-    def __str__(self) -> str:
-        return self.err_msg
-
-
-# -- enums: the members powerlib uses, with the wrapper's values ------------------------------
-
-
-class AmdSmiInitFlags(enum.IntEnum):
-    """``amdsmi_init`` flags."""
-
-    INIT_ALL_PROCESSORS = 0xFFFFFFFF
-    INIT_AMD_CPUS = 1
-    INIT_AMD_GPUS = 2
-    INIT_AMD_APUS = 3
-    INIT_NON_AMD_CPUS = 4
-    INIT_NON_AMD_GPUS = 8
-
-
-class AmdSmiClkType(enum.IntEnum):
-    """Clock domains (``GFX`` is an alias of ``SYS``, as in amdsmi)."""
-
-    SYS = 0
-    GFX = 0
-    DF = 1
-    DCEF = 2
-    SOC = 3
-    MEM = 4
-
-
-class AmdSmiDevPerfLevel(enum.IntEnum):
-    """``power_dpm_force_performance_level`` values."""
-
-    AUTO = 0
-    LOW = 1
-    HIGH = 2
-    MANUAL = 3
-    STABLE_STD = 4
-    STABLE_PEAK = 5
-    STABLE_MIN_MCLK = 6
-    STABLE_MIN_SCLK = 7
-    DETERMINISM = 8
-    UNKNOWN = 256
-
-
-class AmdSmiTemperatureType(enum.IntEnum):
-    """Temperature sensors (``JUNCTION`` is an alias of ``HOTSPOT``)."""
-
-    EDGE = 0
-    HOTSPOT = 1
-    JUNCTION = 1
-    VRAM = 2
-
-
-class AmdSmiTemperatureMetric(enum.IntEnum):
-    """Temperature metrics."""
-
-    CURRENT = 0
-    MAX = 1
-    MIN = 2
 
 
 # Names for annotations inside FakeAmdsmi, whose class attributes of the same names shadow them.
@@ -375,7 +254,7 @@ class FakeAmdsmi(types.ModuleType):
             if self.entry_delay_s:
                 time.sleep(self.entry_delay_s)
             if needs_init and self.init_count == 0:
-                raise AmdSmiLibraryException(_NOT_INIT)
+                raise AmdSmiLibraryException(NOT_INIT)
             self._maybe_fail(name, index)
             yield -1 if index is None else index
         finally:
@@ -401,15 +280,15 @@ class FakeAmdsmi(types.ModuleType):
                 if fault.times <= 0:
                     continue
                 fault.times -= 1
-            if fault.code == _RETRY:
+            if fault.code == RETRY:
                 raise AmdSmiRetryException()
-            if fault.code == _TIMEOUT:
+            if fault.code == TIMEOUT:
                 raise AmdSmiTimeoutException()
             raise AmdSmiLibraryException(fault.code)
 
     def _require_root(self) -> None:
         if not self.is_root:
-            raise AmdSmiLibraryException(_NO_PERM)
+            raise AmdSmiLibraryException(NO_PERM)
 
     @staticmethod
     def _check(value: object, expected: type) -> None:
@@ -454,7 +333,7 @@ class FakeAmdsmi(types.ModuleType):
         with self._enter("amdsmi_get_gpu_enumeration_info", processor_handle) as i:
             gpu = self.gpus[i]
             if gpu.hip_id is None:
-                raise AmdSmiLibraryException(_NOT_SUPPORTED)
+                raise AmdSmiLibraryException(NOT_SUPPORTED)
             return {
                 "drm_render": 128 + i,
                 "drm_card": i,
@@ -468,7 +347,7 @@ class FakeAmdsmi(types.ModuleType):
         with self._enter("amdsmi_get_gpu_kfd_info", processor_handle) as i:
             gpu = self.gpus[i]
             if gpu.kfd_node_id is None:
-                raise AmdSmiLibraryException(_NOT_SUPPORTED)
+                raise AmdSmiLibraryException(NOT_SUPPORTED)
             return {"kfd_id": 10_000 + i, "node_id": gpu.kfd_node_id, "current_partition_id": 0}
 
     def amdsmi_get_gpu_asic_info(self, processor_handle: object) -> dict[str, Any]:
@@ -499,7 +378,7 @@ class FakeAmdsmi(types.ModuleType):
         with self._enter("amdsmi_get_clock_info", processor_handle) as i:
             gpu = self.gpus[i]
             if clock_type != AmdSmiClkType.GFX:
-                raise AmdSmiLibraryException(_NOT_SUPPORTED)
+                raise AmdSmiLibraryException(NOT_SUPPORTED)
             return {
                 "clk": gpu.gfx_clk_mhz,
                 "min_clk": gpu.gfx_min_mhz,
@@ -514,7 +393,7 @@ class FakeAmdsmi(types.ModuleType):
         with self._enter("amdsmi_get_clk_freq", processor_handle) as i:
             gpu = self.gpus[i]
             if clk_type != AmdSmiClkType.GFX:
-                raise AmdSmiLibraryException(_NOT_SUPPORTED)
+                raise AmdSmiLibraryException(NOT_SUPPORTED)
             levels = list(gpu.gfx_dpm_levels_mhz)
             current = min(range(len(levels)), key=lambda k: abs(levels[k] - gpu.gfx_clk_mhz))
             return {
@@ -537,10 +416,10 @@ class FakeAmdsmi(types.ModuleType):
         with self._enter("amdsmi_set_gpu_clk_range", processor_handle) as i:
             gpu = self.gpus[i]
             if not gpu.supports_clk_range or clk_type != AmdSmiClkType.GFX:
-                raise AmdSmiLibraryException(_NOT_SUPPORTED)
+                raise AmdSmiLibraryException(NOT_SUPPORTED)
             self._require_root()
             if not gpu.gfx_min_mhz <= min_clk_value <= max_clk_value <= gpu.gfx_max_mhz:
-                raise AmdSmiLibraryException(_INVAL)
+                raise AmdSmiLibraryException(INVAL)
             gpu.soft_min_mhz, gpu.soft_max_mhz = min_clk_value, max_clk_value
             gpu.perf_level = AmdSmiDevPerfLevel.MANUAL
 
@@ -550,10 +429,10 @@ class FakeAmdsmi(types.ModuleType):
         with self._enter("amdsmi_set_gpu_perf_determinism_mode", processor_handle) as i:
             gpu = self.gpus[i]
             if not gpu.supports_determinism:
-                raise AmdSmiLibraryException(_NOT_SUPPORTED)
+                raise AmdSmiLibraryException(NOT_SUPPORTED)
             self._require_root()
             if not gpu.gfx_min_mhz <= clkvalue <= gpu.gfx_max_mhz:
-                raise AmdSmiLibraryException(_INVAL)
+                raise AmdSmiLibraryException(INVAL)
             gpu.soft_min_mhz, gpu.soft_max_mhz = None, clkvalue
             gpu.perf_level = AmdSmiDevPerfLevel.DETERMINISM
 
@@ -594,7 +473,7 @@ class FakeAmdsmi(types.ModuleType):
             self._require_root()
             gpu = self.gpus[i]
             if sensor_ind != 0 or not gpu.min_power_cap_uw <= cap <= gpu.max_power_cap_uw:
-                raise AmdSmiLibraryException(_INVAL)
+                raise AmdSmiLibraryException(INVAL)
             gpu.power_cap_uw = cap // 1_000_000 * 1_000_000
 
     def amdsmi_get_power_info(self, processor_handle: object) -> dict[str, Any]:
@@ -624,7 +503,7 @@ class FakeAmdsmi(types.ModuleType):
         with self._enter("amdsmi_get_energy_count", processor_handle) as i:
             gpu = self.gpus[i]
             if not gpu.has_energy_counter:
-                raise AmdSmiLibraryException(_NOT_SUPPORTED)
+                raise AmdSmiLibraryException(NOT_SUPPORTED)
             return {
                 gpu.energy_key: gpu.energy_accumulator,
                 "counter_resolution": gpu.counter_resolution_uj,
@@ -643,7 +522,7 @@ class FakeAmdsmi(types.ModuleType):
         with self._enter("amdsmi_get_temp_metric", processor_handle) as i:
             value = self.gpus[i].temperatures_c.get(sensor_type.name)
             if value is None or metric != AmdSmiTemperatureMetric.CURRENT:
-                raise AmdSmiLibraryException(_NOT_SUPPORTED)
+                raise AmdSmiLibraryException(NOT_SUPPORTED)
             return value
 
 

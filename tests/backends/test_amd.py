@@ -31,13 +31,15 @@ from powerlib import (
     Settings,
     open_backend,
 )
-from powerlib.backends import amd
+from powerlib.backends import _amd_api as amd_api
 from powerlib.backends.amd import AmdBackend, import_amdsmi
 from powerlib.cli import cli
 from powerlib.testing.fake_amdsmi import FakeAmdsmi, FakeGpu, make_fake_amdsmi
 
 HERE = Path(__file__).resolve().parent
-BACKEND_SOURCE = HERE.parents[1] / "backends" / "amd.py"
+BACKEND_SOURCES = [
+    HERE.parents[1] / "backends" / name for name in ("amd.py", "_amd_api.py", "_amd_enumeration.py")
+]
 SNAPSHOT = json.loads((HERE / "amdsmi_api_snapshot.json").read_text())
 
 
@@ -81,9 +83,10 @@ def backend(fake: FakeAmdsmi, settings: Settings):
 
 def _names_used_by_backend() -> set[str]:
     """Function names passed to the backend's call helpers, plus any ``x.amdsmi_*`` attribute."""
-    helpers = {"_call", "_soft", "_optional"}
+    helpers = {"call", "soft", "_call", "_optional"}
     names = set()
-    for node in ast.walk(ast.parse(BACKEND_SOURCE.read_text())):
+    trees = [ast.parse(path.read_text()) for path in BACKEND_SOURCES]
+    for node in (node for tree in trees for node in ast.walk(tree)):
         if isinstance(node, ast.Call):
             func = node.func
             helper = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
@@ -141,7 +144,7 @@ def test_fake_enums_have_the_real_values(fake: FakeAmdsmi) -> None:
     for enum_name, members in SNAPSHOT["enums"].items():
         for alias, value in getattr(fake, enum_name).__members__.items():  # aliases included
             assert members[alias] == value, f"{enum_name}.{alias}"
-    source = BACKEND_SOURCE.read_text()
+    source = "".join(path.read_text() for path in BACKEND_SOURCES)
     for enum_name, member in (
         ("AmdSmiInitFlags", "INIT_AMD_GPUS"),
         ("AmdSmiClkType", "GFX"),
@@ -177,8 +180,8 @@ def test_error_mapping_uses_the_real_status_codes() -> None:
         "SETTING_UNAVAILABLE": NotSupportedError,
     }
     for name, cls in expected.items():
-        assert amd._STATUS[codes[name]][0] is cls, name
-    assert amd._RETRY == codes["RETRY"] and amd._NOT_FOUND == codes["NOT_FOUND"]
+        assert amd_api.STATUS[codes[name]][0] is cls, name
+    assert amd_api.RETRY == codes["RETRY"] and amd_api.NOT_FOUND == codes["NOT_FOUND"]
     assert SNAPSHOT["wrapper_version"] == "7.0.2"
 
 
@@ -522,14 +525,14 @@ def test_timeout_and_busy_are_not_retried(fake: FakeAmdsmi, backend: AmdBackend)
 def test_parameter_exceptions_are_invalid_arguments(fake: FakeAmdsmi, backend: AmdBackend) -> None:
     handle = fake.amdsmi_get_processor_handles()[0]
     with pytest.raises(InvalidArgumentError) as info:
-        amd._call(fake, "amdsmi_set_power_cap", handle, 0, 1.5, device="x", operation="op")
+        amd_api.call(fake, "amdsmi_set_power_cap", handle, 0, 1.5, device="x", operation="op")
     assert isinstance(info.value.__cause__, fake.AmdSmiParameterException)
 
 
 def test_a_missing_function_is_not_supported(fake: FakeAmdsmi, backend: AmdBackend) -> None:
     fake.missing.add("amdsmi_get_clk_freq")
     with pytest.raises(NotSupportedError, match="has no amdsmi_get_clk_freq"):
-        amd._call(fake, "amdsmi_get_clk_freq", None)
+        amd_api.call(fake, "amdsmi_get_clk_freq", None)
     assert backend.devices()[0].details()["gfx_dpm_levels_mhz"] is None
 
 
@@ -557,8 +560,8 @@ def test_supported_clocks_are_a_50_mhz_grid_over_the_gfx_range(backend: AmdBacke
 
 
 def test_grid_keeps_ends_that_are_off_the_grid() -> None:
-    assert amd._gfx_grid_mhz(505.0, 660.0) == (505.0, 550.0, 600.0, 650.0, 660.0)
-    assert amd._gfx_grid_mhz(800.0, 800.0) == (800.0,)
+    assert amd_api.gfx_grid_mhz(505.0, 660.0) == (505.0, 550.0, 600.0, 650.0, 660.0)
+    assert amd_api.gfx_grid_mhz(800.0, 800.0) == (800.0,)
 
 
 def test_lock_sets_the_gfx_range_and_auto_resets_it(fake: FakeAmdsmi, backend: AmdBackend) -> None:
