@@ -9,8 +9,9 @@ the SM frequency each one runs at::
      "stages": [{"stage": 0, "instructions": [
          {"kind": "forward", "microbatch": 0, "chunk": 0, "freq_mhz": 1410.0}, ...]}, ...]}
 
-:meth:`Frontier.plan_json <powerlib.planning.perseus.frontier.Frontier.plan_json>` writes it.
-Reading never evaluates anything; every validation error is one :class:`PlanError` line that
+:meth:`Frontier.plan <powerlib.planning.perseus.frontier.Frontier.plan>` builds one;
+:meth:`FrequencyPlan.write` and :meth:`FrequencyPlan.read` are the only writer and reader of the
+file format, and :meth:`FrequencyPlan.grid` draws a plan as text. Reading never evaluates anything; every validation error is one :class:`PlanError` line that
 names the file and the offending entry. This module is pure (standard library only).
 """
 
@@ -70,6 +71,8 @@ class PlannedInstruction:
             the plan records one.
         predicted_time_s: The planner's time for it, when the plan records one.
         predicted_energy_j: The planner's energy for it, when the plan records one.
+        option_source: Where an overlap plan's option came from (``search``, ``stock`` or
+            ``sequential``), when the plan records it.
     """
 
     instruction: Instruction
@@ -79,6 +82,7 @@ class PlannedInstruction:
     planned_time_s: float | None = None
     predicted_time_s: float | None = None
     predicted_energy_j: float | None = None
+    option_source: str | None = None
 
     @property
     def key(self) -> tuple[int, int, int, str]:
@@ -326,9 +330,11 @@ def _instruction_json(p: PlannedInstruction) -> dict[str, Any]:
         out["predicted_time_s"] = p.predicted_time_s
     if p.predicted_energy_j is not None:
         out["predicted_energy_j"] = p.predicted_energy_j
-    if p.execution != "sequential" or p.overlap:
+    if p.execution != "sequential" or p.overlap or p.option_source is not None:
         out["execution"] = p.execution
         out["overlap"] = {key: setting.to_json() for key, setting in p.overlap.items()}
+    if p.option_source is not None:
+        out["option_source"] = p.option_source
     return out
 
 
@@ -396,6 +402,9 @@ def _instruction(item: Any, stage: int, where: str) -> PlannedInstruction:
     except PlanError as err:
         raise PlanError(f"{where}: {err}") from err
     execution, overlap = _overlap(item, where)
+    source = item.get("option_source")
+    if source is not None and (not isinstance(source, str) or not source):
+        raise PlanError(f"{where}: option_source must be a name, got {source!r}")
     return PlannedInstruction(
         ins,
         float(freq),
@@ -404,4 +413,5 @@ def _instruction(item: Any, stage: int, where: str) -> PlannedInstruction:
         planned_time_s=_number(item, "planned_time_s", where),
         predicted_time_s=_number(item, "predicted_time_s", where),
         predicted_energy_j=_number(item, "predicted_energy_j", where),
+        option_source=source,
     )
