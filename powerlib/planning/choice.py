@@ -28,8 +28,8 @@ from powerlib.errors import PlanError
 from powerlib.planning.perseus.frontier import POLICIES
 
 if TYPE_CHECKING:
-    from powerlib.planning.perseus.cost_model import Option
     from powerlib.planning.perseus.frontier import Baseline, Frontier, FrontierPoint
+    from powerlib.planning.perseus.options import Option
     from powerlib.planning.plan import FrequencyPlan
 
 __all__ = ["POLICIES", "Choice", "Policy", "choose", "objection"]

@@ -13,12 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from powerlib.errors import PlanError
-from powerlib.planning.perseus.cost_model import (
-    Option,
-    build_cost_model,
-    frequency_for,
-    prepare_options,
-)
+from powerlib.planning.perseus.cost_model import build_cost_model
+from powerlib.planning.perseus.options import Option, frequency_for, prepare_options
 from powerlib.planning.perseus.replay import critical_path_s, layout_of, replay_options
 from powerlib.planning.perseus.solver import PhillipsDessouky
 from powerlib.planning.perseus.work import (

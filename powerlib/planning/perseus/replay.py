@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from powerlib.planning.pipeline import Instruction, PipelineDAG
 
 if TYPE_CHECKING:
-    from powerlib.planning.perseus.cost_model import Option
     from powerlib.planning.perseus.frontier import Frontier
+    from powerlib.planning.perseus.options import Option
 
 __all__ = ["Layout", "Run", "at_freq", "critical_path_s", "layout_of", "replay_options"]
 
