@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from powerlib.errors import PlanError
 from powerlib.inputs import load_json_file
-from powerlib.planning.pipeline import KINDS, Instruction
+from powerlib.planning.pipeline import KIND_LETTERS, KINDS, Instruction, build_dag
 
 __all__ = ["EXECUTIONS", "PLAN_SCHEMA", "FrequencyPlan", "PartitionSetting", "PlannedInstruction"]
 
@@ -288,6 +289,92 @@ class FrequencyPlan:
         """Write the plan file (one JSON document, schema ``powerlib.plan.v1``)."""
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
 
+    def grid(self, width: int = 100) -> str:
+        """The plan drawn as text: one row per stage, time running left to right.
+
+        Each of a row's ``width`` cells shows what the stage runs at the middle of the cell: the
+        instruction's kind letter (F forward, B backward, I backward input, W backward weight),
+        or ``.`` while the stage is idle. A second block draws the same rows with each
+        instruction's SM clock as a symbol that the last line resolves to MHz (``0`` is the
+        highest clock). Start times follow from the plan's own order and durations through the
+        pipeline DAG (:func:`~powerlib.planning.pipeline.build_dag` with the plan's placement):
+        an instruction starts when its stage's previous one and the one it depends on have
+        ended. An instruction lasts its ``planned_time_s``, else its ``predicted_time_s``; when
+        some instruction records neither (or all durations are zero), every instruction lasts
+        one unit and the header says so. Pure: the plan is not changed.
+
+        Args:
+            width: Cells per row, at least 1.
+
+        Returns:
+            The header, the instruction rows, the clock rows and the clock legend, one per line
+            (no trailing newline).
+
+        Raises:
+            PlanError: ``width`` is below 1, or the instructions do not form a pipeline
+                schedule.
+        """
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise PlanError(f"a plan grid is at least 1 cell wide, got {width!r}")
+        schedule = [[p.instruction for p in stage] for stage in self.stages]
+        dag = build_dag(schedule, str(self.workload.get("placement", "looped")))
+        planned = [p for stage in self.stages for p in stage]  # the DAG's node order
+        recorded = [
+            p.predicted_time_s if p.planned_time_s is None else p.planned_time_s for p in planned
+        ]
+        missing = recorded.count(None)
+        times = [1.0 if t is None else t for t in recorded]
+        if missing == 0 and max(times) <= 0:
+            missing = len(times)
+        if missing:
+            times = [1.0] * len(planned)
+        starts = dag.start_times(times)
+        total = max(start + t for start, t in zip(starts, times))
+        symbols, legend = _clock_symbols(sorted({p.freq_mhz for p in planned}, reverse=True))
+        label = len(f"S{self.num_stages - 1}")
+        kinds, clocks = [], []
+        node = 0
+        for s, stage in enumerate(self.stages):
+            spans = [(starts[node + i], times[node + i], p) for i, p in enumerate(stage)]
+            node += len(stage)
+            prefix = f"S{s}".ljust(label)
+            letters = _cells(spans, width, total, lambda p: KIND_LETTERS[p.instruction.kind])
+            kinds.append(f"{prefix} |{letters}|")
+            clocks.append(
+                f"{prefix} |{_cells(spans, width, total, lambda p: symbols[p.freq_mhz])}|"
+            )
+        microbatches = 1 + max(p.instruction.microbatch for p in planned)
+        what = f"{self.policy} plan" if self.policy else "plan"
+        what += (
+            f", {_count(self.num_stages, 'stage')} x "
+            f"{_count(microbatches, 'microbatch', 'microbatches')}"
+        )
+        if self.workload.get("schedule"):
+            what += f" ({self.workload['schedule']})"
+        if not missing:
+            when = f"iteration {total:.4g} s, {width} columns of {total / width:.3g} s"
+        else:
+            which = "any" if missing == len(planned) else f"{missing} of {len(planned)}"
+            when = (
+                f"the plan records no duration for {which} instructions, so each instruction is "
+                f"drawn one unit long: iteration {total:g} units, {width} columns of "
+                f"{total / width:.3g} units"
+            )
+        return "\n".join(
+            [
+                f"{what}: {when}",
+                "instructions (F forward, B backward, I backward input, W backward weight, . idle):",
+                *kinds,
+                "SM clock of each instruction (. idle):",
+                *clocks,
+                *textwrap.wrap(
+                    "clock: " + ", ".join(legend),
+                    width=max(label + width + 3, 60),
+                    subsequent_indent="       ",
+                ),
+            ]
+        )
+
     @property
     def policy(self) -> str:
         """The policy that chose the plan (``""`` when the file does not say)."""
@@ -315,6 +402,49 @@ RECORDED = "recorded"
 
 def _count(n: int, singular: str, plural: str | None = None) -> str:
     return f"{n} {singular if n == 1 else plural or singular + 's'}"
+
+
+_CLOCK_SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _clock_symbols(freqs_mhz: Sequence[float]) -> tuple[dict[float, str], list[str]]:
+    """A symbol per clock (highest first) and the legend's entries.
+
+    Beyond the alphabet, neighbouring clocks share a symbol and its entry names their range.
+    """
+    n = len(_CLOCK_SYMBOLS)
+    step = max(1, -(-len(freqs_mhz) // n))  # clocks per symbol
+    symbols = {f: _CLOCK_SYMBOLS[i // step] for i, f in enumerate(freqs_mhz)}
+    legend = []
+    for symbol in dict.fromkeys(symbols.values()):
+        shared = [f for f in freqs_mhz if symbols[f] == symbol]
+        span = f"{shared[0]:g}" if len(shared) == 1 else f"{shared[-1]:g}-{shared[0]:g}"
+        legend.append(f"{symbol} = {span} MHz")
+    return symbols, legend
+
+
+def _cells(
+    spans: Sequence[tuple[float, float, PlannedInstruction]],
+    width: int,
+    total: float,
+    symbol: Callable[[PlannedInstruction], str],
+) -> str:
+    """One row: per cell, the symbol of the instruction running at the cell's middle, or ``.``.
+
+    Args:
+        spans: ``(start, duration, instruction)`` in order, not overlapping.
+        width: Cells.
+        total: The time the row covers.
+        symbol: What a cell shows of an instruction.
+    """
+    out = []
+    k = 0
+    for c in range(width):
+        t = (c + 0.5) * total / width
+        while k < len(spans) and spans[k][0] + spans[k][1] <= t:
+            k += 1
+        out.append(symbol(spans[k][2]) if k < len(spans) and spans[k][0] <= t else ".")
+    return "".join(out)
 
 
 def _instruction_json(p: PlannedInstruction) -> dict[str, Any]:
