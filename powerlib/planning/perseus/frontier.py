@@ -3,6 +3,9 @@
 Energy accounting (reference perseus.md §1.4): with ``P_block`` the power a GPU draws while it
 waits, ``E_iter = Σ_v ẽ_v + N · P_block · T`` where ``ẽ_v = e_v - P_block · q_v · τ`` is the
 effective energy the solver minimises. Each frontier point reports both.
+
+The walk's work limit is checked first (:mod:`powerlib.planning.perseus.work`); plans are
+replayed on the measured profile by :mod:`powerlib.planning.perseus.replay`.
 """
 
 from __future__ import annotations
