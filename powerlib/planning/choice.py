@@ -28,11 +28,12 @@ from powerlib.errors import PlanError
 from powerlib.planning.perseus.frontier import POLICIES
 
 if TYPE_CHECKING:
-    from powerlib.planning.perseus.cost_model import Option
     from powerlib.planning.perseus.frontier import Baseline, Frontier, FrontierPoint
+    from powerlib.planning.perseus.options import Option
     from powerlib.planning.plan import FrequencyPlan
 
 __all__ = ["POLICIES", "Choice", "Policy", "choose", "objection"]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Policy:
@@ -58,8 +59,12 @@ class Policy:
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
             raise PlanError(f"unknown policy {self.name!r}; choose one of {', '.join(POLICIES)}")
-        if self.name == "deadline" and (self.deadline_s is None or not math.isfinite(self.deadline_s)):
-            raise PlanError("the deadline policy needs --deadline-s (the straggler's iteration time)")
+        if self.name == "deadline" and (
+            self.deadline_s is None or not math.isfinite(self.deadline_s)
+        ):
+            raise PlanError(
+                "the deadline policy needs --deadline-s (the straggler's iteration time)"
+            )
         if not (math.isfinite(self.max_slowdown) and self.max_slowdown >= 0):
             raise PlanError(f"max_slowdown must be >= 0, got {self.max_slowdown}")
         if not (math.isfinite(self.switch_latency_s) and self.switch_latency_s >= 0):
@@ -111,11 +116,8 @@ class Choice:
             metadata: Extra workload fields (deadline, profile source, order source, Kareus
                 study).
         """
-        workload = dict(metadata or {})
-        if self.policy.name == "deadline":
-            workload.setdefault("deadline_s", self.policy.deadline_s)
         return self.frontier.plan(
-            self.point, policy=self.policy.name, chosen=self.options, metadata=workload
+            self.point, policy=self.policy.name, chosen=self.options, metadata=metadata
         )
 
 

@@ -38,6 +38,7 @@ This module is pure: it imports only the standard library.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from powerlib.errors import PlanError
@@ -336,6 +337,38 @@ class PipelineDAG:
         ):
             raise PlanError(f"stage {stage!r} is out of range for {self.num_stages} stages")
         return [i for i, ins in enumerate(self.instructions) if ins.stage == stage]
+
+    def topological_order(self) -> list[int]:
+        """Every node index once, each after all of its predecessors."""
+        succs: list[list[int]] = [[] for _ in self.instructions]
+        indegree = [0] * len(self.instructions)
+        for u, v in self.edges:
+            succs[u].append(v)
+            indegree[v] += 1
+        ready = [i for i, d in enumerate(indegree) if d == 0]
+        out = []
+        while ready:
+            v = ready.pop()
+            out.append(v)
+            for w in succs[v]:
+                indegree[w] -= 1
+                if indegree[w] == 0:
+                    ready.append(w)
+        return out
+
+    def start_times(self, durations: Sequence[float]) -> list[float]:
+        """Each node's earliest start: when its last predecessor ends (the first nodes at 0).
+
+        Args:
+            durations: How long node ``i`` runs, in any unit.
+        """
+        starts = [0.0] * len(self.instructions)
+        preds: list[list[int]] = [[] for _ in self.instructions]
+        for u, v in self.edges:
+            preds[v].append(u)
+        for v in self.topological_order():
+            starts[v] = max((starts[u] + durations[u] for u in preds[v]), default=0.0)
+        return starts
 
 
 _Key = tuple[int, int, int, str]  # (stage, chunk, microbatch, kind)

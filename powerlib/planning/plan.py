@@ -9,8 +9,9 @@ the SM frequency each one runs at::
      "stages": [{"stage": 0, "instructions": [
          {"kind": "forward", "microbatch": 0, "chunk": 0, "freq_mhz": 1410.0}, ...]}, ...]}
 
-:meth:`Frontier.plan_json <powerlib.planning.perseus.frontier.Frontier.plan_json>` writes it.
-Reading never evaluates anything; every validation error is one :class:`PlanError` line that
+:meth:`Frontier.plan <powerlib.planning.perseus.frontier.Frontier.plan>` builds one;
+:meth:`FrequencyPlan.write` and :meth:`FrequencyPlan.read` are the only writer and reader of the
+file format, and :meth:`FrequencyPlan.grid` draws a plan as text. Reading never evaluates anything; every validation error is one :class:`PlanError` line that
 names the file and the offending entry. This module is pure (standard library only).
 """
 
@@ -18,14 +19,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from powerlib.errors import PlanError
 from powerlib.inputs import load_json_file
-from powerlib.planning.pipeline import KINDS, Instruction
+from powerlib.planning.pipeline import KIND_LETTERS, KINDS, Instruction, build_dag
 
 __all__ = ["EXECUTIONS", "PLAN_SCHEMA", "FrequencyPlan", "PartitionSetting", "PlannedInstruction"]
 
@@ -70,6 +72,8 @@ class PlannedInstruction:
             the plan records one.
         predicted_time_s: The planner's time for it, when the plan records one.
         predicted_energy_j: The planner's energy for it, when the plan records one.
+        option_source: Where an overlap plan's option came from (``search``, ``stock`` or
+            ``sequential``), when the plan records it.
     """
 
     instruction: Instruction
@@ -79,6 +83,7 @@ class PlannedInstruction:
     planned_time_s: float | None = None
     predicted_time_s: float | None = None
     predicted_energy_j: float | None = None
+    option_source: str | None = None
 
     @property
     def key(self) -> tuple[int, int, int, str]:
@@ -284,6 +289,92 @@ class FrequencyPlan:
         """Write the plan file (one JSON document, schema ``powerlib.plan.v1``)."""
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
 
+    def grid(self, width: int = 100) -> str:
+        """The plan drawn as text: one row per stage, time running left to right.
+
+        Each of a row's ``width`` cells shows what the stage runs at the middle of the cell: the
+        instruction's kind letter (F forward, B backward, I backward input, W backward weight),
+        or ``.`` while the stage is idle. A second block draws the same rows with each
+        instruction's SM clock as a symbol that the last line resolves to MHz (``0`` is the
+        highest clock). Start times follow from the plan's own order and durations through the
+        pipeline DAG (:func:`~powerlib.planning.pipeline.build_dag` with the plan's placement):
+        an instruction starts when its stage's previous one and the one it depends on have
+        ended. An instruction lasts its ``planned_time_s``, else its ``predicted_time_s``; when
+        some instruction records neither (or all durations are zero), every instruction lasts
+        one unit and the header says so. Pure: the plan is not changed.
+
+        Args:
+            width: Cells per row, at least 1.
+
+        Returns:
+            The header, the instruction rows, the clock rows and the clock legend, one per line
+            (no trailing newline).
+
+        Raises:
+            PlanError: ``width`` is below 1, or the instructions do not form a pipeline
+                schedule.
+        """
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise PlanError(f"a plan grid is at least 1 cell wide, got {width!r}")
+        schedule = [[p.instruction for p in stage] for stage in self.stages]
+        dag = build_dag(schedule, str(self.workload.get("placement", "looped")))
+        planned = [p for stage in self.stages for p in stage]  # the DAG's node order
+        recorded = [
+            p.predicted_time_s if p.planned_time_s is None else p.planned_time_s for p in planned
+        ]
+        missing = recorded.count(None)
+        times = [1.0 if t is None else t for t in recorded]
+        if missing == 0 and max(times) <= 0:
+            missing = len(times)
+        if missing:
+            times = [1.0] * len(planned)
+        starts = dag.start_times(times)
+        total = max(start + t for start, t in zip(starts, times))
+        symbols, legend = _clock_symbols(sorted({p.freq_mhz for p in planned}, reverse=True))
+        label = len(f"S{self.num_stages - 1}")
+        kinds, clocks = [], []
+        node = 0
+        for s, stage in enumerate(self.stages):
+            spans = [(starts[node + i], times[node + i], p) for i, p in enumerate(stage)]
+            node += len(stage)
+            prefix = f"S{s}".ljust(label)
+            letters = _cells(spans, width, total, lambda p: KIND_LETTERS[p.instruction.kind])
+            kinds.append(f"{prefix} |{letters}|")
+            clocks.append(
+                f"{prefix} |{_cells(spans, width, total, lambda p: symbols[p.freq_mhz])}|"
+            )
+        microbatches = 1 + max(p.instruction.microbatch for p in planned)
+        what = f"{self.policy} plan" if self.policy else "plan"
+        what += (
+            f", {_count(self.num_stages, 'stage')} x "
+            f"{_count(microbatches, 'microbatch', 'microbatches')}"
+        )
+        if self.workload.get("schedule"):
+            what += f" ({self.workload['schedule']})"
+        if not missing:
+            when = f"iteration {total:.4g} s, {width} columns of {total / width:.3g} s"
+        else:
+            which = "any" if missing == len(planned) else f"{missing} of {len(planned)}"
+            when = (
+                f"the plan records no duration for {which} instructions, so each instruction is "
+                f"drawn one unit long: iteration {total:g} units, {width} columns of "
+                f"{total / width:.3g} units"
+            )
+        return "\n".join(
+            [
+                f"{what}: {when}",
+                "instructions (F forward, B backward, I backward input, W backward weight, . idle):",
+                *kinds,
+                "SM clock of each instruction (. idle):",
+                *clocks,
+                *textwrap.wrap(
+                    "clock: " + ", ".join(legend),
+                    width=max(label + width + 3, 60),
+                    subsequent_indent="       ",
+                ),
+            ]
+        )
+
     @property
     def policy(self) -> str:
         """The policy that chose the plan (``""`` when the file does not say)."""
@@ -313,6 +404,49 @@ def _count(n: int, singular: str, plural: str | None = None) -> str:
     return f"{n} {singular if n == 1 else plural or singular + 's'}"
 
 
+_CLOCK_SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _clock_symbols(freqs_mhz: Sequence[float]) -> tuple[dict[float, str], list[str]]:
+    """A symbol per clock (highest first) and the legend's entries.
+
+    Beyond the alphabet, neighbouring clocks share a symbol and its entry names their range.
+    """
+    n = len(_CLOCK_SYMBOLS)
+    step = max(1, -(-len(freqs_mhz) // n))  # clocks per symbol
+    symbols = {f: _CLOCK_SYMBOLS[i // step] for i, f in enumerate(freqs_mhz)}
+    legend = []
+    for symbol in dict.fromkeys(symbols.values()):
+        shared = [f for f in freqs_mhz if symbols[f] == symbol]
+        span = f"{shared[0]:g}" if len(shared) == 1 else f"{shared[-1]:g}-{shared[0]:g}"
+        legend.append(f"{symbol} = {span} MHz")
+    return symbols, legend
+
+
+def _cells(
+    spans: Sequence[tuple[float, float, PlannedInstruction]],
+    width: int,
+    total: float,
+    symbol: Callable[[PlannedInstruction], str],
+) -> str:
+    """One row: per cell, the symbol of the instruction running at the cell's middle, or ``.``.
+
+    Args:
+        spans: ``(start, duration, instruction)`` in order, not overlapping.
+        width: Cells.
+        total: The time the row covers.
+        symbol: What a cell shows of an instruction.
+    """
+    out = []
+    k = 0
+    for c in range(width):
+        t = (c + 0.5) * total / width
+        while k < len(spans) and spans[k][0] + spans[k][1] <= t:
+            k += 1
+        out.append(symbol(spans[k][2]) if k < len(spans) and spans[k][0] <= t else ".")
+    return "".join(out)
+
+
 def _instruction_json(p: PlannedInstruction) -> dict[str, Any]:
     out: dict[str, Any] = {
         "kind": p.instruction.kind,
@@ -326,9 +460,11 @@ def _instruction_json(p: PlannedInstruction) -> dict[str, Any]:
         out["predicted_time_s"] = p.predicted_time_s
     if p.predicted_energy_j is not None:
         out["predicted_energy_j"] = p.predicted_energy_j
-    if p.execution != "sequential" or p.overlap:
+    if p.execution != "sequential" or p.overlap or p.option_source is not None:
         out["execution"] = p.execution
         out["overlap"] = {key: setting.to_json() for key, setting in p.overlap.items()}
+    if p.option_source is not None:
+        out["option_source"] = p.option_source
     return out
 
 
@@ -396,6 +532,9 @@ def _instruction(item: Any, stage: int, where: str) -> PlannedInstruction:
     except PlanError as err:
         raise PlanError(f"{where}: {err}") from err
     execution, overlap = _overlap(item, where)
+    source = item.get("option_source")
+    if source is not None and (not isinstance(source, str) or not source):
+        raise PlanError(f"{where}: option_source must be a name, got {source!r}")
     return PlannedInstruction(
         ins,
         float(freq),
@@ -404,4 +543,5 @@ def _instruction(item: Any, stage: int, where: str) -> PlannedInstruction:
         planned_time_s=_number(item, "planned_time_s", where),
         predicted_time_s=_number(item, "predicted_time_s", where),
         predicted_energy_j=_number(item, "predicted_energy_j", where),
+        option_source=source,
     )

@@ -190,7 +190,7 @@ def test_overlap_plan_round_trips_with_partition_settings(tp_case, tmp_path: Pat
         schedule_name="1f1b",
         num_microbatches=4,
     )
-    data = frontier.plan_json(frontier.fastest, policy="fastest")
+    data = frontier.plan(frontier.fastest, policy="fastest").to_json()
     plan = FrequencyPlan.from_json(json.loads(json.dumps(data)))
     nano = [p for s in plan.stages for p in s if p.execution == "nanobatch"]
     assert nano, "the fastest plan overlaps communication"

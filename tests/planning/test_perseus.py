@@ -237,9 +237,9 @@ def test_policies(tmp_path: Path) -> None:
         frontier.select("cheapest")
 
 
-def test_plan_json_lists_each_stage_in_execution_order() -> None:
+def test_plan_lists_each_stage_in_execution_order() -> None:
     frontier = _frontier(SYNTH / "profile_synth4.csv", 4, 6, 80.0)
-    plan = frontier.plan_json(frontier.fastest, policy="fastest")
+    plan = frontier.plan(frontier.fastest, policy="fastest").to_json()
     assert plan["schema"] == "powerlib.plan.v1" and plan["workload"]["num_microbatches"] == 6
     stage0 = [(i["kind"][0].upper(), i["microbatch"]) for i in plan["stages"][0]["instructions"]]
     assert stage0 == [

@@ -26,7 +26,7 @@ def plan_data() -> dict:
         p_block_w=80.0,
         unit_time_s=1e-3,
     )
-    return frontier.plan_json(frontier.fastest, policy="fastest")
+    return frontier.plan(frontier.fastest, policy="fastest").to_json()
 
 
 def test_round_trip_keeps_order_and_frequencies(plan_data: dict, tmp_path: Path) -> None:

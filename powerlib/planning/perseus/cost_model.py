@@ -4,20 +4,19 @@ Perseus plans on *effective* energy ``ẽ = e - P_block·q·τ``: the energy a c
 what the GPU would have drawn anyway while blocked for the same (quantized) time. Each profiled
 (stage, instruction) pair becomes one cost curve in three steps (reference §2.1):
 
-1. :func:`prepare_options` turns the measured ``(frequency, time, energy)`` points into the
-   Pareto-optimal, floor-quantized, de-duplicated options, sorted fastest first.
+1. :func:`~powerlib.planning.perseus.options.prepare_options` turns the measured
+   ``(frequency, time, energy)`` points into the Pareto-optimal, floor-quantized,
+   de-duplicated options, sorted fastest first.
 2. :func:`build_cost_model` fits a convex, non-increasing curve over the integer durations
    ``[q_min, q_max]`` (in units of the time quantum τ): the exponential ``a·exp(b·q) + c`` of
    lowtime/Perseus (:func:`fit_exponential`), or the non-parametric lower convex hull
    (:class:`ConvexHullCostModel`).
-3. After solving, :func:`frequency_for` maps a planned duration back to a measured option: the
-   slowest one whose quantized time still fits.
+3. After solving, :func:`~powerlib.planning.perseus.options.frequency_for` maps a planned
+   duration back to a measured option: the slowest one whose quantized time still fits.
 
-:class:`TableCostModel` wraps an explicit ``{duration: cost}`` table, for hand-made test cases.
-
-The filter can run on raw or effective energy (``order``); the two shipped Perseus pipelines
-disagree and the results differ (reference §2.1 step 4, §6 pitfall 4). The default,
-``"filter-then-subtract"``, is the SOSP'24 artifact's and the one that reproduces the paper's data.
+Steps 1 and 3 live in :mod:`powerlib.planning.perseus.options` (their names are re-exported
+here). :class:`TableCostModel` wraps an explicit ``{duration: cost}`` table, for hand-made test
+cases.
 
 Pure code: standard library and numpy only, no device I/O.
 """
@@ -29,12 +28,20 @@ import logging
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from powerlib.errors import PlanError
+from powerlib.planning.perseus.options import (
+    DEFAULT_NOISE_FACTOR,
+    ORDERS,
+    Option,
+    check_finite,
+    frequency_for,
+    prepare_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +59,6 @@ __all__ = [
     "prepare_options",
 ]
 
-ORDERS: tuple[str, str] = ("filter-then-subtract", "subtract-then-filter")
-"""Orders of the Pareto filter and the effective-energy conversion; the first is the default."""
-
-DEFAULT_NOISE_FACTOR = 0.95
-"""η of the soft Pareto filter used when the strict one leaves three or fewer options."""
-
-_SOFT_FILTER_THRESHOLD = 3
-"""The soft filter is applied when the strict filter leaves this many options or fewer."""
-
 _B0_PER_MS = (0.01, 0.02, 0.03, 0.04, 0.05, 0.1)
 """lowtime's initial guesses for ``-b`` at τ = 1 ms; they scale with τ (reference §2.1 step 5)."""
 
@@ -74,212 +72,6 @@ _SCAN_POINTS = 481
 """Log-spaced points of the global scan over ``|b|·(q_max - q_min)`` in ``[_U_MIN, _U_MAX]``."""
 
 _KINDS = ("exp", "convex")
-
-
-# --------------------------------------------------------------------------------------------
-# Options
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Option:
-    """One surviving execution option of a (stage, instruction) pair.
-
-    Attributes:
-        freq_mhz: The SM clock the option was measured at, in MHz.
-        time_s: Measured mean time per execution, in seconds.
-        energy_j: Measured mean energy per execution, in joules.
-        quant: ``time_s`` floor-quantized to the time quantum: ``int(time_s // unit_time_s)``
-            with IEEE float floor division (so 0.030 s at τ = 1 ms is 29, as in lowtime).
-        eff_energy_j: Effective energy, ``energy_j - p_block_w * quant * unit_time_s``.
-        knob: What else besides the clock the option sets, or ``None`` for a pure frequency
-            option; Kareus options carry their execution mode and partition configurations
-            (an object with ``to_plan() -> dict`` of plan fields).
-    """
-
-    freq_mhz: float
-    time_s: float
-    energy_j: float
-    quant: int
-    eff_energy_j: float
-    knob: Any = field(default=None, compare=False)
-
-
-def _check_finite(name: str, value: float) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError) as err:
-        raise PlanError(f"{name} must be a number, got {value!r}") from err
-    if not math.isfinite(out):
-        raise PlanError(f"{name} must be finite, got {value!r}")
-    return out
-
-
-def _pareto_keep(times: Sequence[float], costs: Sequence[float], eta: float) -> list[int]:
-    """Indices of the points no other point beats by the factor ``eta`` in both coordinates.
-
-    Point ``i`` is dropped if some ``j`` has ``times[j] < eta*times[i]`` and
-    ``costs[j] < eta*costs[i]``; ``eta = 1`` is strict Pareto domination.
-    """
-    keep = []
-    for i, (t, e) in enumerate(zip(times, costs)):
-        t_lim, e_lim = eta * t, eta * e
-        if not any(tj < t_lim and ej < e_lim for tj, ej in zip(times, costs)):
-            keep.append(i)
-    return keep
-
-
-def prepare_options(
-    points: Sequence[tuple[float, float, float]],
-    *,
-    unit_time_s: float,
-    p_block_w: float,
-    order: str = "filter-then-subtract",
-    noise_factor: float = DEFAULT_NOISE_FACTOR,
-) -> list[Option]:
-    """Filter, quantize and de-duplicate the measured options of one (stage, instruction).
-
-    Steps (reference §2.1 steps 2-4):
-
-    1. Pareto filter on ``(time, energy)``: drop a point if another is strictly faster *and*
-       strictly cheaper.
-    2. Floor-quantize: ``quant = int(time_s // unit_time_s)`` (IEEE float floor division).
-    3. Among survivors sharing a ``quant``, keep the one with the highest energy: flooring makes
-       the most expensive one the one whose real time is closest to ``quant·τ``.
-    4. If three or fewer options are left, redo steps 1-3 on all points with the soft filter
-       ``eta = noise_factor``: drop a point only if another is below ``eta`` times it in both
-       time and energy (a guard against measurement noise). The count is taken after
-       de-duplication, as lowtime's ``CandidateExecutionOptions`` reports its options.
-    5. Sort by ``quant`` ascending (fastest first) and attach the effective energy
-       ``energy - p_block_w·quant·unit_time_s``.
-
-    ``order`` selects what the filter compares. ``"filter-then-subtract"`` (default; the SOSP'24
-    artifact) compares raw energy. ``"subtract-then-filter"`` (Zeus's example and Kareus)
-    compares effective energy, which keeps slow frequencies that are dominated in raw energy but
-    cheaper in effective energy. The de-duplication in step 3 is the same in both orders: within
-    one ``quant`` the subtracted term ``p_block_w·quant·τ`` is a constant, so the highest raw
-    energy is also the highest effective energy.
-
-    Args:
-        points: ``(freq_mhz, time_s, energy_j)`` per measured frequency; frequencies must be
-            distinct, times positive and energies finite. Or ``(freq_mhz, time_s, energy_j,
-            knob)``: several options per clock that differ in ``knob`` (Kareus), which then
-            need not have distinct frequencies.
-        unit_time_s: The time quantum τ in seconds (1 ms in the paper's A100 runs).
-        p_block_w: The GPU's power while blocked on communication, in watts (e.g. 83.64 on
-            A100 in the paper artifact).
-        order: One of :data:`ORDERS`.
-        noise_factor: η of the soft fallback filter, in ``(0, 1]``.
-
-    Returns:
-        The surviving options, sorted by ``quant`` ascending; ``quant`` values are distinct.
-
-    Raises:
-        PlanError: On malformed input, fewer than two measured frequencies, or if an option
-            quantizes to zero units (τ too coarse).
-    """
-    tau = _check_finite("unit_time_s", unit_time_s)
-    if tau <= 0.0:
-        raise PlanError(f"unit_time_s must be positive, got {unit_time_s!r}")
-    p_block = _check_finite("p_block_w", p_block_w)
-    if p_block < 0.0:
-        raise PlanError(f"p_block_w must be non-negative, got {p_block_w!r}")
-    if order not in ORDERS:
-        raise PlanError(f"order must be one of {ORDERS}, got {order!r}")
-    eta = _check_finite("noise_factor", noise_factor)
-    if not 0.0 < eta <= 1.0:
-        raise PlanError(f"noise_factor must be in (0, 1], got {noise_factor!r}")
-
-    freqs: list[float] = []
-    times: list[float] = []
-    energies: list[float] = []
-    knobs: list[Any] = []
-    for k, point in enumerate(points):
-        try:
-            f_raw, t_raw, e_raw, *knob = point
-            if len(knob) > 1:
-                raise ValueError("too many fields")
-        except (TypeError, ValueError) as err:
-            raise PlanError(
-                f"point {k} must be a (freq_mhz, time_s, energy_j) triple, got {point!r}"
-            ) from err
-        knobs.append(knob[0] if knob else None)
-        f = _check_finite(f"point {k} frequency", f_raw)
-        t = _check_finite(f"point {k} time", t_raw)
-        e = _check_finite(f"point {k} energy", e_raw)
-        if f <= 0.0 or t <= 0.0:
-            raise PlanError(f"point {k} needs a positive frequency and time, got {point!r}")
-        freqs.append(f)
-        times.append(t)
-        energies.append(e)
-    with_knobs = any(knob is not None for knob in knobs)
-    if not with_knobs and len(set(freqs)) != len(freqs):
-        raise PlanError("points must have distinct frequencies (one row per frequency)")
-    if len(freqs) < 2:
-        raise PlanError(f"need at least two measured options, got {len(freqs)}")
-
-    quants = [int(t // tau) for t in times]
-    effs = [e - p_block * q * tau for e, q in zip(energies, quants)]
-    filter_costs = energies if order == "filter-then-subtract" else effs
-
-    def survivors(factor: float) -> dict[int, int]:
-        best: dict[int, int] = {}  # quant -> index of the highest-energy survivor
-        for i in _pareto_keep(times, filter_costs, factor):
-            j = best.get(quants[i])
-            if j is None or energies[i] > energies[j]:
-                best[quants[i]] = i
-        return best
-
-    best = survivors(1.0)
-    if len(best) <= _SOFT_FILTER_THRESHOLD:
-        best = survivors(eta)
-    options = [
-        Option(
-            freq_mhz=freqs[i],
-            time_s=times[i],
-            energy_j=energies[i],
-            quant=quants[i],
-            eff_energy_j=effs[i],
-            knob=knobs[i],
-        )
-        for _, i in sorted(best.items())
-    ]
-    if options and options[0].quant < 1:
-        raise PlanError(
-            f"{options[0].freq_mhz:g} MHz takes {options[0].time_s:g} s, less than one time "
-            f"quantum ({tau:g} s); use a smaller unit_time_s"
-        )
-    # A single survivor is legitimate: every slower clock was both slower and costlier (or
-    # quantizes to the same duration), so the instruction has one useful duration.
-    return options
-
-
-def frequency_for(options: Sequence[Option], duration_q: int) -> Option:
-    """The option to run for a planned duration: the slowest whose ``quant`` fits.
-
-    Args:
-        options: The options of one (stage, instruction), e.g. from :func:`prepare_options`
-            (any order).
-        duration_q: Planned duration in time quanta.
-
-    Returns:
-        The option with the largest ``quant <= duration_q`` (the first such if several share
-        it); the fastest option (smallest ``quant``) if none fits.
-
-    Raises:
-        PlanError: If ``options`` is empty.
-    """
-    if not options:
-        raise PlanError("frequency_for needs at least one option")
-    d = operator.index(duration_q)
-    chosen: Option | None = None
-    fastest = options[0]
-    for o in options:
-        if o.quant <= d and (chosen is None or o.quant > chosen.quant):
-            chosen = o
-        if o.quant < fastest.quant:
-            fastest = o
-    return fastest if chosen is None else chosen
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,7 +133,7 @@ class ExponentialCostModel:
 
     def __post_init__(self) -> None:
         for name in ("a", "b", "c"):
-            _check_finite(name, getattr(self, name))
+            check_finite(name, getattr(self, name))
         if self.a < 0.0 or self.b > 0.0:
             raise PlanError(
                 f"an exponential cost needs a >= 0 and b <= 0 to be convex and non-increasing, "
@@ -429,7 +221,7 @@ class ConvexHullCostModel(_PiecewiseLinear):
         lowest: dict[int, float] = {}
         for k, (x_raw, y_raw) in enumerate(points):
             x = operator.index(x_raw)
-            y = _check_finite(f"point {k} cost", y_raw)
+            y = check_finite(f"point {k} cost", y_raw)
             if x not in lowest or y < lowest[x]:
                 lowest[x] = y
         if not lowest:
@@ -484,7 +276,7 @@ class TableCostModel(_PiecewiseLinear):
                 raise PlanError(f"table durations must be integers, got {x_raw!r}") from err
             if x < 0:
                 raise PlanError(f"table durations must be non-negative, got {x}")
-            items.append((x, _check_finite(f"cost at duration {x}", y_raw)))
+            items.append((x, check_finite(f"cost at duration {x}", y_raw)))
         if not items:
             raise PlanError("a cost table needs at least one entry")
         items.sort()
@@ -672,11 +464,11 @@ def fit_exponential(options: Sequence[Option], *, unit_time_s: float) -> Exponen
     Raises:
         PlanError: If there are fewer than two distinct durations, or the fit is not finite.
     """
-    tau = _check_finite("unit_time_s", unit_time_s)
+    tau = check_finite("unit_time_s", unit_time_s)
     if tau <= 0.0:
         raise PlanError(f"unit_time_s must be positive, got {unit_time_s!r}")
     qs = np.array([float(o.quant) for o in options])
-    ys = np.array([_check_finite("eff_energy_j", o.eff_energy_j) for o in options])
+    ys = np.array([check_finite("eff_energy_j", o.eff_energy_j) for o in options])
     if np.unique(qs).size < 2:
         raise PlanError(
             "an exponential cost model needs options with at least two distinct durations"

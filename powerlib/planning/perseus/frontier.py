@@ -3,6 +3,9 @@
 Energy accounting (reference perseus.md §1.4): with ``P_block`` the power a GPU draws while it
 waits, ``E_iter = Σ_v ẽ_v + N · P_block · T`` where ``ẽ_v = e_v - P_block · q_v · τ`` is the
 effective energy the solver minimises. Each frontier point reports both.
+
+The walk's work limit is checked first (:mod:`powerlib.planning.perseus.work`); plans are
+replayed on the measured profile by :mod:`powerlib.planning.perseus.replay`.
 """
 
 from __future__ import annotations
@@ -13,26 +16,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from powerlib.errors import PlanError
-from powerlib.planning.perseus.cost_model import (
-    Option,
-    build_cost_model,
-    frequency_for,
-    prepare_options,
-)
+from powerlib.planning.perseus.cost_model import build_cost_model
+from powerlib.planning.perseus.options import Option, frequency_for, prepare_options
+from powerlib.planning.perseus.replay import critical_path_s, layout_of, replay_options
 from powerlib.planning.perseus.solver import PhillipsDessouky
-from powerlib.planning.pipeline import (
-    KINDS,
-    Instruction,
-    PipelineDAG,
-    Schedule,
-    build_dag,
+from powerlib.planning.perseus.work import (
+    DEFAULT_MAX_WORK,
+    WORK_HINT,
+    WorkEstimate,
+    check_quantum,
+    estimate_pipeline_work,
 )
-from powerlib.planning.plan import PLAN_SCHEMA, FrequencyPlan
+from powerlib.planning.pipeline import KINDS, Instruction, PipelineDAG, Schedule, build_dag
+from powerlib.planning.plan import FrequencyPlan, PartitionSetting, PlannedInstruction
 from powerlib.planning.profile import Profile
 
 __all__ = [
     "DEFAULT_MAX_WORK",
     "POLICIES",
+    "WORK_HINT",
     "Baseline",
     "Frontier",
     "FrontierPoint",
@@ -41,143 +43,6 @@ __all__ = [
     "compute_frontier",
     "estimate_pipeline_work",
 ]
-
-#: The frontier walk's work limit, in instruction-steps (instructions x time quanta between the
-#: slowest and the fastest plan). Measured cost here: about 1e-5 s and 10 bytes per unit (GPT-3
-#: 175B, 8 stages, M = 96: 5.4e6 units, 54 s, 49 MB; benchmarks/planner.py), so the default
-#: admits about 8 minutes and 0.5 GB. ``--max-work`` / ``max_work=`` raises it.
-DEFAULT_MAX_WORK = 50_000_000
-_SECONDS_PER_UNIT = 1e-5
-_BYTES_PER_UNIT = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class WorkEstimate:
-    """How much work a frontier walk is: one max-flow step per time quantum, over every node.
-
-    Attributes:
-        num_instructions: Nodes of the instruction DAG.
-        time_steps: Time quanta between the slowest plan's makespan and the fastest one's.
-    """
-
-    num_instructions: int
-    time_steps: int
-
-    @property
-    def work(self) -> int:
-        """Instruction-steps: what the limit is expressed in."""
-        return self.num_instructions * max(self.time_steps, 1)
-
-    @property
-    def time_s(self) -> float:
-        """Expected solve time on one core (measured rate, see :data:`DEFAULT_MAX_WORK`)."""
-        return self.work * _SECONDS_PER_UNIT
-
-    @property
-    def memory_bytes(self) -> float:
-        """Expected memory of the frontier's points."""
-        return self.work * _BYTES_PER_UNIT
-
-    def describe(self) -> str:
-        """One phrase: the counts, the product and the expected time and memory."""
-        return (
-            f"{self.num_instructions:,} instructions x {self.time_steps:,} time steps = "
-            f"{self.work:.3g} instruction-steps (about {_duration(self.time_s)} and "
-            f"{_size(self.memory_bytes)})"
-        )
-
-    def check(self, max_work: int | None, *, hint: str) -> None:
-        """Refuse work past ``max_work`` (``None``: no limit).
-
-        Raises:
-            PlanError: With the estimate, the limit and ``hint`` (how to raise the limit or
-                shrink the problem).
-        """
-        if max_work is not None and self.work > max_work:
-            raise PlanError(
-                f"the frontier is too much work: {self.describe()}, over the limit of "
-                f"{max_work:.3g}; {hint}"
-            )
-
-
-def _duration(time_s: float) -> str:
-    for unit, size in (("h", 3600.0), ("min", 60.0)):
-        if time_s >= size:
-            return f"{time_s / size:.3g} {unit}"
-    return f"{time_s:.2g} s"
-
-
-def _size(n_bytes: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if n_bytes >= size:
-            return f"{n_bytes / size:.3g} {unit}"
-    return f"{n_bytes / 1e3:.3g} kB"
-
-
-#: How to get past the limit, in the words of the CLI (the library names ``max_work=``).
-WORK_HINT = (
-    "raise --max-work (max_work= from Python), or plan with a larger --unit-time-s or fewer "
-    "microbatches"
-)
-
-
-def check_quantum(unit_time_s: float, p_block_w: float = 0.0) -> None:
-    """Refuse a time quantum or blocking power the solver cannot use.
-
-    Raises:
-        PlanError: ``unit_time_s`` is not a positive number or ``p_block_w`` is negative.
-    """
-    if not (unit_time_s > 0 and math.isfinite(unit_time_s)):
-        raise PlanError(f"--unit-time-s must be a positive number of seconds, got {unit_time_s}")
-    if not (p_block_w >= 0 and math.isfinite(p_block_w)):
-        raise PlanError(f"--p-block-w must be a non-negative number of watts, got {p_block_w}")
-
-
-def estimate_pipeline_work(
-    option_points: Mapping[tuple[int, str], Sequence[tuple[float, float]]],
-    *,
-    num_stages: int,
-    num_microbatches: int,
-    num_chunks: int = 1,
-    unit_time_s: float,
-) -> WorkEstimate:
-    """Estimate the walk before any schedule is built (cheap: no DAG).
-
-    The walk runs from every instruction at its slowest useful option (the one with the least
-    energy: slower ones are dominated) to every one at its fastest. Each stage runs
-    ``num_microbatches`` forward+backward pairs per chunk, and an iteration lasts about
-    ``M + N - 1`` times the slowest stage's per-microbatch work (exact for balanced 1F1B and
-    GPipe). :func:`compute_frontier` checks the exact figure on the DAG afterwards.
-
-    Args:
-        option_points: Per ``(stage, kind)``, its options as ``(time_s, energy_j)`` (a profile's
-            :meth:`~powerlib.planning.profile.Profile.option_points`, or Kareus's composed
-            options).
-        num_stages: Pipeline stages N.
-        num_microbatches: Microbatches M.
-        num_chunks: Model chunks per stage.
-        unit_time_s: The time quantum τ.
-
-    Raises:
-        PlanError: ``unit_time_s`` is not a positive number.
-    """
-    check_quantum(unit_time_s)
-    fast_s: list[float] = [0.0]
-    slow_s: list[float] = [0.0]
-    per_mb = 2
-    for stage in range(num_stages):
-        present = [k for k in KINDS if option_points.get((stage, k))]
-        # A full backward where there is one, else its input and weight parts.
-        if "backward" in present:
-            present = [k for k in present if k in ("forward", "backward")]
-        per_mb = max(per_mb, len(present))
-        points = [option_points[stage, k] for k in present]
-        fast_s.append(num_chunks * math.fsum(min(t for t, _ in p) for p in points))
-        slow_s.append(num_chunks * math.fsum(min(p, key=lambda o: (o[1], o[0]))[0] for p in points))
-    steps = (num_microbatches + num_stages - 1) * (max(slow_s) - max(fast_s)) / unit_time_s
-    instructions = num_stages * num_microbatches * num_chunks * per_mb
-    return WorkEstimate(num_instructions=instructions, time_steps=int(min(max(steps, 0), 1e18)))
-
 
 POLICIES = ("fastest", "deadline", "min-energy")
 
@@ -312,7 +177,7 @@ class Frontier:
             times = [self.reference_times[(ins.stage, ins.kind)] for ins in self.dag.instructions]
         else:
             times = [self.options[(ins.stage, ins.kind)][0].time_s for ins in self.dag.instructions]
-        return _critical_path_s(self.dag, times)
+        return critical_path_s(self.dag, times)
 
     def saving(self, point: FrontierPoint) -> float:
         """Fractional energy saving of ``point`` against all-max at the same iteration time."""
@@ -360,9 +225,9 @@ class Frontier:
         chosen = self.planned_options(point)
         base = self.baseline_time_s if limit_s is None else limit_s
         limit = base * (1.0 + max_slowdown)
-        layout = _layout(self.dag)
+        layout = layout_of(self.dag)
         while True:
-            run = _replay(self, chosen, switch_latency_s, layout)
+            run = replay_options(self, chosen, switch_latency_s, layout)
             if run.time_s <= limit:
                 return chosen
             candidates = set(run.path) | {
@@ -392,7 +257,7 @@ class Frontier:
         at the old clock until the change lands (the runtime requests the next clock when an
         instruction ends; the first instruction follows the previous iteration's last).
         """
-        run = _replay(self, chosen, switch_latency_s)
+        run = replay_options(self, chosen, switch_latency_s)
         return Baseline(time_s=run.time_s, energy_j=run.energy_j)
 
     def replay(self, point: FrontierPoint) -> Baseline:
@@ -413,49 +278,32 @@ class Frontier:
         chosen: Sequence[Option] | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> FrequencyPlan:
-        """The plan of ``point`` (see :meth:`plan_json`) as a :class:`FrequencyPlan`."""
-        data = self.plan_json(point, policy=policy, chosen=chosen, metadata=metadata)
-        return FrequencyPlan.from_json(data, source="the plan")
+        """The plan of ``point``: per stage, its instructions in execution order and their clocks.
 
-    def plan_json(
-        self,
-        point: FrontierPoint,
-        *,
-        policy: str,
-        chosen: Sequence[Option] | None = None,
-        metadata: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """The plan file (schema ``powerlib.plan.v1``): per stage, instructions in execution order.
+        Every instruction records its planned duration; a Kareus option also its predicted time
+        and energy, execution mode and partition settings.
 
         Args:
             point: The frontier point.
-            policy: Recorded in the file.
+            policy: Recorded in the plan.
             chosen: Per-instruction options overriding the point's (e.g. from
                 :meth:`within_slowdown`).
             metadata: Extra workload fields.
         """
         options = self.planned_options(point) if chosen is None else list(chosen)
-        stages = []
-        for stage in range(self.num_stages):
-            entries = []
-            for i in self.dag.stage_order(stage):
-                entry = {
-                    "kind": self.dag.instructions[i].kind,
-                    "microbatch": self.dag.instructions[i].microbatch,
-                    "chunk": self.dag.instructions[i].chunk,
-                    "freq_mhz": options[i].freq_mhz,
-                    "planned_time_s": point.durations[i] * self.unit_time_s,
-                }
-                if options[i].knob is not None:  # Kareus: execution mode and partition settings
-                    entry["predicted_time_s"] = options[i].time_s
-                    entry["predicted_energy_j"] = options[i].energy_j
-                    entry.update(options[i].knob.to_plan())
-                entries.append(entry)
-            stages.append({"stage": stage, "instructions": entries})
+        stages = tuple(
+            tuple(
+                _planned(
+                    self.dag.instructions[i], options[i], point.durations[i] * self.unit_time_s
+                )
+                for i in self.dag.stage_order(stage)
+            )
+            for stage in range(self.num_stages)
+        )
         base = self.baseline(point.time_s)
-        return {
-            "schema": PLAN_SCHEMA,
-            "workload": {
+        return FrequencyPlan(
+            stages=stages,
+            workload={
                 "num_stages": self.num_stages,
                 "num_microbatches": self.num_microbatches,
                 "schedule": self.schedule_name,
@@ -467,148 +315,34 @@ class Frontier:
                 "cost_model": self.cost_model,
                 **(metadata or {}),
             },
-            "policy": policy,
-            "iteration": point.iteration,
-            "time_s": point.time_s,
-            "energy_j": point.energy_j,
-            "effective_energy_j": point.effective_energy_j,
-            "baseline_energy_j": base.energy_j,
-            "saving": 1.0 - point.energy_j / base.energy_j,
-            "stages": stages,
-        }
+            summary={
+                "policy": policy,
+                "iteration": point.iteration,
+                "time_s": point.time_s,
+                "energy_j": point.energy_j,
+                "effective_energy_j": point.effective_energy_j,
+                "baseline_energy_j": base.energy_j,
+                "saving": 1.0 - point.energy_j / base.energy_j,
+            },
+            source="the plan",
+        )
 
 
-@dataclass(frozen=True, slots=True)
-class _Run:
-    time_s: float
-    energy_j: float
-    path: list[int]  # one realized critical path, in order
-    prev: list[int]  # same-stage predecessor (-1 for none)
-    penalized: list[bool]  # started at its predecessor's clock
-
-
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    """What a replay needs to know about the DAG; it does not change between replays."""
-
-    preds: list[list[int]]  # all predecessors of each node
-    prev: list[int]  # same-stage predecessor (-1 for none)
-    last: dict[int, int]  # a stage's first node -> its last node
-    topo: list[int]  # a topological order
-
-
-def _layout(dag: PipelineDAG) -> _Layout:
-    n = len(dag.instructions)
-    preds: list[list[int]] = [[] for _ in range(n)]
-    for u, v in dag.edges:
-        preds[v].append(u)
-    prev = [-1] * n
-    last: dict[int, int] = {}
-    for s in range(dag.num_stages):
-        order = dag.stage_order(s)
-        for a, b in zip(order, order[1:]):
-            prev[b] = a
-        if order:
-            last[order[0]] = order[-1]
-    return _Layout(preds, prev, last, _topological(n, dag.edges))
-
-
-def _replay(
-    frontier: Frontier,
-    chosen: Sequence[Option],
-    switch_latency_s: float,
-    layout: _Layout | None = None,
-) -> _Run:
-    """One iteration of per-instruction options on the measured profile (see ``realized``)."""
-    dag = frontier.dag
-    n = len(dag.instructions)
-    layout = layout or _layout(dag)
-    preds, prev, last, topo = layout.preds, layout.prev, layout.last, layout.topo
-    wrap_gap: dict[int, float] = {}  # first instruction -> idle time before it (from pass 1)
-    for pass_no in range(2 if switch_latency_s > 0 else 1):
-        finish = [0.0] * n
-        busy = [0.0] * n
-        energy = [0.0] * n
-        via = [-1] * n
-        penalized = [False] * n
-        for v in topo:
-            start = 0.0
-            for u in preds[v]:
-                if finish[u] > start:
-                    start, via[v] = finish[u], u
-            option = chosen[v]
-            duration, e = option.time_s, option.energy_j
-            if switch_latency_s > 0:
-                u = prev[v] if prev[v] >= 0 else last.get(v, -1)
-                if u >= 0 and chosen[u].freq_mhz != option.freq_mhz:
-                    gap = start - finish[u] if prev[v] >= 0 else wrap_gap.get(v, math.inf) + start
-                    slow_s = switch_latency_s - gap
-                    if slow_s > 0:
-                        penalized[v] = True
-                        # v's own work at u's clock
-                        old_t, old_e = _at_freq(frontier, dag.instructions[v], chosen[u].freq_mhz)
-                        work = slow_s / old_t
-                        if work >= 1.0:
-                            duration, e = old_t, old_e
-                        else:
-                            duration = slow_s + (1.0 - work) * option.time_s
-                            e = work * old_e + (1.0 - work) * option.energy_j
-            finish[v] = start + duration
-            busy[v] = duration
-            energy[v] = e
-        time_s = max(finish) if n else 0.0
-        if pass_no == 0:
-            wrap_gap = {first: time_s - finish[lst] for first, lst in last.items()}
-    total = sum(energy) + frontier.p_block_w * (time_s * dag.num_stages - sum(busy))
-    end = max(range(n), key=finish.__getitem__)
-    path = [end]
-    while via[path[-1]] >= 0:
-        path.append(via[path[-1]])
-    return _Run(time_s, total, path[::-1], prev, penalized)
-
-
-def _at_freq(frontier: Frontier, ins: Instruction, freq_mhz: float) -> tuple[float, float]:
-    """Measured (time, energy) of ``ins``'s kind at ``freq_mhz``.
-
-    Without a measurement: the slowest kept option at or above that clock (or the slowest).
-    """
-    key = (ins.stage, ins.kind)
-    got = frontier.measured.get(key, {}).get(freq_mhz)
-    if got is not None:
-        return got
-    options = frontier.options[key]
-    above = [o for o in options if o.freq_mhz >= freq_mhz]
-    o = min(above, key=lambda o: o.freq_mhz) if above else max(options, key=lambda o: o.time_s)
-    return o.time_s, o.energy_j
-
-
-def _topological(n: int, edges: Sequence[tuple[int, int]]) -> list[int]:
-    succs: list[list[int]] = [[] for _ in range(n)]
-    indegree = [0] * n
-    for u, v in edges:
-        succs[u].append(v)
-        indegree[v] += 1
-    ready = [i for i in range(n) if indegree[i] == 0]
-    out = []
-    while ready:
-        v = ready.pop()
-        out.append(v)
-        for w in succs[v]:
-            indegree[w] -= 1
-            if indegree[w] == 0:
-                ready.append(w)
-    return out
-
-
-def _critical_path_s(dag: PipelineDAG, times_s: Sequence[float]) -> float:
-    """Longest path through the instruction DAG with the given per-instruction times."""
-    preds: list[list[int]] = [[] for _ in dag.instructions]
-    for u, v in dag.edges:
-        preds[v].append(u)
-    finish = [0.0] * len(dag.instructions)
-    for v in _topological(len(finish), dag.edges):
-        finish[v] = max((finish[u] for u in preds[v]), default=0.0) + times_s[v]
-    return max(finish, default=0.0)
+def _planned(ins: Instruction, option: Option, planned_time_s: float) -> PlannedInstruction:
+    """One instruction of a plan; a Kareus option's knob gives its execution and settings."""
+    if option.knob is None:
+        return PlannedInstruction(ins, float(option.freq_mhz), planned_time_s=planned_time_s)
+    fields = option.knob.to_plan()
+    return PlannedInstruction(
+        ins,
+        float(option.freq_mhz),
+        execution=fields["execution"],
+        overlap={key: PartitionSetting(**entry) for key, entry in fields["overlap"].items()},
+        planned_time_s=planned_time_s,
+        predicted_time_s=float(option.time_s),
+        predicted_energy_j=float(option.energy_j),
+        option_source=fields.get("option_source"),
+    )
 
 
 def compute_frontier(

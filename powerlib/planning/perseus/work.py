@@ -1,0 +1,159 @@
+"""How much work a frontier walk is, estimated before it starts, and the limit it is held to.
+
+The walk (:func:`~powerlib.planning.perseus.frontier.compute_frontier`) takes one max-flow step
+per time quantum over every instruction; :func:`estimate_pipeline_work` predicts that product
+from the options alone (no DAG), and :class:`WorkEstimate` refuses a walk past the limit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from powerlib.errors import PlanError
+from powerlib.planning.pipeline import KINDS
+
+__all__ = [
+    "DEFAULT_MAX_WORK",
+    "WORK_HINT",
+    "WorkEstimate",
+    "check_quantum",
+    "estimate_pipeline_work",
+]
+
+#: The frontier walk's work limit, in instruction-steps (instructions x time quanta between the
+#: slowest and the fastest plan). Measured cost here: about 1e-5 s and 10 bytes per unit (GPT-3
+#: 175B, 8 stages, M = 96: 5.4e6 units, 54 s, 49 MB; benchmarks/planner.py), so the default
+#: admits about 8 minutes and 0.5 GB. ``--max-work`` / ``max_work=`` raises it.
+DEFAULT_MAX_WORK = 50_000_000
+_SECONDS_PER_UNIT = 1e-5
+_BYTES_PER_UNIT = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkEstimate:
+    """How much work a frontier walk is: one max-flow step per time quantum, over every node.
+
+    Attributes:
+        num_instructions: Nodes of the instruction DAG.
+        time_steps: Time quanta between the slowest plan's makespan and the fastest one's.
+    """
+
+    num_instructions: int
+    time_steps: int
+
+    @property
+    def work(self) -> int:
+        """Instruction-steps: what the limit is expressed in."""
+        return self.num_instructions * max(self.time_steps, 1)
+
+    @property
+    def time_s(self) -> float:
+        """Expected solve time on one core (measured rate, see :data:`DEFAULT_MAX_WORK`)."""
+        return self.work * _SECONDS_PER_UNIT
+
+    @property
+    def memory_bytes(self) -> float:
+        """Expected memory of the frontier's points."""
+        return self.work * _BYTES_PER_UNIT
+
+    def describe(self) -> str:
+        """One phrase: the counts, the product and the expected time and memory."""
+        return (
+            f"{self.num_instructions:,} instructions x {self.time_steps:,} time steps = "
+            f"{self.work:.3g} instruction-steps (about {_duration(self.time_s)} and "
+            f"{_size(self.memory_bytes)})"
+        )
+
+    def check(self, max_work: int | None, *, hint: str) -> None:
+        """Refuse work past ``max_work`` (``None``: no limit).
+
+        Raises:
+            PlanError: With the estimate, the limit and ``hint`` (how to raise the limit or
+                shrink the problem).
+        """
+        if max_work is not None and self.work > max_work:
+            raise PlanError(
+                f"the frontier is too much work: {self.describe()}, over the limit of "
+                f"{max_work:.3g}; {hint}"
+            )
+
+
+def _duration(time_s: float) -> str:
+    for unit, size in (("h", 3600.0), ("min", 60.0)):
+        if time_s >= size:
+            return f"{time_s / size:.3g} {unit}"
+    return f"{time_s:.2g} s"
+
+
+def _size(n_bytes: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n_bytes >= size:
+            return f"{n_bytes / size:.3g} {unit}"
+    return f"{n_bytes / 1e3:.3g} kB"
+
+
+#: How to get past the limit, in the words of the CLI (the library names ``max_work=``).
+WORK_HINT = (
+    "raise --max-work (max_work= from Python), or plan with a larger --unit-time-s or fewer "
+    "microbatches"
+)
+
+
+def check_quantum(unit_time_s: float, p_block_w: float = 0.0) -> None:
+    """Refuse a time quantum or blocking power the solver cannot use.
+
+    Raises:
+        PlanError: ``unit_time_s`` is not a positive number or ``p_block_w`` is negative.
+    """
+    if not (unit_time_s > 0 and math.isfinite(unit_time_s)):
+        raise PlanError(f"--unit-time-s must be a positive number of seconds, got {unit_time_s}")
+    if not (p_block_w >= 0 and math.isfinite(p_block_w)):
+        raise PlanError(f"--p-block-w must be a non-negative number of watts, got {p_block_w}")
+
+
+def estimate_pipeline_work(
+    option_points: Mapping[tuple[int, str], Sequence[tuple[float, float]]],
+    *,
+    num_stages: int,
+    num_microbatches: int,
+    num_chunks: int = 1,
+    unit_time_s: float,
+) -> WorkEstimate:
+    """Estimate the walk before any schedule is built (cheap: no DAG).
+
+    The walk runs from every instruction at its slowest useful option (the one with the least
+    energy: slower ones are dominated) to every one at its fastest. Each stage runs
+    ``num_microbatches`` forward+backward pairs per chunk, and an iteration lasts about
+    ``M + N - 1`` times the slowest stage's per-microbatch work (exact for balanced 1F1B and
+    GPipe). :func:`compute_frontier` checks the exact figure on the DAG afterwards.
+
+    Args:
+        option_points: Per ``(stage, kind)``, its options as ``(time_s, energy_j)`` (a profile's
+            :meth:`~powerlib.planning.profile.Profile.option_points`, or Kareus's composed
+            options).
+        num_stages: Pipeline stages N.
+        num_microbatches: Microbatches M.
+        num_chunks: Model chunks per stage.
+        unit_time_s: The time quantum τ.
+
+    Raises:
+        PlanError: ``unit_time_s`` is not a positive number.
+    """
+    check_quantum(unit_time_s)
+    fast_s: list[float] = [0.0]
+    slow_s: list[float] = [0.0]
+    per_mb = 2
+    for stage in range(num_stages):
+        present = [k for k in KINDS if option_points.get((stage, k))]
+        # A full backward where there is one, else its input and weight parts.
+        if "backward" in present:
+            present = [k for k in present if k in ("forward", "backward")]
+        per_mb = max(per_mb, len(present))
+        points = [option_points[stage, k] for k in present]
+        fast_s.append(num_chunks * math.fsum(min(t for t, _ in p) for p in points))
+        slow_s.append(num_chunks * math.fsum(min(p, key=lambda o: (o[1], o[0]))[0] for p in points))
+    steps = (num_microbatches + num_stages - 1) * (max(slow_s) - max(fast_s)) / unit_time_s
+    instructions = num_stages * num_microbatches * num_chunks * per_mb
+    return WorkEstimate(num_instructions=instructions, time_steps=int(min(max(steps, 0), 1e18)))
