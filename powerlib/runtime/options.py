@@ -10,6 +10,7 @@ takes the groups; :func:`optimize` (and ``Session(...)``) take every setting as 
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,14 +18,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from powerlib.config import Settings
+from powerlib.control import ControlSession
 from powerlib.device import Backend, Device
-from powerlib.errors import InvalidArgumentError
+from powerlib.errors import DeviceBusyError, InvalidArgumentError, PowerlibError
 from powerlib.runtime.coordination import Coordinator
 
 if TYPE_CHECKING:
     from powerlib.runtime.session import Session
 
-__all__ = ["MODES", "RunConfig", "optimize"]
+__all__ = ["MODES", "RunConfig", "claim_device", "optimize"]
+
+logger = logging.getLogger(__name__)
 
 MODES = ("auto", "profile", "plan", "apply")
 
@@ -111,6 +115,29 @@ class RunConfig:
             sync: Callable[[], None] = torch.cuda.synchronize
             return sync
         return lambda: None
+
+
+def claim_device(control: ControlSession, device: Device) -> None:
+    """Take the device's lock now, so a second session on it fails at its ``with`` line.
+
+    The lock comes with the first change the session journals; without this, that would
+    be the first clock change inside a hook, where a busy device can only degrade the
+    session (and another session's clocks would be reset under it). Resetting the SM
+    clocks is that first change: the baseline every mode starts from, restored at exit.
+    Only :class:`DeviceBusyError` is raised; a driver that refuses the reset is left to
+    the first clock change, which warns once and leaves training alone.
+
+    Raises:
+        DeviceBusyError: Another session, in this process or another, holds the device.
+    """
+    if not control.backend.persistent:
+        return  # nothing is journaled or locked (the emulator)
+    try:
+        control.reset_sm_clocks(device)
+    except DeviceBusyError:
+        raise
+    except PowerlibError as err:
+        logger.info("could not reset the clocks of %s at the start: %s", device, err)
 
 
 def optimize(

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,25 @@ class PlanSpec:
             raise PlanError(f"the v placement needs num_chunks=2, got {self.num_chunks}")
         if self.schedule != RECORDED:
             build_schedule(self.schedule, self.num_stages, self.num_microbatches, self.num_chunks)
+
+    def check_saved_plan(self, plan: FrequencyPlan, layout_given: Collection[str]) -> None:
+        """A saved plan must be for this workload (schedule, chunks, placement where given).
+
+        Args:
+            plan: The plan.
+            layout_given: Which of ``schedule``, ``num_chunks``, ``placement`` were stated
+                (the others are defaults, and a saved plan may have its own).
+
+        Raises:
+            PlanError: The plan was made for another workload.
+        """
+        plan.check_workload(
+            num_stages=self.num_stages,
+            num_microbatches=self.num_microbatches,
+            schedule=self.schedule if "schedule" in layout_given else None,
+            num_chunks=self.num_chunks if "num_chunks" in layout_given else None,
+            placement=self.placement if "placement" in layout_given else None,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,9 +11,8 @@
 
 Phases (``mode``):
 
-- ``profile``: warm-up, then a frequency sweep from high to low (``powerlib.profiling.sweep``);
-  every instruction's time (after a device sync) and energy (counter delta, or integrated power)
-  is recorded; rank 0 merges the ranks' profiles and writes ``profile.csv``; clocks are released.
+- ``profile``: warm-up, then a frequency sweep from high to low that records every instruction's
+  time and energy; rank 0 merges the ranks' profiles and writes ``profile.csv``.
 - ``plan``: rank 0 plans from a saved profile (``profile_path``), then the plan is applied.
 - ``apply``: a saved plan (``plan_path``) is applied.
 - ``auto`` (default): profile, plan, apply, in that order.
@@ -65,7 +64,7 @@ from typing import Any
 from powerlib.config import Settings
 from powerlib.control import ControlSession
 from powerlib.device import Backend, Device
-from powerlib.errors import DeviceBusyError, InvalidArgumentError, PlanError, PowerlibError
+from powerlib.errors import InvalidArgumentError, PlanError
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.profiling.sweep import ProfileRecorder
 from powerlib.progress import Progress
@@ -74,7 +73,7 @@ from powerlib.runtime.apply_phase import ApplyConfig, ApplyPhase, InstructionKey
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, default_coordinator
 from powerlib.runtime.launch_control import Overlap, plan_has_overlap
-from powerlib.runtime.options import MODES, RunConfig, optimize
+from powerlib.runtime.options import MODES, RunConfig, claim_device, optimize
 from powerlib.runtime.phases import (
     CLOSED,
     DONE,
@@ -290,7 +289,8 @@ class Session:
             )
         try:
             self._open_session()
-            self._claim_device()
+            assert self.control is not None and self.device is not None
+            claim_device(self.control, self.device)
         except BaseException:
             self._close()
             raise
@@ -350,29 +350,6 @@ class Session:
         # a bad plan or profile fails here, before any change
         self._await(coordinator.exchange(payload, self._plan_fn), strict=True)
 
-    def _claim_device(self) -> None:
-        """Take the device's lock now, so a second session on it fails at its ``with`` line.
-
-        The lock comes with the first change the session journals; without this, that would
-        be the first clock change inside a hook, where a busy device can only degrade the
-        session (and another session's clocks would be reset under it). Resetting the SM
-        clocks is that first change: the baseline every mode starts from, restored at exit.
-        Only :class:`DeviceBusyError` is raised; a driver that refuses the reset is left to
-        the first clock change, which warns once and leaves training alone.
-
-        Raises:
-            DeviceBusyError: Another session, in this process or another, holds the device.
-        """
-        assert self.control is not None and self.device is not None
-        if not self.control.backend.persistent:
-            return  # nothing is journaled or locked (the emulator)
-        try:
-            self.control.reset_sm_clocks(self.device)
-        except DeviceBusyError:
-            raise
-        except PowerlibError as err:
-            logger.info("could not reset the clocks of %s at the start: %s", self.device, err)
-
     def _refuse_outside(self, call: str) -> None:
         """Raise: a hook was called before ``__enter__`` or after ``__exit__``."""
         when = "before it was entered" if self.phase == NOT_STARTED else "after it ended"
@@ -425,7 +402,7 @@ class Session:
         self._layout_given |= set(given)
         if self.mode == "apply" and self.plan is not None:
             try:
-                self._check_workload(self.plan)
+                self.spec.check_saved_plan(self.plan, self._layout_given)
             except PlanError:
                 self.plan, self._applying = None, None  # nothing was applied
                 self._phase = Idle(DONE)
@@ -559,7 +536,7 @@ class Session:
         plan = result.plan
         try:
             if self.mode == "apply":
-                self._check_workload(plan)
+                self.spec.check_saved_plan(plan, self._layout_given)
             elif plan.num_stages != self.spec.num_stages:  # pragma: no cover - made for the job
                 raise PlanError(
                     f"{plan.source}: the plan has {plan.num_stages} stages, the session has "
@@ -587,17 +564,6 @@ class Session:
         self._phase = self._applying
         self.apply_started_iteration = self.iteration
         self._progress.say(f"applying the {plan.policy} plan from iteration {self.iteration}")
-
-    def _check_workload(self, plan: FrequencyPlan) -> None:
-        """A saved plan must be for this session's workload (the layout where it was given)."""
-        spec, given = self.spec, self._layout_given
-        plan.check_workload(
-            num_stages=spec.num_stages,
-            num_microbatches=spec.num_microbatches,
-            schedule=spec.schedule if "schedule" in given else None,
-            num_chunks=spec.num_chunks if "num_chunks" in given else None,
-            placement=spec.placement if "placement" in given else None,
-        )
 
     def _disable(self, reason: str, *, job_wide: bool = False) -> None:
         """Stop managing the device: clocks reset, one warning.
