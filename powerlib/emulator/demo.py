@@ -270,8 +270,11 @@ def simulate_plan(
 ) -> dict[str, Any]:
     """Replay a saved plan on the emulator and compare it with all maximum clocks.
 
-    The plan is applied the way a session applies it: each clock is requested when the previous
-    instruction ends and lands after the switch latency.
+    The plan is applied by the session's own apply phase
+    (:class:`~powerlib.runtime.apply_phase.ApplyPhase`, one per stage, over inline frequency
+    controllers on the emulated GPUs): each clock is requested when the previous instruction
+    ends and lands after the switch latency. The emulator runs the plan's own order, so the
+    first iteration's order check is skipped (it could not fail) and prefetching starts at once.
 
     Raises:
         PlanError: A malformed plan, or one that does not fit the profile: another number of
