@@ -8,6 +8,7 @@ backends and integrations import theirs lazily, when used.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from powerlib.config import Settings
 from powerlib.control import ControlSession, RestoreOutcome, restore_journals
@@ -35,6 +36,10 @@ from powerlib.errors import (
     UntrustedStateError,
 )
 from powerlib.registry import backend_names, open_backend, probe_backends
+
+if TYPE_CHECKING:  # loaded on first use (see __getattr__); typed and documented where defined
+    from powerlib.runtime.options import optimize
+    from powerlib.runtime.session import Session
 
 __version__ = "0.1.0"
 

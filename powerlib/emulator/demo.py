@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from powerlib.control import ControlSession
 from powerlib.emulator.engine import Emulator, IterationResult
 from powerlib.errors import BackendUnavailableError, InvalidArgumentError
 from powerlib.planning.perseus.frontier import DEFAULT_MAX_WORK, estimate_pipeline_work
@@ -27,6 +27,9 @@ from powerlib.planning.perseus.report import pyplot
 from powerlib.planning.pipeline import KIND_LETTERS, build_schedule
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile
+from powerlib.progress import Progress
+from powerlib.runtime.apply_phase import ApplyPhase
+from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import LocalGroup
 from powerlib.runtime.planning_step import auto_unit_time_s
 from powerlib.runtime.session import Session
@@ -81,11 +84,6 @@ class DemoConfig:
     progress: bool = True
 
 
-def _say(config: DemoConfig, message: str) -> None:
-    if config.progress:
-        print(f"powerlib: {message}", file=sys.stderr, flush=True)
-
-
 def _mean(results: list[IterationResult]) -> tuple[float, float]:
     return (
         statistics.fmean(r.time_s for r in results),
@@ -101,6 +99,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         PlanError: A bad profile.
     """
     started = time.perf_counter()
+    progress = Progress(config.progress)
     if config.straggler is not None and not config.straggler >= 1.0:
         raise InvalidArgumentError(
             f"--straggler must be >= 1 (a slowdown factor), got {config.straggler}"
@@ -136,8 +135,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         if config.profile_path is None
         else "Emulated GPU",
     )
-    _say(
-        config,
+    progress.say(
         f"emulating {num_stages} stages x {config.num_microbatches} microbatches ({config.schedule}) "
         f"from {profile.source}; baseline at maximum clock",
     )
@@ -148,8 +146,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         deadline_s = config.straggler * base_makespan
         emulator.straggler_time_s = deadline_s
         baseline_runs = [emulator.run_iteration()]
-        _say(
-            config,
+        progress.say(
             f"a straggler pipeline holds every iteration to {deadline_s:.4f} s ({config.straggler:g}x)",
         )
     base_time, base_energy = _mean(baseline_runs[-1:])
@@ -181,7 +178,9 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         for session in sessions:
             stack.enter_context(session)
-        cap = sessions[0]._sweep.config.max_iterations + config.apply_iterations + 5  # type: ignore[union-attr]
+        profiling = sessions[0].profiling
+        assert profiling is not None  # auto mode profiles first
+        cap = profiling.sweep.config.max_iterations + config.apply_iterations + 5
         for _ in range(cap):
             result = emulator.run_iteration(sessions)
             if all(p == "apply" for p in result.phases):
@@ -254,7 +253,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
                 )
                 outputs["timeline.png"] = str(out_dir / "timeline.png")
             except BackendUnavailableError as err:
-                _say(config, f"no pictures: {err}")
+                progress.say(f"no pictures: {err}")
         report["outputs"] = outputs
     report["elapsed_s"] = time.perf_counter() - started
     return report
@@ -271,8 +270,11 @@ def simulate_plan(
 ) -> dict[str, Any]:
     """Replay a saved plan on the emulator and compare it with all maximum clocks.
 
-    The plan is applied the way a session applies it: each clock is requested when the previous
-    instruction ends and lands after the switch latency.
+    The plan is applied by the session's own apply phase
+    (:class:`~powerlib.runtime.apply_phase.ApplyPhase`, one per stage, over inline frequency
+    controllers on the emulated GPUs): each clock is requested when the previous instruction
+    ends and lands after the switch latency. The emulator runs the plan's own order, so the
+    first iteration's order check is skipped (it could not fail) and prefetching starts at once.
 
     Raises:
         PlanError: A malformed plan, or one that does not fit the profile: another number of
@@ -302,12 +304,21 @@ def simulate_plan(
     base = [emulator.run_iteration() for _ in range(2)][-1]
     for s in range(plan.num_stages):
         plan.check_frequencies(emulator.devices[s].info.supported_sm_freqs_mhz, s)
-    hooks = [_PlanHooks(emulator, s, plan) for s in range(plan.num_stages)]
-    runs = [emulator.run_iteration(hooks) for _ in range(iterations + 1)][1:]
+    # The session's own apply phase, one per stage, over inline controllers on the emulated GPUs.
+    # The emulator runs the plan's own order, so there is no order to check: every clock is
+    # prefetched from the first instruction on.
+    with ControlSession(emulator.backend) as control:
+        phases = [
+            ApplyPhase(
+                plan,
+                s,
+                FrequencyController(control, device, threaded=False, clock=emulator.clock),
+                check_order=False,
+            )
+            for s, device in enumerate(emulator.devices)
+        ]
+        runs = [emulator.run_iteration(phases) for _ in range(iterations + 1)][1:]
     emulator.unlock_all()
-    mismatches = [h.mismatch for h in hooks if h.mismatch]
-    if mismatches:
-        raise PlanError(f"{plan_path}: {mismatches[0]}")
     time_s, energy_j = _mean(runs)
     return {
         "schema": "powerlib.simulate.v1",
@@ -319,55 +330,6 @@ def simulate_plan(
         "slowdown_percent": 100.0 * (time_s / base.time_s - 1.0),
         "planned": {k: plan.summary.get(k) for k in ("policy", "time_s", "energy_j", "saving")},
     }
-
-
-class _PlanHooks:
-    """Replays one stage of a plan as a session applies it.
-
-    Each instruction's clock is requested when the previous one ends (and again at its begin),
-    and the order is checked.
-    """
-
-    phase = "apply"
-
-    def __init__(self, emulator: Emulator, stage: int, plan: FrequencyPlan) -> None:
-        self._device = emulator.devices[stage]
-        self._planned = plan.stage(stage)
-        self._pos = 0
-        self.mismatch = ""
-
-    def begin(self, kind: str, microbatch: int, chunk: int) -> None:
-        if self._pos < len(self._planned):
-            p = self._planned[self._pos]
-            ins = p.instruction
-            if (ins.kind, ins.microbatch, ins.chunk) != (
-                kind,
-                microbatch,
-                chunk,
-            ) and not self.mismatch:
-                self.mismatch = (
-                    f"stage {ins.stage} position {self._pos}: the plan has {ins}, the schedule runs "
-                    f"{kind} mb{microbatch}"
-                )
-            if self._device.read_state().locked_sm_freqs_mhz != (p.freq_mhz, p.freq_mhz):
-                self._device.lock_sm_clocks(p.freq_mhz)
-        self._pos += 1
-
-    def end(self) -> None:
-        # as the session does: ask for the next instruction's clock when one ends
-        if self._planned and not self.mismatch:
-            nxt = self._planned[self._pos] if self._pos < len(self._planned) else self._planned[0]
-            self._device.lock_sm_clocks(nxt.freq_mhz)
-
-    def step(self) -> None:
-        if self._pos != len(self._planned) and not self.mismatch:
-            self.mismatch = (
-                f"the plan has {len(self._planned)} instructions, the schedule ran {self._pos}"
-            )
-        self._pos = 0
-
-    def start_iteration(self) -> None:
-        return None
 
 
 def write_timeline(result: IterationResult, path: str | Path, *, title: str = "") -> None:

@@ -12,10 +12,12 @@
   the last instruction finishes, or at ``straggler_time_s`` if a slower data-parallel pipeline
   holds the gradient synchronisation until then (perseus.md §1.5: extrinsic bloat).
 
-When sessions are given (one per stage), every instruction is bracketed by the session's
-``begin``/``end`` hooks at its virtual start and end time, and ``step`` runs at the iteration
-end, exactly as a training loop would call them; before an iteration the emulator calls
-``start_iteration`` on every session (twice, so that what the ranks agreed resolves for all).
+When hooks are given (one :class:`IterationHooks` per stage: a session, or the session's
+:class:`~powerlib.runtime.apply_phase.ApplyPhase` alone, as ``powerlib simulate`` gives), every
+instruction is bracketed by ``begin``/``end`` at its virtual start and end time, and ``step``
+runs at the iteration end, exactly as a training loop would call them; before an iteration the
+emulator calls ``start_iteration`` on every stage (twice, so that what the ranks agreed resolves
+for all).
 
 With no switch latency, no noise and an exact counter, a frequency plan realizes exactly the
 time and energy that :meth:`Frontier.realized <powerlib.planning.perseus.frontier.Frontier.realized>`
@@ -26,13 +28,44 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from powerlib.emulator.device import EmulatedBackend, EmulatedDevice, VirtualTime
 from powerlib.planning.pipeline import Instruction, Schedule, build_dag
 from powerlib.planning.profile import Profile
 
-__all__ = ["Emulator", "ExecutedInstruction", "IterationResult", "tables_from_profile"]
+__all__ = [
+    "Emulator",
+    "ExecutedInstruction",
+    "IterationHooks",
+    "IterationResult",
+    "tables_from_profile",
+]
+
+
+class IterationHooks(Protocol):
+    """What the emulator calls for one stage, as a training loop calls a session."""
+
+    @property
+    def phase(self) -> str:
+        """What the stage is doing (recorded in :attr:`IterationResult.phases`)."""
+        ...
+
+    def begin(self, kind: str, microbatch: int, chunk: int) -> None:
+        """An instruction starts."""
+        ...
+
+    def end(self) -> None:
+        """The instruction begun last ends."""
+        ...
+
+    def step(self) -> None:
+        """The iteration ended."""
+        ...
+
+    def start_iteration(self) -> None:
+        """The next iteration is about to start."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +182,7 @@ class Emulator:
         """Pipeline stages (= devices)."""
         return self.dag.num_stages
 
-    def run_iteration(self, sessions: Sequence[Any] | None = None) -> IterationResult:
+    def run_iteration(self, sessions: Sequence[IterationHooks] | None = None) -> IterationResult:
         """Run one iteration (through ``sessions``' hooks when given)."""
         start = self.clock.now_s
         n = len(self.dag.instructions)

@@ -1,20 +1,28 @@
 """The runtime: a session around the training loop (profile -> plan -> apply -> restore)."""
 
+from powerlib.runtime.apply_phase import ApplyConfig, ApplyPhase
 from powerlib.runtime.controller import AppliedChange, FrequencyController
 from powerlib.runtime.coordination import LocalGroup, SingleProcess, TorchDistributed
 from powerlib.runtime.launch_control import LaunchRecord, Overlap, OverlapSchedule, SMGroups
+from powerlib.runtime.options import MODES, RunConfig, optimize
 from powerlib.runtime.planning_step import PlanSpec, make_plan
-from powerlib.runtime.session import MODES, Session, optimize
+from powerlib.runtime.profile_phase import ProfileConfig, ProfilePhase
+from powerlib.runtime.session import Session
 
 __all__ = [
     "MODES",
     "AppliedChange",
+    "ApplyConfig",
+    "ApplyPhase",
     "FrequencyController",
     "LaunchRecord",
     "LocalGroup",
     "Overlap",
     "OverlapSchedule",
     "PlanSpec",
+    "ProfileConfig",
+    "ProfilePhase",
+    "RunConfig",
     "SMGroups",
     "Session",
     "SingleProcess",

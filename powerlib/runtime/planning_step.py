@@ -18,9 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile, ProfileRow
 from powerlib.profiling.meter import energy_error
 from powerlib.profiling.sweep import aggregate_stage_rows
+from powerlib.progress import Progress
 
 __all__ = [
     "MAX_ENERGY_ERROR",
@@ -130,6 +130,25 @@ class PlanSpec:
         if self.schedule != RECORDED:
             build_schedule(self.schedule, self.num_stages, self.num_microbatches, self.num_chunks)
 
+    def check_saved_plan(self, plan: FrequencyPlan, layout_given: Collection[str]) -> None:
+        """A saved plan must be for this workload (schedule, chunks, placement where given).
+
+        Args:
+            plan: The plan.
+            layout_given: Which of ``schedule``, ``num_chunks``, ``placement`` were stated
+                (the others are defaults, and a saved plan may have its own).
+
+        Raises:
+            PlanError: The plan was made for another workload.
+        """
+        plan.check_workload(
+            num_stages=self.num_stages,
+            num_microbatches=self.num_microbatches,
+            schedule=self.schedule if "schedule" in layout_given else None,
+            num_chunks=self.num_chunks if "num_chunks" in layout_given else None,
+            placement=self.placement if "placement" in layout_given else None,
+        )
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanningOutcome:
@@ -180,11 +199,6 @@ def auto_unit_time_s(profile: Profile) -> float:
     """
     shortest = min(r.time_s for r in profile.rows)
     return 10.0 ** math.floor(math.log10(shortest / 20.0))
-
-
-def _say(spec: PlanSpec, message: str) -> None:
-    if spec.progress:
-        print(f"powerlib: {message}", file=sys.stderr, flush=True)
 
 
 GATHERED = "the gathered profile"
@@ -293,7 +307,7 @@ def write_profile(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOut
     if spec.out_dir is not None and rows:
         spec.out_dir.mkdir(parents=True, exist_ok=True)
         Profile(rows, source=GATHERED).write_csv(spec.out_dir / "profile.csv")
-        _say(spec, f"profile written to {spec.out_dir / 'profile.csv'}")
+        Progress(spec.progress).say(f"profile written to {spec.out_dir / 'profile.csv'}")
     return PlanningOutcome(profile_only=True, p_block_w=p_block_w)
 
 
@@ -339,14 +353,15 @@ def _schedule_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> tuple[Sched
             raise PlanError(
                 f"the recorded order is not a pipeline the planner models: {err}"
             ) from None
-        _say(
-            spec,
+        Progress(spec.progress).say(
             f"the recorded order is not a pipeline the planner models ({err}); "
             f"planning on the {spec.schedule} order",
         )
         return generated, "generated"
     if generated is not None and recorded != generated:
-        _say(spec, f"the recorded instruction order differs from {spec.schedule}'s; planning on it")
+        Progress(spec.progress).say(
+            f"the recorded instruction order differs from {spec.schedule}'s; planning on it"
+        )
     return recorded, "recorded"
 
 
@@ -391,8 +406,7 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome
         p_block_w = sum(measured_p_block) / len(measured_p_block)
     elif idle := [p["idle_power_w"] for p in payloads if p.get("idle_power_w")]:
         p_block_w = sum(idle) / len(idle)
-        _say(
-            spec,
+        Progress(spec.progress).say(
             f"no usable gaps between instructions for P_block; using the devices' power before "
             f"the session, {p_block_w:.1f} W (pass p_block_w to set it)",
         )
@@ -404,8 +418,7 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome
     schedule, order_source = _schedule_for(spec, payloads)
     num_microbatches = 1 + max(ins.microbatch for order in schedule for ins in order)
     num_chunks = 1 + max(ins.chunk for order in schedule for ins in order)
-    _say(
-        spec,
+    Progress(spec.progress).say(
         f"planning {spec.num_stages} stages x {num_microbatches} microbatches "
         f"({spec.schedule}, {order_source} order), P_block {p_block_w:.2f} W, "
         f"tau {unit_time_s * 1e3:g} ms",
@@ -450,8 +463,7 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome
             "order_source": order_source,
         },
     )
-    _say(
-        spec,
+    Progress(spec.progress).say(
         f"frontier of {len(frontier.points)} points in {solve_s:.1f} s; {spec.policy} plan saves "
         f"{info['realized']['saving_percent'] or 0.0:.2f} % at "
         f"{info['realized']['slowdown_percent']:+.3f} % "
@@ -465,8 +477,7 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome
         if objection is None:  # a refused plan is not left where `mode="apply"` could pick it up
             plan.write(out / "plan.json")
         (out / "summary.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
-        _say(
-            spec,
+        Progress(spec.progress).say(
             f"profile, frontier, {'plan and ' if objection is None else ''}summary written to "
             f"{out}/",
         )
@@ -474,7 +485,7 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome
             try:
                 plot_frontier(frontier, choice.point, out / "frontier.png")
             except BackendUnavailableError as err:
-                _say(spec, f"no frontier.png: {err}")
+                Progress(spec.progress).say(f"no frontier.png: {err}")
     if objection is not None:
         return PlanningOutcome(baseline_reason=objection, summary=info, p_block_w=p_block_w)
     return PlanningOutcome(plan=plan, summary=info, p_block_w=p_block_w)

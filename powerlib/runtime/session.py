@@ -11,17 +11,19 @@
 
 Phases (``mode``):
 
-- ``profile``: warm-up, then a frequency sweep from high to low (``powerlib.profiling.sweep``);
-  every instruction's time (after a device sync) and energy (counter delta, or integrated power)
-  is recorded; rank 0 merges the ranks' profiles and writes ``profile.csv``; clocks are released.
+- ``profile``: warm-up, then a frequency sweep from high to low that records every instruction's
+  time and energy; rank 0 merges the ranks' profiles and writes ``profile.csv``.
 - ``plan``: rank 0 plans from a saved profile (``profile_path``), then the plan is applied.
 - ``apply``: a saved plan (``plan_path``) is applied.
 - ``auto`` (default): profile, plan, apply, in that order.
 
-In the apply phase the begin hook hands the planned frequency of the instruction to a per-device
-:class:`~powerlib.runtime.controller.FrequencyController` and returns; the first applied
-iteration is checked against the plan's instruction order, and a mismatch warns once, resets the
-clocks and leaves training alone. Every change goes through a
+The session owns the lifecycle (the ``with`` block, the device, its lock, the control session,
+the coordinator) and hands its hooks to the phase that runs: a
+:class:`~powerlib.runtime.profile_phase.ProfilePhase` while it profiles, then an
+:class:`~powerlib.runtime.apply_phase.ApplyPhase`, whose begin hook hands the planned frequency
+of the instruction to a per-device :class:`~powerlib.runtime.controller.FrequencyController` and
+returns; the first applied iteration is checked against the plan's instruction order, and a
+mismatch warns once, resets the clocks and leaves training alone. Every change goes through a
 :class:`~powerlib.control.ControlSession`, so it is journaled first and restored on every exit
 path (normal exit, exception, SIGTERM/SIGHUP, atexit; a killed process by the next session or
 ``powerlib restore``).
@@ -50,8 +52,8 @@ follow the plan sends every partition down the default path, whatever the clocks
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -62,121 +64,40 @@ from typing import Any
 from powerlib.config import Settings
 from powerlib.control import ControlSession
 from powerlib.device import Backend, Device
-from powerlib.errors import DeviceBusyError, InvalidArgumentError, PlanError, PowerlibError
-from powerlib.planning.pipeline import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from powerlib.errors import InvalidArgumentError, PlanError
 from powerlib.planning.plan import FrequencyPlan
-from powerlib.profiling.meter import EnergyMeter
-from powerlib.profiling.sweep import FrequencySweep, ProfileRecorder, SweepConfig
+from powerlib.profiling.sweep import ProfileRecorder
+from powerlib.progress import Progress
 from powerlib.registry import open_backend
+from powerlib.runtime.apply_phase import ApplyConfig, ApplyPhase, InstructionKey
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, default_coordinator
 from powerlib.runtime.launch_control import Overlap, plan_has_overlap
-from powerlib.runtime.planning_step import (
-    PlanningOutcome,
-    PlanSpec,
-    make_plan,
-    rows_to_payload,
-    write_profile,
+from powerlib.runtime.options import MODES, RunConfig, claim_device, optimize
+from powerlib.runtime.phases import (
+    CLOSED,
+    DONE,
+    NOT_STARTED,
+    Idle,
+    Phase,
+    Waiting,
+    instruction_kind,
 )
+from powerlib.runtime.planning_step import PlanningOutcome, PlanSpec, make_plan, write_profile
+from powerlib.runtime.profile_phase import ProfileConfig, ProfilePhase
 
-__all__ = ["MODES", "Session", "optimize"]
+__all__ = ["MODES", "ApplyConfig", "ProfileConfig", "RunConfig", "Session", "optimize"]
 
 logger = logging.getLogger(__name__)
 
-MODES = ("auto", "profile", "plan", "apply")
-
-_KINDS = {
-    FORWARD: FORWARD,
-    BACKWARD: BACKWARD,
-    BACKWARD_INPUT: BACKWARD_INPUT,
-    BACKWARD_WEIGHT: BACKWARD_WEIGHT,
-    "F": FORWARD,
-    "B": BACKWARD,
-    "I": BACKWARD_INPUT,
-    "W": BACKWARD_WEIGHT,
-    "f": FORWARD,
-    "b": BACKWARD,
-    "i": BACKWARD_INPUT,
-    "w": BACKWARD_WEIGHT,
-    "fwd": FORWARD,
-    "bwd": BACKWARD,
-}
-
-# phases
-_NOT_STARTED = "not started"
-_PROFILE = "profile"
-_AWAIT = "awaiting-plan"
-_APPLY = "apply"
-_DONE = "done"  # nothing more to do (profile mode finished, or disabled after a problem)
-_CLOSED = "closed"
-
-
-def _kind(kind: str) -> str:
-    try:
-        return _KINDS[kind]
-    except (KeyError, TypeError):
-        raise InvalidArgumentError(
-            "instruction kind must be forward, backward, backward_input or backward_weight "
-            f"(or F/B/I/W), got {kind!r}"
-        ) from None
-
-
-def _default_sync() -> Callable[[], None]:
-    """``torch.cuda.synchronize`` when torch is already imported and CUDA is initialised."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.synchronize
-    return lambda: None
+_LAYOUT = ("schedule", "num_chunks", "placement")
 
 
 class Session:
     """Profile -> plan -> apply around a training loop. Use :func:`optimize` to make one.
 
-    Args:
-        num_stages: Pipeline stages of the job.
-        num_microbatches: Microbatches per iteration.
-        mode: ``auto``, ``profile``, ``plan`` or ``apply``.
-        stage: This rank's pipeline stage; default: the rank, when there is one rank per stage.
-        schedule: ``1f1b`` (default), ``gpipe``, ``interleaved``, or ``recorded`` (plan only on
-            the order the hooks record while profiling: zero-bubble and V schedules).
-        num_chunks: Model chunks per stage (interleaved, V schedules); default 1.
-        placement: ``looped`` (default) or ``v``: which model pieces a stage's chunks hold (see
-            :mod:`powerlib.planning.pipeline`). Integrations set schedule, chunks and placement
-            through :meth:`set_layout` when they know them. A saved plan (``apply`` mode) is
-            checked against the ones given here or through :meth:`set_layout`.
-        backend: A :class:`Backend`, a backend name, or ``None`` (``POWERLIB_BACKEND``).
-        device: The device (index, id or :class:`Device`); default ``LOCAL_RANK`` or 0.
-        policy: ``fastest`` (no slowdown), ``deadline`` or ``min-energy``.
-        deadline_s: Straggler iteration time T′ for ``deadline``.
-        deadline_ratio: T′ as a multiple of the all-max iteration time.
-        argmin: The paper's emulation rule for ``deadline``.
-        max_slowdown: Realized-slowdown guard for ``fastest`` and ``deadline`` (fraction;
-            default 0.1 %).
-        switch_latency_s: Clock-change latency the guard plans for (default 5 ms).
-        p_block_w: Blocking power; default: measured between instructions while profiling.
-        unit_time_s: Planner time unit; default: from the profile.
-        profile_path: The profile to plan from (``plan`` mode).
-        plan_path: The plan to apply (``apply`` mode).
-        out_dir: Where rank 0 writes profile, frontier, plan and summary; ``None``: nowhere.
-        freqs_mhz: Profile candidates; default: every supported clock from the top down.
-        warmup_iterations: Discarded iterations at the highest frequency.
-        settle_iterations: Discarded iterations after each clock change.
-        iterations_per_freq: Measured iterations per frequency.
-        stop_after_rises: Stop the sweep after this many frequencies of rising energy.
-        coordinator: How ranks agree; default ``torch.distributed`` if initialised, else alone.
-        clock: Time source in seconds; default ``time.perf_counter``.
-        sync: Waits for the device before a time is read; default ``torch.cuda.synchronize``
-            when CUDA is in use, else nothing.
-        threaded: Apply frequencies on a controller thread (default) or inline (emulator).
-        progress: Print progress to stderr; default on rank 0 only.
-        guardian: Start the watchdog process that restores the device if this process is killed.
-        prefetch: In the apply phase, request the next instruction's clock when one ends, so the
-            switch overlaps the wait between instructions (after the order check).
-        plot: Rank 0 also draws ``frontier.png`` in ``out_dir`` (``plot`` extra).
-        overlap_groups: For overlap plans on NCCL: the global ranks of every group the overlapped
-            collectives run on (every tensor/context-parallel group of the job, the same lists on
-            every rank); default: the whole world. See :mod:`powerlib.runtime.launch_control`.
-        settings: Settings; default from the environment.
+    The keywords are :func:`optimize`'s (documented there); :meth:`from_config` takes the same
+    settings as configuration objects.
     """
 
     def __init__(
@@ -218,36 +139,22 @@ class Session:
         overlap_groups: Sequence[Sequence[int]] | None = None,
         settings: Settings | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if mode == "plan" and profile_path is None:
-            raise InvalidArgumentError("mode 'plan' needs profile_path (a saved profile)")
-        if mode == "apply" and plan_path is None:
-            raise InvalidArgumentError("mode 'apply' needs plan_path (a saved plan)")
-        self.mode = mode
-        self._coordinator = coordinator
-        self._settings = settings
-        self._backend_arg = backend
-        self._device_arg = device
-        self._stage_arg = stage
-        self._profile_path = profile_path
-        self._plan_path = plan_path
-        self._clock = clock or time.perf_counter
-        self._sync_arg = sync
-        self._threaded = threaded
-        self._progress_arg = progress
-        self._guardian = guardian
-        self._prefetch = prefetch
-        self._sweep_args = {
-            "warmup_iterations": warmup_iterations,
-            "settle_iterations": settle_iterations,
-            "iterations_per_freq": iterations_per_freq,
-            "stop_after_rises": stop_after_rises,
-        }
-        self._freqs_arg = freqs_mhz
-        layout = {"schedule": schedule, "num_chunks": num_chunks, "placement": placement}
-        self._layout_given = {name for name, value in layout.items() if value is not None}
-        self.spec = PlanSpec(
+        run = RunConfig(
+            mode=mode,
+            stage=stage,
+            backend=backend,
+            device=device,
+            profile_path=profile_path,
+            plan_path=plan_path,
+            coordinator=coordinator,
+            clock=clock,
+            sync=sync,
+            progress=progress,
+            guardian=guardian,
+            overlap_groups=overlap_groups,
+            settings=settings,
+        )
+        spec = PlanSpec(
             num_stages=num_stages,
             num_microbatches=num_microbatches,
             schedule="1f1b" if schedule is None else schedule,
@@ -264,58 +171,126 @@ class Session:
             out_dir=None if out_dir is None else Path(out_dir),
             plot=plot,
         )
-        SweepConfig(freqs_mhz=freqs_mhz or (1.0,), **self._sweep_args)  # validate early
-        # set up in __enter__
+        profile = ProfileConfig(
+            freqs_mhz=None if freqs_mhz is None else tuple(freqs_mhz),
+            warmup_iterations=warmup_iterations,
+            settle_iterations=settle_iterations,
+            iterations_per_freq=iterations_per_freq,
+            stop_after_rises=stop_after_rises,
+        )
+        layout = {"schedule": schedule, "num_chunks": num_chunks, "placement": placement}
+        self._setup(
+            spec,
+            profile,
+            ApplyConfig(prefetch=prefetch, threaded=threaded),
+            run,
+            layout_given={name for name, value in layout.items() if value is not None},
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        spec: PlanSpec,
+        *,
+        profile: ProfileConfig | None = None,
+        apply: ApplyConfig | None = None,
+        run: RunConfig | None = None,
+    ) -> Session:
+        """A session from configuration objects instead of :func:`optimize`'s flat keywords.
+
+        Args:
+            spec: The workload and the planning choices. Its layout (schedule, chunks,
+                placement) counts as given: a saved plan must match it.
+            profile: How to profile; default: :class:`ProfileConfig`'s defaults.
+            apply: How to apply a plan; default: :class:`ApplyConfig`'s defaults.
+            run: How the session runs (mode, device, ranks); default: :class:`RunConfig`'s.
+        """
+        session = cls.__new__(cls)
+        session._setup(
+            spec,
+            profile or ProfileConfig(),
+            apply or ApplyConfig(),
+            run or RunConfig(),
+            layout_given=set(_LAYOUT),
+        )
+        return session
+
+    def _setup(
+        self,
+        spec: PlanSpec,
+        profile: ProfileConfig,
+        apply: ApplyConfig,
+        run: RunConfig,
+        *,
+        layout_given: set[str],
+    ) -> None:
+        """Every attribute, in one place (what ``__enter__`` opens starts as ``None``)."""
+        self.mode = run.mode
+        self.spec = spec
+        self.profile_config = profile
+        self.apply_config = apply
+        self.run_config = run
+        self._layout_given = layout_given
+        self._coordinator = run.coordinator
+        self._clock = run.clock or time.perf_counter
+        # what __enter__ opens
         self.stage = -1
+        self.rank = 0
         self.device: Device | None = None
         self.control: ControlSession | None = None
         self.controller: FrequencyController | None = None
-        self.plan: FrequencyPlan | None = None
-        self.phase = _NOT_STARTED
-        self._active = False  # inside the with block (the hooks refuse to run otherwise)
-        self.rank = 0
-        self.iteration = 0
-        self.recorder = ProfileRecorder()
-        self._sample_counts: dict[tuple[str, float], int] = {}
         self._own_backend: Backend | None = None
-        self._idle_power_w: float | None = None
-        self._meter: EnergyMeter | None = None
-        self._sweep: FrequencySweep | None = None
         self._sync: Callable[[], None] = lambda: None
-        self._pos = 0
-        self._started = False
-        self._open: tuple[str, float, float] | None = None
-        self._last_end: tuple[float, float] | None = None
-        self._iter_energy = 0.0
-        self._vote: Future | None = None
+        self._progress = Progress(False)
+        # what the phases did
+        self._phase: Phase = Idle(NOT_STARTED)
+        self._profiling: ProfilePhase | None = None
+        self._applying: ApplyPhase | None = None
         self._plan_future: Future | None = None
-        self._locked: float | None = None
-        self._freqs: dict[tuple[int, int, int, str], float] = {}
-        self._expected: list[tuple[int, int, int, str]] = []
-        self._checking = False
+        self._active = False  # inside the with block (the hooks refuse to run otherwise)
+        self._started = False  # start_iteration ran for the current iteration
         self._warned = False
-        self.first_apply_requests: list[tuple[tuple[int, int, int, str], float]] = []
-        self._order_now: list[tuple[int, int, str]] = []
-        self._recorded_order: list[tuple[int, int, str]] = []
+        self.iteration = 0
+        self.plan: FrequencyPlan | None = None
         self.apply_started_iteration: int | None = None
         self.outcome: PlanningOutcome | None = None
         """What rank 0 sent at the end of profiling (plan, planner summary, or why none)."""
-        self._overlap_groups = overlap_groups
         self.overlap = Overlap()
         """Overlap plans' runtime (:mod:`powerlib.runtime.launch_control`); inactive without one."""
+
+    @property
+    def phase(self) -> str:
+        """``not started``, ``profile``, ``awaiting-plan``, ``apply``, ``done`` or ``closed``."""
+        return self._phase.phase
+
+    @property
+    def profiling(self) -> ProfilePhase | None:
+        """The profile phase (its sweep and recorder), once the session profiles."""
+        return self._profiling
+
+    @property
+    def recorder(self) -> ProfileRecorder:
+        """What profiling recorded (empty when the session did not profile)."""
+        return self._profiling.recorder if self._profiling is not None else ProfileRecorder()
+
+    @property
+    def first_apply_requests(self) -> list[tuple[InstructionKey, float]]:
+        """Every clock the first (checked) applied iteration requested, in order."""
+        return self._applying.first_requests if self._applying is not None else []
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def __enter__(self) -> Session:
-        if self.phase is not _NOT_STARTED:
+        if self.phase != NOT_STARTED:
             raise InvalidArgumentError(
                 "this session was already entered"
-                + (" and has ended" if self.phase is _CLOSED else " and is running")
+                + (" and has ended" if self.phase == CLOSED else " and is running")
                 + "; a session is entered once: make a new one with powerlib.optimize(...)"
             )
         try:
             self._open_session()
-            self._claim_device()
+            assert self.control is not None and self.device is not None
+            claim_device(self.control, self.device)
         except BaseException:
             self._close()
             raise
@@ -331,97 +306,53 @@ class Session:
         self._close()
 
     def _open_session(self) -> None:
-        settings = self._settings or Settings.from_env()
+        run = self.run_config
+        settings = run.settings or Settings.from_env()
         coordinator = self._coordinator or default_coordinator()
         self._coordinator = coordinator
         self.rank = coordinator.rank
-        if self._stage_arg is None:
-            if coordinator.world_size != self.spec.num_stages:
-                raise InvalidArgumentError(
-                    f"{coordinator.world_size} rank(s) but {self.spec.num_stages} stage(s): "
-                    "pass stage= (this rank's pipeline stage)"
-                )
-            self.stage = coordinator.rank
-        else:
-            self.stage = self._stage_arg
-        if not 0 <= self.stage < self.spec.num_stages:
-            raise InvalidArgumentError(
-                f"stage {self.stage} is out of range for {self.spec.num_stages} stage(s)"
-            )
-        self._progress = self.rank == 0 if self._progress_arg is None else self._progress_arg
-        backend = self._backend_arg
+        self.stage = run.resolve_stage(coordinator, self.spec.num_stages)
+        self._progress = Progress(self.rank == 0 if run.progress is None else run.progress)
+        backend = run.backend
         if not isinstance(backend, Backend):
             backend = open_backend(backend, settings)
             self._own_backend = backend
-        if isinstance(self._device_arg, Device):
-            self.device = self._device_arg
-        else:
-            selector = self._device_arg
-            if selector is None:
-                selector = settings.local_rank or 0
-            self.device = backend.device(selector)
-        self._idle_power_w = self.device.read_state().power_w  # before any change
-        self.control = ControlSession(backend, guardian=self._guardian).start()
-        self.controller = FrequencyController(
-            self.control, self.device, threaded=self._threaded, clock=self._clock
+        self.device = device = (
+            run.device if isinstance(run.device, Device) else backend.device(run.selector(settings))
         )
-        self._sync = self._sync_arg or _default_sync()
+        idle_power_w = device.read_state().power_w  # before any change
+        self.control = control = ControlSession(backend, guardian=run.guardian).start()
+        self.controller = FrequencyController(
+            control, device, threaded=self.apply_config.threaded, clock=self._clock
+        )
+        self._sync = run.resolve_sync()
         if self.mode in ("auto", "profile"):
-            supported = self.device.info.supported_sm_freqs_mhz
-            if not supported:
-                raise InvalidArgumentError(
-                    f"{self.device.info.name} cannot lock its SM clock, so it cannot be profiled",
-                    device=self.device.device_id,
-                )
-            freqs = tuple(self._freqs_arg) if self._freqs_arg else tuple(supported)
-            config = SweepConfig(freqs_mhz=freqs, **self._sweep_args)
-            for f in config.freqs_mhz:
-                self.device.validate_sm_clocks(f)
-            self._meter = EnergyMeter(self.device, clock=self._clock)
-            self._sweep = FrequencySweep(config)
-            self.phase = _PROFILE
-            self._say(
-                f"profiling {len(config.freqs_mhz)} frequencies, {config.freqs_mhz[0]:g}"
-                f"-{config.freqs_mhz[-1]:g} MHz, up to {config.max_iterations} iterations"
-                + (" (energy integrated from power)" if self._meter.integrated else "")
+            self._profiling = ProfilePhase(
+                self.profile_config,
+                stage=self.stage,
+                device=device,
+                control=control,
+                coordinator=coordinator,
+                clock=self._clock,
+                sync=self._sync,
+                idle_power_w=idle_power_w,
+                progress=self._progress,
+                on_finished=self._profiled,
+                on_refused=self._disable,
             )
+            self._phase = self._profiling
+            return
+        payload: dict[str, Any] = {"stage": self.stage}
+        if self.mode == "plan":
+            payload["profile_path"] = str(run.profile_path)
         else:
-            payload: dict[str, Any] = {"stage": self.stage}
-            if self.mode == "plan":
-                payload["profile_path"] = str(self._profile_path)
-            else:
-                payload["plan_path"] = str(self._plan_path)
-            future = coordinator.exchange(payload, self._plan_fn)
-            self.phase = _AWAIT
-            self._plan_future = future
-            self._try_plan(strict=True)  # a bad plan or profile fails here, before any change
-
-    def _claim_device(self) -> None:
-        """Take the device's lock now, so a second session on it fails at its ``with`` line.
-
-        The lock comes with the first change the session journals; without this, that would
-        be the first clock change inside a hook, where a busy device can only degrade the
-        session (and another session's clocks would be reset under it). Resetting the SM
-        clocks is that first change: the baseline every mode starts from, restored at exit.
-        Only :class:`DeviceBusyError` is raised; a driver that refuses the reset is left to
-        the first clock change, which warns once and leaves training alone.
-
-        Raises:
-            DeviceBusyError: Another session, in this process or another, holds the device.
-        """
-        assert self.control is not None and self.device is not None
-        if not self.control.backend.persistent:
-            return  # nothing is journaled or locked (the emulator)
-        try:
-            self.control.reset_sm_clocks(self.device)
-        except DeviceBusyError:
-            raise
-        except PowerlibError as err:
-            logger.info("could not reset the clocks of %s at the start: %s", self.device, err)
+            payload["plan_path"] = str(run.plan_path)
+        # a bad plan or profile fails here, before any change
+        self._await(coordinator.exchange(payload, self._plan_fn), strict=True)
 
     def _refuse_outside(self, call: str) -> None:
         """Raise: a hook was called before ``__enter__`` or after ``__exit__``."""
-        when = "before it was entered" if self.phase is _NOT_STARTED else "after it ended"
+        when = "before it was entered" if self.phase == NOT_STARTED else "after it ended"
         raise InvalidArgumentError(
             f"session.{call}() was called {when}: call the session's hooks inside "
             "`with powerlib.optimize(...) as session:`"
@@ -431,15 +362,15 @@ class Session:
         self._active = False
         if self.controller is not None:
             self.controller.close()
-        if self._meter is not None:
-            self._meter.close()
+        if self._profiling is not None:
+            self._profiling.close()
         if self.control is not None:
             self.control.close()
         if self._own_backend is not None:
             self._own_backend.close()
             self._own_backend = None
-        if self.phase is not _NOT_STARTED:
-            self.phase = _CLOSED
+        if self.phase != NOT_STARTED:
+            self._phase = Idle(CLOSED)
 
     def set_layout(
         self,
@@ -451,7 +382,7 @@ class Session:
         """Describe the pipeline the hooks will see (integrations call it when they attach).
 
         Args:
-            schedule: See :class:`Session`; ``recorded`` for orders with no built-in generator.
+            schedule: See :func:`optimize`; ``recorded`` for orders with no built-in generator.
             num_chunks: Model chunks per stage.
             placement: ``looped`` or ``v``.
 
@@ -460,10 +391,8 @@ class Session:
             PlanError: The saved plan being applied was made for another layout (nothing was
                 changed).
         """
-        if self.iteration or self._pos:
+        if self.iteration or self._phase.position:
             raise InvalidArgumentError("set_layout must be called before the first instruction")
-        import dataclasses  # noqa: PLC0415
-
         changes = {"schedule": schedule, "num_chunks": num_chunks, "placement": placement}
         given: dict[str, Any] = {k: v for k, v in changes.items() if v is not None}
         try:
@@ -473,9 +402,10 @@ class Session:
         self._layout_given |= set(given)
         if self.mode == "apply" and self.plan is not None:
             try:
-                self._check_workload(self.plan)
+                self.spec.check_saved_plan(self.plan, self._layout_given)
             except PlanError:
-                self.plan, self.phase, self._checking = None, _DONE, False  # nothing was applied
+                self.plan, self._applying = None, None  # nothing was applied
+                self._phase = Idle(DONE)
                 raise
 
     # -- hooks -----------------------------------------------------------------------------------
@@ -489,30 +419,16 @@ class Session:
         """
         if not self._active:
             self._refuse_outside("begin")
-        if self._pos == 0 and (not self._started or self._vote is not None or self.phase is _AWAIT):
+        if self._phase.position == 0 and (not self._started or self._phase.wants_start):
             self.start_iteration()
+        phase = self._phase
+        managed = not isinstance(phase, Idle)
+        if self.overlap.schedule is None and not managed:
+            return
+        kind = instruction_kind(kind)
         if self.overlap.schedule is not None:
-            self.overlap.begin(_kind(kind), microbatch, chunk)
-        phase = self.phase
-        if phase is _APPLY:
-            key = (self.stage, chunk, microbatch, _kind(kind))
-            if self._checking:
-                self._check(key)
-                if self.phase is not _APPLY:
-                    return
-            freq = self._freqs.get(key)
-            if freq is not None:
-                self._request(freq)
-            self._pos += 1
-        elif phase is _PROFILE:
-            self._sync()
-            t = self._clock()
-            e = self._meter.read_j(t)  # type: ignore[union-attr]
-            if self._last_end is not None:
-                self.recorder.add_gap(t - self._last_end[0], e - self._last_end[1])
-            self._open = (_kind(kind), t, e)
-            self._order_now.append((chunk, microbatch, self._open[0]))
-            self._pos += 1
+            self.overlap.begin(kind, microbatch, chunk)
+        phase.begin(kind, microbatch, chunk)
 
     def end(self) -> None:
         """The instruction started last ends (call after its work is issued).
@@ -523,35 +439,7 @@ class Session:
         if not self._active:
             self._refuse_outside("end")
         self.overlap.end()
-        if self.phase is _APPLY:
-            if self._prefetch and not self._checking:
-                # Ask for the next instruction's clock now: the switch (milliseconds on real
-                # drivers) overlaps the wait for the next instruction's input.
-                expected = self._expected
-                nxt = expected[self._pos] if self._pos < len(expected) else expected[0]
-                self._request(self._freqs[nxt])
-            return
-        if self.phase is not _PROFILE or self._open is None:
-            return
-        self._sync()
-        t = self._clock()
-        e = self._meter.read_j(t)  # type: ignore[union-attr]
-        kind, t0, e0 = self._open
-        self._open = None
-        self._last_end = (t, e)
-        assert self._sweep is not None
-        if self._sweep.measuring:
-            freq = self._sweep.freq_mhz
-            self.recorder.add(kind, freq, t - t0, e - e0)
-            self._sample_counts[(kind, freq)] = self._sample_counts.get((kind, freq), 0) + 1
-            self._iter_energy += e - e0
-
-    def _request(self, freq_mhz: float) -> None:
-        """Hand a clock to the controller; a repeat of the last request costs nothing."""
-        controller = self.controller
-        if freq_mhz != controller.last_requested:  # type: ignore[union-attr]
-            self._sync()  # the new clock must not land on the previous instruction's work
-            controller.request(freq_mhz)  # type: ignore[union-attr]
+        self._phase.end()
 
     @contextlib.contextmanager
     def instruction(self, kind: str, microbatch: int = 0, chunk: int = 0) -> Iterator[None]:
@@ -579,10 +467,7 @@ class Session:
         if not self._active:
             self._refuse_outside("start_iteration")
         self._started = True
-        if self.phase is _PROFILE:
-            self._advance_sweep()
-        if self.phase is _AWAIT:
-            self._try_plan(strict=False)
+        self._phase.start_iteration()
 
     def step(self) -> None:
         """One training iteration ended (after the optimizer step).
@@ -594,33 +479,8 @@ class Session:
             self._refuse_outside("step")
         if not self._started:
             self.start_iteration()
-        phase = self.phase
-        if phase is _APPLY and self._checking:
-            if self._pos != len(self._expected):
-                self._mismatch(
-                    f"the iteration ran {self._pos} instruction(s), the plan has {len(self._expected)}"
-                )
-            self._checking = False
-        elif phase is _PROFILE:
-            sweep = self._sweep
-            assert sweep is not None
-            self._recorded_order, self._order_now = self._order_now, []
-            if sweep.measuring:
-                self.recorder.add_iteration(sweep.freq_mhz, self._iter_energy)
-            if sweep.block_complete_after_this():
-                stop = False
-                rules = sweep.config.stop_after_rises
-                if not sweep.warming_up and rules:
-                    rises = self.recorder.energy_rose(sweep.config.freqs_mhz, sweep.freq_mhz)
-                    stop = rises >= rules
-                self._vote = self._coordinator.all_agree(stop)  # type: ignore[union-attr]
-            else:
-                sweep.advance()
+        self._phase.step()
         self.overlap.step()
-        self._iter_energy = 0.0
-        self._pos = 0
-        self._open = None
-        self._last_end = None
         self.iteration += 1
         # Agree and set the clock for the next iteration now, at the iteration boundary: a
         # collective inside the next begin hook could deadlock against a rank that waits in a
@@ -628,67 +488,29 @@ class Session:
         self._started = False
         self.start_iteration()
 
-    # -- phases ----------------------------------------------------------------------------------
+    # -- from profile to plan to apply -----------------------------------------------------------
 
-    def _advance_sweep(self) -> None:
-        sweep = self._sweep
-        assert sweep is not None and self.device is not None
-        if self._vote is not None:
-            stop = self._vote()
-            if stop is None:
-                return  # not every rank has voted yet; retried by the next call
-            self._vote = None
-            before = sweep.freq_mhz
-            sweep.advance(bool(stop))
-            if sweep.finished:
-                if stop:
-                    self._say(
-                        f"energy per iteration rose for {sweep.config.stop_after_rises} "
-                        f"frequencies in a row (down to {before:g} MHz); sweep stopped"
-                    )
-                self._finish_profile()
-                return
-            num, total = sweep.position
-            self._say(f"profiling at {sweep.freq_mhz:g} MHz ({num}/{total})")
-        if self._locked != sweep.freq_mhz:
-            if not self.control.apply_sm_clocks(self.device, sweep.freq_mhz):  # type: ignore[union-attr]
-                self._disable("the device refused a clock change while profiling")
-                return
-            self._locked = sweep.freq_mhz
-
-    def _finish_profile(self) -> None:
-        assert self.device is not None and self.control is not None
-        self.control.reset_sm_clocks(self.device)
-        self._locked = None
-        payload = {
-            "stage": self.stage,
-            "rows": rows_to_payload(self.recorder.rows(self.stage)),
-            "gap_time_s": self.recorder.gap_time_s,
-            "gap_energy_j": self.recorder.gap_energy_j,
-            "order": [list(k) for k in self._recorded_order],  # what the loop really ran
-            "idle_power_w": self._idle_power_w,
-            # how finely the energy counter moved, for the planner's resolution check
-            "counter": self._meter.resolution().to_json() if self._meter is not None else None,
-            "samples": [[k, f, n] for (k, f), n in self._sample_counts.items()],
-        }
+    def _profiled(self, payload: dict[str, Any]) -> None:
+        """The sweep is over: send this rank's profile to rank 0 and wait for its outcome."""
+        assert self._coordinator is not None
         plan_fn = self._profile_only_fn if self.mode == "profile" else self._plan_fn
-        self._plan_future = self._coordinator.exchange(payload, plan_fn)  # type: ignore[union-attr]
-        self.phase = _AWAIT
-        self._try_plan(strict=False)
+        self._await(self._coordinator.exchange(payload, plan_fn), strict=False)
 
     def _plan_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
-        return make_plan(self._spec_with_progress(), payloads)
+        return make_plan(dataclasses.replace(self.spec, progress=self._progress.enabled), payloads)
 
     def _profile_only_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
-        return write_profile(self._spec_with_progress(), payloads)
+        spec = dataclasses.replace(self.spec, progress=self._progress.enabled)
+        return write_profile(spec, payloads)
 
-    def _spec_with_progress(self) -> PlanSpec:
-        import dataclasses  # noqa: PLC0415
-
-        return dataclasses.replace(self.spec, progress=self._progress)
+    def _await(self, future: Future, *, strict: bool) -> None:
+        self._plan_future = future
+        self._phase = Waiting(lambda: self._try_plan(strict=False))
+        self._try_plan(strict=strict)
 
     def _try_plan(self, *, strict: bool) -> None:
         assert self._plan_future is not None
+        assert self.device is not None and self.controller is not None
         try:
             result = self._plan_future()
         except PlanError as err:
@@ -701,7 +523,7 @@ class Session:
         self._plan_future = None
         self.outcome = result
         if result.profile_only:
-            self.phase = _DONE
+            self._phase = Idle(DONE)
             if result.baseline_reason:
                 self._disable(f"{result.baseline_reason}; no profile written", job_wide=True)
             return
@@ -714,7 +536,7 @@ class Session:
         plan = result.plan
         try:
             if self.mode == "apply":
-                self._check_workload(plan)
+                self.spec.check_saved_plan(plan, self._layout_given)
             elif plan.num_stages != self.spec.num_stages:  # pragma: no cover - made for the job
                 raise PlanError(
                     f"{plan.source}: the plan has {plan.num_stages} stages, the session has "
@@ -723,53 +545,25 @@ class Session:
             if plan_has_overlap(plan):
                 # Before any per-rank check: on NCCL this creates communicators, a collective
                 # every rank must join at the same point.
-                self.overlap.load(plan, self.stage, group_ranks=self._overlap_groups)
-            plan.check_frequencies(self.device.info.supported_sm_freqs_mhz, self.stage)  # type: ignore[union-attr]
+                self.overlap.load(plan, self.stage, group_ranks=self.run_config.overlap_groups)
+            plan.check_frequencies(self.device.info.supported_sm_freqs_mhz, self.stage)
         except PlanError as err:
             if strict:
                 raise
             self._disable(f"the plan cannot be applied: {err}")
             return
         self.plan = plan
-        stage_plan = plan.stage(self.stage)
-        self._expected = [p.key for p in stage_plan]
-        self._freqs = dict(zip(self._expected, (p.freq_mhz for p in stage_plan)))
-        self._checking = True
-        self.phase = _APPLY
+        self._applying = ApplyPhase(
+            plan,
+            self.stage,
+            self.controller,
+            prefetch=self.apply_config.prefetch,
+            sync=self._sync,
+            on_mismatch=self._stopped,
+        )
+        self._phase = self._applying
         self.apply_started_iteration = self.iteration
-        self._say(
-            f"applying the {plan.policy} plan from iteration {self.iteration}"
-        )
-
-    def _check_workload(self, plan: FrequencyPlan) -> None:
-        """A saved plan must be for this session's workload (the layout where it was given)."""
-        spec, given = self.spec, self._layout_given
-        plan.check_workload(
-            num_stages=spec.num_stages,
-            num_microbatches=spec.num_microbatches,
-            schedule=spec.schedule if "schedule" in given else None,
-            num_chunks=spec.num_chunks if "num_chunks" in given else None,
-            placement=spec.placement if "placement" in given else None,
-        )
-
-    def _check(self, key: tuple[int, int, int, str]) -> None:
-        pos = self._pos
-        if pos >= len(self._expected):
-            self._mismatch(
-                f"instruction {pos} {_fmt(key)} is beyond the plan's {len(self._expected)}"
-            )
-        elif key != self._expected[pos]:
-            self._mismatch(
-                f"instruction {pos} is {_fmt(key)}, the plan expects {_fmt(self._expected[pos])}"
-            )
-        else:
-            self.first_apply_requests.append((key, self._freqs[key]))
-
-    def _mismatch(self, detail: str) -> None:
-        self._disable(
-            f"stage {self.stage}: the training loop does not run the plan's instruction order "
-            f"({detail}); clocks reset, training continues unmanaged"
-        )
+        self._progress.say(f"applying the {plan.policy} plan from iteration {self.iteration}")
 
     def _disable(self, reason: str, *, job_wide: bool = False) -> None:
         """Stop managing the device: clocks reset, one warning.
@@ -779,10 +573,13 @@ class Session:
             job_wide: Every rank gets the same reason (rank 0's planning verdict): only rank 0
                 warns, the others log it.
         """
-        self.phase = _DONE
-        self._checking = False
         if self.controller is not None:
             self.controller.reset()
+        self._stopped(reason, job_wide=job_wide)
+
+    def _stopped(self, reason: str, *, job_wide: bool = False) -> None:
+        """The session manages nothing more (the clocks are already reset); warn once."""
+        self._phase = Idle(DONE)
         if not self._warned:
             self._warned = True
             message = f"powerlib: {reason}"
@@ -791,10 +588,6 @@ class Session:
                 return
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    def _say(self, message: str) -> None:
-        if self._progress:
-            print(f"powerlib: {message}", file=sys.stderr, flush=True)
 
     def report(self) -> dict[str, Any]:
         """What this session did, as JSON data."""
@@ -812,16 +605,3 @@ class Session:
             "plan": None if self.plan is None else dict(self.plan.summary),
             "overlap": self.overlap.report() if self.overlap.schedule is not None else None,
         }
-
-
-def _fmt(key: tuple[int, int, int, str]) -> str:
-    stage, chunk, mb, kind = key
-    return f"{kind} mb{mb}" + (f" chunk{chunk}" if chunk else "")
-
-
-def optimize(**kwargs: Any) -> Session:
-    """``with powerlib.optimize(num_stages=..., num_microbatches=...) as session:``.
-
-    Takes the keyword arguments of :class:`Session`.
-    """
-    return Session(**kwargs)

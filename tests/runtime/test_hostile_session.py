@@ -28,12 +28,12 @@ from powerlib.cli import cli
 from powerlib.config import Settings
 from powerlib.errors import DeviceBusyError, InvalidArgumentError, PlanError
 from powerlib.journal import StateDir
+from powerlib.planning.choice import Policy, objection
 from powerlib.planning.pipeline import build_schedule
 from powerlib.planning.plan import PLAN_SCHEMA
 from powerlib.planning.profile import Profile
 from powerlib.registry import open_backend
 from powerlib.runtime.coordination import SingleProcess
-from powerlib.planning.choice import Policy, objection
 from powerlib.runtime.planning_step import PlanSpec, make_plan
 from powerlib.runtime.session import Session
 

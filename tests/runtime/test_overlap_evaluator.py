@@ -24,15 +24,17 @@ PROTOCOL = MeasureProtocol(settle_s=2.0, warmup_s=1.0, window_s=5.0, cooldown_s=
 
 @pytest.fixture
 def backend(tmp_path) -> SimulatedBackend:
-    settings = Settings(backend="simulated", sim_gpus=2, state_dir=tmp_path / "state",
-                        sim_energy_period_s=0.001)
+    settings = Settings(
+        backend="simulated", sim_gpus=2, state_dir=tmp_path / "state", sim_energy_period_s=0.001
+    )
     return SimulatedBackend(settings, clock=VirtualClock(1000.0))
 
 
 @pytest.fixture(scope="module")
 def ptype() -> PartitionType:
-    workload = build_workload(MODELS["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096),
-                              [15, 13])
+    workload = build_workload(
+        MODELS["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096), [15, 13]
+    )
     return workload.partition("fwd_attn")
 
 
@@ -59,8 +61,15 @@ class Runner:
 
 def _evaluator(backend: SimulatedBackend, run, **kwargs) -> DeviceEvaluator:
     clock = backend.clock
-    return DeviceEvaluator(backend, run, p_static_w=85.0, protocol=PROTOCOL, clock=clock.now,
-                           sleep=clock.advance, **kwargs)
+    return DeviceEvaluator(
+        backend,
+        run,
+        p_static_w=85.0,
+        protocol=PROTOCOL,
+        clock=clock.now,
+        sleep=clock.advance,
+        **kwargs,
+    )
 
 
 def test_the_protocol_measures_one_execution_at_the_locked_clock(backend, ptype) -> None:
@@ -108,9 +117,12 @@ def test_clocks_are_restored_when_the_run_fails(backend, ptype) -> None:
     ev.close()  # idempotent
 
 
-def test_a_journaled_device_is_journaled_while_measured_and_clean_afterwards(tmp_path, ptype) -> None:
-    settings = Settings(backend="simulated", sim_gpus=1, state_dir=tmp_path / "state",
-                        sim_energy_period_s=0.001)
+def test_a_journaled_device_is_journaled_while_measured_and_clean_afterwards(
+    tmp_path, ptype
+) -> None:
+    settings = Settings(
+        backend="simulated", sim_gpus=1, state_dir=tmp_path / "state", sim_energy_period_s=0.001
+    )
     backend = SimulatedBackend(settings, clock=VirtualClock(10.0), persist=True)
     state = StateDir(settings.state_dir)
     journals = []

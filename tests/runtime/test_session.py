@@ -315,4 +315,6 @@ def test_a_counter_that_never_moved_is_one_clear_baseline_verdict() -> None:
         PlanSpec(num_stages=1, num_microbatches=1, progress=False), [{"stage": 0, "rows": rows}]
     )
     assert result.plan is None  # no plan: the sessions run at the baseline clocks
-    assert re.search(r"did not move during 2 of 4 .* stage 0 \w+ at 1410 MHz", result.baseline_reason)
+    assert re.search(
+        r"did not move during 2 of 4 .* stage 0 \w+ at 1410 MHz", result.baseline_reason
+    )

@@ -1,0 +1,162 @@
+"""The session's apply phase: one stage of a frequency plan, handed to the controller.
+
+:class:`ApplyPhase` is what runs in the instruction hooks once a plan has arrived:
+
+- ``begin`` hands the planned clock of the instruction to the
+  :class:`~powerlib.runtime.controller.FrequencyController` and returns (a repeat of the last
+  request costs nothing);
+- the first iteration is checked against the plan's instruction order: a mismatch (another
+  instruction, or another count at ``step``) resets the clocks, reports once through
+  ``on_mismatch`` and leaves training alone;
+- after that first iteration, ``end`` asks for the next instruction's clock at once
+  (``prefetch``), so the switch overlaps the wait for the next instruction's input.
+
+The session drives it on a real device; ``powerlib simulate`` drives the same object on the
+emulator (:func:`powerlib.emulator.demo.simulate_plan`), so what the emulator reports is what
+this code does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from powerlib.planning.plan import FrequencyPlan
+from powerlib.runtime.controller import FrequencyController
+
+__all__ = ["ApplyConfig", "ApplyPhase", "InstructionKey"]
+
+InstructionKey = tuple[int, int, int, str]
+"""``(stage, chunk, microbatch, kind)``: how the hooks name an instruction."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApplyConfig:
+    """How the session applies a plan.
+
+    Attributes:
+        prefetch: Request the next instruction's clock when one ends (after the order check).
+        threaded: Apply clocks on a controller thread (default) or inline (the emulator).
+    """
+
+    prefetch: bool = True
+    threaded: bool = True
+
+
+def _fmt(key: InstructionKey) -> str:
+    _, chunk, mb, kind = key
+    return f"{kind} mb{mb}" + (f" chunk{chunk}" if chunk else "")
+
+
+class ApplyPhase:
+    """Applies one stage of a plan through a frequency controller.
+
+    Args:
+        plan: The plan (checked against the device's clocks by the caller).
+        stage: The stage this object applies.
+        controller: Takes the clock requests.
+        prefetch: See :class:`ApplyConfig`.
+        sync: Waits for the device before a new clock is requested, so that it cannot land on
+            the previous instruction's work.
+        on_mismatch: Called once with a one-line reason when the loop does not run the plan's
+            order (after the clocks were reset).
+        check_order: Check the first iteration against the plan's order (and prefetch only
+            after it); ``False`` when the caller runs the plan's own order (the emulator).
+    """
+
+    def __init__(
+        self,
+        plan: FrequencyPlan,
+        stage: int,
+        controller: FrequencyController,
+        *,
+        prefetch: bool = True,
+        sync: Callable[[], None] = lambda: None,
+        on_mismatch: Callable[[str], None] = lambda reason: None,
+        check_order: bool = True,
+    ) -> None:
+        stage_plan = plan.stage(stage)
+        self.stage = stage
+        self.expected: list[InstructionKey] = [p.key for p in stage_plan]
+        self.freqs: dict[InstructionKey, float] = dict(
+            zip(self.expected, (p.freq_mhz for p in stage_plan))
+        )
+        self.controller = controller
+        self.prefetch = prefetch
+        self._sync = sync
+        self._on_mismatch = on_mismatch
+        self.phase = "apply"
+        """``apply``, or ``done`` once a mismatch stopped it."""
+        self.checking = check_order
+        """The current iteration is the first one, checked against the plan's order."""
+        self.first_requests: list[tuple[InstructionKey, float]] = []
+        """Every clock the checked iteration asked for, in order."""
+        self.position = 0
+        """Instructions begun in this iteration."""
+
+    wants_start = False
+
+    def begin(self, kind: str, microbatch: int = 0, chunk: int = 0) -> None:
+        """An instruction starts: check it (first iteration), then request its clock."""
+        if self.phase != "apply":
+            return
+        key = (self.stage, chunk, microbatch, kind)
+        if self.checking:
+            self._check(key)
+            if self.phase != "apply":
+                return
+        freq = self.freqs.get(key)
+        if freq is not None:
+            self.request(freq)
+        self.position += 1
+
+    def end(self) -> None:
+        """An instruction ends: ask for the next one's clock now (``prefetch``)."""
+        if self.phase != "apply" or not self.prefetch or self.checking:
+            return
+        # The switch (milliseconds on real drivers) overlaps the wait for the next input.
+        expected = self.expected
+        nxt = expected[self.position] if self.position < len(expected) else expected[0]
+        self.request(self.freqs[nxt])
+
+    def step(self) -> None:
+        """The iteration ended: the checked one must have run every planned instruction."""
+        if self.phase == "apply" and self.checking:
+            if self.position != len(self.expected):
+                self._mismatch(
+                    f"the iteration ran {self.position} instruction(s), "
+                    f"the plan has {len(self.expected)}"
+                )
+            self.checking = False
+        self.position = 0
+
+    def start_iteration(self) -> None:
+        """Nothing to agree on: the plan is fixed."""
+
+    def request(self, freq_mhz: float) -> None:
+        """Hand a clock to the controller; a repeat of the last request costs nothing."""
+        if freq_mhz != self.controller.last_requested:
+            self._sync()  # the new clock must not land on the previous instruction's work
+            self.controller.request(freq_mhz)
+
+    def _check(self, key: InstructionKey) -> None:
+        pos = self.position
+        if pos >= len(self.expected):
+            self._mismatch(
+                f"instruction {pos} {_fmt(key)} is beyond the plan's {len(self.expected)}"
+            )
+        elif key != self.expected[pos]:
+            self._mismatch(
+                f"instruction {pos} is {_fmt(key)}, the plan expects {_fmt(self.expected[pos])}"
+            )
+        else:
+            self.first_requests.append((key, self.freqs[key]))
+
+    def _mismatch(self, detail: str) -> None:
+        self.phase = "done"
+        self.checking = False
+        self.controller.reset()
+        self._on_mismatch(
+            f"stage {self.stage}: the training loop does not run the plan's instruction order "
+            f"({detail}); clocks reset, training continues unmanaged"
+        )
