@@ -1,9 +1,9 @@
 """Simulated partition evaluator: a fluid model of one GPU running Kareus's overlap partitions.
 
 The model is kareus.md §5.1 (formulas), calibrated against the phenomena of §5.3 on the real
-workloads of :mod:`powerlib.planning.kareus.partition`. It shares the A100's clocks, voltage
-curve, static power, per-SM power, power cap, thermal constants and energy-counter period with the
-simulated backend (:data:`powerlib.backends.simulated.MODELS`), so the two simulators agree.
+workloads of :mod:`powerlib.planning.kareus.partition`. It reads the GPUs' clocks, voltage
+curve, static power, power cap, thermal constants and energy-counter period from the table the
+simulated backend reads (:data:`powerlib.gpu_models.GPU_SPECS`), so the two simulators agree.
 
 **Compute kernel** ``i`` (FLOPs ``F``, HBM bytes ``B``, CTAs ``G``) on ``n`` SMs at clock ``f``
 with HBM bandwidth ``BW_a`` available::
@@ -42,13 +42,14 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
 
 from powerlib.dvfs import VoltageCurve
 from powerlib.errors import PlanError
+from powerlib.gpu_models import GPU_SPECS, GpuSpec
 from powerlib.planning.kareus.evaluator import Measurement, MeasureProtocol
 from powerlib.planning.kareus.partition import Collective, Config, Op, PartitionType, Segment
 
@@ -170,72 +171,85 @@ class OverlapDeviceParams(VoltageCurve):
         return self.peak_flops / (self.num_sms * self.max_freq_mhz * 1e6)
 
 
-A100 = OverlapDeviceParams(
-    name="A100-SXM4-40GB",
-    num_sms=108,  # 108: kareus.md §5.4 (TechPowerUp), = simulated backend
-    min_freq_mhz=210.0,  # 210 MHz: kareus.md §5.4 "210-1410 MHz, 15 MHz steps"
-    max_freq_mhz=1410.0,  # 1410 MHz: kareus.md §5.4
-    freq_step_mhz=15.0,  # 15 MHz: kareus.md §5.4
-    knee_freq_mhz=900.0,  # 900 MHz: kareus.md §5.4 energy floor (P App. B)
-    v_min_ratio=0.7,  # 0.70 [assumption], = simulated backend
-    hbm_bw_bps=1555e9,  # kareus.md §5.4: 1,555 GB/s
-    eta_mem=0.85,  # [assumption] STREAM-like kernels reach ~1.3 TB/s on A100
-    peak_flops=312e12,  # kareus.md §5.4: dense BF16 312 TFLOP/s -> π_sm = 2048 FLOP/cycle/SM
-    eta_max=0.80,  # [assumption] large cuBLAS GEMMs reach ~80 % of peak
-    flops_half=1.0e9,  # [assumption] a 1 GFLOP kernel runs at half of η_max (kareus.md §5.1)
-    ctas_per_sm=1.0,  # [assumption] one 128x128-tile CTA per SM; kareus.md §7: one CTA per SM
-    link_bw_bps=230e9,  # [assumption] NCCL all-reduce bus bandwidth on 8xA100 NVLink3 (300 GB/s/dir raw)
-    sm_link_bw_bps=230e9 / 25.0,  # kareus.md §5.1: b_sm ≈ BW_link_eff / 25 (saturates at 20-30 SMs)
-    comm_freq_gamma=0.3,  # kareus.md §5.1: γ ≈ 0-0.5
-    comm_latency_s=15e-6,  # [assumption] NVLink collective start-up latency
-    hbm_bytes_per_wire_byte=2.5,  # kareus.md §5.1: κ ≈ 2-3
-    comm_busy=0.3,  # kareus.md §5.1: u_comm ≈ 0.2-0.4
-    p_static_w=85.0,  # 85 W: kareus.md §1.1 (artifact GPU_CONFIGS)
-    # c_sm: calibrated, not the backend's 2.4 W (kareus.md §5.4's (380-85-30)/108 subtracts the
-    # clock power twice; (400-85-15)/108 ≈ 2.8 W puts a large GEMM at the TDP). 3.0 W with the
-    # HBM and link terms below makes nanobatched overlap at 1410 MHz throttle to ~1350 MHz under
-    # 400 W while sequential execution does not (kareus.md §2.4, §5.3 item 6).
-    sm_power_w=3.0,  # [assumption, calibrated]
-    hbm_power_w=160.0,  # [assumption, calibrated] HBM2 + L2/crossbar/LSU traffic at peak bandwidth
-    link_power_w=90.0,  # [assumption, calibrated] NVLink SerDes + copy engines at full collective rate
-    power_cap_w=400.0,  # 400 W: kareus.md §5.4 TDP
-    cap_period_s=0.01,  # kareus.md §5.1: control period 10-100 ms [assumption]
-    cap_window_s=0.1,  # [assumption] NVML's power average window; longer than a layer
-    cap_margin_w=5.0,  # [assumption] hysteresis of the throttle controller
-    thermal_resistance_c_per_w=0.1,  # 0.10: 400 W -> 65 °C (§5.1)
-    thermal_capacitance_j_per_c=15.0,  # 15: τ = 1.5 s (§5.1)
-    ambient_c=25.0,  # 25 °C [assumption], = simulated backend
-    static_temp_coeff_per_c=0.006,  # [assumption] leakage +0.6 %/°C (kareus.md §5.1 P_s(θ))
-    static_ref_temp_c=30.0,  # [assumption] P_static (85 W) is measured on a cool (~30 °C) GPU
-    energy_update_period_s=0.1,  # 100 ms: kareus.md §2.1, §5.4
-    energy_quantum_j=1e-3,  # NVML counts whole millijoules
-    noise=0.01,  # kareus.md §5.1: ±1-2 % multiplicative
-    launch_overhead_s=4e-6,  # [assumption] per-kernel launch gap
-    sync_overhead_s=10e-6,  # [assumption] event-based stream join at partition end
-    default_comm_sms=24,  # [assumption] NCCL's channel count on an NVSwitch A100 node
-)
+def _from_spec(spec: GpuSpec, **model: float) -> OverlapDeviceParams:
+    """The simulated GPU's shared parameters (:data:`~powerlib.gpu_models.GPU_SPECS`) plus ``model``.
+
+    ``p_static_w`` is the spec's blocked power (idle plus clock power at ``f_max``), the power cap
+    its default power limit; ``model`` holds the partition model's own calibration.
+    """
+    return OverlapDeviceParams(
+        name=spec.product,
+        num_sms=spec.num_sms,
+        min_freq_mhz=spec.min_freq_mhz,
+        max_freq_mhz=spec.max_freq_mhz,
+        freq_step_mhz=spec.freq_step_mhz,
+        knee_freq_mhz=spec.knee_freq_mhz,
+        v_min_ratio=spec.v_min_ratio,
+        p_static_w=spec.blocked_power_w,
+        power_cap_w=spec.default_power_limit_w,
+        thermal_resistance_c_per_w=spec.thermal_resistance_c_per_w,
+        thermal_capacitance_j_per_c=spec.thermal_capacitance_j_per_c,
+        ambient_c=spec.ambient_c,
+        energy_update_period_s=spec.energy_update_period_s,
+        **model,  # type: ignore[arg-type]
+    )
+
+
+_A100_CALIBRATED_SM_POWER_W = 3.0
+"""The partition model's ``c_sm`` on the A100, calibrated; the spec's published estimate is 2.4 W.
+
+kareus.md §5.4's (380-85-30)/108 subtracts the clock power twice; (400-85-15)/108 ≈ 2.8 W puts a
+large GEMM at the TDP. 3.0 W with the HBM and link terms below makes nanobatched overlap at
+1410 MHz throttle to ~1350 MHz under 400 W while sequential execution does not (kareus.md §2.4,
+§5.3 item 6).
+"""
+
+_A100_MODEL: dict[str, float] = {
+    "hbm_bw_bps": 1555e9,  # kareus.md §5.4: 1,555 GB/s
+    "eta_mem": 0.85,  # [assumption] STREAM-like kernels reach ~1.3 TB/s on A100
+    "peak_flops": 312e12,  # kareus.md §5.4: dense BF16 312 TFLOP/s -> π_sm = 2048 FLOP/cycle/SM
+    "eta_max": 0.80,  # [assumption] large cuBLAS GEMMs reach ~80 % of peak
+    "flops_half": 1.0e9,  # [assumption] a 1 GFLOP kernel runs at half of η_max (kareus.md §5.1)
+    "ctas_per_sm": 1.0,  # [assumption] one 128x128-tile CTA per SM; kareus.md §7: one CTA per SM
+    "link_bw_bps": 230e9,  # [assumption] NCCL all-reduce bus bandwidth on 8xA100 NVLink3 (300 GB/s/dir raw)
+    "sm_link_bw_bps": 230e9
+    / 25.0,  # kareus.md §5.1: b_sm ≈ BW_link_eff / 25 (saturates at 20-30 SMs)
+    "comm_freq_gamma": 0.3,  # kareus.md §5.1: γ ≈ 0-0.5
+    "comm_latency_s": 15e-6,  # [assumption] NVLink collective start-up latency
+    "hbm_bytes_per_wire_byte": 2.5,  # kareus.md §5.1: κ ≈ 2-3
+    "comm_busy": 0.3,  # kareus.md §5.1: u_comm ≈ 0.2-0.4
+    "sm_power_w": _A100_CALIBRATED_SM_POWER_W,  # [assumption, calibrated]
+    "hbm_power_w": 160.0,  # [assumption, calibrated] HBM2 + L2/crossbar/LSU traffic at peak bandwidth
+    "link_power_w": 90.0,  # [assumption, calibrated] NVLink SerDes + copy engines at full collective rate
+    "cap_period_s": 0.01,  # kareus.md §5.1: control period 10-100 ms [assumption]
+    "cap_window_s": 0.1,  # [assumption] NVML's power average window; longer than a layer
+    "cap_margin_w": 5.0,  # [assumption] hysteresis of the throttle controller
+    "static_temp_coeff_per_c": 0.006,  # [assumption] leakage +0.6 %/°C (kareus.md §5.1 P_s(θ))
+    "static_ref_temp_c": 30.0,  # [assumption] P_static (85 W) is measured on a cool (~30 °C) GPU
+    "energy_quantum_j": 1e-3,  # NVML counts whole millijoules
+    "noise": 0.01,  # kareus.md §5.1: ±1-2 % multiplicative
+    "launch_overhead_s": 4e-6,  # [assumption] per-kernel launch gap
+    "sync_overhead_s": 10e-6,  # [assumption] event-based stream join at partition end
+    "default_comm_sms": 24,  # [assumption] NCCL's channel count on an NVSwitch A100 node
+}
+
+A100 = _from_spec(GPU_SPECS["a100"], **_A100_MODEL)
 """A100 SXM4 40GB, the paper's testbed GPU."""
 
-H100 = replace(
-    A100,
-    name="H100-SXM5-80GB",
-    num_sms=132,  # 132: kareus.md §5.4 (Lockwood)
-    min_freq_mhz=210.0,  # [assumption] as the simulated backend
-    max_freq_mhz=1980.0,  # 1980 MHz: kareus.md §5.4
-    knee_freq_mhz=1050.0,  # 1050 MHz: kareus.md §5.4 "[D] 1000-1100"
-    hbm_bw_bps=3.35e12,  # kareus.md §5.4
-    peak_flops=989e12,  # kareus.md §5.4 dense BF16
-    flops_half=3.0e9,  # [assumption] scaled with peak
-    link_bw_bps=360e9,  # [assumption] NVLink4 all-reduce bus bandwidth (450 GB/s/dir raw)
-    sm_link_bw_bps=360e9 / 25.0,  # [assumption] kareus.md §5.4 "re-calibrate"
-    p_static_w=115.0,  # 115 W [D] kareus.md §5.4
-    sm_power_w=3.6,  # 3.6 W: kareus.md §5.4
-    hbm_power_w=120.0,  # [assumption]
-    link_power_w=60.0,  # [assumption]
-    power_cap_w=700.0,  # 700 W: kareus.md §5.4
-    thermal_resistance_c_per_w=0.06,  # [assumption] backend
-    thermal_capacitance_j_per_c=25.0,  # [assumption] backend
-    default_comm_sms=32,  # [assumption]
+H100 = _from_spec(
+    GPU_SPECS["h100"],
+    **{
+        **_A100_MODEL,
+        "hbm_bw_bps": 3.35e12,  # kareus.md §5.4
+        "peak_flops": 989e12,  # kareus.md §5.4 dense BF16
+        "flops_half": 3.0e9,  # [assumption] scaled with peak
+        "link_bw_bps": 360e9,  # [assumption] NVLink4 all-reduce bus bandwidth (450 GB/s/dir raw)
+        "sm_link_bw_bps": 360e9 / 25.0,  # [assumption] kareus.md §5.4 "re-calibrate"
+        "sm_power_w": GPU_SPECS["h100"].sm_power_w,  # 3.6 W: kareus.md §5.4
+        "hbm_power_w": 120.0,  # [assumption]
+        "link_power_w": 60.0,  # [assumption]
+        "default_comm_sms": 32,  # [assumption]
+    },
 )
 """H100 SXM5 80GB: unvalidated starting values (kareus.md §5.4 marks most as [D])."""
 

@@ -39,14 +39,14 @@ __all__ = [
     "Collective",
     "Budget",
     "Config",
-    "MODELS",
+    "MODEL_SHAPES",
     "ModelShape",
     "Op",
     "Parallelism",
     "PartitionType",
     "Segment",
     "StageWork",
-    "Workload",
+    "PartitionWorkload",
     "build_workload",
     "config_space",
     "default_sm_counts",
@@ -105,7 +105,7 @@ class ModelShape:
             )
 
 
-MODELS: dict[str, ModelShape] = {
+MODEL_SHAPES: dict[str, ModelShape] = {
     # kareus.md §5.4 (the artifact's model registry); vocabularies from the model cards.
     "llama3.2-3b": ModelShape(
         name="Llama 3.2 3B",
@@ -309,7 +309,7 @@ class Config:
 
 
 # --------------------------------------------------------------------------------------------
-# Workload: the partitions and the non-partition work of each stage
+# PartitionWorkload: the partitions and the non-partition work of each stage
 # --------------------------------------------------------------------------------------------
 
 
@@ -332,7 +332,7 @@ class StageWork:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Workload:
+class PartitionWorkload:
     """A model, its parallelism and its stages: everything the search and composition need.
 
     Attributes:
@@ -355,7 +355,7 @@ class Workload:
     @property
     def label(self) -> str:
         """``llama3.2-3b_tp8_mbs8_seq4096``-like label."""
-        key = next((k for k, m in MODELS.items() if m == self.model), self.model.name)
+        key = next((k for k, m in MODEL_SHAPES.items() if m == self.model), self.model.name)
         return f"{key}_{self.parallelism.label}"
 
     def partition(self, key: str) -> PartitionType:
@@ -615,11 +615,11 @@ def _extras(
 
 def build_workload(
     model: ModelShape, parallelism: Parallelism, stage_layers: Sequence[int]
-) -> Workload:
+) -> PartitionWorkload:
     """Partitions and stage work of ``model`` under ``parallelism``, split ``stage_layers``.
 
     Args:
-        model: Layer shapes (e.g. ``MODELS["llama3.2-3b"]``).
+        model: Layer shapes (e.g. ``MODEL_SHAPES["llama3.2-3b"]``).
         parallelism: TP/CP degrees, micro-batch and sequence.
         stage_layers: Layers per pipeline stage (the artifact's PP=2 split is 15/13).
 
@@ -642,7 +642,7 @@ def build_workload(
     for s, n in enumerate(layers):
         fwd, bwd = _extras(model, parallelism, s, len(layers))
         stages.append(StageWork(stage=s, layers=n, extra_forward=fwd, extra_backward=bwd))
-    return Workload(
+    return PartitionWorkload(
         model=model,
         parallelism=parallelism,
         stages=tuple(stages),
