@@ -202,7 +202,7 @@ def test_relative_hypervolume_normalises_by_all_points() -> None:
 
 @needs_deps
 def test_vectorised_hvi_matches_moocore_differences() -> None:
-    from powerlib.planning.kareus.search import _front_2d, _gap_2d, _hvi_2d
+    from powerlib.planning.kareus.hypervolume import _front_2d, _gap_2d, _hvi_2d
 
     rng = np.random.default_rng(3)
     for _ in range(20):
