@@ -3,7 +3,7 @@
 Never chosen by ``auto``: select it with ``POWERLIB_BACKEND=simulated``. Pick the model and count
 with ``POWERLIB_SIM_MODEL`` (``a100``, ``h100``, ``a40``) and ``POWERLIB_SIM_GPUS``.
 
-The model (parameters per GPU in :data:`MODELS`, each number cited):
+The model (parameters per GPU in :data:`powerlib.gpu_models.GPU_SPECS`, each number cited):
 
 * **Clocks.** Supported SM clocks from ``min_freq_mhz`` to ``max_freq_mhz`` in ``freq_step_mhz``
   steps, as NVML lists them.
@@ -55,16 +55,17 @@ from powerlib.device import (
 )
 from powerlib.dvfs import VoltageCurve
 from powerlib.errors import ConfigError, NotSupportedError, PermissionDeniedError
+from powerlib.gpu_models import GPU_SPECS, GpuSpec
 
 __all__ = [
-    "MODELS",
+    "GPU_MODELS",
     "GpuModel",
     "SimulatedBackend",
     "SimulatedDevice",
     "VirtualClock",
     "WallClock",
     "WorkResult",
-    "Workload",
+    "WorkUnit",
 ]
 
 logger = logging.getLogger(__name__)
@@ -120,12 +121,38 @@ class GpuModel(VoltageCurve):
     thermal_capacitance_j_per_c: float
     energy_update_period_s: float = 0.1
 
-    def duration_s(self, work: Workload, freq_mhz: float) -> float:
+    @classmethod
+    def from_spec(cls, spec: GpuSpec) -> GpuModel:
+        """The simulated GPU of one :class:`~powerlib.gpu_models.GpuSpec`."""
+        return cls(
+            key=spec.key,
+            name=f"Simulated NVIDIA {spec.product}",
+            num_sms=spec.num_sms,
+            min_freq_mhz=spec.min_freq_mhz,
+            max_freq_mhz=spec.max_freq_mhz,
+            freq_step_mhz=spec.freq_step_mhz,
+            knee_freq_mhz=spec.knee_freq_mhz,
+            v_min_ratio=spec.v_min_ratio,
+            idle_power_w=spec.idle_power_w,
+            clock_power_w=spec.clock_power_w,
+            dynamic_power_w=spec.num_sms * spec.sm_power_w,
+            memory_power_w=spec.memory_power_w,
+            default_power_limit_w=spec.default_power_limit_w,
+            min_power_limit_w=spec.min_power_limit_w,
+            max_power_limit_w=spec.max_power_limit_w,
+            mem_freq_mhz=spec.mem_freq_mhz,
+            ambient_c=spec.ambient_c,
+            thermal_resistance_c_per_w=spec.thermal_resistance_c_per_w,
+            thermal_capacitance_j_per_c=spec.thermal_capacitance_j_per_c,
+            energy_update_period_s=spec.energy_update_period_s,
+        )
+
+    def duration_s(self, work: WorkUnit, freq_mhz: float) -> float:
         """How long ``work`` takes at ``freq_mhz``."""
         a = work.compute_fraction
         return work.time_at_max_s * (a * self.max_freq_mhz / freq_mhz + (1.0 - a))
 
-    def power_w(self, freq_mhz: float, work: Workload | None = None) -> float:
+    def power_w(self, freq_mhz: float, work: WorkUnit | None = None) -> float:
         """Power at ``freq_mhz`` while running ``work`` (idle at that clock when ``None``)."""
         p = self.idle_power_w + self.clock_power_w * self.phi(freq_mhz)
         if work is None:
@@ -137,7 +164,7 @@ class GpuModel(VoltageCurve):
         return p
 
     def throttled_freq_mhz(
-        self, target_mhz: float, power_limit_w: float, work: Workload | None
+        self, target_mhz: float, power_limit_w: float, work: WorkUnit | None
     ) -> float:
         """Highest supported clock ≤ ``target_mhz`` whose power fits under ``power_limit_w``."""
         freqs = [f for f in self.supported_freqs_mhz if f <= target_mhz + 1e-9]
@@ -147,81 +174,12 @@ class GpuModel(VoltageCurve):
         return self.supported_freqs_mhz[0]
 
 
-# Sources: ../shared/reference/kareus.md §5.4 ("Parameter sets"), peers.md §4.1 ("Device table"),
-# perseus.md §1.3–1.4. Numbers marked [assumption] are not published; they are chosen to reproduce
-# the documented phenomena and should be re-calibrated on hardware.
-MODELS: dict[str, GpuModel] = {
-    "a100": GpuModel(
-        key="a100",
-        name="Simulated NVIDIA A100-SXM4-40GB",
-        num_sms=108,  # kareus.md §5.4 (TechPowerUp)
-        min_freq_mhz=210.0,  # peers.md §4.1: supported list 1410 -> 210, 15 MHz steps, 81 points
-        max_freq_mhz=1410.0,
-        freq_step_mhz=15.0,
-        knee_freq_mhz=900.0,  # kareus.md §5.4: energy stops falling below ~900 MHz (Perseus App. B)
-        v_min_ratio=0.70,  # [assumption]
-        idle_power_w=55.0,  # peers.md §4.1: idle 52-68 W at 210 MHz (model: 57 W at 210 MHz)
-        clock_power_w=30.0,  # with idle: 85 W blocked on P2P at 1410 MHz (Kareus GPU_CONFIGS; Perseus 83.64 W)
-        dynamic_power_w=108 * 2.4,  # kareus.md §5.4: c_sm ≈ 2.4 W per busy SM at f_max
-        memory_power_w=60.0,  # [assumption] full compute + HBM load (405 W) exceeds the 400 W cap (kareus.md §5.3 item 6)
-        default_power_limit_w=400.0,  # peers.md §4.1: TDP 400 W, PL range 100-400 W
-        min_power_limit_w=100.0,
-        max_power_limit_w=400.0,
-        mem_freq_mhz=1215.0,  # peers.md §4.1: 40 GB part, single memory clock
-        ambient_c=25.0,  # [assumption]
-        thermal_resistance_c_per_w=0.10,  # kareus.md §5.1: full load settles at 60-70 °C (400 W -> 65 °C)
-        thermal_capacitance_j_per_c=15.0,  # kareus.md §5.1: 5 s of idle cools below ~32 °C (τ = 1.5 s)
-        energy_update_period_s=0.1,  # kareus.md §5.4 / peers.md §4.2: NVML counter updates every ~100 ms
-    ),
-    "h100": GpuModel(
-        key="h100",
-        name="Simulated NVIDIA H100-SXM5-80GB",
-        num_sms=132,  # kareus.md §5.4 (Lockwood)
-        min_freq_mhz=210.0,  # [assumption] peers.md §4.1 says VERIFY-ON-DEVICE; 15 MHz steps as on Ampere
-        max_freq_mhz=1980.0,  # peers.md §4.1: max SM clock 1980 MHz
-        freq_step_mhz=15.0,
-        knee_freq_mhz=1050.0,  # kareus.md §5.4: "[D] about 1000-1100 MHz, calibrate"
-        v_min_ratio=0.70,  # [assumption]
-        idle_power_w=72.0,  # peers.md §4.1: idle typically 72-75 W
-        clock_power_w=43.0,  # with idle: 115 W blocked (kareus.md §5.4: start at 100-130 W)
-        dynamic_power_w=132 * 3.6,  # kareus.md §5.4: c_sm ≈ 3.6 W per busy SM at f_max
-        memory_power_w=90.0,  # [assumption]
-        default_power_limit_w=700.0,  # peers.md §4.1: TDP 700 W, PL range 200-700 W
-        min_power_limit_w=200.0,
-        max_power_limit_w=700.0,
-        mem_freq_mhz=2619.0,  # peers.md §4.1: HBM3 2619 MHz
-        ambient_c=25.0,  # [assumption]
-        thermal_resistance_c_per_w=0.06,  # [assumption] 700 W -> 67 °C, as kareus.md §5.1 asks of A100
-        thermal_capacitance_j_per_c=25.0,  # [assumption] τ = 1.5 s
-        energy_update_period_s=0.1,  # peers.md §4.2
-    ),
-    "a40": GpuModel(
-        key="a40",
-        name="Simulated NVIDIA A40",
-        num_sms=84,  # kareus.md §5.4 (10,752 shaders / 128)
-        min_freq_mhz=210.0,  # perseus.md §1.3: the A40 supports 103 clocks; 1740 - 102 × 15 = 210
-        max_freq_mhz=1740.0,  # kareus.md §5.4: max 1740 MHz
-        freq_step_mhz=15.0,
-        knee_freq_mhz=900.0,  # [assumption] perseus.md §1.3: raw-energy minimum at 945-1050 MHz
-        v_min_ratio=0.70,  # [assumption]
-        idle_power_w=30.0,  # [assumption] GDDR6 board idle
-        clock_power_w=40.0,  # with idle: 70 W blocked on P2P (Kareus GPU_CONFIGS; Perseus 70.38 W)
-        dynamic_power_w=84 * 2.4,  # [assumption] same per-SM power as A100
-        memory_power_w=40.0,  # [assumption] full load (310 W) slightly exceeds the 300 W TDP
-        default_power_limit_w=300.0,  # kareus.md §5.4: TDP 300 W
-        min_power_limit_w=100.0,  # [assumption]
-        max_power_limit_w=300.0,
-        mem_freq_mhz=7251.0,  # [assumption] GDDR6 at 14.5 Gbps
-        ambient_c=25.0,  # [assumption]
-        thermal_resistance_c_per_w=0.13,  # [assumption] 300 W -> 64 °C
-        thermal_capacitance_j_per_c=12.0,  # [assumption]
-        energy_update_period_s=0.1,  # peers.md §4.2
-    ),
-}
+GPU_MODELS: dict[str, GpuModel] = {key: GpuModel.from_spec(spec) for key, spec in GPU_SPECS.items()}
+"""The simulated GPUs by ``POWERLIB_SIM_MODEL`` key, built from :data:`powerlib.gpu_models.GPU_SPECS`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Workload:
+class WorkUnit:
     """A unit of simulated work (one pipeline instruction, one kernel...).
 
     Attributes:
@@ -247,7 +205,7 @@ class Workload:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkResult:
-    """What running a :class:`Workload` cost.
+    """What running a :class:`WorkUnit` cost.
 
     Attributes:
         time_s: Duration.
@@ -366,7 +324,7 @@ class SimulatedDevice(Device):
         self.model = model
         self._clock = clock
         self._state_path = state_path
-        self._work: Workload | None = None
+        self._work: WorkUnit | None = None
         self._memory_state: _State | None = None
         with self._transaction():  # the device exists, and draws idle power, from now on
             pass
@@ -510,7 +468,7 @@ class SimulatedDevice(Device):
 
     # -- running simulated work ----------------------------------------------------------------
 
-    def begin_work(self, work: Workload) -> float:
+    def begin_work(self, work: WorkUnit) -> float:
         """Start running ``work`` now; returns its duration at the clock it will run at.
 
         Energy up to now is integrated at the previous power first, so the caller can interleave
@@ -518,7 +476,7 @@ class SimulatedDevice(Device):
         """
         return self._begin(work)[0]
 
-    def _begin(self, work: Workload) -> tuple[float, float, float]:
+    def _begin(self, work: WorkUnit) -> tuple[float, float, float]:
         with self._transaction() as state:
             self._work = work
             freq_mhz = self._freq_mhz(state)
@@ -529,7 +487,7 @@ class SimulatedDevice(Device):
         with self._transaction():
             self._work = None
 
-    def run(self, work: Workload) -> WorkResult:
+    def run(self, work: WorkUnit) -> WorkResult:
         """Run ``work`` to completion on a virtual clock and report what it cost.
 
         Raises:
@@ -576,11 +534,11 @@ class SimulatedBackend(Backend):
             ConfigError: Unknown model, or the state directory cannot be used.
         """
         super().__init__(settings)
-        model = MODELS.get(settings.sim_model)
+        model = GPU_MODELS.get(settings.sim_model)
         if model is None:
             raise ConfigError(
                 f"unknown simulated GPU model {settings.sim_model!r} (POWERLIB_SIM_MODEL); "
-                f"choose one of {', '.join(MODELS)}"
+                f"choose one of {', '.join(GPU_MODELS)}"
             )
         if clock is None:
             clock = VirtualClock() if settings.sim_clock == "virtual" else WallClock()
@@ -605,12 +563,12 @@ class SimulatedBackend(Backend):
     @classmethod
     def probe(cls, settings: Settings) -> ProbeResult:
         """Always available (never chosen by ``auto``)."""
-        model = MODELS.get(settings.sim_model)
+        model = GPU_MODELS.get(settings.sim_model)
         if model is None:
             return ProbeResult(
                 backend=cls.name,
                 is_available=False,
-                reason=f"unknown POWERLIB_SIM_MODEL {settings.sim_model!r}; choose one of {', '.join(MODELS)}",
+                reason=f"unknown POWERLIB_SIM_MODEL {settings.sim_model!r}; choose one of {', '.join(GPU_MODELS)}",
             )
         return ProbeResult(
             backend=cls.name,

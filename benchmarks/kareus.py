@@ -65,7 +65,7 @@ from powerlib.planning.kareus.compose import (
     sample_frontier,
 )
 from powerlib.planning.kareus.partition import (
-    MODELS,
+    MODEL_SHAPES,
     Parallelism,
     build_workload,
     config_space,
@@ -228,7 +228,7 @@ def _calibration(workload: Any, frontier: Any) -> dict[str, Any]:
 def _theorem1() -> dict[str, Any]:
     """Qwen3 1.7B TP8: one nanobatched layer, each partition type at its fastest config."""
     w = build_workload(
-        MODELS["qwen3-1.7b"], Parallelism(tp=8, micro_batch=8, seq_len=4096), STAGE_LAYERS
+        MODEL_SHAPES["qwen3-1.7b"], Parallelism(tp=8, micro_batch=8, seq_len=4096), STAGE_LAYERS
     )
     items: list[Any] = []
     for ptype in w.partitions:
@@ -274,7 +274,7 @@ def _time_quantum(options: dict[str, Any]) -> float:
 
 def run_config(name: str, seed: int) -> dict[str, Any]:
     model_key, par = CONFIGS[name]
-    workload = build_workload(MODELS[model_key], par, STAGE_LAYERS)
+    workload = build_workload(MODEL_SHAPES[model_key], par, STAGE_LAYERS)
     _log(f"{name} ({workload.label}): {len(workload.partitions)} partition types")
     started = time.perf_counter()
     per_type, records, components = _search(workload, seed)

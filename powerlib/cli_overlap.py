@@ -151,7 +151,7 @@ def search(
     from powerlib.planning.kareus.compose import measure_components  # noqa: PLC0415
     from powerlib.planning.kareus.evaluator import MeasureProtocol  # noqa: PLC0415
     from powerlib.planning.kareus.partition import (  # noqa: PLC0415
-        MODELS,
+        MODEL_SHAPES,
         Parallelism,
         build_workload,
         config_space,
@@ -164,7 +164,7 @@ def search(
         tp=tp, cp=cp, micro_batch=micro_batch, seq_len=seq_len, recompute=not no_recompute
     )
     layers = _layers(stage_layers)
-    workload = build_workload(MODELS[model], par, layers)
+    workload = build_workload(MODEL_SHAPES[model], par, layers)
     freqs = _freqs(freqs_text)
     wanted = (
         [workload.partition(k) for k in partitions] if partitions else list(workload.partitions)

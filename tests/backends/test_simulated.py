@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from powerlib import ConfigError, NotSupportedError, Settings
-from powerlib.backends.simulated import MODELS, SimulatedBackend, VirtualClock, WallClock, Workload
+from powerlib.backends.simulated import (
+    GPU_MODELS,
+    SimulatedBackend,
+    VirtualClock,
+    WallClock,
+    WorkUnit,
+)
 
 
 def _backend(
@@ -36,32 +42,32 @@ def _backend(
     ("model", "count", "top"), [("a100", 81, 1410.0), ("h100", 119, 1980.0), ("a40", 103, 1740.0)]
 )
 def test_clock_lists_match_the_reference(model: str, count: int, top: float) -> None:
-    freqs = MODELS[model].supported_freqs_mhz
+    freqs = GPU_MODELS[model].supported_freqs_mhz
     assert len(freqs) == count
     assert freqs[-1] == top and freqs[0] == 210.0
     assert {round(b - a, 6) for a, b in zip(freqs, freqs[1:])} == {15.0}
 
 
 def test_a100_idle_and_blocked_power_match_published_figures() -> None:
-    m = MODELS["a100"]
+    m = GPU_MODELS["a100"]
     assert 52.0 <= m.power_w(210.0) <= 68.0  # peers.md: idle 52-68 W at 210 MHz
     assert m.power_w(1410.0) == pytest.approx(85.0)  # Kareus P2P-blocked power
-    assert MODELS["a40"].power_w(1740.0) == pytest.approx(70.0)
+    assert GPU_MODELS["a40"].power_w(1740.0) == pytest.approx(70.0)
 
 
 def test_compute_bound_time_scales_inversely_with_clock_and_memory_bound_does_not() -> None:
-    m = MODELS["a100"]
-    compute = Workload(time_at_max_s=1.0, compute_fraction=1.0)
-    memory = Workload(time_at_max_s=1.0, compute_fraction=0.0)
+    m = GPU_MODELS["a100"]
+    compute = WorkUnit(time_at_max_s=1.0, compute_fraction=1.0)
+    memory = WorkUnit(time_at_max_s=1.0, compute_fraction=0.0)
     assert m.duration_s(compute, 705.0) == pytest.approx(2.0)
     assert m.duration_s(memory, 705.0) == pytest.approx(1.0)
-    mixed = Workload(time_at_max_s=1.0, compute_fraction=0.6)
+    mixed = WorkUnit(time_at_max_s=1.0, compute_fraction=0.6)
     assert m.duration_s(mixed, 705.0) == pytest.approx(0.6 * 2 + 0.4)
 
 
 def test_power_rises_with_clock_and_voltage_is_floored_below_the_knee() -> None:
-    m = MODELS["a100"]
-    work = Workload(time_at_max_s=1.0)
+    m = GPU_MODELS["a100"]
+    work = WorkUnit(time_at_max_s=1.0)
     powers = [m.power_w(f, work) for f in m.supported_freqs_mhz]
     assert all(b > a for a, b in zip(powers, powers[1:]))
     assert m.voltage_ratio(300.0) == m.voltage_ratio(900.0) == m.v_min_ratio
@@ -71,11 +77,11 @@ def test_power_rises_with_clock_and_voltage_is_floored_below_the_knee() -> None:
     assert m.phi(1410.0) > 1410 / 900 * m.phi(900.0)
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", sorted(GPU_MODELS))
 def test_compute_bound_energy_has_its_minimum_at_the_voltage_knee(model: str) -> None:
     """Energy falls as the clock drops to the knee, then rises: the 'energy floor' (kareus.md §5.3)."""
-    m = MODELS[model]
-    work = Workload(time_at_max_s=1.0)
+    m = GPU_MODELS[model]
+    work = WorkUnit(time_at_max_s=1.0)
     energy = {f: m.duration_s(work, f) * m.power_w(f, work) for f in m.supported_freqs_mhz}
     best = min(energy, key=energy.__getitem__)
     assert abs(best - m.knee_freq_mhz) <= m.freq_step_mhz
@@ -86,8 +92,8 @@ def test_compute_bound_energy_has_its_minimum_at_the_voltage_knee(model: str) ->
 def test_power_cap_throttles_full_load_on_a100(settings: Settings) -> None:
     b = _backend(settings)
     dev = b.devices()[0]
-    heavy = Workload(time_at_max_s=1.0, compute_fraction=0.8, sm_activity=1.0, memory_activity=1.0)
-    assert MODELS["a100"].power_w(1410.0, heavy) > 400.0  # would exceed the 400 W TDP
+    heavy = WorkUnit(time_at_max_s=1.0, compute_fraction=0.8, sm_activity=1.0, memory_activity=1.0)
+    assert GPU_MODELS["a100"].power_w(1410.0, heavy) > 400.0  # would exceed the 400 W TDP
     result = dev.run(heavy)
     assert result.freq_mhz < 1410.0
     assert result.power_w <= 400.0
@@ -106,13 +112,13 @@ def test_run_energy_is_power_times_time_and_the_counter_sees_it(settings: Settin
     dev = b.devices()[0]
     before = dev.read_state().energy_j
     dev.lock_sm_clocks(1200.0)
-    work = Workload(time_at_max_s=2.0, compute_fraction=0.7, memory_activity=0.5)
+    work = WorkUnit(time_at_max_s=2.0, compute_fraction=0.7, memory_activity=0.5)
     r = dev.run(work)
     assert r.freq_mhz == 1200.0
-    assert r.time_s == pytest.approx(MODELS["a100"].duration_s(work, 1200.0))
+    assert r.time_s == pytest.approx(GPU_MODELS["a100"].duration_s(work, 1200.0))
     assert r.energy_j == pytest.approx(r.power_w * r.time_s)
     clock.advance(0.2)  # let the counter publish
-    idle_w = MODELS["a100"].power_w(1200.0)  # locked clock while idle
+    idle_w = GPU_MODELS["a100"].power_w(1200.0)  # locked clock while idle
     after = dev.read_state().energy_j
     assert after - before == pytest.approx(r.energy_j + idle_w * 0.2, abs=idle_w * 0.1 + 0.002)
 
@@ -120,7 +126,7 @@ def test_run_energy_is_power_times_time_and_the_counter_sees_it(settings: Settin
 def test_energy_counter_is_quantized_in_time_and_to_millijoules(settings: Settings) -> None:
     clock = VirtualClock()
     dev = _backend(settings, clock=clock).devices()[0]
-    p_w = MODELS["a100"].power_w(210.0)
+    p_w = GPU_MODELS["a100"].power_w(210.0)
     assert dev.read_state().energy_j == 0.0
     clock.advance(0.05)  # inside one 100 ms update period: the counter has not moved
     assert dev.read_state().energy_j == 0.0
@@ -133,9 +139,9 @@ def test_energy_counter_is_quantized_in_time_and_to_millijoules(settings: Settin
 def test_devices_share_a_virtual_clock(settings: Settings) -> None:
     clock = VirtualClock()
     a, b = _backend(settings, clock=clock).devices()
-    r = a.run(Workload(time_at_max_s=1.0))
+    r = a.run(WorkUnit(time_at_max_s=1.0))
     clock.advance(0.1)
-    idle_w = MODELS["a100"].power_w(210.0)
+    idle_w = GPU_MODELS["a100"].power_w(210.0)
     assert b.read_state().energy_j == pytest.approx(idle_w * (r.time_s + 0.1), abs=idle_w * 0.1)
     assert a.read_state().energy_j > b.read_state().energy_j * 3
 
@@ -144,7 +150,7 @@ def test_temperature_rises_under_load_and_cools_when_idle(settings: Settings) ->
     clock = VirtualClock()
     dev = _backend(settings, clock=clock).devices()[0]
     cold = dev.read_state().temperature_c
-    dev.run(Workload(time_at_max_s=10.0, memory_activity=1.0))  # full load: at the 400 W cap
+    dev.run(WorkUnit(time_at_max_s=10.0, memory_activity=1.0))  # full load: at the 400 W cap
     hot = dev.read_state().temperature_c
     assert 60.0 <= hot <= 70.0  # kareus.md §5.1: full load settles at 60-70 °C
     clock.advance(5.0)
@@ -175,7 +181,7 @@ def test_wall_clock_backend_persists_by_default(settings: Settings) -> None:
     again = SimulatedBackend(settings.replace(sim_gpus=1)).devices()[0]
     assert again.read_state().locked_sm_freqs_mhz == (1410.0, 1410.0)
     with pytest.raises(NotSupportedError):
-        again.run(Workload(time_at_max_s=1.0))
+        again.run(WorkUnit(time_at_max_s=1.0))
 
 
 def test_corrupt_state_file_starts_afresh_with_a_warning(
@@ -210,6 +216,6 @@ def test_model_and_count_come_from_the_environment(tmp_path: Path) -> None:
 
 def test_workload_rejects_out_of_range_parameters() -> None:
     with pytest.raises(ValueError):
-        Workload(time_at_max_s=-1.0)
+        WorkUnit(time_at_max_s=-1.0)
     with pytest.raises(ValueError):
-        Workload(time_at_max_s=1.0, compute_fraction=1.5)
+        WorkUnit(time_at_max_s=1.0, compute_fraction=1.5)

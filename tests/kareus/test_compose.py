@@ -26,7 +26,7 @@ from powerlib.planning.kareus.compose import (
 )
 from powerlib.planning.kareus.evaluator import Measurement
 from powerlib.planning.kareus.partition import (
-    MODELS,
+    MODEL_SHAPES,
     Config,
     Parallelism,
     PartitionType,
@@ -95,7 +95,7 @@ def _records(workload, evaluator, sm_counts=(3, 12, 24)):
 @pytest.fixture(scope="module")
 def tp_case():
     workload = build_workload(
-        MODELS["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096), [15, 13]
+        MODEL_SHAPES["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096), [15, 13]
     )
     ev = AnalyticEvaluator()
     return workload, _records(workload, ev), measure_components(workload, ev, FREQS)

@@ -18,7 +18,7 @@ from powerlib.planning.kareus.compose import (
     method_frontier,
 )
 from powerlib.planning.kareus.partition import (
-    MODELS,
+    MODEL_SHAPES,
     Parallelism,
     build_workload,
     config_space,
@@ -39,7 +39,7 @@ FEW_FREQS = (1110.0, 1260.0, 1410.0)
 
 
 def _workload(model_key: str, **par: int):
-    return build_workload(MODELS[model_key], Parallelism(**par), [15, 13])
+    return build_workload(MODEL_SHAPES[model_key], Parallelism(**par), [15, 13])
 
 
 @pytest.mark.parametrize(

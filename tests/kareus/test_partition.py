@@ -8,7 +8,7 @@ from powerlib.errors import PlanError
 from powerlib.planning.kareus.partition import (
     ALL_GATHER,
     ALL_REDUCE,
-    MODELS,
+    MODEL_SHAPES,
     REDUCE_SCATTER,
     Config,
     ModelShape,
@@ -24,7 +24,7 @@ FREQS = range(900, 1411, 30)  # the artifact's 18 search clocks
 
 def _workload(tp=8, cp=1, mbs=8, seq=4096, model="llama3.2-3b"):
     return build_workload(
-        MODELS[model], Parallelism(tp=tp, cp=cp, micro_batch=mbs, seq_len=seq), [15, 13]
+        MODEL_SHAPES[model], Parallelism(tp=tp, cp=cp, micro_batch=mbs, seq_len=seq), [15, 13]
     )
 
 
@@ -94,7 +94,7 @@ def test_recompute_makes_a_backward_rerun_the_forward_types() -> None:
         "bwd_attn",
     ]
     w2 = build_workload(
-        MODELS["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096, recompute=False), [28]
+        MODEL_SHAPES["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096, recompute=False), [28]
     )
     assert [p.key for p, _ in w2.instruction_types("backward")] == ["bwd_mlp", "bwd_attn"]
     assert [op.name for op in w2.stages[0].extra_forward] == ["embedding", "output_layer", "loss"]
@@ -103,7 +103,7 @@ def test_recompute_makes_a_backward_rerun_the_forward_types() -> None:
 def test_bad_shapes_and_splits_are_one_clear_error() -> None:
     with pytest.raises(PlanError, match="add up to 27"):
         build_workload(
-            MODELS["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096), [14, 13]
+            MODEL_SHAPES["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096), [14, 13]
         )
     with pytest.raises(PlanError, match="at least 2"):
         Parallelism(tp=8, micro_batch=1, seq_len=4096)

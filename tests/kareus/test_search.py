@@ -23,7 +23,7 @@ import pytest
 from powerlib.errors import PlanError
 from powerlib.planning.kareus.evaluator import Measurement
 from powerlib.planning.kareus.partition import (
-    MODELS,
+    MODEL_SHAPES,
     Budget,
     Config,
     Parallelism,
@@ -132,7 +132,7 @@ def _sm_speed(sm_count: float) -> float:
 def _ptype(cp: int, key: str) -> PartitionType:
     par = (Parallelism(tp=8, micro_batch=8, seq_len=4096) if cp == 1
            else Parallelism(tp=4, cp=2, micro_batch=8, seq_len=4096))
-    return build_workload(MODELS["llama3.2-3b"], par, [15, 13]).partition(key)
+    return build_workload(MODEL_SHAPES["llama3.2-3b"], par, [15, 13]).partition(key)
 
 
 def found_relative_hv(ev: SyntheticEvaluator, ptype: PartitionType, space: list[Config],
@@ -202,7 +202,7 @@ def test_relative_hypervolume_normalises_by_all_points() -> None:
 
 @needs_deps
 def test_vectorised_hvi_matches_moocore_differences() -> None:
-    from powerlib.planning.kareus.search import _front_2d, _gap_2d, _hvi_2d
+    from powerlib.planning.kareus.hypervolume import _front_2d, _gap_2d, _hvi_2d
 
     rng = np.random.default_rng(3)
     for _ in range(20):

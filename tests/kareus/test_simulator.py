@@ -27,11 +27,11 @@ from powerlib.emulator.partition_model import (
 from powerlib.errors import PlanError
 from powerlib.planning.kareus.evaluator import Evaluator, MeasureProtocol
 from powerlib.planning.kareus.partition import (
-    MODELS,
+    MODEL_SHAPES,
     Config,
     Parallelism,
     PartitionType,
-    Workload,
+    PartitionWorkload,
     build_workload,
     config_space,
 )
@@ -39,22 +39,22 @@ from powerlib.planning.kareus.partition import (
 SMS = range(1, 31)
 
 
-def _workload(model_key: str, **par: int) -> Workload:
-    return build_workload(MODELS[model_key], Parallelism(**par), [15, 13])
+def _workload(model_key: str, **par: int) -> PartitionWorkload:
+    return build_workload(MODEL_SHAPES[model_key], Parallelism(**par), [15, 13])
 
 
 @pytest.fixture(scope="module")
-def llama_tp8() -> Workload:
+def llama_tp8() -> PartitionWorkload:
     return _workload("llama3.2-3b", tp=8, micro_batch=8, seq_len=4096)
 
 
 @pytest.fixture(scope="module")
-def llama_cp2tp4() -> Workload:
+def llama_cp2tp4() -> PartitionWorkload:
     return _workload("llama3.2-3b", tp=4, cp=2, micro_batch=8, seq_len=4096)
 
 
 @pytest.fixture(scope="module")
-def qwen_tp8() -> Workload:
+def qwen_tp8() -> PartitionWorkload:
     return _workload("qwen3-1.7b", tp=8, micro_batch=8, seq_len=4096)
 
 
@@ -65,7 +65,7 @@ def _best(ptype: PartitionType, freq_mhz: float, *, objective: int = 1,
     return min(rows, key=lambda row: row[1][objective])
 
 
-def _layer_nanobatched(w: Workload, freq_mhz: float) -> tuple[float, float]:
+def _layer_nanobatched(w: PartitionWorkload, freq_mhz: float) -> tuple[float, float]:
     """One layer (forward + backward) with the fastest configuration of each partition type."""
     time_s = energy_j = 0.0
     for ptype in w.partitions:
@@ -75,7 +75,7 @@ def _layer_nanobatched(w: Workload, freq_mhz: float) -> tuple[float, float]:
     return time_s, energy_j
 
 
-def _layer_sequential(w: Workload, freq_mhz: float) -> tuple[float, float]:
+def _layer_sequential(w: PartitionWorkload, freq_mhz: float) -> tuple[float, float]:
     tf, ef = model_sequential(w.sequential["fwd"], freq_mhz)
     tb, eb = model_sequential(w.sequential["bwd"], freq_mhz)
     return tf + tb, ef + eb
@@ -86,7 +86,7 @@ def _layer_sequential(w: Workload, freq_mhz: float) -> tuple[float, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def test_magnitudes_llama_tp8(llama_tp8: Workload) -> None:
+def test_magnitudes_llama_tp8(llama_tp8: PartitionWorkload) -> None:
     """fwd_attn compute ~1 ms, its 100 MB all-reduce ~0.7-0.8 ms alone (comm-heavy)."""
     ptype = llama_tp8.partition("fwd_attn")
     t_comp, _ = model_compute(ptype.ops, 1410)
@@ -98,7 +98,7 @@ def test_magnitudes_llama_tp8(llama_tp8: Workload) -> None:
     assert r.exposed_comm_s == pytest.approx(r.comm_end_s - r.compute_end_s)
 
 
-def test_conservation(llama_tp8: Workload) -> None:
+def test_conservation(llama_tp8: PartitionWorkload) -> None:
     """Energy = dynamic + P_static · time; the phase trace integrates to the same energy."""
     ptype = llama_tp8.partition("fwd_mlp")
     cfg = Config(1230, 12, "linear_0")
@@ -113,7 +113,7 @@ def test_conservation(llama_tp8: Workload) -> None:
     assert max(pw for _, pw in phases) < 480  # no phase draws absurd power
 
 
-def test_model_speed(llama_cp2tp4: Workload) -> None:
+def test_model_speed(llama_cp2tp4: PartitionWorkload) -> None:
     configs = [(p, c) for p in llama_cp2tp4.partitions for c in config_space(p, [1410, 900])]
     t0 = time.perf_counter()
     for p, c in configs:
@@ -127,7 +127,7 @@ def test_model_speed(llama_cp2tp4: Workload) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_interior_sm_optimum(llama_tp8: Workload) -> None:
+def test_interior_sm_optimum(llama_tp8: PartitionWorkload) -> None:
     """(1) Too few SMs expose the collective, too many slow the compute."""
     ptype = llama_tp8.partition("fwd_attn")
     res = {s: model(ptype, Config(1410, s, "norm_0")) for s in SMS}
@@ -142,7 +142,7 @@ def test_interior_sm_optimum(llama_tp8: Workload) -> None:
     assert res[30][1] > res[best_e][1] * 1.01
 
 
-def test_launch_slot_effect(qwen_tp8: Workload) -> None:
+def test_launch_slot_effect(qwen_tp8: PartitionWorkload) -> None:
     """(2) Memory-bound slots contend for HBM, GEMM slots lose SMs; the best slot moves with f."""
     ptype = qwen_tp8.partition("fwd_attn")
     # Launching with the norm slows the norm (HBM), with the GEMM slows the GEMM (SMs).
@@ -162,7 +162,7 @@ def test_launch_slot_effect(qwen_tp8: Workload) -> None:
     assert best_slot(1110) == "linear_0"
 
 
-def test_schedule_spread(llama_tp8: Workload, llama_cp2tp4: Workload) -> None:
+def test_schedule_spread(llama_tp8: PartitionWorkload, llama_cp2tp4: PartitionWorkload) -> None:
     """(3) Same work, same clock: time and energy vary ≥ 1.5x across the artifact's space."""
     for ptype in (llama_tp8.partition("fwd_attn"), llama_cp2tp4.partition("fwd_ao_ar")):
         results = [model(ptype, c) for c in config_space(ptype, [1410])]  # SMs 3..30 step 3
@@ -172,8 +172,8 @@ def test_schedule_spread(llama_tp8: Workload, llama_cp2tp4: Workload) -> None:
         assert max(energies) / min(energies) >= 1.5
 
 
-def test_frequency_coupling(llama_tp8: Workload, qwen_tp8: Workload,
-                            llama_cp2tp4: Workload) -> None:
+def test_frequency_coupling(llama_tp8: PartitionWorkload, qwen_tp8: PartitionWorkload,
+                            llama_cp2tp4: PartitionWorkload) -> None:
     """(4) The energy-optimal (slot, SM) at 900 MHz differs from the one at 1410 MHz."""
     changed = []
     for w in (llama_tp8, qwen_tp8, llama_cp2tp4):
@@ -186,7 +186,7 @@ def test_frequency_coupling(llama_tp8: Workload, qwen_tp8: Workload,
     assert len(changed) >= 5
 
 
-def test_energy_floor(llama_tp8: Workload) -> None:
+def test_energy_floor(llama_tp8: PartitionWorkload) -> None:
     """(5) Below the ~900 MHz knee, lowering the clock no longer saves energy."""
     for key in ("fwd_attn", "fwd_mlp", "bwd_mlp"):
         ptype = llama_tp8.partition(key)
@@ -201,7 +201,7 @@ def test_energy_floor(llama_tp8: Workload) -> None:
         assert model_compute(ptype.ops, 700)[1] > model_compute(ptype.ops, 900)[1]
 
 
-def test_throttling_and_theorem_1(qwen_tp8: Workload) -> None:
+def test_throttling_and_theorem_1(qwen_tp8: PartitionWorkload) -> None:
     """(6) Nanobatched overlap at 1410 MHz hits the 400 W cap and oscillates around ~1350 MHz;
     locked at the average clock, the same work takes the same time with less energy."""
     items: list[object] = []
@@ -247,7 +247,7 @@ def test_small_work_regression() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_evaluator_protocol(llama_tp8: Workload) -> None:
+def test_evaluator_protocol(llama_tp8: PartitionWorkload) -> None:
     ev = SimulatedOverlapEvaluator(noise=0.0)
     assert isinstance(ev, Evaluator)
     assert ev.freqs_mhz[0] == 900 and ev.freqs_mhz[-1] == 1410 and len(ev.freqs_mhz) == 18
@@ -268,7 +268,7 @@ def test_evaluator_protocol(llama_tp8: Workload) -> None:
     assert ev.evaluations == 3 and ev.virtual_time_s == pytest.approx(3 * m.wall_s)
 
 
-def test_evaluator_without_thermal_matches_model(llama_tp8: Workload) -> None:
+def test_evaluator_without_thermal_matches_model(llama_tp8: PartitionWorkload) -> None:
     ev = SimulatedOverlapEvaluator(noise=0.0, thermal=False)
     ptype = llama_tp8.partition("bwd_mlp")
     cfg = Config(1110, 9, "linear_0")
@@ -278,7 +278,7 @@ def test_evaluator_without_thermal_matches_model(llama_tp8: Workload) -> None:
     assert m.dynamic_energy_j == pytest.approx(e - 85.0 * t, rel=0.02)
 
 
-def test_deterministic_with_seed(llama_tp8: Workload) -> None:
+def test_deterministic_with_seed(llama_tp8: PartitionWorkload) -> None:
     ptype = llama_tp8.partition("fwd_mlp")
     configs = [Config(f, s, "linear_0") for f in (1410, 1200, 990) for s in (6, 18)]
 
@@ -294,7 +294,7 @@ def test_deterministic_with_seed(llama_tp8: Workload) -> None:
         assert abs(e / e0 - 1) < 0.1 and abs(t / t0 - 1) < 0.05
 
 
-def _order_bias(protocol: MeasureProtocol, llama: Workload) -> float:
+def _order_bias(protocol: MeasureProtocol, llama: PartitionWorkload) -> float:
     """Relative energy difference of one candidate measured after a hot vs after a cold one."""
     probe = (llama.partition("fwd_attn"), Config(1200, 15, "linear_0"))
     hot = (llama.partition("bwd_mlp"), Config(1410, 9, "linear_0"))
@@ -308,7 +308,7 @@ def _order_bias(protocol: MeasureProtocol, llama: Workload) -> float:
     return results[0] / results[1] - 1
 
 
-def test_thermal_bias_without_cooldown(llama_tp8: Workload) -> None:
+def test_thermal_bias_without_cooldown(llama_tp8: PartitionWorkload) -> None:
     """Back-to-back without cooldown: a candidate measured after a hot one reads high."""
     rushed = MeasureProtocol(settle_s=0.0, warmup_s=0.0, window_s=0.5, cooldown_s=0.0)
     stable = MeasureProtocol(settle_s=2.0, warmup_s=1.0, window_s=5.0, cooldown_s=5.0)
@@ -319,7 +319,7 @@ def test_thermal_bias_without_cooldown(llama_tp8: Workload) -> None:
     assert bias_rushed > 5 * abs(bias_stable)
 
 
-def test_short_window_reads_low(llama_tp8: Workload) -> None:
+def test_short_window_reads_low(llama_tp8: PartitionWorkload) -> None:
     """A short window after cooldown reads cooler (lower static power) than a 5 s one."""
     ptype, cfg = llama_tp8.partition("bwd_mlp"), Config(1410, 9, "linear_0")
     short = SimulatedOverlapEvaluator(
@@ -329,7 +329,7 @@ def test_short_window_reads_low(llama_tp8: Workload) -> None:
     assert short.evaluate(ptype, cfg).energy_j < long.evaluate(ptype, cfg).energy_j
 
 
-def test_evaluator_under_power_cap(qwen_tp8: Workload) -> None:
+def test_evaluator_under_power_cap(qwen_tp8: PartitionWorkload) -> None:
     ptype = qwen_tp8.partition("bwd_mlp")
     cfg = Config(1410, 9, "linear_0")
     capped = SimulatedOverlapEvaluator(noise=0.0, power_cap_w=350.0).evaluate(ptype, cfg)
@@ -344,7 +344,7 @@ def test_evaluator_under_power_cap(qwen_tp8: Workload) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_bad_input(llama_tp8: Workload) -> None:
+def test_bad_input(llama_tp8: PartitionWorkload) -> None:
     ptype = llama_tp8.partition("fwd_mlp")
     ev = SimulatedOverlapEvaluator()
     bad = [
@@ -377,7 +377,7 @@ def test_bad_input(llama_tp8: Workload) -> None:
         Work((("nonsense", 3.0),)).at(1410)
 
 
-def test_h100_params_run(llama_tp8: Workload) -> None:
+def test_h100_params_run(llama_tp8: PartitionWorkload) -> None:
     from powerlib.emulator.partition_model import H100
 
     ptype = llama_tp8.partition("fwd_attn")
@@ -388,12 +388,12 @@ def test_h100_params_run(llama_tp8: Workload) -> None:
 
 
 def test_parameters_shared_with_the_simulated_backend_agree() -> None:
-    """The core may not import a backend, so the shared numbers are written twice: keep them equal."""
-    from powerlib.backends.simulated import MODELS
+    """Both simulators read powerlib.gpu_models: the shared numbers agree."""
+    from powerlib.backends.simulated import GPU_MODELS
     from powerlib.emulator.partition_model import H100
 
     for params, key in ((A100, "a100"), (H100, "h100")):
-        sim = MODELS[key]
+        sim = GPU_MODELS[key]
         for name in ("num_sms", "min_freq_mhz", "max_freq_mhz", "freq_step_mhz", "knee_freq_mhz",
                      "v_min_ratio", "thermal_resistance_c_per_w", "thermal_capacitance_j_per_c",
                      "ambient_c", "energy_update_period_s"):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from powerlib.backends.simulated import SimulatedBackend, VirtualClock, Workload
+from powerlib.backends.simulated import SimulatedBackend, VirtualClock, WorkUnit
 from powerlib.config import Settings
 from powerlib.errors import InvalidArgumentError, NotSupportedError
 from powerlib.journal import StateDir
 from powerlib.planning.kareus.evaluator import Evaluator, MeasureProtocol
 from powerlib.planning.kareus.partition import (
-    MODELS,
+    MODEL_SHAPES,
     Config,
     Parallelism,
     PartitionType,
@@ -18,7 +18,7 @@ from powerlib.planning.kareus.partition import (
 )
 from powerlib.profiling.partition_meter import DeviceEvaluator
 
-WORK = Workload(time_at_max_s=0.04, compute_fraction=0.8, sm_activity=0.9, memory_activity=0.2)
+WORK = WorkUnit(time_at_max_s=0.04, compute_fraction=0.8, sm_activity=0.9, memory_activity=0.2)
 PROTOCOL = MeasureProtocol(settle_s=2.0, warmup_s=1.0, window_s=5.0, cooldown_s=5.0)
 
 
@@ -33,7 +33,7 @@ def backend(tmp_path) -> SimulatedBackend:
 @pytest.fixture(scope="module")
 def ptype() -> PartitionType:
     workload = build_workload(
-        MODELS["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096), [15, 13]
+        MODEL_SHAPES["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096), [15, 13]
     )
     return workload.partition("fwd_attn")
 

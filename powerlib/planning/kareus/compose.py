@@ -36,7 +36,7 @@ from typing import Any
 
 from powerlib.errors import PlanError
 from powerlib.planning.kareus.evaluator import Evaluator, Measurement
-from powerlib.planning.kareus.partition import BLOCK_SIZE, Config, PartitionType, Workload
+from powerlib.planning.kareus.partition import BLOCK_SIZE, Config, PartitionType, PartitionWorkload
 from powerlib.planning.perseus.frontier import (
     DEFAULT_MAX_WORK,
     Frontier,
@@ -122,7 +122,7 @@ def _stock_config(ptype: PartitionType, freq_mhz: float, sm_count: int) -> Confi
 
 
 def measure_components(
-    workload: Workload,
+    workload: PartitionWorkload,
     evaluator: Evaluator,
     freqs_mhz: Sequence[float],
     *,
@@ -202,7 +202,9 @@ def _pareto(items: list[_Partial]) -> list[_Partial]:
     return [items[i] for i in idx]
 
 
-def _types_of(workload: Workload, kind: str, layers: int) -> list[tuple[str, PartitionType, int]]:
+def _types_of(
+    workload: PartitionWorkload, kind: str, layers: int
+) -> list[tuple[str, PartitionType, int]]:
     """(plan key, partition type, multiplicity) of one instruction.
 
     The forward types a backward recomputes get the plan key ``recompute_<key>``.
@@ -217,7 +219,7 @@ def _types_of(workload: Workload, kind: str, layers: int) -> list[tuple[str, Par
 
 
 def compose_options(
-    workload: Workload,
+    workload: PartitionWorkload,
     records: Mapping[str, Iterable[tuple[Config, float, float]]],
     components: Components,
     *,
@@ -354,7 +356,7 @@ def calibrate_correction(pairs: Iterable[tuple[float, float]]) -> float:
 
 
 def reference_options(
-    workload: Workload, components: Components
+    workload: PartitionWorkload, components: Components
 ) -> dict[tuple[int, str], tuple[float, float]]:
     """Megatron-LM's point per ``(stage, kind)``: sequential at the highest clock."""
     seq = compose_options(workload, {}, components, method="perseus")
@@ -362,7 +364,7 @@ def reference_options(
 
 
 def method_frontier(
-    workload: Workload,
+    workload: PartitionWorkload,
     options: Mapping[tuple[int, str], Sequence[tuple[float, float, float, Knob]]],
     components: Components,
     schedule: Schedule,

@@ -14,11 +14,10 @@ keys are ``<phase>_<segment>`` when both nanobatches of a segment overlap the sa
 (``fwd_attn``, ``fwd_mlp``; the TP-only layer) and ``<phase>_<segment>_<collective>`` otherwise
 (``fwd_qkv_ag``, ``bwd_a_rs``; context parallelism), as in the Kareus artifact's schedule files.
 
-Consecutive short memory-bound operations share one *launch slot* (``norm``, ``rope``,
-``activation``); compute-bound ones have a slot each (``linear``, ``attn``), numbered per name in
-order (``linear_0``, ``linear_1``). A configuration (:class:`Config`) is a clock, an SM (CTA) count
-for the communication kernel and a launch slot, or ``None`` for no overlap: the collective runs
-after the compute with the whole GPU.
+The shapes live in :mod:`powerlib.planning.kareus.shapes`, the operation, partition and
+configuration types in :mod:`powerlib.planning.kareus.partition_types`; this module builds a
+stage's partitions from them (:func:`build_workload`) and gives each partition type its
+configuration space and search budget. It re-exports the names of both, the package's public path.
 
 Everything here is arithmetic on shapes: no device, no torch.
 """
@@ -30,6 +29,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from powerlib.errors import PlanError
+from powerlib.planning.kareus.partition_types import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    BLOCK_SIZE,
+    REDUCE_SCATTER,
+    Collective,
+    Config,
+    Op,
+    PartitionType,
+    Segment,
+)
+from powerlib.planning.kareus.shapes import MODEL_SHAPES, ModelShape, Parallelism
 
 __all__ = [
     "ALL_GATHER",
@@ -39,277 +50,25 @@ __all__ = [
     "Collective",
     "Budget",
     "Config",
-    "MODELS",
+    "MODEL_SHAPES",
     "ModelShape",
     "Op",
     "Parallelism",
     "PartitionType",
     "Segment",
     "StageWork",
-    "Workload",
+    "PartitionWorkload",
     "build_workload",
     "config_space",
     "default_sm_counts",
     "search_budget",
 ]
 
-ALL_REDUCE = "all_reduce"
-ALL_GATHER = "all_gather"
-REDUCE_SCATTER = "reduce_scatter"
-_ABBREV = {ALL_REDUCE: "ar", ALL_GATHER: "ag", REDUCE_SCATTER: "rs"}
-
-BLOCK_SIZE = 1024
-"""Threads per CTA of the communication kernel (fixed, as in the artifact)."""
-
 _BF16 = 2  # bytes per element
-_MEMORY_BOUND_SLOTS = ("norm", "rope", "activation")
 
 
 # --------------------------------------------------------------------------------------------
-# Shapes
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelShape:
-    """A decoder-only transformer's layer shapes (kareus.md §5.4 "Reference workloads").
-
-    Attributes:
-        name: Model name, recorded in plans.
-        hidden: Hidden size.
-        heads: Attention (query) heads.
-        kv_groups: Key/value heads (grouped-query attention).
-        head_dim: Per-head dimension.
-        ffn: FFN intermediate size (SwiGLU: gate and up projections of this size).
-        layers: Transformer layers.
-        vocab: Vocabulary size (embedding and output layer).
-    """
-
-    name: str
-    hidden: int
-    heads: int
-    kv_groups: int
-    head_dim: int
-    ffn: int
-    layers: int
-    vocab: int
-
-    def __post_init__(self) -> None:
-        for name in ("hidden", "heads", "kv_groups", "head_dim", "ffn", "layers", "vocab"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise PlanError(f"model {name} must be a positive integer, got {value!r}")
-        if self.heads % self.kv_groups:
-            raise PlanError(
-                f"heads ({self.heads}) must be a multiple of kv_groups ({self.kv_groups})"
-            )
-
-
-MODELS: dict[str, ModelShape] = {
-    # kareus.md §5.4 (the artifact's model registry); vocabularies from the model cards.
-    "llama3.2-3b": ModelShape(
-        name="Llama 3.2 3B",
-        hidden=3072,
-        heads=24,
-        kv_groups=8,
-        head_dim=128,
-        ffn=8192,
-        layers=28,
-        vocab=128256,
-    ),
-    "qwen3-1.7b": ModelShape(
-        name="Qwen3 1.7B",
-        hidden=2048,
-        heads=16,
-        kv_groups=8,
-        head_dim=128,
-        ffn=6144,
-        layers=28,
-        vocab=151936,
-    ),
-}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Parallelism:
-    """How one pipeline stage's layers are split and fed.
-
-    Attributes:
-        tp: Tensor-parallel degree (the TP all-reduce group).
-        cp: Context-parallel degree (the K/V all-gather and dK/dV reduce-scatter group).
-        micro_batch: Sequences per microbatch (split into two nanobatches of half each).
-        seq_len: Sequence length in tokens (split ``cp`` ways).
-        recompute: Full activation checkpointing: a backward instruction re-runs the forward
-            partitions of its layers first (the artifact's default).
-    """
-
-    tp: int
-    cp: int = 1
-    micro_batch: int
-    seq_len: int
-    recompute: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "cp", "micro_batch", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise PlanError(f"{name} must be a positive integer, got {value!r}")
-        if self.micro_batch < 2:
-            raise PlanError("micro_batch must be at least 2 to split it into two nanobatches")
-        if self.seq_len % self.cp:
-            raise PlanError(f"seq_len ({self.seq_len}) must be divisible by cp ({self.cp})")
-
-    @property
-    def label(self) -> str:
-        """``tp8`` or ``cp2tp4``, with micro-batch and sequence: ``cp2tp4_mbs8_seq4096``."""
-        par = f"cp{self.cp}tp{self.tp}" if self.cp > 1 else f"tp{self.tp}"
-        return f"{par}_mbs{self.micro_batch}_seq{self.seq_len}"
-
-
-# --------------------------------------------------------------------------------------------
-# Operations
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Op:
-    """One compute kernel (or a merged group of short memory-bound kernels) on one GPU.
-
-    Attributes:
-        name: What it is (``qkv``, ``flash_attn_bwd``, ...).
-        slot: Its launch slot (``norm_0``, ``linear_1``, ...).
-        flops: Floating-point operations on this GPU.
-        hbm_bytes: Bytes moved to and from HBM on this GPU.
-        ctas: Thread blocks the kernel launches (bounds how many SMs it can use).
-    """
-
-    name: str
-    slot: str
-    flops: float
-    hbm_bytes: float
-    ctas: int
-
-    @property
-    def memory_bound(self) -> bool:
-        """Whether its slot is one of the merged memory-bound groups."""
-        return self.slot.rsplit("_", 1)[0] in _MEMORY_BOUND_SLOTS
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Collective:
-    """One collective of one nanobatch (consecutive collectives already fused).
-
-    Attributes:
-        kind: :data:`ALL_REDUCE`, :data:`ALL_GATHER` or :data:`REDUCE_SCATTER`.
-        payload_bytes: The full buffer ``M`` (all-reduce: the tensor; all-gather: the gathered
-            result; reduce-scatter: the input).
-        group_size: Ranks in the group ``g``.
-        wire_bytes: Bytes each GPU sends: ring all-reduce ``2(g−1)/g·M``, the others
-            ``(g−1)/g·M`` (kareus.md §5.1).
-    """
-
-    kind: str
-    payload_bytes: float
-    group_size: int
-
-    @property
-    def wire_bytes(self) -> float:
-        """Bytes on the wire per GPU."""
-        g = self.group_size
-        factor = 2.0 * (g - 1) / g if self.kind == ALL_REDUCE else (g - 1) / g
-        return factor * self.payload_bytes
-
-    @property
-    def abbrev(self) -> str:
-        """``ar``, ``ag`` or ``rs``."""
-        return _ABBREV[self.kind]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Segment:
-    """A run of compute ending in a collective (the unit partitions are formed from)."""
-
-    name: str
-    ops: tuple[Op, ...]
-    comm: Collective
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PartitionType:
-    """One partition type: the compute of one nanobatch with another's collective in flight.
-
-    Attributes:
-        key: Stable type key (``fwd_attn``, ``bwd_qkv_rs``, ...).
-        phase: ``fwd`` or ``bwd``.
-        ops: The compute (nanobatch-sized), in stream order.
-        comm: The overlapped collective (nanobatch-sized).
-        slots: Candidate launch slots: every slot but the last (launching with the last kernel
-            leaves the collective exposed), and the only one when there is one.
-        per_layer: Occurrences per layer and instruction (both nanobatches counted).
-    """
-
-    key: str
-    phase: str
-    ops: tuple[Op, ...]
-    comm: Collective
-    slots: tuple[str, ...]
-    per_layer: int
-
-    @property
-    def size_class(self) -> str:
-        """Search-budget class by compute kernels (kareus.md §1.4): small, medium or large."""
-        n = len(self.ops)
-        return "small" if n <= 1 else "medium" if n <= 3 else "large"
-
-    @property
-    def slot_ops(self) -> dict[str, int]:
-        """Each slot's first op index (where a collective launched "with" it starts)."""
-        first: dict[str, int] = {}
-        for i, op in enumerate(self.ops):
-            first.setdefault(op.slot, i)
-        return first
-
-
-@dataclass(frozen=True, slots=True)
-class Config:
-    """One partition configuration.
-
-    Attributes:
-        freq_mhz: Locked SM clock.
-        sm_count: CTAs (one per SM) of the communication kernel.
-        slot: Launch slot, or ``None``: no overlap, the collective runs after the compute.
-    """
-
-    freq_mhz: float
-    sm_count: int
-    slot: str | None
-
-    def __str__(self) -> str:
-        """The artifact's ``<start>-<end>-<sm>-<block>`` string (``none`` start: no overlap)."""
-        return f"{self.slot or 'none'}-none-{self.sm_count}-{BLOCK_SIZE}"
-
-    def to_json(self) -> dict[str, object]:
-        """``{"freq_mhz", "sm_count", "slot"}``."""
-        return {"freq_mhz": self.freq_mhz, "sm_count": self.sm_count, "slot": self.slot}
-
-    @classmethod
-    def parse(cls, text: str, freq_mhz: float) -> Config:
-        """Parse a configuration string (:meth:`__str__`) at ``freq_mhz``.
-
-        Raises:
-            PlanError: If the string is malformed.
-        """
-        parts = str(text).split("-")
-        if len(parts) != 4 or not parts[2].isdigit() or int(parts[2]) < 1:
-            raise PlanError(
-                f"partition configuration {text!r} is not <slot>-<end>-<sm_count>-<block>"
-            )
-        slot = None if parts[0] in ("none", "-1") else parts[0]
-        return cls(freq_mhz=float(freq_mhz), sm_count=int(parts[2]), slot=slot)
-
-
-# --------------------------------------------------------------------------------------------
-# Workload: the partitions and the non-partition work of each stage
+# PartitionWorkload: the partitions and the non-partition work of each stage
 # --------------------------------------------------------------------------------------------
 
 
@@ -332,7 +91,7 @@ class StageWork:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Workload:
+class PartitionWorkload:
     """A model, its parallelism and its stages: everything the search and composition need.
 
     Attributes:
@@ -355,7 +114,7 @@ class Workload:
     @property
     def label(self) -> str:
         """``llama3.2-3b_tp8_mbs8_seq4096``-like label."""
-        key = next((k for k, m in MODELS.items() if m == self.model), self.model.name)
+        key = next((k for k, m in MODEL_SHAPES.items() if m == self.model), self.model.name)
         return f"{key}_{self.parallelism.label}"
 
     def partition(self, key: str) -> PartitionType:
@@ -615,11 +374,11 @@ def _extras(
 
 def build_workload(
     model: ModelShape, parallelism: Parallelism, stage_layers: Sequence[int]
-) -> Workload:
+) -> PartitionWorkload:
     """Partitions and stage work of ``model`` under ``parallelism``, split ``stage_layers``.
 
     Args:
-        model: Layer shapes (e.g. ``MODELS["llama3.2-3b"]``).
+        model: Layer shapes (e.g. ``MODEL_SHAPES["llama3.2-3b"]``).
         parallelism: TP/CP degrees, micro-batch and sequence.
         stage_layers: Layers per pipeline stage (the artifact's PP=2 split is 15/13).
 
@@ -642,7 +401,7 @@ def build_workload(
     for s, n in enumerate(layers):
         fwd, bwd = _extras(model, parallelism, s, len(layers))
         stages.append(StageWork(stage=s, layers=n, extra_forward=fwd, extra_backward=bwd))
-    return Workload(
+    return PartitionWorkload(
         model=model,
         parallelism=parallelism,
         stages=tuple(stages),

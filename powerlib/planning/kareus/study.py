@@ -24,10 +24,10 @@ from powerlib.inputs import load_json_file
 from powerlib.planning.kareus.compose import STOCK_SM_COUNT, Components
 from powerlib.planning.kareus.evaluator import Measurement
 from powerlib.planning.kareus.partition import (
-    MODELS,
+    MODEL_SHAPES,
     ModelShape,
     Parallelism,
-    Workload,
+    PartitionWorkload,
     build_workload,
 )
 
@@ -43,7 +43,7 @@ class Study:
 
     directory: Path
     model_key: str
-    workload: Workload
+    workload: PartitionWorkload
     stage_layers: tuple[int, ...]
     freqs_mhz: tuple[float, ...]
     components: Components
@@ -145,9 +145,9 @@ def read_study(directory: str | Path) -> Study:
         got = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise PlanError(f"{source}: schema is {got!r}, expected {STUDY_SCHEMA!r}")
     model_key = data.get("model")
-    if model_key not in MODELS:
-        raise PlanError(f"{source}: unknown model {model_key!r}; known: {', '.join(MODELS)}")
-    model: ModelShape = MODELS[model_key]
+    if model_key not in MODEL_SHAPES:
+        raise PlanError(f"{source}: unknown model {model_key!r}; known: {', '.join(MODEL_SHAPES)}")
+    model: ModelShape = MODEL_SHAPES[model_key]
     par_raw = data.get("parallelism")
     if not isinstance(par_raw, dict):
         raise PlanError(f"{source}: 'parallelism' must be an object")

@@ -1,0 +1,143 @@
+"""The parameters of the simulated GPU models: one table that every simulator reads.
+
+The simulated backend (:mod:`powerlib.backends.simulated`) and the Kareus partition model
+(:mod:`powerlib.emulator.partition_model`) both simulate these GPUs; they take the clocks, voltage
+curve, power terms, power-limit range and thermal constants from :data:`GPU_SPECS`, so the two
+agree by construction. Standard library only: a leaf module that any layer may import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GPU_SPECS", "GpuSpec"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuSpec:
+    """Parameters of one GPU model. Powers in W at the maximum clock unless noted.
+
+    Attributes:
+        key: Short name (``POWERLIB_SIM_MODEL`` value).
+        product: Product name without the vendor (``A100-SXM4-40GB``).
+        num_sms: Streaming multiprocessors.
+        min_freq_mhz: Lowest supported SM clock.
+        max_freq_mhz: Highest supported SM clock.
+        freq_step_mhz: Spacing of supported SM clocks.
+        knee_freq_mhz: Clock below which the voltage stays at its floor.
+        v_min_ratio: Voltage floor as a fraction of the voltage at ``max_freq_mhz``.
+        idle_power_w: Power with the clock stopped and no work (board, leakage).
+        clock_power_w: Clock-tree power at ``max_freq_mhz``, drawn whenever the clock runs.
+        sm_power_w: Switching power of one fully busy SM at ``max_freq_mhz`` (the published
+            per-SM estimate; the simulated backend's full-load dynamic power is
+            ``num_sms × sm_power_w``).
+        memory_power_w: Extra power with memory traffic at full rate (the simulated backend's
+            whole-kernel memory term).
+        default_power_limit_w: Default (TDP) power limit.
+        min_power_limit_w: Lowest settable power limit.
+        max_power_limit_w: Highest settable power limit.
+        mem_freq_mhz: Memory clock (fixed).
+        ambient_c: Inlet temperature.
+        thermal_resistance_c_per_w: Steady-state temperature rise per watt.
+        thermal_capacitance_j_per_c: Heat capacity; τ = R·C.
+        energy_update_period_s: How often the energy counter publishes a new value.
+    """
+
+    key: str
+    product: str
+    num_sms: int
+    min_freq_mhz: float
+    max_freq_mhz: float
+    freq_step_mhz: float
+    knee_freq_mhz: float
+    v_min_ratio: float
+    idle_power_w: float
+    clock_power_w: float
+    sm_power_w: float
+    memory_power_w: float
+    default_power_limit_w: float
+    min_power_limit_w: float
+    max_power_limit_w: float
+    mem_freq_mhz: float
+    ambient_c: float
+    thermal_resistance_c_per_w: float
+    thermal_capacitance_j_per_c: float
+    energy_update_period_s: float = 0.1
+
+    @property
+    def blocked_power_w(self) -> float:
+        """Power with the clock at its maximum and no SM busy (a GPU blocked on P2P traffic)."""
+        return self.idle_power_w + self.clock_power_w
+
+
+# Sources: ../shared/reference/kareus.md §5.4 ("Parameter sets"), peers.md §4.1 ("Device table"),
+# perseus.md §1.3–1.4. Numbers marked [assumption] are not published; they are chosen to reproduce
+# the documented phenomena and should be re-calibrated on hardware.
+GPU_SPECS: dict[str, GpuSpec] = {
+    "a100": GpuSpec(
+        key="a100",
+        product="A100-SXM4-40GB",
+        num_sms=108,  # kareus.md §5.4 (TechPowerUp)
+        min_freq_mhz=210.0,  # peers.md §4.1: supported list 1410 -> 210, 15 MHz steps, 81 points
+        max_freq_mhz=1410.0,
+        freq_step_mhz=15.0,
+        knee_freq_mhz=900.0,  # kareus.md §5.4: energy stops falling below ~900 MHz (Perseus App. B)
+        v_min_ratio=0.70,  # [assumption]
+        idle_power_w=55.0,  # peers.md §4.1: idle 52-68 W at 210 MHz (model: 57 W at 210 MHz)
+        clock_power_w=30.0,  # with idle: 85 W blocked on P2P at 1410 MHz (Kareus GPU_CONFIGS; Perseus 83.64 W)
+        sm_power_w=2.4,  # kareus.md §5.4: c_sm ≈ 2.4 W per busy SM at f_max
+        memory_power_w=60.0,  # [assumption] full compute + HBM load (405 W) exceeds the 400 W cap (kareus.md §5.3 item 6)
+        default_power_limit_w=400.0,  # peers.md §4.1: TDP 400 W, PL range 100-400 W
+        min_power_limit_w=100.0,
+        max_power_limit_w=400.0,
+        mem_freq_mhz=1215.0,  # peers.md §4.1: 40 GB part, single memory clock
+        ambient_c=25.0,  # [assumption]
+        thermal_resistance_c_per_w=0.10,  # kareus.md §5.1: full load settles at 60-70 °C (400 W -> 65 °C)
+        thermal_capacitance_j_per_c=15.0,  # kareus.md §5.1: 5 s of idle cools below ~32 °C (τ = 1.5 s)
+        energy_update_period_s=0.1,  # kareus.md §5.4 / peers.md §4.2: NVML counter updates every ~100 ms
+    ),
+    "h100": GpuSpec(
+        key="h100",
+        product="H100-SXM5-80GB",
+        num_sms=132,  # kareus.md §5.4 (Lockwood)
+        min_freq_mhz=210.0,  # [assumption] peers.md §4.1 says VERIFY-ON-DEVICE; 15 MHz steps as on Ampere
+        max_freq_mhz=1980.0,  # peers.md §4.1: max SM clock 1980 MHz
+        freq_step_mhz=15.0,
+        knee_freq_mhz=1050.0,  # kareus.md §5.4: "[D] about 1000-1100 MHz, calibrate"
+        v_min_ratio=0.70,  # [assumption]
+        idle_power_w=72.0,  # peers.md §4.1: idle typically 72-75 W
+        clock_power_w=43.0,  # with idle: 115 W blocked (kareus.md §5.4: start at 100-130 W)
+        sm_power_w=3.6,  # kareus.md §5.4: c_sm ≈ 3.6 W per busy SM at f_max
+        memory_power_w=90.0,  # [assumption]
+        default_power_limit_w=700.0,  # peers.md §4.1: TDP 700 W, PL range 200-700 W
+        min_power_limit_w=200.0,
+        max_power_limit_w=700.0,
+        mem_freq_mhz=2619.0,  # peers.md §4.1: HBM3 2619 MHz
+        ambient_c=25.0,  # [assumption]
+        thermal_resistance_c_per_w=0.06,  # [assumption] 700 W -> 67 °C, as kareus.md §5.1 asks of A100
+        thermal_capacitance_j_per_c=25.0,  # [assumption] τ = 1.5 s
+        energy_update_period_s=0.1,  # peers.md §4.2
+    ),
+    "a40": GpuSpec(
+        key="a40",
+        product="A40",
+        num_sms=84,  # kareus.md §5.4 (10,752 shaders / 128)
+        min_freq_mhz=210.0,  # perseus.md §1.3: the A40 supports 103 clocks; 1740 - 102 × 15 = 210
+        max_freq_mhz=1740.0,  # kareus.md §5.4: max 1740 MHz
+        freq_step_mhz=15.0,
+        knee_freq_mhz=900.0,  # [assumption] perseus.md §1.3: raw-energy minimum at 945-1050 MHz
+        v_min_ratio=0.70,  # [assumption]
+        idle_power_w=30.0,  # [assumption] GDDR6 board idle
+        clock_power_w=40.0,  # with idle: 70 W blocked on P2P (Kareus GPU_CONFIGS; Perseus 70.38 W)
+        sm_power_w=2.4,  # [assumption] same per-SM power as A100
+        memory_power_w=40.0,  # [assumption] full load (310 W) slightly exceeds the 300 W TDP
+        default_power_limit_w=300.0,  # kareus.md §5.4: TDP 300 W
+        min_power_limit_w=100.0,  # [assumption]
+        max_power_limit_w=300.0,
+        mem_freq_mhz=7251.0,  # [assumption] GDDR6 at 14.5 Gbps
+        ambient_c=25.0,  # [assumption]
+        thermal_resistance_c_per_w=0.13,  # [assumption] 300 W -> 64 °C
+        thermal_capacitance_j_per_c=12.0,  # [assumption]
+        energy_update_period_s=0.1,  # peers.md §4.2
+    ),
+}
