@@ -59,9 +59,7 @@ from powerlib.planning.kareus.compose import (
     METHODS,
     calibrate_correction,
     compare_frontiers,
-    compose_options,
     measure_components,
-    method_frontier,
     sample_frontier,
 )
 from powerlib.planning.kareus.partition import (
@@ -72,7 +70,7 @@ from powerlib.planning.kareus.partition import (
     search_budget,
 )
 from powerlib.planning.kareus.search import relative_hypervolume, search_partition
-from powerlib.planning.pipeline import schedule_1f1b
+from powerlib.planning.kareus.workflow import compose_methods, solve_methods
 
 FREQS = tuple(float(f) for f in range(900, 1411, 30))
 STAGE_LAYERS = (15, 13)
@@ -278,21 +276,16 @@ def run_config(name: str, seed: int) -> dict[str, Any]:
     _log(f"{name} ({workload.label}): {len(workload.partitions)} partition types")
     started = time.perf_counter()
     per_type, records, components = _search(workload, seed)
-    sched = schedule_1f1b(len(STAGE_LAYERS), MICROBATCHES)
-    all_options = {m: compose_options(workload, records, components, method=m) for m in METHODS}
+    all_options = compose_methods(workload, records, components, methods=METHODS)
     unit_time_s = _time_quantum(all_options)
-    frontiers = {
-        m: method_frontier(
-            workload,
-            all_options[m],
-            components,
-            sched,
-            schedule_name="1f1b",
-            num_microbatches=MICROBATCHES,
-            unit_time_s=unit_time_s,
-        )
-        for m in METHODS
-    }
+    frontiers = solve_methods(
+        workload,
+        all_options,
+        components,
+        microbatches=MICROBATCHES,
+        schedule="1f1b",
+        unit_time_s=unit_time_s,
+    )
     cmp_ = compare_frontiers(frontiers["kareus"], frontiers["perseus"], frontiers["nanobatch"])
     kareus = frontiers["kareus"]
     sampled = sample_frontier(kareus.points)

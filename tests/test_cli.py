@@ -215,12 +215,12 @@ def test_sysfs_counter_that_wraps_between_two_readings_still_increases(
     span = int((zone / "max_energy_range_uj").read_text())
     (zone / "energy_uj").write_text(str(span - 1_000_000))
 
-    import powerlib.cli as cli_module
+    import powerlib.inspection as watch_module
 
     def wrap_instead_of_sleeping(_: float) -> None:
         (zone / "energy_uj").write_text("2000000")  # 3 J after the previous reading, wrapped
 
-    monkeypatch.setattr(cli_module.time, "sleep", wrap_instead_of_sleeping)
+    monkeypatch.setattr(watch_module.time, "sleep", wrap_instead_of_sleeping)
     result = run("watch", "--interval-s", "10", "--count", "2", "--device", "0", "--json", env=env)
     assert result.exit_code == 0, result.output
     first, second = (json.loads(line) for line in result.stdout.splitlines())

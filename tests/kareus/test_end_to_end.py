@@ -13,9 +13,7 @@ from powerlib.emulator.partition_model import SimulatedOverlapEvaluator, model
 from powerlib.planning.kareus.compose import (
     METHODS,
     compare_frontiers,
-    compose_options,
     measure_components,
-    method_frontier,
 )
 from powerlib.planning.kareus.partition import (
     MODEL_SHAPES,
@@ -24,7 +22,7 @@ from powerlib.planning.kareus.partition import (
     config_space,
     search_budget,
 )
-from powerlib.planning.pipeline import schedule_1f1b
+from powerlib.planning.kareus.workflow import compose_methods, solve_methods
 
 pytest.importorskip("sklearn")
 pytest.importorskip("moocore")
@@ -81,18 +79,13 @@ def _exact_study(workload):
 
 def _frontiers(workload):
     records, components = _exact_study(workload)
-    sched = schedule_1f1b(2, 8)
-    return {
-        m: method_frontier(
-            workload,
-            compose_options(workload, records, components, method=m),
-            components,
-            sched,
-            schedule_name="1f1b",
-            num_microbatches=8,
-        )
-        for m in METHODS
-    }
+    return solve_methods(
+        workload,
+        compose_methods(workload, records, components, methods=METHODS),
+        components,
+        microbatches=8,
+        schedule="1f1b",
+    )
 
 
 def _executions(frontier, point) -> set[str]:

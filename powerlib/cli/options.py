@@ -1,4 +1,4 @@
-"""What `powerlib plan` and `powerlib overlap plan` share: options, policy step, JSON output."""
+"""What the commands share: global options, option types, progress bars, plan outputs, JSON."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,11 +15,44 @@ import click
 
 from powerlib.errors import InvalidArgumentError, PermissionDeniedError
 
-if TYPE_CHECKING:
-    from powerlib.planning.choice import Choice, Policy
-    from powerlib.planning.perseus.frontier import Frontier
+__all__ = [
+    "Number",
+    "Options",
+    "OutputPath",
+    "PhaseBars",
+    "emit_json",
+    "open_backend_for",
+    "plan_outputs",
+    "progress_bar",
+    "settings_for",
+]
 
-__all__ = ["Number", "OutputPath", "emit_json", "plan_outputs", "progress_bar", "select_and_write"]
+if TYPE_CHECKING:
+    from powerlib.config import Settings
+    from powerlib.device import Backend
+
+
+@dataclass(slots=True)
+class Options:
+    """Global options shared by every command."""
+
+    backend: str | None = None
+    verbose: int = 0
+
+
+def settings_for(opts: Options) -> Settings:
+    """The environment's settings, ``--backend`` applied."""
+    from powerlib.config import Settings  # noqa: PLC0415
+
+    settings = Settings.from_env()
+    return settings.replace(backend=opts.backend) if opts.backend else settings
+
+
+def open_backend_for(opts: Options) -> Backend:
+    """Open the backend the global options and the environment name."""
+    from powerlib.registry import open_backend  # noqa: PLC0415
+
+    return open_backend(settings=settings_for(opts))
 
 
 def emit_json(data: object) -> None:
@@ -191,33 +225,39 @@ def plan_outputs(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def select_and_write(
-    frontier: Frontier,
-    policy: Policy,
-    *,
-    frontier_out: str | None,
-    plan_out: str | None,
-    plot_path: str | None,
-    solve_time_s: float,
-    metadata: dict[str, Any] | None = None,
-) -> tuple[Choice, dict[str, Any]]:
-    """Choose the policy's plan (:func:`~powerlib.planning.choice.choose`), write the outputs.
+class PhaseBars:
+    """One progress bar per phase for a workflow's ``progress(phase, done, total)`` callback.
 
-    Returns:
-        The choice and the ``--json`` summary.
+    A phase's first call (``done == 0``) closes the previous bar and opens one labelled
+    ``label(phase)``; later calls advance it. Use as a context manager: leaving closes the last.
     """
-    from powerlib.planning.choice import choose  # noqa: PLC0415 - keep CLI start fast
-    from powerlib.planning.perseus.report import (  # noqa: PLC0415
-        plot_frontier,
-        summary,
-        write_frontier_csv,
-    )
 
-    choice = choose(frontier, policy)
-    if frontier_out:
-        write_frontier_csv(frontier, frontier_out)
-    if plan_out:
-        choice.plan(metadata=metadata).write(plan_out)
-    if plot_path:
-        plot_frontier(frontier, choice.point, plot_path)
-    return choice, summary(choice, solve_time_s=solve_time_s)
+    def __init__(self, label: Callable[[str], str], *, in_logs: bool = False) -> None:
+        self._label = label
+        self._in_logs = in_logs
+        self._phase: str | None = None
+        self._bar: Any = None
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        """Open or advance ``phase``'s bar."""
+        if phase != self._phase:
+            self.close()
+            self._phase = phase
+            self._bar = progress_bar(self._label(phase), max(total, 1), in_logs=self._in_logs)
+            self._bar.__enter__()
+        bar = self._bar
+        bar.length = max(total, 1)
+        if done > bar.pos:
+            bar.update(done - bar.pos)
+
+    def close(self) -> None:
+        """Close the open bar, if any."""
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+            self._bar = None
+
+    def __enter__(self) -> PhaseBars:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,4 +1,4 @@
-"""``powerlib overlap``: the Kareus overlap scheduler from the command line.
+"""``powerlib kareus`` (alias ``overlap``): the Kareus overlap scheduler from the command line.
 
 ``search`` runs the per-partition multi-pass search for a model's partition types and measures
 the sequential, stock and non-partition components, into a *study* directory (resumable: rerun
@@ -14,23 +14,12 @@ partition, and the same study layout.
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-from typing import Any
-
 import click
 
-from powerlib.cli_options import (
-    Number,
-    OutputPath,
-    emit_json,
-    plan_outputs,
-    progress_bar,
-    select_and_write,
-)
+from powerlib.cli.options import Number, OutputPath, PhaseBars, emit_json, plan_outputs
 from powerlib.errors import PlanError
 
-__all__ = ["overlap"]
+__all__ = ["kareus", "overlap"]
 
 
 def _freqs(text: str) -> tuple[float, ...]:
@@ -59,11 +48,11 @@ def _layers(text: str) -> tuple[int, ...]:
 
 
 @click.group()
-def overlap() -> None:
+def kareus() -> None:
     """Kareus: per-partition launch point, SM share and clock, planned with Perseus."""
 
 
-@overlap.command()
+@kareus.command()
 @click.argument("study_dir", metavar="STUDY_DIR", type=OutputPath(folder=True))
 @click.option(
     "--model",
@@ -147,114 +136,51 @@ def search(
     Writes STUDY_DIR/study.json and one resumable evaluation log per partition type
     (STUDY_DIR/<type>.jsonl). Rerunning with the same options continues from the logs.
     """
-    from powerlib.emulator.partition_model import A100, H100, SimulatedOverlapEvaluator  # noqa: PLC0415
-    from powerlib.planning.kareus.compose import measure_components  # noqa: PLC0415
-    from powerlib.planning.kareus.evaluator import MeasureProtocol  # noqa: PLC0415
-    from powerlib.planning.kareus.partition import (  # noqa: PLC0415
-        MODEL_SHAPES,
-        Parallelism,
-        build_workload,
-        config_space,
-        search_budget,
+    from powerlib.emulator.partition_model import (  # noqa: PLC0415 - keep CLI start fast
+        A100,
+        H100,
+        SimulatedOverlapEvaluator,
     )
-    from powerlib.planning.kareus.search import search_partition  # noqa: PLC0415
-    from powerlib.planning.kareus.study import log_path, write_study  # noqa: PLC0415
+    from powerlib.planning.kareus.evaluator import MeasureProtocol  # noqa: PLC0415
+    from powerlib.planning.kareus.partition import Parallelism  # noqa: PLC0415
+    from powerlib.planning.kareus.workflow import search_study  # noqa: PLC0415
 
     par = Parallelism(
         tp=tp, cp=cp, micro_batch=micro_batch, seq_len=seq_len, recompute=not no_recompute
     )
     layers = _layers(stage_layers)
-    workload = build_workload(MODEL_SHAPES[model], par, layers)
-    freqs = _freqs(freqs_text)
-    wanted = (
-        [workload.partition(k) for k in partitions] if partitions else list(workload.partitions)
-    )
-    protocol = MeasureProtocol(window_s=window_s, cooldown_s=cooldown_s)
     evaluator = SimulatedOverlapEvaluator(
         A100 if gpu == "a100" else H100,
-        protocol=protocol,
+        protocol=MeasureProtocol(window_s=window_s, cooldown_s=cooldown_s),
         noise=noise,
         seed=seed,
-        freqs_mhz=freqs,
+        freqs_mhz=_freqs(freqs_text),
     )
-    freqs = evaluator.freqs_mhz
-    out = Path(study_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
-    started = time.perf_counter()
-    for ptype in wanted:
-        space = config_space(ptype, freqs)
-        budget = search_budget(ptype)
-        with progress_bar(f"{ptype.key:<12}", budget.total, in_logs=True) as bar:
-            last = [0]
-
-            def progress(
-                done: int, total: int, message: str, bar: Any = bar, last: list[int] = last
-            ) -> None:
-                bar.length = max(total, 1)
-                bar.update(done - last[0])
-                last[0] = done
-
-            result = search_partition(
-                ptype,
-                space,
-                evaluator,
-                budget=budget,
-                seed=seed,
-                log_path=log_path(out, ptype.key),
-                progress=progress,
-            )
-        front = result.pareto("total")
-        rows.append(
-            {
-                "partition": ptype.key,
-                "space": len(space),
-                "budget": budget.total,
-                "evaluations": result.evaluations_used,
-                "batches": result.batches_run,
-                "stopped": result.stopped,
-                "pareto_points": len(front),
-                "profiling_h": result.wall_s / 3600.0,
-                "fastest_s": front[0].time_s if front else None,
-                "log": str(log_path(out, ptype.key)),
-            }
+    with PhaseBars(lambda phase: f"{phase:<12}", in_logs=True) as bars:
+        result = search_study(
+            study_dir,
+            model=model,
+            parallelism=par,
+            stage_layers=layers,
+            evaluator=evaluator,
+            evaluator_info={
+                "kind": "simulated",
+                "gpu": gpu,
+                "noise": noise,
+                "seed": seed,
+                "window_s": window_s,
+                "cooldown_s": cooldown_s,
+            },
+            partitions=partitions,
+            seed=seed,
+            progress=bars,
         )
-    with progress_bar("components  ", in_logs=True) as bar:
-
-        def comp_progress(done: int, total: int, what: str) -> None:
-            bar.length = max(total, 1)
-            bar.update(1)
-
-        components = measure_components(workload, evaluator, freqs, progress=comp_progress)
-    path = write_study(
-        out,
-        model_key=model,
-        parallelism=par,
-        stage_layers=layers,
-        freqs_mhz=freqs,
-        components=components,
-        evaluator={
-            "kind": "simulated",
-            "gpu": gpu,
-            "noise": noise,
-            "seed": seed,
-            "window_s": window_s,
-            "cooldown_s": cooldown_s,
-        },
-    )
-    data = {
-        "schema": "powerlib.overlap-search.v1",
-        "study": str(path),
-        "workload": workload.label,
-        "partitions": rows,
-        "evaluations": sum(r["evaluations"] for r in rows),
-        "profiling_gpu_h_equivalent": sum(r["profiling_h"] for r in rows),
-        "elapsed_s": time.perf_counter() - started,
-    }
+    data = result.to_json()
+    rows, path, freqs = data["partitions"], result.study_path, result.freqs_mhz
     if as_json:
         emit_json(data)
         return
-    click.echo(f"{workload.label}: {len(rows)} partition type(s), {len(freqs)} clocks")
+    click.echo(f"{result.workload_label}: {len(rows)} partition type(s), {len(freqs)} clocks")
     click.echo(
         f"{'partition':<12} {'space':>5} {'evals':>5} {'budget':>6} {'front':>5} "
         f"{'stopped':<9} {'profiling':>9}"
@@ -265,10 +191,10 @@ def search(
             f"{r['budget']:>6} {r['pareto_points']:>5} {r['stopped']:<9} "
             f"{r['profiling_h']:>8.2f}h"
         )
-    click.echo(f"study written to {path}; next: powerlib overlap plan {study_dir} --microbatches 8")
+    click.echo(f"study written to {path}; next: powerlib kareus plan {study_dir} --microbatches 8")
 
 
-@overlap.command(name="plan")
+@kareus.command(name="plan")
 @click.argument("study_dir", metavar="STUDY_DIR", type=click.Path(file_okay=False))
 @click.option(
     "--microbatches",
@@ -334,111 +260,40 @@ def plan_(
     nanobatch) and per-partition launch slot and SM count. Savings are against Megatron-LM:
     sequential execution at the highest clock.
     """
-    from powerlib.planning.choice import Policy  # noqa: PLC0415
-    from powerlib.planning.kareus.compose import (  # noqa: PLC0415
-        compare_frontiers,
-        compose_options,
-        method_frontier,
-    )
-    from powerlib.planning.kareus.search import read_log  # noqa: PLC0415
-    from powerlib.planning.kareus.study import log_path, read_study  # noqa: PLC0415
-    from powerlib.planning.perseus.frontier import (  # noqa: PLC0415
-        WORK_HINT,
-        estimate_pipeline_work,
-    )
-    from powerlib.planning.pipeline import build_schedule  # noqa: PLC0415
+    from powerlib.planning.choice import Policy  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.planning.kareus.workflow import plan_from_study  # noqa: PLC0415
+    from powerlib.planning.workflow import write_outputs  # noqa: PLC0415
 
     if policy == "deadline" and deadline_s is None:
         raise click.UsageError("--policy deadline needs --deadline-s")
-    study = read_study(study_dir)
-    workload = study.workload
-    records = {}
-    for p in workload.partitions:
-        path = log_path(study_dir, p.key)
-        if not path.exists():
-            raise PlanError(
-                f"{path}: no evaluation log for partition type {p.key}; run "
-                f"`powerlib overlap search {study_dir} --partition {p.key}`"
-            )
-        records[p.key] = [
-            (r.config, r.time_s, r.dynamic_energy_j) for r in read_log(path, partition=p.key)
-        ]
-    methods = ("kareus", "perseus", "nanobatch") if compare else ("kareus",)
-    composed = {
-        method: compose_options(
-            workload, records, study.components, method=method, correction=correction
-        )
-        for method in methods
-    }
-    for options in composed.values():  # before the schedule is built (see `powerlib plan`)
-        estimate_pipeline_work(
-            {key: [(o[1], o[2]) for o in opts] for key, opts in options.items()},
-            num_stages=len(workload.stages),
-            num_microbatches=microbatches,
+    chosen_policy = Policy(
+        name=policy,
+        deadline_s=deadline_s,
+        max_slowdown=max_slowdown,
+        switch_latency_s=switch_latency_s,
+    )
+    with PhaseBars(lambda method: f"solving {method:<9}") as bars:
+        result = plan_from_study(
+            study_dir,
+            microbatches=microbatches,
+            schedule=schedule,
             unit_time_s=unit_time_s,
-        ).check(max_work, hint=WORK_HINT)
-    sched = build_schedule(schedule, len(workload.stages), microbatches, 1)
-    frontiers = {}
-    started = time.perf_counter()
-    for method, options in composed.items():
-        with progress_bar(f"solving {method:<9}") as bar:
-
-            def progress(done: int, expected: int, bar: Any = bar) -> None:
-                bar.length = max(expected, 1)
-                bar.update(1)
-
-            frontiers[method] = method_frontier(
-                workload,
-                options,
-                study.components,
-                sched,
-                schedule_name=schedule,
-                num_microbatches=microbatches,
-                unit_time_s=unit_time_s,
-                cost_model=cost_model,
-                progress=progress,
-                max_work=max_work,
-            )
-    solve_time_s = time.perf_counter() - started
-    frontier = frontiers["kareus"]
-    metadata = {
-        "kareus": {
-            "model": study.model_key,
-            "workload": workload.label,
-            "stage_layers": list(study.stage_layers),
-            "correction": correction,
-            "p_static_w": study.components.p_static_w,
-            "evaluator": dict(study.evaluator),
-        }
-    }
-    choice, data = select_and_write(
-        frontier,
-        Policy(
-            name=policy,
-            deadline_s=deadline_s,
-            max_slowdown=max_slowdown,
-            switch_latency_s=switch_latency_s,
-        ),
+            cost_model=cost_model,
+            correction=correction,
+            policy=chosen_policy,
+            compare=compare,
+            max_work=max_work,
+            progress=bars,
+        )
+    write_outputs(
+        result.choice,
         frontier_out=frontier_out,
         plan_out=plan_out,
         plot_path=plot_path,
-        solve_time_s=solve_time_s,
-        metadata=metadata,
+        metadata=result.plan_metadata,
     )
-    options_used = choice.options
-    nano = sum(1 for o in options_used if o.knob is not None and o.knob.execution == "nanobatch")
-    data["overlap"] = {
-        "workload": workload.label,
-        "instructions": len(options_used),
-        "nanobatch_instructions": nano,
-        "sequential_instructions": len(options_used) - nano,
-        "partition_types": [p.key for p in workload.partitions],
-        "megatron_time_s": frontier.baseline_time_s,
-    }
-    if compare:
-        data["comparison"] = compare_frontiers(
-            frontiers["kareus"], frontiers["perseus"], frontiers["nanobatch"]
-        )
+    data, frontier, solve_time_s = result.summary, result.frontier, result.solve_time_s
+    nano, options_used = result.nanobatch_instructions, result.choice.options
     if as_json:
         emit_json(data)
         return
@@ -475,3 +330,7 @@ def plan_(
     for label, written in (("frontier", frontier_out), ("plan", plan_out), ("plot", plot_path)):
         if written:
             click.echo(f"{label} written to {written}")
+
+
+#: ``powerlib overlap``: the group's former name, kept as a hidden alias.
+overlap = click.Group(name="overlap", commands=kareus.commands, help=kareus.help, hidden=True)

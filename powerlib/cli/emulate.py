@@ -1,0 +1,206 @@
+"""``powerlib demo`` and ``powerlib simulate``: the method on emulated GPUs.
+
+Each is one call into :mod:`powerlib.emulator.demo` (imported when the command runs) and a
+table of all maximum clocks against the plan.
+"""
+
+from __future__ import annotations
+
+import click
+
+from powerlib.cli.format import versus_all_max
+from powerlib.cli.options import Number, OutputPath, emit_json
+
+__all__ = ["demo", "simulate"]
+
+# Shared by `demo` and `simulate`: the emulated GPUs' ground truth.
+_EMULATED_PROFILE = click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Ground-truth profile of the emulated GPUs (default: the shipped GPT-3 175B A100 one).",
+)
+_EMULATED_P_BLOCK = click.option(
+    "--p-block-w",
+    type=Number(min=0.0),
+    default=83.64,
+    show_default=True,
+    help="Power of a waiting emulated GPU (ground truth: sessions measure it, they are not told).",
+)
+_EMULATED_SWITCH_LATENCY = click.option(
+    "--switch-latency-s",
+    type=Number(min=0.0),
+    default=0.005,
+    show_default=True,
+    help="Clock-change latency of the emulated GPUs.",
+)
+
+
+@click.command()
+@_EMULATED_PROFILE
+@click.option("--microbatches", type=click.IntRange(min=1), default=12, show_default=True)
+@click.option(
+    "--schedule",
+    type=click.Choice(["1f1b", "gpipe", "interleaved"]),
+    default="1f1b",
+    show_default=True,
+)
+@click.option(
+    "--straggler",
+    type=Number(min=1.0),
+    default=None,
+    help="Another pipeline is this many times slower (e.g. 1.2): plan for its iteration time.",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(["fastest", "deadline", "min-energy"]),
+    default=None,
+    help="Plan policy (default: fastest; deadline with --straggler).",
+)
+@_EMULATED_P_BLOCK
+@_EMULATED_SWITCH_LATENCY
+@click.option(
+    "--counter-period-s",
+    type=Number(min=0.0),
+    default=0.001,
+    show_default=True,
+    help="Energy-counter update period of the emulated GPUs.",
+)
+@click.option(
+    "--noise",
+    type=Number(min=0.0, max=0.2),
+    default=0.0,
+    show_default=True,
+    help="Multiplicative noise (std) on every instruction's time and energy.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
+@click.option(
+    "--out-dir",
+    type=OutputPath(folder=True),
+    default="powerlib-demo",
+    show_default=True,
+    help="Where profile.csv, frontier.csv, plan.json, summary.json and the pictures go.",
+)
+@click.option("--no-plot", is_flag=True, help="Skip frontier.png and timeline.png.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def demo(
+    profile_path: str | None,
+    microbatches: int,
+    schedule: str,
+    straggler: float | None,
+    policy: str | None,
+    p_block_w: float,
+    switch_latency_s: float,
+    counter_period_s: float,
+    noise: float,
+    seed: int,
+    out_dir: str,
+    no_plot: bool,
+    as_json: bool,
+) -> None:
+    """The whole method on emulated GPUs, no GPU needed: profile -> plan -> apply.
+
+    An 8-stage pipeline of emulated A100s runs GPT-3 175B's measured per-stage times and
+    energies (the Perseus artifact's profile) in virtual time, through the same session code a
+    training job uses. Prints all-max-clock vs powerlib: iteration time, energy per iteration,
+    saving and slowdown.
+    """
+    from powerlib.emulator.demo import DemoConfig, run_demo  # noqa: PLC0415 - keep CLI start fast
+
+    report = run_demo(
+        DemoConfig(
+            profile_path=profile_path,
+            num_microbatches=microbatches,
+            schedule=schedule,
+            num_chunks=2 if schedule == "interleaved" else 1,
+            p_block_w=p_block_w,
+            switch_latency_s=switch_latency_s,
+            counter_period_s=counter_period_s,
+            noise=noise,
+            straggler=straggler,
+            policy=policy,
+            out_dir=out_dir,
+            plot=not no_plot,
+            seed=seed,
+            progress=True,
+        )
+    )
+    if as_json:
+        emit_json(report)
+        return
+    w, b, p = report["workload"], report["baseline"], report["powerlib"]
+    click.echo(
+        f"{w['num_stages']} stages x {w['num_microbatches']} microbatches ({w['schedule']}), "
+        f"emulated from {w['profile']}"
+        + (
+            f", straggler {w['straggler']:g}x (T' = {w['deadline_s']:.4f} s)"
+            if w["straggler"]
+            else ""
+        )
+    )
+    versus_all_max(b, f"powerlib ({report['policy']})", p)
+    click.echo(
+        click.style(
+            f"energy saved: {report['saving_percent']:.2f} %  "
+            f"(slowdown {report['slowdown_percent']:+.3f} %)",
+            bold=True,
+        )
+    )
+    prof = report["profile"]
+    click.echo(
+        f"profiled {len(prof['freqs_mhz'])} clocks in {prof['iterations']} iterations; "
+        f"plan applied from iteration {report['apply_started_iteration']}; "
+        f"{report['elapsed_s']:.1f} s"
+    )
+    for name, path in report["outputs"].items():
+        click.echo(f"  {name}: {path}")
+
+
+@click.command()
+@click.argument("plan_path", metavar="PLAN.json", type=click.Path(exists=True, dir_okay=False))
+@_EMULATED_PROFILE
+@_EMULATED_P_BLOCK
+@_EMULATED_SWITCH_LATENCY
+@click.option(
+    "--deadline-s",
+    type=Number(min=0.0),
+    default=None,
+    help="A straggler holds every iteration to this time.",
+)
+@click.option(
+    "--iterations",
+    type=click.IntRange(min=1, max=1000),
+    default=3,
+    show_default=True,
+    help="Managed iterations to replay (their mean is reported).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def simulate(
+    plan_path: str,
+    profile_path: str | None,
+    p_block_w: float,
+    switch_latency_s: float,
+    deadline_s: float | None,
+    iterations: int,
+    as_json: bool,
+) -> None:
+    """Replay a saved PLAN.json on the emulator and compare it with all maximum clocks."""
+    from powerlib.emulator.demo import simulate_plan  # noqa: PLC0415 - keep CLI start fast
+
+    result = simulate_plan(
+        plan_path,
+        profile_path=profile_path,
+        p_block_w=p_block_w,
+        switch_latency_s=switch_latency_s,
+        straggler_time_s=deadline_s,
+        iterations=iterations,
+    )
+    if as_json:
+        emit_json(result)
+        return
+    b, r = result["baseline"], result["plan_result"]
+    versus_all_max(b, "plan", r)
+    click.echo(
+        f"energy saved: {result['saving_percent']:.2f} %  (slowdown {result['slowdown_percent']:+.3f} %)"
+    )

@@ -1,0 +1,186 @@
+"""``powerlib plan``: the Perseus frontier of a pipeline from a profile, and a plan.
+
+One call to :func:`powerlib.planning.workflow.plan_from_profile` (then its output writer); this
+module parses the options and formats the summary.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import click
+
+from powerlib.cli.format import pct
+from powerlib.cli.options import Number, emit_json, plan_outputs, progress_bar
+
+__all__ = ["plan"]
+
+
+@click.command()
+@click.argument("profile_path", metavar="PROFILE", type=click.Path(dir_okay=False))
+@click.option("--stages", type=click.IntRange(min=1), required=True, help="Pipeline stages N.")
+@click.option(
+    "--microbatches",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Microbatches M per iteration.",
+)
+@click.option(
+    "--schedule",
+    type=click.Choice(["1f1b", "gpipe", "interleaved"]),
+    default="1f1b",
+    show_default=True,
+)
+@click.option(
+    "--chunks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Virtual stages per GPU (interleaved; default 2).",
+)
+@click.option(
+    "--p-block-w",
+    type=Number(),
+    required=True,
+    help="Power while blocked on communication (A100: 83.64, A40: 70.38).",
+)
+@click.option(
+    "--unit-time-s",
+    type=Number(),
+    required=True,
+    help="Time quantum τ (the artifact: 0.001).",
+)
+@click.option(
+    "--order",
+    type=click.Choice(["filter-then-subtract", "subtract-then-filter"]),
+    default="filter-then-subtract",
+    show_default=True,
+    help="Pareto filter before or after the effective-energy conversion (the paper: before).",
+)
+@click.option(
+    "--cost-model",
+    type=click.Choice(["exp", "convex"]),
+    default="exp",
+    show_default=True,
+    help="Exponential fit (the paper) or the lower convex hull of the measured points.",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(["fastest", "deadline", "min-energy"]),
+    default="fastest",
+    show_default=True,
+    help="Which frontier point to write as the plan.",
+)
+@click.option(
+    "--argmin",
+    is_flag=True,
+    help="Deadline policy: min-energy point with T <= T' (the paper's emulation rule) instead of the slowest.",
+)
+@plan_outputs
+def plan(
+    profile_path: str,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    chunks: int | None,
+    p_block_w: float,
+    unit_time_s: float,
+    order: str,
+    cost_model: str,
+    policy: str,
+    deadline_s: float | None,
+    argmin: bool,
+    max_slowdown: float,
+    switch_latency_s: float,
+    frontier_out: str | None,
+    plan_out: str | None,
+    plot_path: str | None,
+    max_work: int,
+    as_json: bool,
+) -> None:
+    """Compute the Perseus time-energy frontier of a pipeline from a PROFILE and pick a plan.
+
+    PROFILE is a CSV (stage,instruction,frequency,time,energy; extra rank columns are merged:
+    time = max, energy = mean) or a JSON profile. Savings are against every instruction at its
+    maximum frequency, blocking power included, at the chosen plan's iteration time.
+    """
+    from powerlib.planning.choice import Policy  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.planning.workflow import plan_from_profile, write_outputs  # noqa: PLC0415
+
+    if policy == "deadline" and deadline_s is None:
+        raise click.UsageError("--policy deadline needs --deadline-s")
+    profile = _read_profile(profile_path)
+    with progress_bar("solving frontier") as bar:
+
+        def progress(done: int, expected: int) -> None:
+            bar.length = max(expected, 1)
+            bar.update(1)
+
+        result = plan_from_profile(
+            profile,
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            chunks=chunks,
+            p_block_w=p_block_w,
+            unit_time_s=unit_time_s,
+            order=order,
+            cost_model=cost_model,
+            policy=Policy(
+                name=policy,
+                deadline_s=deadline_s,
+                argmin=argmin,
+                max_slowdown=max_slowdown,
+                switch_latency_s=switch_latency_s,
+            ),
+            max_work=max_work,
+            progress=progress,
+        )
+    write_outputs(result.choice, frontier_out=frontier_out, plan_out=plan_out, plot_path=plot_path)
+    data, solve_time_s = result.summary, result.solve_time_s
+    if as_json:
+        emit_json(data)
+        return
+    c = data["chosen"]
+    click.echo(
+        f"frontier: {data['num_points']} points, {data['t_max_s']:.4f} s (all slowest) -> "
+        f"{data['t_min_s']:.4f} s (T_min); minimum energy {data['t_star_energy_j']:.1f} J at "
+        f"T* = {data['t_star_s']:.4f} s; solved in {solve_time_s:.1f} s"
+    )
+    click.echo(
+        f"chosen ({policy}): {c['time_s']:.4f} s, {c['energy_j']:.1f} J planned; "
+        f"{c['realized_time_s']:.4f} s, {c['realized_energy_j']:.1f} J replayed on the profile"
+    )
+    click.echo(
+        f"all max frequency at that time: {data['baseline']['energy_j']:.1f} J -> "
+        f"saving {pct(data['saving_percent'])} planned"
+    )
+    r = data["realized"]
+    sped_up = r["instructions_sped_up"]
+    click.echo(
+        f"replayed on the measured profile: saving {pct(r['saving_percent'])} at "
+        f"{r['slowdown_percent']:+.3f} % iteration time vs all max"
+        + (f" ({sped_up} instruction(s) sped up by the slowdown guard)" if sped_up else "")
+    )
+    for label, path in (("frontier", frontier_out), ("plan", plan_out), ("plot", plot_path)):
+        if path:
+            click.echo(f"{label} written to {path}")
+
+
+def _read_profile(path: str) -> Any:
+    """``Profile.read`` with a progress bar (and ETA) on stderr for files over 1 MB."""
+    from powerlib.planning.profile import Profile  # noqa: PLC0415 - keep CLI start fast
+
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        size = 0  # Profile.read says what is wrong with the path
+    if size < 1_000_000:
+        return Profile.read(path)
+    with progress_bar("reading profile") as bar:
+
+        def progress(done: int, total: int) -> None:
+            bar.length = max(total, 1)
+            bar.update(done - bar.pos)
+
+        return Profile.read(path, progress=progress)

@@ -1,0 +1,161 @@
+"""Perseus planning from a profile, as one call: what ``powerlib plan`` runs.
+
+:func:`plan_from_profile` checks the work estimate, builds the pipeline schedule, solves the
+frontier and applies the policy step (:func:`~powerlib.planning.choice.choose`);
+:func:`write_outputs` writes the frontier CSV, the plan file and the plot. Both are plain Python:
+the CLI only parses options before and formats the result after.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from powerlib.planning.perseus.frontier import DEFAULT_MAX_WORK
+
+if TYPE_CHECKING:
+    from powerlib.planning.choice import Choice, Policy
+    from powerlib.planning.perseus.frontier import Frontier
+    from powerlib.planning.profile import Profile
+
+__all__ = ["PlanResult", "plan_from_profile", "write_outputs"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanResult:
+    """What :func:`plan_from_profile` found.
+
+    Attributes:
+        frontier: The solved time-energy frontier.
+        choice: The policy's point, guarded and judged.
+        summary: The ``powerlib.plan-summary.v1`` record (what ``powerlib plan --json`` prints).
+        solve_time_s: Wall time the frontier solve took.
+    """
+
+    frontier: Frontier
+    choice: Choice
+    summary: dict[str, Any]
+    solve_time_s: float
+
+
+def default_chunks(schedule: str, chunks: int | None) -> int:
+    """Virtual stages per GPU: ``chunks`` if given, else 2 for ``interleaved`` and 1 otherwise."""
+    return chunks if chunks is not None else (2 if schedule == "interleaved" else 1)
+
+
+def plan_from_profile(
+    profile_or_path: Profile | str | Path,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    chunks: int | None = None,
+    p_block_w: float,
+    unit_time_s: float,
+    order: str = "filter-then-subtract",
+    cost_model: str = "exp",
+    policy: Policy,
+    max_work: int | None = DEFAULT_MAX_WORK,
+    progress: Callable[[int, int], None] | None = None,
+) -> PlanResult:
+    """Solve a pipeline's Perseus frontier from a profile and choose ``policy``'s plan.
+
+    Args:
+        profile_or_path: A :class:`~powerlib.planning.profile.Profile` or the path of a CSV or
+            JSON profile.
+        stages: Pipeline stages N (the profile must cover them).
+        microbatches: Microbatches M per iteration.
+        schedule: ``1f1b``, ``gpipe`` or ``interleaved``.
+        chunks: Virtual stages per GPU (default: 2 for ``interleaved``, else 1).
+        p_block_w: Power while blocked on communication.
+        unit_time_s: Time quantum τ.
+        order: ``filter-then-subtract`` (the paper) or ``subtract-then-filter``.
+        cost_model: ``exp`` (the paper) or ``convex``.
+        policy: Which frontier point becomes the plan.
+        max_work: Refuse a frontier estimated past this many instruction-steps (``None``: no
+            limit), before the schedule is built.
+        progress: ``progress(done, expected)`` as the solver advances.
+
+    Raises:
+        PlanError: A profile that cannot plan the pipeline, too much work, or a deadline the
+            frontier cannot meet.
+    """
+    from powerlib.planning.choice import choose  # noqa: PLC0415 - keep imports light
+    from powerlib.planning.perseus.frontier import (  # noqa: PLC0415
+        WORK_HINT,
+        compute_frontier,
+        estimate_pipeline_work,
+    )
+    from powerlib.planning.perseus.report import summary  # noqa: PLC0415
+    from powerlib.planning.pipeline import build_schedule  # noqa: PLC0415
+    from powerlib.planning.profile import Profile  # noqa: PLC0415
+
+    num_chunks = default_chunks(schedule, chunks)
+    profile = (
+        profile_or_path if isinstance(profile_or_path, Profile) else Profile.read(profile_or_path)
+    )
+    profile.validate_for(stages, ())  # a profile of 8 stages cannot plan 100000
+    # Before the schedule is even built: M = 100000 or τ = 1e-7 s would otherwise run for hours.
+    estimate_pipeline_work(
+        profile.option_points(),
+        num_stages=stages,
+        num_microbatches=microbatches,
+        num_chunks=num_chunks,
+        unit_time_s=unit_time_s,
+    ).check(max_work, hint=WORK_HINT)
+    sched = build_schedule(schedule, stages, microbatches, num_chunks)
+    started = time.perf_counter()
+    frontier = compute_frontier(
+        profile,
+        sched,
+        schedule_name=schedule,
+        num_microbatches=microbatches,
+        num_chunks=num_chunks,
+        p_block_w=p_block_w,
+        unit_time_s=unit_time_s,
+        order=order,
+        cost_model=cost_model,
+        progress=progress,
+        max_work=max_work,
+    )
+    solve_time_s = time.perf_counter() - started
+    choice = choose(frontier, policy)
+    return PlanResult(
+        frontier=frontier,
+        choice=choice,
+        summary=summary(choice, solve_time_s=solve_time_s),
+        solve_time_s=solve_time_s,
+    )
+
+
+def write_outputs(
+    choice: Choice,
+    *,
+    frontier_out: str | Path | None = None,
+    plan_out: str | Path | None = None,
+    plot_path: str | Path | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> None:
+    """Write a choice's frontier CSV, plan file (``powerlib.plan.v1``) and frontier plot.
+
+    Args:
+        choice: The chosen plan and its frontier.
+        frontier_out: Frontier CSV path, or ``None``.
+        plan_out: Plan file path, or ``None``.
+        plot_path: Frontier PNG path (needs ``powerlib[plot]``), or ``None``.
+        metadata: Extra workload fields for the plan file.
+    """
+    from powerlib.planning.perseus.report import (  # noqa: PLC0415
+        plot_frontier,
+        write_frontier_csv,
+    )
+
+    if frontier_out:
+        write_frontier_csv(choice.frontier, frontier_out)
+    if plan_out:
+        choice.plan(metadata=metadata).write(plan_out)
+    if plot_path:
+        plot_frontier(choice.frontier, choice.point, plot_path)
