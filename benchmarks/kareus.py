@@ -19,7 +19,7 @@ artifact's 15/13 layer split, 8 microbatches, 1F1B, A100 parameters):
    with the Perseus solver: Kareus (composed + sequential + stock), Perseus-only ("M+P":
    sequential execution, clock per instruction) and nanobatch+Perseus ("N+P": collective
    launched as soon as possible with the stock SM count). Metrics as in the paper
-   (kareus.md §4): iso-time energy reduction and iso-energy time reduction against M+P, max
+   (docs/kareus.md §4): iso-time energy reduction and iso-energy time reduction against M+P, max
    throughput against Megatron-LM (sequential at the highest clock), weak dominance of the
    Kareus frontier over M+P and N+P at 10 sampled points each.
 3. **Execution-model switch.** How many instructions of the Kareus plans run sequentially, and
@@ -81,7 +81,7 @@ CONFIGS = {
     "llama3.2-3b:cp2tp4": ("llama3.2-3b", Parallelism(tp=4, cp=2, micro_batch=8, seq_len=4096)),
     "qwen3-1.7b:tp8": ("qwen3-1.7b", Parallelism(tp=8, micro_batch=8, seq_len=4096)),
     "qwen3-1.7b:cp2tp4": ("qwen3-1.7b", Parallelism(tp=4, cp=2, micro_batch=8, seq_len=4096)),
-    # Small work per microbatch: nanobatches too small to fill the GPU (kareus.md §1.3, §5.3
+    # Small work per microbatch: nanobatches too small to fill the GPU (docs/kareus.md §1.3, §5.3
     # item 7); the search must fall back to sequential execution.
     "qwen3-1.7b:cp2tp4:small": (
         "qwen3-1.7b",

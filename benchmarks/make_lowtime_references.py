@@ -2,7 +2,7 @@
 
 lowtime (the Perseus paper's solver) is used only as a black box, through its public API, from
 an environment of its own; powerlib does not depend on it. The driver follows the paper
-artifact's pipeline (reference perseus.md §5.3, §5.6):
+artifact's pipeline (reference docs/perseus.md §5.3, §5.6):
 
 1. per (stage, kind): ``ExecutionOption`` per measured frequency, Pareto-filtered by
    ``CandidateExecutionOptions`` (refiltered with ``noise_factor=0.95`` when three or fewer

@@ -1,6 +1,6 @@
 """DeepSpeed: the pipeline engine (``TrainSchedule``, DualPipeV) and ZeRO engines without PP.
 
-One line inside the session hooks an engine (integrations.md §2.2)::
+One line inside the session hooks an engine (docs/frameworks.md §2.2)::
 
     with powerlib.optimize(num_stages=P, num_microbatches=M, stage=engine.stage_id) as session:
         with attach_pipeline(session, engine):       # engine from deepspeed.initialize

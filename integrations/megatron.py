@@ -1,6 +1,6 @@
 """Megatron-core: the pipeline schedules of ``megatron.core.pipeline_parallel`` (tested: 0.16.1).
 
-One line inside the session (integrations.md §2.1)::
+One line inside the session (docs/frameworks.md §2.1)::
 
     from powerlib.integrations.megatron import attach
 
@@ -31,7 +31,7 @@ the block is wrapped (Megatron-LM's ``train_step`` asks every step); one obtaine
   from the call's keywords (the schedules take keywords only) and skips those forwards.
 - **Stage**: the session's ``stage`` must be ``parallel_state.get_pipeline_model_parallel_rank()``
   (checked at attach if model parallelism is initialised, else at the first schedule call); the
-  TP/DP/CP ranks of a pp rank share its stage (integrations.md §3.6).
+  TP/DP/CP ranks of a pp rank share its stage (docs/frameworks.md §3.6).
 
 Limits: the MoE combined-1F1B path (``overlap_moe_expert_parallel_comm``) fuses an F and a B past
 these hooks and a full-iteration CUDA graph replays without Python: both are refused at the

@@ -1,6 +1,6 @@
 """torch.distributed: ``torch.distributed.pipelining`` schedules and hand-written loops.
 
-Two one-line hookups inside a session (integrations.md §2.3, §2.4)::
+Two one-line hookups inside a session (docs/frameworks.md §2.3, §2.4)::
 
     with powerlib.optimize(num_stages=P, num_microbatches=M) as session:
         with attach_pipeline(session, schedule):

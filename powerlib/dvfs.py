@@ -3,7 +3,7 @@
 A mixin for frozen, slotted parameter dataclasses that define ``min_freq_mhz``,
 ``max_freq_mhz``, ``freq_step_mhz``, ``knee_freq_mhz`` and ``v_min_ratio``: supported clocks on a
 fixed grid, and a piecewise-linear voltage flat at its floor up to the knee clock, then linear to
-the maximum. Below the knee lowering the clock stops saving dynamic energy (kareus.md §5.1).
+the maximum. Below the knee lowering the clock stops saving dynamic energy (docs/kareus.md §5.1).
 """
 
 from __future__ import annotations

@@ -70,74 +70,74 @@ class GpuSpec:
         return self.idle_power_w + self.clock_power_w
 
 
-# Sources: ../shared/reference/kareus.md §5.4 ("Parameter sets"), peers.md §4.1 ("Device table"),
-# perseus.md §1.3–1.4. Numbers marked [assumption] are not published; they are chosen to reproduce
+# Sources: ../shared/reference/kareus.md §5.4 ("Parameter sets"), docs/peers.md §4.1 ("Device table"),
+# docs/perseus.md §1.3–1.4. Numbers marked [assumption] are not published; they are chosen to reproduce
 # the documented phenomena and should be re-calibrated on hardware.
 GPU_SPECS: dict[str, GpuSpec] = {
     "a100": GpuSpec(
         key="a100",
         product="A100-SXM4-40GB",
-        num_sms=108,  # kareus.md §5.4 (TechPowerUp)
-        min_freq_mhz=210.0,  # peers.md §4.1: supported list 1410 -> 210, 15 MHz steps, 81 points
+        num_sms=108,  # docs/kareus.md §5.4 (TechPowerUp)
+        min_freq_mhz=210.0,  # docs/peers.md §4.1: supported list 1410 -> 210, 15 MHz steps, 81 points
         max_freq_mhz=1410.0,
         freq_step_mhz=15.0,
-        knee_freq_mhz=900.0,  # kareus.md §5.4: energy stops falling below ~900 MHz (Perseus App. B)
+        knee_freq_mhz=900.0,  # docs/kareus.md §5.4: energy stops falling below ~900 MHz (Perseus App. B)
         v_min_ratio=0.70,  # [assumption]
-        idle_power_w=55.0,  # peers.md §4.1: idle 52-68 W at 210 MHz (model: 57 W at 210 MHz)
+        idle_power_w=55.0,  # docs/peers.md §4.1: idle 52-68 W at 210 MHz (model: 57 W at 210 MHz)
         clock_power_w=30.0,  # with idle: 85 W blocked on P2P at 1410 MHz (Kareus GPU_CONFIGS; Perseus 83.64 W)
-        sm_power_w=2.4,  # kareus.md §5.4: c_sm ≈ 2.4 W per busy SM at f_max
-        memory_power_w=60.0,  # [assumption] full compute + HBM load (405 W) exceeds the 400 W cap (kareus.md §5.3 item 6)
-        default_power_limit_w=400.0,  # peers.md §4.1: TDP 400 W, PL range 100-400 W
+        sm_power_w=2.4,  # docs/kareus.md §5.4: c_sm ≈ 2.4 W per busy SM at f_max
+        memory_power_w=60.0,  # [assumption] full compute + HBM load (405 W) exceeds the 400 W cap (docs/kareus.md §5.3 item 6)
+        default_power_limit_w=400.0,  # docs/peers.md §4.1: TDP 400 W, PL range 100-400 W
         min_power_limit_w=100.0,
         max_power_limit_w=400.0,
-        mem_freq_mhz=1215.0,  # peers.md §4.1: 40 GB part, single memory clock
+        mem_freq_mhz=1215.0,  # docs/peers.md §4.1: 40 GB part, single memory clock
         ambient_c=25.0,  # [assumption]
-        thermal_resistance_c_per_w=0.10,  # kareus.md §5.1: full load settles at 60-70 °C (400 W -> 65 °C)
-        thermal_capacitance_j_per_c=15.0,  # kareus.md §5.1: 5 s of idle cools below ~32 °C (τ = 1.5 s)
-        energy_update_period_s=0.1,  # kareus.md §5.4 / peers.md §4.2: NVML counter updates every ~100 ms
+        thermal_resistance_c_per_w=0.10,  # docs/kareus.md §5.1: full load settles at 60-70 °C (400 W -> 65 °C)
+        thermal_capacitance_j_per_c=15.0,  # docs/kareus.md §5.1: 5 s of idle cools below ~32 °C (τ = 1.5 s)
+        energy_update_period_s=0.1,  # docs/kareus.md §5.4 / docs/peers.md §4.2: NVML counter updates every ~100 ms
     ),
     "h100": GpuSpec(
         key="h100",
         product="H100-SXM5-80GB",
-        num_sms=132,  # kareus.md §5.4 (Lockwood)
-        min_freq_mhz=210.0,  # [assumption] peers.md §4.1 says VERIFY-ON-DEVICE; 15 MHz steps as on Ampere
-        max_freq_mhz=1980.0,  # peers.md §4.1: max SM clock 1980 MHz
+        num_sms=132,  # docs/kareus.md §5.4 (Lockwood)
+        min_freq_mhz=210.0,  # [assumption] docs/peers.md §4.1 says VERIFY-ON-DEVICE; 15 MHz steps as on Ampere
+        max_freq_mhz=1980.0,  # docs/peers.md §4.1: max SM clock 1980 MHz
         freq_step_mhz=15.0,
-        knee_freq_mhz=1050.0,  # kareus.md §5.4: "[D] about 1000-1100 MHz, calibrate"
+        knee_freq_mhz=1050.0,  # docs/kareus.md §5.4: "[D] about 1000-1100 MHz, calibrate"
         v_min_ratio=0.70,  # [assumption]
-        idle_power_w=72.0,  # peers.md §4.1: idle typically 72-75 W
-        clock_power_w=43.0,  # with idle: 115 W blocked (kareus.md §5.4: start at 100-130 W)
-        sm_power_w=3.6,  # kareus.md §5.4: c_sm ≈ 3.6 W per busy SM at f_max
+        idle_power_w=72.0,  # docs/peers.md §4.1: idle typically 72-75 W
+        clock_power_w=43.0,  # with idle: 115 W blocked (docs/kareus.md §5.4: start at 100-130 W)
+        sm_power_w=3.6,  # docs/kareus.md §5.4: c_sm ≈ 3.6 W per busy SM at f_max
         memory_power_w=90.0,  # [assumption]
-        default_power_limit_w=700.0,  # peers.md §4.1: TDP 700 W, PL range 200-700 W
+        default_power_limit_w=700.0,  # docs/peers.md §4.1: TDP 700 W, PL range 200-700 W
         min_power_limit_w=200.0,
         max_power_limit_w=700.0,
-        mem_freq_mhz=2619.0,  # peers.md §4.1: HBM3 2619 MHz
+        mem_freq_mhz=2619.0,  # docs/peers.md §4.1: HBM3 2619 MHz
         ambient_c=25.0,  # [assumption]
-        thermal_resistance_c_per_w=0.06,  # [assumption] 700 W -> 67 °C, as kareus.md §5.1 asks of A100
+        thermal_resistance_c_per_w=0.06,  # [assumption] 700 W -> 67 °C, as docs/kareus.md §5.1 asks of A100
         thermal_capacitance_j_per_c=25.0,  # [assumption] τ = 1.5 s
-        energy_update_period_s=0.1,  # peers.md §4.2
+        energy_update_period_s=0.1,  # docs/peers.md §4.2
     ),
     "a40": GpuSpec(
         key="a40",
         product="A40",
-        num_sms=84,  # kareus.md §5.4 (10,752 shaders / 128)
-        min_freq_mhz=210.0,  # perseus.md §1.3: the A40 supports 103 clocks; 1740 - 102 × 15 = 210
-        max_freq_mhz=1740.0,  # kareus.md §5.4: max 1740 MHz
+        num_sms=84,  # docs/kareus.md §5.4 (10,752 shaders / 128)
+        min_freq_mhz=210.0,  # docs/perseus.md §1.3: the A40 supports 103 clocks; 1740 - 102 × 15 = 210
+        max_freq_mhz=1740.0,  # docs/kareus.md §5.4: max 1740 MHz
         freq_step_mhz=15.0,
-        knee_freq_mhz=900.0,  # [assumption] perseus.md §1.3: raw-energy minimum at 945-1050 MHz
+        knee_freq_mhz=900.0,  # [assumption] docs/perseus.md §1.3: raw-energy minimum at 945-1050 MHz
         v_min_ratio=0.70,  # [assumption]
         idle_power_w=30.0,  # [assumption] GDDR6 board idle
         clock_power_w=40.0,  # with idle: 70 W blocked on P2P (Kareus GPU_CONFIGS; Perseus 70.38 W)
         sm_power_w=2.4,  # [assumption] same per-SM power as A100
         memory_power_w=40.0,  # [assumption] full load (310 W) slightly exceeds the 300 W TDP
-        default_power_limit_w=300.0,  # kareus.md §5.4: TDP 300 W
+        default_power_limit_w=300.0,  # docs/kareus.md §5.4: TDP 300 W
         min_power_limit_w=100.0,  # [assumption]
         max_power_limit_w=300.0,
         mem_freq_mhz=7251.0,  # [assumption] GDDR6 at 14.5 Gbps
         ambient_c=25.0,  # [assumption]
         thermal_resistance_c_per_w=0.13,  # [assumption] 300 W -> 64 °C
         thermal_capacitance_j_per_c=12.0,  # [assumption]
-        energy_update_period_s=0.1,  # peers.md §4.2
+        energy_update_period_s=0.1,  # docs/peers.md §4.2
     ),
 }

@@ -175,6 +175,9 @@ def demo(
     show_default=True,
     help="Managed iterations to replay (their mean is reported).",
 )
+@click.option(
+    "--no-grid", is_flag=True, help="Do not print the plan as a stage x time grid before the table."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def simulate(
     plan_path: str,
@@ -183,10 +186,16 @@ def simulate(
     switch_latency_s: float,
     deadline_s: float | None,
     iterations: int,
+    no_grid: bool,
     as_json: bool,
 ) -> None:
-    """Replay a saved PLAN.json on the emulator and compare it with all maximum clocks."""
+    """Replay a saved PLAN.json on the emulator and compare it with all maximum clocks.
+
+    Prints the plan as a stage x time grid (what runs when, and at which clock), then the
+    replayed iteration time and energy against all maximum clocks.
+    """
     from powerlib.emulator.demo import simulate_plan  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.planning.plan import FrequencyPlan  # noqa: PLC0415
 
     result = simulate_plan(
         plan_path,
@@ -199,6 +208,8 @@ def simulate(
     if as_json:
         emit_json(result)
         return
+    if not no_grid:
+        click.echo(FrequencyPlan.read(plan_path).grid())
     b, r = result["baseline"], result["plan_result"]
     versus_all_max(b, "plan", r)
     click.echo(

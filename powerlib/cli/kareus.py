@@ -59,7 +59,7 @@ def kareus() -> None:
     type=click.Choice(["llama3.2-3b", "qwen3-1.7b"]),
     default="llama3.2-3b",
     show_default=True,
-    help="Layer shapes (kareus.md §5.4).",
+    help="Layer shapes (docs/kareus.md §5.4).",
 )
 @click.option(
     "--tp", type=click.IntRange(min=1), default=8, show_default=True, help="Tensor parallel."

@@ -36,7 +36,7 @@ from powerlib.runtime.session import Session
 
 __all__ = ["DemoConfig", "default_profile", "run_demo", "simulate_plan", "write_timeline"]
 
-DEFAULT_P_BLOCK_W = 83.64  # A100 blocking power of the Perseus artifact (perseus.md §1.4)
+DEFAULT_P_BLOCK_W = 83.64  # A100 blocking power of the Perseus artifact (docs/perseus.md §1.4)
 
 
 def default_profile() -> Profile:

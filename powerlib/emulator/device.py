@@ -1,4 +1,4 @@
-"""Table-driven emulated GPUs in virtual time (perseus.md §5.5, kareus.md §5.1).
+"""Table-driven emulated GPUs in virtual time (docs/perseus.md §5.5, docs/kareus.md §5.1).
 
 An :class:`EmulatedDevice` runs one pipeline stage. Its instructions take the time and energy a
 *profile table* gives for the clock in force, so a plan's realized cost is what the profile says

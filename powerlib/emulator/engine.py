@@ -10,7 +10,7 @@
   including a clock change that lands part-way through;
 - a stage draws ``p_block_w`` while it waits, until the iteration ends; the iteration ends when
   the last instruction finishes, or at ``straggler_time_s`` if a slower data-parallel pipeline
-  holds the gradient synchronisation until then (perseus.md §1.5: extrinsic bloat).
+  holds the gradient synchronisation until then (docs/perseus.md §1.5: extrinsic bloat).
 
 When hooks are given (one :class:`IterationHooks` per stage: a session, or the session's
 :class:`~powerlib.runtime.apply_phase.ApplyPhase` alone, as ``powerlib simulate`` gives), every

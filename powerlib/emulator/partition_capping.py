@@ -1,4 +1,4 @@
-"""Repeated work on the partition model: power-cap throttling and Theorem 1 (kareus.md §2.4).
+"""Repeated work on the partition model: power-cap throttling and Theorem 1 (docs/kareus.md §2.4).
 
 :func:`run_capped` repeats a unit of work under a power cap with a stepping clock controller;
 :func:`run_locked` runs it at one clock, so the two can be compared.
@@ -234,7 +234,7 @@ def run_capped(
     Power follows the work's phases (a GEMM overlapped with a collective draws more than a norm).
     Every control period the average power over the trailing window is compared with the cap
     (default: the device's TDP): above it the clock drops one step; below ``cap − margin`` it
-    rises one step toward the lock (kareus.md §5.1 "Power cap"). The window's lag makes the clock
+    rises one step toward the lock (docs/kareus.md §5.1 "Power cap"). The window's lag makes the clock
     oscillate around the clock whose power meets the cap. Work progresses at the instantaneous
     clock's rate (its position within a unit is kept as a fraction of the unit).
 

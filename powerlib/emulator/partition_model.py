@@ -1,6 +1,6 @@
 """Simulated partition evaluator: a fluid model of one GPU running Kareus's overlap partitions.
 
-The model is kareus.md §5.1 (formulas), calibrated against the phenomena of §5.3 on the real
+The model is docs/kareus.md §5.1 (formulas), calibrated against the phenomena of §5.3 on the real
 workloads of :mod:`powerlib.planning.kareus.partition`. It reads the GPUs' clocks, voltage
 curve, static power, power cap, thermal constants and energy-counter period from the table the
 simulated backend reads (:data:`powerlib.gpu_models.GPU_SPECS`), so the two simulators agree.
@@ -29,9 +29,9 @@ idle SMs draw nothing beyond static power.
 The noise-free functions (:func:`model`, :func:`simulate`, :func:`model_sequential`,
 :func:`model_compute`) are exact ground truth for exhaustive searches. The
 :class:`SimulatedOverlapEvaluator` wraps them in the thermally stable measurement protocol
-(kareus.md §2.1) in virtual time: settle, warm-up, window, cool-down; temperature-dependent static
+(docs/kareus.md §2.1) in virtual time: settle, warm-up, window, cool-down; temperature-dependent static
 power; an NVML-like energy counter updated every 100 ms; multiplicative noise. Power-cap throttling
-and Theorem 1 (kareus.md §2.4) are reproduced by :func:`run_capped` and :func:`run_locked`.
+and Theorem 1 (docs/kareus.md §2.4) are reproduced by :func:`run_capped` and :func:`run_locked`.
 
 The parameters are in :mod:`~powerlib.emulator.partition_params`, the noise-free model in
 :mod:`~powerlib.emulator.partition_fluid`, repeated and capped runs in

@@ -1,4 +1,4 @@
-"""Parameters of the partition model's simulated GPUs (kareus.md §5.1, §5.4).
+"""Parameters of the partition model's simulated GPUs (docs/kareus.md §5.1, §5.4).
 
 The numbers the simulated backend shares come from :data:`powerlib.gpu_models.GPU_SPECS`; the
 partition model's own calibration (HBM and link terms, efficiencies, the power-cap controller,
@@ -22,7 +22,7 @@ __all__ = ["A100", "H100", "OverlapDeviceParams"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OverlapDeviceParams(VoltageCurve):
-    """One GPU model's parameters for the overlap simulator (kareus.md §5.1, §5.4).
+    """One GPU model's parameters for the overlap simulator (docs/kareus.md §5.1, §5.4).
 
     Attributes:
         name: Model name.
@@ -105,7 +105,7 @@ class OverlapDeviceParams(VoltageCurve):
     launch_overhead_s: float
     sync_overhead_s: float
     default_comm_sms: int
-    smooth_p: float = 3.0  # kareus.md §5.1: p ≈ 3
+    smooth_p: float = 3.0  # docs/kareus.md §5.1: p ≈ 3
     comm_smooth_p: float = 8.0  # [assumption] a sharp knee: 24 CTAs reach ~90 % of the link
 
     @property
@@ -141,36 +141,36 @@ def _from_spec(spec: GpuSpec, **model: float) -> OverlapDeviceParams:
 _A100_CALIBRATED_SM_POWER_W = 3.0
 """The partition model's ``c_sm`` on the A100, calibrated; the spec's published estimate is 2.4 W.
 
-kareus.md §5.4's (380-85-30)/108 subtracts the clock power twice; (400-85-15)/108 ≈ 2.8 W puts a
+docs/kareus.md §5.4's (380-85-30)/108 subtracts the clock power twice; (400-85-15)/108 ≈ 2.8 W puts a
 large GEMM at the TDP. 3.0 W with the HBM and link terms below makes nanobatched overlap at
-1410 MHz throttle to ~1350 MHz under 400 W while sequential execution does not (kareus.md §2.4,
+1410 MHz throttle to ~1350 MHz under 400 W while sequential execution does not (docs/kareus.md §2.4,
 §5.3 item 6).
 """
 
 _A100_MODEL: dict[str, float] = {
-    "hbm_bw_bps": 1555e9,  # kareus.md §5.4: 1,555 GB/s
+    "hbm_bw_bps": 1555e9,  # docs/kareus.md §5.4: 1,555 GB/s
     "eta_mem": 0.85,  # [assumption] STREAM-like kernels reach ~1.3 TB/s on A100
-    "peak_flops": 312e12,  # kareus.md §5.4: dense BF16 312 TFLOP/s -> π_sm = 2048 FLOP/cycle/SM
+    "peak_flops": 312e12,  # docs/kareus.md §5.4: dense BF16 312 TFLOP/s -> π_sm = 2048 FLOP/cycle/SM
     "eta_max": 0.80,  # [assumption] large cuBLAS GEMMs reach ~80 % of peak
-    "flops_half": 1.0e9,  # [assumption] a 1 GFLOP kernel runs at half of η_max (kareus.md §5.1)
-    "ctas_per_sm": 1.0,  # [assumption] one 128x128-tile CTA per SM; kareus.md §7: one CTA per SM
+    "flops_half": 1.0e9,  # [assumption] a 1 GFLOP kernel runs at half of η_max (docs/kareus.md §5.1)
+    "ctas_per_sm": 1.0,  # [assumption] one 128x128-tile CTA per SM; docs/kareus.md §7: one CTA per SM
     "link_bw_bps": 230e9,  # [assumption] NCCL all-reduce bus bandwidth on 8xA100 NVLink3 (300 GB/s/dir raw)
     "sm_link_bw_bps": 230e9
-    / 25.0,  # kareus.md §5.1: b_sm ≈ BW_link_eff / 25 (saturates at 20-30 SMs)
-    "comm_freq_gamma": 0.3,  # kareus.md §5.1: γ ≈ 0-0.5
+    / 25.0,  # docs/kareus.md §5.1: b_sm ≈ BW_link_eff / 25 (saturates at 20-30 SMs)
+    "comm_freq_gamma": 0.3,  # docs/kareus.md §5.1: γ ≈ 0-0.5
     "comm_latency_s": 15e-6,  # [assumption] NVLink collective start-up latency
-    "hbm_bytes_per_wire_byte": 2.5,  # kareus.md §5.1: κ ≈ 2-3
-    "comm_busy": 0.3,  # kareus.md §5.1: u_comm ≈ 0.2-0.4
+    "hbm_bytes_per_wire_byte": 2.5,  # docs/kareus.md §5.1: κ ≈ 2-3
+    "comm_busy": 0.3,  # docs/kareus.md §5.1: u_comm ≈ 0.2-0.4
     "sm_power_w": _A100_CALIBRATED_SM_POWER_W,  # [assumption, calibrated]
     "hbm_power_w": 160.0,  # [assumption, calibrated] HBM2 + L2/crossbar/LSU traffic at peak bandwidth
     "link_power_w": 90.0,  # [assumption, calibrated] NVLink SerDes + copy engines at full collective rate
-    "cap_period_s": 0.01,  # kareus.md §5.1: control period 10-100 ms [assumption]
+    "cap_period_s": 0.01,  # docs/kareus.md §5.1: control period 10-100 ms [assumption]
     "cap_window_s": 0.1,  # [assumption] NVML's power average window; longer than a layer
     "cap_margin_w": 5.0,  # [assumption] hysteresis of the throttle controller
-    "static_temp_coeff_per_c": 0.006,  # [assumption] leakage +0.6 %/°C (kareus.md §5.1 P_s(θ))
+    "static_temp_coeff_per_c": 0.006,  # [assumption] leakage +0.6 %/°C (docs/kareus.md §5.1 P_s(θ))
     "static_ref_temp_c": 30.0,  # [assumption] P_static (85 W) is measured on a cool (~30 °C) GPU
     "energy_quantum_j": 1e-3,  # NVML counts whole millijoules
-    "noise": 0.01,  # kareus.md §5.1: ±1-2 % multiplicative
+    "noise": 0.01,  # docs/kareus.md §5.1: ±1-2 % multiplicative
     "launch_overhead_s": 4e-6,  # [assumption] per-kernel launch gap
     "sync_overhead_s": 10e-6,  # [assumption] event-based stream join at partition end
     "default_comm_sms": 24,  # [assumption] NCCL's channel count on an NVSwitch A100 node
@@ -183,15 +183,15 @@ H100 = _from_spec(
     GPU_SPECS["h100"],
     **{
         **_A100_MODEL,
-        "hbm_bw_bps": 3.35e12,  # kareus.md §5.4
-        "peak_flops": 989e12,  # kareus.md §5.4 dense BF16
+        "hbm_bw_bps": 3.35e12,  # docs/kareus.md §5.4
+        "peak_flops": 989e12,  # docs/kareus.md §5.4 dense BF16
         "flops_half": 3.0e9,  # [assumption] scaled with peak
         "link_bw_bps": 360e9,  # [assumption] NVLink4 all-reduce bus bandwidth (450 GB/s/dir raw)
-        "sm_link_bw_bps": 360e9 / 25.0,  # [assumption] kareus.md §5.4 "re-calibrate"
-        "sm_power_w": GPU_SPECS["h100"].sm_power_w,  # 3.6 W: kareus.md §5.4
+        "sm_link_bw_bps": 360e9 / 25.0,  # [assumption] docs/kareus.md §5.4 "re-calibrate"
+        "sm_power_w": GPU_SPECS["h100"].sm_power_w,  # 3.6 W: docs/kareus.md §5.4
         "hbm_power_w": 120.0,  # [assumption]
         "link_power_w": 60.0,  # [assumption]
         "default_comm_sms": 32,  # [assumption]
     },
 )
-"""H100 SXM5 80GB: unvalidated starting values (kareus.md §5.4 marks most as [D])."""
+"""H100 SXM5 80GB: unvalidated starting values (docs/kareus.md §5.4 marks most as [D])."""

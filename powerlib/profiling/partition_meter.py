@@ -5,7 +5,7 @@ the device contract. The caller supplies what only the framework can do, a calla
 partition on the GPU and waits for it (``run(ptype, config)``: both nanobatches' compute with the
 collective launched at ``config.slot`` on ``config.sm_count`` SMs, then a device synchronise); the
 evaluator follows :class:`~powerlib.planning.kareus.evaluator.MeasureProtocol` around it
-(kareus.md §2.1 "Measurement", §6.1 item 3):
+(docs/kareus.md §2.1 "Measurement", §6.1 item 3):
 
 1. lock the SM clock of every device to ``config.freq_mhz`` (min = max), through a
    :class:`~powerlib.control.ControlSession`: journaled before the change, restored afterwards;

@@ -1,6 +1,6 @@
 """The frequency sweep of the profile phase and what it records.
 
-Iterations run in this order (DESIGN.md §2 step 2, perseus.md §4.5):
+Iterations run in this order (docs/architecture.md §2 step 2, docs/perseus.md §4.5):
 
 1. ``warmup_iterations`` at the highest candidate frequency, discarded (allocator, autotuning,
    caches);
@@ -200,7 +200,7 @@ def aggregate_stage_rows(per_rank: Iterable[Sequence[ProfileRow]]) -> list[Profi
     """Merge the rows of every rank: per (stage, kind, frequency) time = max, energy = mean.
 
     The ranks of one stage (tensor/context-parallel shards, data-parallel replicas) run the same
-    instructions; the stage waits for its slowest rank, and energy is per GPU (integrations.md
+    instructions; the stage waits for its slowest rank, and energy is per GPU (docs/frameworks.md
     §3.6). A frequency that not every rank of a stage measured is dropped.
     """
     grouped: dict[tuple[int, str, float], list[ProfileRow]] = defaultdict(list)

@@ -1,7 +1,7 @@
 """How the ranks of one job agree: profile gather, plan broadcast, and the sweep's stop vote.
 
 No extra server: the job's own ``torch.distributed`` process group carries everything
-(DESIGN.md §2 steps 3-5). Two operations are needed:
+(docs/architecture.md §2 steps 3-5). Two operations are needed:
 
 - :meth:`Coordinator.all_agree`: every rank votes; the result is True only if every vote is True
   (the profile sweep stops for everyone or for no one);

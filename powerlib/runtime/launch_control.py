@@ -1,10 +1,10 @@
 """The runtime side of Kareus overlap plans: which partition runs how, and when its collective starts.
 
-A Kareus plan (kareus.md §3.1, §6.1 item 7) gives every instruction of a stage an execution mode
+A Kareus plan (docs/kareus.md §3.1, §6.1 item 7) gives every instruction of a stage an execution mode
 (``sequential`` or ``nanobatch``) and, when nanobatched, one :class:`PartitionSetting` per
 partition type: the launch slot before whose first kernel the collective starts, the SM (CTA)
 count of the collective and its block size. This module applies it the way the artifact's
-runtime does (kareus.md §3.2), through callbacks an integration places in its own code:
+runtime does (docs/kareus.md §3.2), through callbacks an integration places in its own code:
 
 ::
 
@@ -33,7 +33,7 @@ sequential instruction, a partition type the plan does not configure, a ``None``
 the runtime waits on the handle ``launch`` returned (the end-of-partition join; on CUDA a
 stream wait, not a CPU block). Integrations that schedule themselves ask :meth:`Overlap.config`.
 
-**Never crash the job** (DESIGN.md §5): a problem with the plan at run time degrades to the
+**Never crash the job** (docs/architecture.md §5): a problem with the plan at run time degrades to the
 framework's default path with one warning, never an exception in the training loop:
 
 - the loop runs another instruction order than the plan (checked at every instruction, like the

@@ -1,7 +1,7 @@
 """SM-limited communicators for Kareus overlap plans: one NCCL process group per SM count.
 
 **SM shares.** On NCCL a collective's SM share is a property of its communicator
-(``ncclConfig_t`` ``minCTAs``/``maxCTAs``, kareus.md §3.3): :class:`SMGroups` creates one process
+(``ncclConfig_t`` ``minCTAs``/``maxCTAs``, docs/kareus.md §3.3): :class:`SMGroups` creates one process
 group per (ranks, SM count) with ``ProcessGroupNCCL.Options().config.min_ctas = max_ctas =
 sm_count``. ``new_group`` is collective over the *whole* job and every rank must create groups in
 the same order, so they are all created when the plan is loaded (:meth:`powerlib.runtime.launch_control.Overlap.load`), from the

@@ -50,7 +50,7 @@ def test_clock_lists_match_the_reference(model: str, count: int, top: float) -> 
 
 def test_a100_idle_and_blocked_power_match_published_figures() -> None:
     m = GPU_MODELS["a100"]
-    assert 52.0 <= m.power_w(210.0) <= 68.0  # peers.md: idle 52-68 W at 210 MHz
+    assert 52.0 <= m.power_w(210.0) <= 68.0  # docs/peers.md: idle 52-68 W at 210 MHz
     assert m.power_w(1410.0) == pytest.approx(85.0)  # Kareus P2P-blocked power
     assert GPU_MODELS["a40"].power_w(1740.0) == pytest.approx(70.0)
 
@@ -79,7 +79,7 @@ def test_power_rises_with_clock_and_voltage_is_floored_below_the_knee() -> None:
 
 @pytest.mark.parametrize("model", sorted(GPU_MODELS))
 def test_compute_bound_energy_has_its_minimum_at_the_voltage_knee(model: str) -> None:
-    """Energy falls as the clock drops to the knee, then rises: the 'energy floor' (kareus.md §5.3)."""
+    """Energy falls as the clock drops to the knee, then rises: the 'energy floor' (docs/kareus.md §5.3)."""
     m = GPU_MODELS[model]
     work = WorkUnit(time_at_max_s=1.0)
     energy = {f: m.duration_s(work, f) * m.power_w(f, work) for f in m.supported_freqs_mhz}
@@ -152,7 +152,7 @@ def test_temperature_rises_under_load_and_cools_when_idle(settings: Settings) ->
     cold = dev.read_state().temperature_c
     dev.run(WorkUnit(time_at_max_s=10.0, memory_activity=1.0))  # full load: at the 400 W cap
     hot = dev.read_state().temperature_c
-    assert 60.0 <= hot <= 70.0  # kareus.md §5.1: full load settles at 60-70 °C
+    assert 60.0 <= hot <= 70.0  # docs/kareus.md §5.1: full load settles at 60-70 °C
     clock.advance(5.0)
     assert dev.read_state().temperature_c < 32.0  # and 5 s of idle cools below ~32 °C
     assert cold < 32.0

@@ -2,7 +2,7 @@
 
 Megatron-core assumes CUDA in a few places of the schedule path. These shims patch ``torch.cuda``
 **globally inside the process**, so they belong in test workers and CPU-only examples, never in
-library code (integrations.md §5, "Megatron CPU shims"; §6.3 item 9). The reference's list, and
+library code (docs/frameworks.md §5, "Megatron CPU shims"; §6.3 item 9). The reference's list, and
 what this module does for each item:
 
 1. ``torch.cuda.current_device`` -> ``torch.device("cpu")``: ``P2PCommunicator._communicate``

@@ -101,7 +101,7 @@ def test_dualpipev_engine_applies_a_v_plan(two_ranks: list[dict]) -> None:
         assert sorted((k, mb, c) for k, mb, c, _ in plan) == sorted(
             (k, mb, c) for k in ("forward", "backward") for mb in range(4) for c in (0, 1)
         )
-    # integrations.md §3.4: the executed DualPipeV order of rank 0, P=2, M=4
+    # docs/frameworks.md §3.4: the executed DualPipeV order of rank 0, P=2, M=4
     expected = "F0p0 F1p0 F2p0 F0p1 B0p1 F1p1 F3p0 B1p1 F2p1 B0p0 B2p1 F3p1 B1p0 B3p1 B2p0 B3p0"
     got = [f"{k[0].upper()}{mb}p{c}" for k, mb, c, _ in two_ranks[0]["dualpipev"]["auto"]["plan"]]
     assert " ".join(got) == expected

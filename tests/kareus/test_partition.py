@@ -1,4 +1,4 @@
-"""Partition types from layer shapes, as the Kareus artifact forms them (kareus.md §1.4)."""
+"""Partition types from layer shapes, as the Kareus artifact forms them (docs/kareus.md §1.4)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_context_parallel_layer_has_the_artifacts_twelve_types() -> None:
 def test_all_reduce_payload_is_seq_times_half_microbatch_times_hidden() -> None:
     w = _workload()
     comm = w.partition("fwd_attn").comm
-    assert comm.payload_bytes == 4096 * (8 / 2) * 3072 * 2  # kareus.md §5.4
+    assert comm.payload_bytes == 4096 * (8 / 2) * 3072 * 2  # docs/kareus.md §5.4
     assert comm.wire_bytes == pytest.approx(2 * 7 / 8 * comm.payload_bytes)
     # The sequential (un-split) layer carries the whole microbatch.
     assert w.sequential["fwd"][0].comm.payload_bytes == 2 * comm.payload_bytes
@@ -94,7 +94,9 @@ def test_recompute_makes_a_backward_rerun_the_forward_types() -> None:
         "bwd_attn",
     ]
     w2 = build_workload(
-        MODEL_SHAPES["llama3.2-3b"], Parallelism(tp=8, micro_batch=8, seq_len=4096, recompute=False), [28]
+        MODEL_SHAPES["llama3.2-3b"],
+        Parallelism(tp=8, micro_batch=8, seq_len=4096, recompute=False),
+        [28],
     )
     assert [p.key for p, _ in w2.instruction_types("backward")] == ["bwd_mlp", "bwd_attn"]
     assert [op.name for op in w2.stages[0].extra_forward] == ["embedding", "output_layer", "loss"]

@@ -66,8 +66,9 @@ class SyntheticEvaluator:
     p_static_w = 90.0
     freqs_mhz = tuple(float(f) for f in FREQS)
 
-    def __init__(self, noise: float = 0.0, flat: bool = False,
-                 fail_after: int | None = None) -> None:
+    def __init__(
+        self, noise: float = 0.0, flat: bool = False, fail_after: int | None = None
+    ) -> None:
         self.noise = noise
         self.flat = flat
         self.fail_after = fail_after
@@ -96,8 +97,9 @@ class SyntheticEvaluator:
         e_dyn = 260.0 * fr**2.5 * comp + 1.5 * c.sm_count * comm * (0.7 + 0.3 * fr)
         return t, e_dyn
 
-    def truth_points(self, ptype: PartitionType, space: list[Config], plane: str = "total"
-                     ) -> np.ndarray:
+    def truth_points(
+        self, ptype: PartitionType, space: list[Config], plane: str = "total"
+    ) -> np.ndarray:
         rows = []
         for c in space:
             t, ed = self.truth(ptype, c)
@@ -111,7 +113,9 @@ class SyntheticEvaluator:
         t, ed = self.truth(ptype, config)
         e = ed + self.p_static_w * t
         if self.noise:
-            seed = zlib.crc32(f"{ptype.key}/{config.freq_mhz}/{config.sm_count}/{config.slot}".encode())
+            seed = zlib.crc32(
+                f"{ptype.key}/{config.freq_mhz}/{config.sm_count}/{config.slot}".encode()
+            )
             z = np.random.default_rng(seed).standard_normal(2)
             t *= 1.0 + self.noise * z[0]
             e *= 1.0 + self.noise * z[1]
@@ -130,21 +134,35 @@ def _sm_speed(sm_count: float) -> float:
 
 
 def _ptype(cp: int, key: str) -> PartitionType:
-    par = (Parallelism(tp=8, micro_batch=8, seq_len=4096) if cp == 1
-           else Parallelism(tp=4, cp=2, micro_batch=8, seq_len=4096))
+    par = (
+        Parallelism(tp=8, micro_batch=8, seq_len=4096)
+        if cp == 1
+        else Parallelism(tp=4, cp=2, micro_batch=8, seq_len=4096)
+    )
     return build_workload(MODEL_SHAPES["llama3.2-3b"], par, [15, 13]).partition(key)
 
 
-def found_relative_hv(ev: SyntheticEvaluator, ptype: PartitionType, space: list[Config],
-                      result: SearchResult, plane: str = "total") -> float:
+def found_relative_hv(
+    ev: SyntheticEvaluator,
+    ptype: PartitionType,
+    space: list[Config],
+    result: SearchResult,
+    plane: str = "total",
+) -> float:
     """True (noise-free) relative HV of the configurations the search reports as Pareto."""
     chosen = [r.config for r in result.pareto(plane)]
-    return relative_hypervolume(ev.truth_points(ptype, chosen, plane),
-                                ev.truth_points(ptype, space, plane))
+    return relative_hypervolume(
+        ev.truth_points(ptype, chosen, plane), ev.truth_points(ptype, space, plane)
+    )
 
 
-def _recovered(ev: SyntheticEvaluator, ptype: PartitionType, space: list[Config],
-               result: SearchResult, plane: str) -> float:
+def _recovered(
+    ev: SyntheticEvaluator,
+    ptype: PartitionType,
+    space: list[Config],
+    result: SearchResult,
+    plane: str,
+) -> float:
     """Share of true Pareto points some reported configuration matches within 1 % (T1)."""
     import moocore
 
@@ -237,8 +255,9 @@ def test_search_reaches_98_percent_of_the_exhaustive_hypervolume(searched, label
         assert found_relative_hv(ev, ptype, space, result, plane) >= 0.98, plane
     # It beats a uniform random sample of the same size (which also nearly reaches 98 % here:
     # the recovered share of true Pareto points is what tells them apart).
-    rand = search_partition(ptype, space, SyntheticEvaluator(),
-                            budget=Budget(result.evaluations_used, 0, 1), seed=0)
+    rand = search_partition(
+        ptype, space, SyntheticEvaluator(), budget=Budget(result.evaluations_used, 0, 1), seed=0
+    )
     mbo = sum(_recovered(ev, ptype, space, result, p) for p in ("total", "dynamic"))
     base = sum(_recovered(ev, ptype, space, rand, p) for p in ("total", "dynamic"))
     assert mbo > base and mbo >= 2 * 0.5
@@ -262,7 +281,8 @@ def test_budget_respected_and_nothing_measured_twice(searched, label: str) -> No
         assert (r.source == "init") == (r.batch == 0) == (r.predicted_time_s is None)
         if r.batch:
             assert r.predicted_energy_j == pytest.approx(
-                r.predicted_dynamic_energy_j + 90.0 * r.predicted_time_s)
+                r.predicted_dynamic_energy_j + 90.0 * r.predicted_time_s
+            )
 
 
 @needs_deps
@@ -291,8 +311,14 @@ def test_each_pass_takes_its_share_and_hvi_passes_find_front_points(searched) ->
 def test_single_pass_variant_uses_only_that_pass() -> None:
     ptype = _ptype(2, "fwd_ao_ar")
     space = config_space(ptype, FREQS)
-    result = search_partition(ptype, space, SyntheticEvaluator(), passes=("fastest",),
-                              shares=(1.0,), budget=Budget(20, 2, 8))
+    result = search_partition(
+        ptype,
+        space,
+        SyntheticEvaluator(),
+        passes=("fastest",),
+        shares=(1.0,),
+        budget=Budget(20, 2, 8),
+    )
     assert {r.source for r in result.evaluations if r.batch} == {"fastest"}
     with pytest.raises(PlanError, match="one share per pass"):
         search_partition(ptype, space, SyntheticEvaluator(), passes=("total",), shares=(0.5, 0.5))
@@ -310,8 +336,11 @@ def test_pareto_is_nondominated_and_sorted(searched) -> None:
         assert times == sorted(times) and energies == sorted(energies, reverse=True)
         for r in result.evaluations:  # nothing evaluated dominates a front point
             for f in front:
-                assert not (r.time_s <= f.time_s and getattr(r, energy) <= getattr(f, energy)
-                            and (r.time_s, getattr(r, energy)) != (f.time_s, getattr(f, energy)))
+                assert not (
+                    r.time_s <= f.time_s
+                    and getattr(r, energy) <= getattr(f, energy)
+                    and (r.time_s, getattr(r, energy)) != (f.time_s, getattr(f, energy))
+                )
     with pytest.raises(PlanError, match="plane"):
         result.pareto("static")
 
@@ -350,8 +379,7 @@ def test_plateau_stops_early_on_a_flat_landscape() -> None:
 def test_structured_landscape_does_not_plateau_after_the_first_batches() -> None:
     ptype = _ptype(2, "fwd_ao_ar")
     space = config_space(ptype, FREQS)
-    result = search_partition(ptype, space, SyntheticEvaluator(), seed=0,
-                              budget=Budget(48, 2, 16))
+    result = search_partition(ptype, space, SyntheticEvaluator(), seed=0, budget=Budget(48, 2, 16))
     assert result.stopped == "budget" and result.batches_run == 2
     assert result.hv_gains[0] > 1e-3
 
@@ -367,8 +395,9 @@ def test_small_space_is_exhausted_and_constant_landscape_is_harmless() -> None:
         def truth(self, ptype, c):
             return 1e-3, 0.1
 
-    result = search_partition(ptype, config_space(ptype, FREQS), Constant(),
-                              budget=Budget(10, 3, 5))
+    result = search_partition(
+        ptype, config_space(ptype, FREQS), Constant(), budget=Budget(10, 3, 5)
+    )
     assert result.stopped == "plateau" and result.batches_run == 2
     assert len(result.pareto()) == 1
 
@@ -393,8 +422,9 @@ def _same(a: SearchResult, b: SearchResult) -> None:
 def uninterrupted(tmp_path_factory) -> tuple[SearchResult, Path]:
     ptype, space, budget = _small_setup()
     log = tmp_path_factory.mktemp("whole") / "whole.jsonl"
-    result = search_partition(ptype, space, SyntheticEvaluator(), budget=budget, seed=7,
-                              log_path=log, plateau=None)
+    result = search_partition(
+        ptype, space, SyntheticEvaluator(), budget=budget, seed=7, log_path=log, plateau=None
+    )
     assert result.stopped == "budget" and result.batches_run == 2
     return result, log
 
@@ -408,12 +438,18 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(
     whole, whole_log = uninterrupted
     log = tmp_path / "interrupted.jsonl"
     with pytest.raises(RuntimeError, match="interrupted"):
-        search_partition(ptype, space, SyntheticEvaluator(fail_after=interrupt_after),
-                         budget=budget, seed=7, log_path=log, plateau=None)
+        search_partition(
+            ptype,
+            space,
+            SyntheticEvaluator(fail_after=interrupt_after),
+            budget=budget,
+            seed=7,
+            log_path=log,
+            plateau=None,
+        )
     assert len(log.read_text().splitlines()) == 1 + interrupt_after
     ev = SyntheticEvaluator()
-    resumed = search_partition(ptype, space, ev, budget=budget, seed=7, log_path=log,
-                               plateau=None)
+    resumed = search_partition(ptype, space, ev, budget=budget, seed=7, log_path=log, plateau=None)
     _same(resumed, whole)
     assert len(ev.calls) == whole.evaluations_used - interrupt_after
     assert not set(ev.calls) & {r.config for r in whole.evaluations[:interrupt_after]}
@@ -426,8 +462,12 @@ def test_complete_log_replays_without_measuring(uninterrupted) -> None:
     ptype, space, budget = _small_setup()
     whole, whole_log = uninterrupted
     again = SyntheticEvaluator()
-    _same(search_partition(ptype, space, again, budget=budget, seed=7, log_path=whole_log,
-                           plateau=None), whole)
+    _same(
+        search_partition(
+            ptype, space, again, budget=budget, seed=7, log_path=whole_log, plateau=None
+        ),
+        whole,
+    )
     assert again.calls == []
 
 
@@ -443,30 +483,48 @@ def test_log_format_and_flush_per_record(tmp_path: Path) -> None:
             return super().evaluate(ptype, config)
 
     seen: list[tuple[int, int, str]] = []
-    result = search_partition(ptype, space, Watching(), budget=budget, log_path=log,
-                              progress=lambda d, t, m: seen.append((d, t, m)))
+    result = search_partition(
+        ptype,
+        space,
+        Watching(),
+        budget=budget,
+        log_path=log,
+        progress=lambda d, t, m: seen.append((d, t, m)),
+    )
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     head = lines[0]
     assert head["schema"] == LOG_SCHEMA and head["partition"] == ptype.key
     assert head["space_size"] == len(space) and head["p_static_w"] == 90.0
     assert len(lines) == 1 + result.evaluations_used
     rec = lines[-1]
-    assert {"freq_mhz", "sm_count", "slot", "time_s", "energy_j", "dynamic_energy_j", "source",
-            "batch", "predicted_time_s", "predicted_energy_j", "predicted_dynamic_energy_j",
-            "partition", "wall_s"} <= set(rec)
+    assert {
+        "freq_mhz",
+        "sm_count",
+        "slot",
+        "time_s",
+        "energy_j",
+        "dynamic_energy_j",
+        "source",
+        "batch",
+        "predicted_time_s",
+        "predicted_energy_j",
+        "predicted_dynamic_energy_j",
+        "partition",
+        "wall_s",
+    } <= set(rec)
     assert rec["batch"] == result.batches_run and rec["predicted_time_s"] is not None
     assert [d for d, _, _ in seen] == list(range(1, result.evaluations_used + 1))
     assert {t for _, t, _ in seen} == {budget.total}
     assert ptype.key in seen[-1][2]
 
 
-def _write_log(tmp_path: Path, ptype: PartitionType, space: list[Config],
-               edit) -> tuple[Path, int]:
+def _write_log(tmp_path: Path, ptype: PartitionType, space: list[Config], edit) -> tuple[Path, int]:
     _, _, budget = _small_setup()
     log = tmp_path / "log.jsonl"
     with pytest.raises(RuntimeError):
-        search_partition(ptype, space, SyntheticEvaluator(fail_after=6), budget=budget,
-                         log_path=log)
+        search_partition(
+            ptype, space, SyntheticEvaluator(fail_after=6), budget=budget, log_path=log
+        )
     lines = log.read_text().splitlines()
     lineno = edit(lines)
     log.write_text("\n".join(lines) + "\n")
@@ -526,8 +584,7 @@ def test_log_from_other_settings_or_space_is_refused(tmp_path: Path) -> None:
     ptype, space, budget = _small_setup()
     log, _ = _write_log(tmp_path, ptype, space, lambda lines: 0)
     with pytest.raises(PlanError, match="other settings"):
-        search_partition(ptype, space, SyntheticEvaluator(), budget=budget, seed=1,
-                         log_path=log)
+        search_partition(ptype, space, SyntheticEvaluator(), budget=budget, seed=1, log_path=log)
     # Same size, other configurations: a logged one is not in this space.
     other = config_space(ptype, list(FREQS)[6:12])
     with pytest.raises(PlanError, match="not in the configuration space"):
@@ -563,7 +620,9 @@ def test_missing_dependency_gives_the_install_hint(monkeypatch, missing: str) ->
     ptype, space, budget = _small_setup()
     monkeypatch.setitem(sys.modules, missing, None)
     ev = SyntheticEvaluator()
-    with pytest.raises(PlanError, match=r"scikit-learn and moocore: pip install 'powerlib\[kareus\]'"):
+    with pytest.raises(
+        PlanError, match=r"scikit-learn and moocore: pip install 'powerlib\[kareus\]'"
+    ):
         search_partition(ptype, space, ev, budget=budget)
     assert ev.calls == []
 
@@ -577,7 +636,8 @@ def test_search_module_imports_without_the_optional_dependencies() -> None:
         "assert 'sklearn.ensemble' not in sys.modules\n"
         "print(s.LOG_SCHEMA)\n"
     )
-    proc = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == LOG_SCHEMA

@@ -1,8 +1,8 @@
-"""The simulated partition evaluator reproduces the phenomena Kareus exploits (kareus.md §5.3).
+"""The simulated partition evaluator reproduces the phenomena Kareus exploits (docs/kareus.md §5.3).
 
 Every phenomenon is checked on the real workloads of :mod:`powerlib.planning.kareus.partition`
 with the noise-free model; the evaluator's protocol (thermal bias, counter, noise, determinism) and
-Theorem 1 (kareus.md §2.4) are checked in virtual time.
+Theorem 1 (docs/kareus.md §2.4) are checked in virtual time.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def qwen_tp8() -> PartitionWorkload:
     return _workload("qwen3-1.7b", tp=8, micro_batch=8, seq_len=4096)
 
 
-def _best(ptype: PartitionType, freq_mhz: float, *, objective: int = 1,
-          sms: range = SMS) -> tuple[Config, tuple[float, float]]:
+def _best(
+    ptype: PartitionType, freq_mhz: float, *, objective: int = 1, sms: range = SMS
+) -> tuple[Config, tuple[float, float]]:
     """The configuration at ``freq_mhz`` minimising time (0) or energy (1), and its result."""
     rows = [(c, model(ptype, c)) for c in config_space(ptype, [freq_mhz], sms)]
     return min(rows, key=lambda row: row[1][objective])
@@ -123,7 +124,7 @@ def test_model_speed(llama_cp2tp4: PartitionWorkload) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The phenomena of kareus.md §5.3
+# The phenomena of docs/kareus.md §5.3
 # --------------------------------------------------------------------------------------------
 
 
@@ -172,8 +173,9 @@ def test_schedule_spread(llama_tp8: PartitionWorkload, llama_cp2tp4: PartitionWo
         assert max(energies) / min(energies) >= 1.5
 
 
-def test_frequency_coupling(llama_tp8: PartitionWorkload, qwen_tp8: PartitionWorkload,
-                            llama_cp2tp4: PartitionWorkload) -> None:
+def test_frequency_coupling(
+    llama_tp8: PartitionWorkload, qwen_tp8: PartitionWorkload, llama_cp2tp4: PartitionWorkload
+) -> None:
     """(4) The energy-optimal (slot, SM) at 900 MHz differs from the one at 1410 MHz."""
     changed = []
     for w in (llama_tp8, qwen_tp8, llama_cp2tp4):
@@ -323,7 +325,8 @@ def test_short_window_reads_low(llama_tp8: PartitionWorkload) -> None:
     """A short window after cooldown reads cooler (lower static power) than a 5 s one."""
     ptype, cfg = llama_tp8.partition("bwd_mlp"), Config(1410, 9, "linear_0")
     short = SimulatedOverlapEvaluator(
-        protocol=MeasureProtocol(settle_s=0, warmup_s=0, window_s=0.3, cooldown_s=5), noise=0.0)
+        protocol=MeasureProtocol(settle_s=0, warmup_s=0, window_s=0.3, cooldown_s=5), noise=0.0
+    )
     long = SimulatedOverlapEvaluator(noise=0.0)
     short.evaluate(ptype, cfg)  # start from the same (cooled) state as the long protocol
     assert short.evaluate(ptype, cfg).energy_j < long.evaluate(ptype, cfg).energy_j
@@ -394,9 +397,18 @@ def test_parameters_shared_with_the_simulated_backend_agree() -> None:
 
     for params, key in ((A100, "a100"), (H100, "h100")):
         sim = GPU_MODELS[key]
-        for name in ("num_sms", "min_freq_mhz", "max_freq_mhz", "freq_step_mhz", "knee_freq_mhz",
-                     "v_min_ratio", "thermal_resistance_c_per_w", "thermal_capacitance_j_per_c",
-                     "ambient_c", "energy_update_period_s"):
+        for name in (
+            "num_sms",
+            "min_freq_mhz",
+            "max_freq_mhz",
+            "freq_step_mhz",
+            "knee_freq_mhz",
+            "v_min_ratio",
+            "thermal_resistance_c_per_w",
+            "thermal_capacitance_j_per_c",
+            "ambient_c",
+            "energy_update_period_s",
+        ):
             if hasattr(params, name):
                 assert getattr(params, name) == getattr(sim, name), (key, name)
         assert params.p_static_w == sim.idle_power_w + sim.clock_power_w

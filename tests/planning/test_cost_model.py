@@ -1,4 +1,4 @@
-"""Tests of the Perseus cost-curve construction (reference perseus.md §2.1, §5.2)."""
+"""Tests of the Perseus cost-curve construction (reference docs/perseus.md §2.1, §5.2)."""
 
 from __future__ import annotations
 

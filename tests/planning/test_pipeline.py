@@ -121,7 +121,7 @@ def test_1f1b_reference_example_n4_m6() -> None:
 
 
 def test_1f1b_matches_observed_megatron_order_pp2_m4() -> None:
-    """integrations.md, run M1: Megatron 1F1B with PP=2 and 4 microbatches."""
+    """docs/frameworks.md, run M1: Megatron 1F1B with PP=2 and 4 microbatches."""
     schedule = schedule_1f1b(2, 4)
     assert compact(schedule[0]) == "F0 F1 B0 F2 B1 F3 B2 B3"
     assert compact(schedule[1]) == "F0 B0 F1 B1 F2 B2 F3 B3"
@@ -365,7 +365,7 @@ def test_dry_run_rejects_a_missing_chunk() -> None:
     [(4, 6, 48, 80), (8, 12, 192, 352), (8, 24, 384, 712), (8, 48, 768, 1432)],
 )
 def test_1f1b_dag_sizes_match_reference_table(n: int, m: int, nodes: int, edges: int) -> None:
-    """perseus.md §1.1 counts 2 more nodes (source, sink) and 2 more edges than we build."""
+    """docs/perseus.md §1.1 counts 2 more nodes (source, sink) and 2 more edges than we build."""
     dag = build_dag(schedule_1f1b(n, m))
     assert len(dag.instructions) == nodes
     assert len(dag.edges) == edges

@@ -44,7 +44,9 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)  # two ranks on a shared CPU: no thread pools spinning against each other
+    torch.set_num_threads(
+        1
+    )  # two ranks on a shared CPU: no thread pools spinning against each other
     torch.manual_seed(0)
     weight = torch.randn(32, 32) / 8
     state: dict[str, Any] = {"slot": None, "checked": 0, "correct": True, "slots": []}
@@ -88,7 +90,9 @@ def main() -> int:
                             partition(session.overlap, key, seed)
             session.step()
         overlap = session.overlap
-        records = [r.to_json() | {"worker_slot": s} for r, s in zip(overlap.records, state["slots"])]
+        records = [
+            r.to_json() | {"worker_slot": s} for r, s in zip(overlap.records, state["slots"])
+        ]
         report = overlap.report()
         assert len(records) == len(state["slots"]) == state["checked"]
     (out / f"rank{rank}.json").write_text(

@@ -36,30 +36,73 @@ WORKER = Path(__file__).with_name("overlap_worker.py")
 def _nb(**settings: tuple[str | None, int]) -> dict[str, Any]:
     return {
         "execution": "nanobatch",
-        "overlap": {k: {"slot": s, "sm_count": n, "block_size": 1024} for k, (s, n) in settings.items()},
+        "overlap": {
+            k: {"slot": s, "sm_count": n, "block_size": 1024} for k, (s, n) in settings.items()
+        },
     }
 
 
 def overlap_plan_data(num_stages: int = 1) -> dict[str, Any]:
     """Stage 0: F0 B0 F1 B1 with every fallback in it; other stages: a plain 1F1B with other SMs."""
     stage0 = [
-        {"kind": "forward", "microbatch": 0, "freq_mhz": 1410.0,
-         **_nb(fwd_attn=("rope_0", 12), fwd_mlp=("norm_0", 6))},
-        {"kind": "backward", "microbatch": 0, "freq_mhz": 1200.0,
-         **_nb(fwd_attn=("linear_0", 9), fwd_mlp=("norm_0", 6), bwd_attn=("attn_0", 3))},
+        {
+            "kind": "forward",
+            "microbatch": 0,
+            "freq_mhz": 1410.0,
+            **_nb(fwd_attn=("rope_0", 12), fwd_mlp=("norm_0", 6)),
+        },
+        {
+            "kind": "backward",
+            "microbatch": 0,
+            "freq_mhz": 1200.0,
+            **_nb(fwd_attn=("linear_0", 9), fwd_mlp=("norm_0", 6), bwd_attn=("attn_0", 3)),
+        },
         {"kind": "forward", "microbatch": 1, "freq_mhz": 1410.0},  # sequential
-        {"kind": "backward", "microbatch": 1, "freq_mhz": 1200.0,
-         **_nb(fwd_attn=("rope_0", 12), fwd_mlp=("activation_0", 6), bwd_attn=("rope_0", 21),
-               bwd_mlp=(None, 20))},
+        {
+            "kind": "backward",
+            "microbatch": 1,
+            "freq_mhz": 1200.0,
+            **_nb(
+                fwd_attn=("rope_0", 12),
+                fwd_mlp=("activation_0", 6),
+                bwd_attn=("rope_0", 21),
+                bwd_mlp=(None, 20),
+            ),
+        },
     ]
     stages = [{"stage": 0, "instructions": stage0}]
     for s in range(1, num_stages):
-        stages.append({"stage": s, "instructions": [
-            {"kind": "forward", "microbatch": 0, "freq_mhz": 1410.0, **_nb(fwd_attn=("attn_0", 30))},
-            {"kind": "backward", "microbatch": 0, "freq_mhz": 1410.0, **_nb(bwd_attn=("attn_0", 6))},
-            {"kind": "forward", "microbatch": 1, "freq_mhz": 1410.0, **_nb(fwd_attn=("attn_0", 30))},
-            {"kind": "backward", "microbatch": 1, "freq_mhz": 1410.0, **_nb(bwd_attn=("attn_0", 6))},
-        ]})
+        stages.append(
+            {
+                "stage": s,
+                "instructions": [
+                    {
+                        "kind": "forward",
+                        "microbatch": 0,
+                        "freq_mhz": 1410.0,
+                        **_nb(fwd_attn=("attn_0", 30)),
+                    },
+                    {
+                        "kind": "backward",
+                        "microbatch": 0,
+                        "freq_mhz": 1410.0,
+                        **_nb(bwd_attn=("attn_0", 6)),
+                    },
+                    {
+                        "kind": "forward",
+                        "microbatch": 1,
+                        "freq_mhz": 1410.0,
+                        **_nb(fwd_attn=("attn_0", 30)),
+                    },
+                    {
+                        "kind": "backward",
+                        "microbatch": 1,
+                        "freq_mhz": 1410.0,
+                        **_nb(bwd_attn=("attn_0", 6)),
+                    },
+                ],
+            }
+        )
     return {
         "schema": "powerlib.plan.v1",
         "workload": {"num_stages": num_stages, "num_microbatches": 2, "schedule": "1f1b"},
@@ -91,7 +134,9 @@ class Recorder:
         return Work()
 
 
-def run_partition(overlap: Overlap, key: str, slots: list[str], rec: Recorder, group: Any = None) -> None:
+def run_partition(
+    overlap: Overlap, key: str, slots: list[str], rec: Recorder, group: Any = None
+) -> None:
     with overlap.partition(key, launch=rec, group=group) as part:
         for slot in slots:
             rec.at = slot
@@ -107,12 +152,15 @@ MLP = ["norm_0", "linear_0", "activation_0", "linear_1"]
 class FakeDist:
     """Just enough of ``torch.distributed`` for :class:`SMGroups` (backend name chosen)."""
 
-    def __init__(self, backend: str = "nccl", rank: int = 0, world: int = 4, nccl: bool = True) -> None:
+    def __init__(
+        self, backend: str = "nccl", rank: int = 0, world: int = 4, nccl: bool = True
+    ) -> None:
         self.backend = backend
         self.rank = rank
         self.world = world
         self.created: list[tuple[list[int], str, int, int]] = []
         if nccl:
+
             class Config:
                 min_ctas = -1
                 max_ctas = -1
@@ -140,7 +188,9 @@ class FakeDist:
         return list(group["ranks"])
 
     def new_group(self, ranks: list[int], backend: str, pg_options: Any) -> Any:
-        self.created.append((ranks, backend, pg_options.config.min_ctas, pg_options.config.max_ctas))
+        self.created.append(
+            (ranks, backend, pg_options.config.min_ctas, pg_options.config.max_ctas)
+        )
         if self.rank not in ranks:
             return "NON_GROUP_MEMBER"
         return {"ranks": ranks, "backend": "nccl", "sm": pg_options.config.max_ctas}
@@ -233,14 +283,26 @@ def test_the_collective_launches_once_at_the_planned_slot_and_is_joined_at_exit(
     assert overlap.nanobatch
     run_partition(overlap, "fwd_attn", ATTN + ["rope_0"], rec)  # rope_0 again: no second launch
     assert rec.events == [
-        "compute norm_0", "compute linear_0", "launch", "compute rope_0", "compute attn_0",
-        "compute linear_1", "compute rope_0", "wait",
+        "compute norm_0",
+        "compute linear_0",
+        "launch",
+        "compute rope_0",
+        "compute attn_0",
+        "compute linear_1",
+        "compute rope_0",
+        "wait",
     ]
     group, setting, at = rec.calls[0]
     assert (group, setting, at) == (None, PartitionSetting("rope_0", 12, 1024), "rope_0")
     r = overlap.records[-1]
     assert (r.key, r.planned_slot, r.launched_at, r.sm_count, r.enforced, r.path, r.position) == (
-        "fwd_attn", "rope_0", "rope_0", 12, False, "overlap", 0
+        "fwd_attn",
+        "rope_0",
+        "rope_0",
+        12,
+        False,
+        "overlap",
+        0,
     )
 
 
@@ -297,7 +359,10 @@ def test_a_failing_partition_body_launches_nothing_more() -> None:
     overlap = _planned_overlap()
     overlap.begin("forward", 0)
     rec = Recorder()
-    with pytest.raises(RuntimeError, match="boom"), overlap.partition("fwd_attn", launch=rec) as part:
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        overlap.partition("fwd_attn", launch=rec) as part,
+    ):
         part.slot("norm_0")
         raise RuntimeError("boom")
     assert rec.calls == [] and not part.launched
@@ -312,7 +377,9 @@ def test_gloo_records_the_sm_counts_and_warns_once() -> None:
     overlap.load(FrequencyPlan.from_json(overlap_plan_data()), 0)
     assert dist.created == []  # nothing to create on gloo
     rec = Recorder()
-    with pytest.warns(RuntimeWarning, match="gloo backend cannot limit a collective's SMs") as caught:
+    with pytest.warns(
+        RuntimeWarning, match="gloo backend cannot limit a collective's SMs"
+    ) as caught:
         for kind, mb in ORDER:
             overlap.begin(kind, mb)
             run_partition(overlap, "fwd_attn", ATTN, rec)
@@ -322,16 +389,27 @@ def test_gloo_records_the_sm_counts_and_warns_once() -> None:
         overlap.step()
     assert len(caught) == 1
     assert not any(r.enforced for r in overlap.records)
-    assert overlap.requested_sm_counts() == {"bwd_attn": [3, 21], "fwd_attn": [9, 12], "fwd_mlp": [6]}
+    assert overlap.requested_sm_counts() == {
+        "bwd_attn": [3, 21],
+        "fwd_attn": [9, 12],
+        "fwd_mlp": [6],
+    }
     assert {r.path for r in overlap.records} == {"overlap", "sequential", "no-setting"}
     assert [(r.position, r.key, r.launched_at) for r in overlap.records if r.path == "overlap"] == [
-        (0, "fwd_attn", "rope_0"), (0, "fwd_mlp", "norm_0"),
-        (1, "fwd_attn", "linear_0"), (1, "fwd_mlp", "norm_0"), (1, "bwd_attn", "attn_0"),
-        (3, "fwd_attn", "rope_0"), (3, "fwd_mlp", "activation_0"), (3, "bwd_attn", "rope_0"),
+        (0, "fwd_attn", "rope_0"),
+        (0, "fwd_mlp", "norm_0"),
+        (1, "fwd_attn", "linear_0"),
+        (1, "fwd_mlp", "norm_0"),
+        (1, "bwd_attn", "attn_0"),
+        (3, "fwd_attn", "rope_0"),
+        (3, "fwd_mlp", "activation_0"),
+        (3, "bwd_attn", "rope_0"),
     ]
 
 
-def test_nccl_gets_one_communicator_per_group_and_sm_count_in_the_same_order_on_every_rank() -> None:
+def test_nccl_gets_one_communicator_per_group_and_sm_count_in_the_same_order_on_every_rank() -> (
+    None
+):
     plan = FrequencyPlan.from_json(overlap_plan_data(2))
     tp_groups = [[0, 1], [2, 3]]
     creations = []
@@ -357,7 +435,10 @@ def test_nccl_gets_one_communicator_per_group_and_sm_count_in_the_same_order_on_
     # a group that was not prepared falls back to itself, with one warning
     with pytest.warns(RuntimeWarning, match=r"no SM-limited communicator for ranks \[0, 2\]"):
         run_partition(overlap, "fwd_mlp", MLP, rec, group={"ranks": [0, 2], "backend": "nccl"})
-    assert rec.calls[-1][0] == {"ranks": [0, 2], "backend": "nccl"} and not overlap.records[-1].enforced
+    assert (
+        rec.calls[-1][0] == {"ranks": [0, 2], "backend": "nccl"}
+        and not overlap.records[-1].enforced
+    )
 
 
 def test_a_torch_without_nccl_options_degrades_to_the_default_groups() -> None:
@@ -412,8 +493,9 @@ with o.partition('fwd_attn', launch=lambda g, s: calls.append((g, s))) as part:
 assert calls == [(None, None)], calls
 print('ok', 'torch' in sys.modules)
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok False"
 
@@ -425,8 +507,9 @@ def _session(plan_path: Path, tmp_path: Path) -> Session:
     from powerlib.backends.simulated import SimulatedBackend, VirtualClock
 
     clock = VirtualClock()
-    backend = SimulatedBackend(Settings(backend="simulated", sim_gpus=1, state_dir=tmp_path / "st"),
-                               clock=clock)
+    backend = SimulatedBackend(
+        Settings(backend="simulated", sim_gpus=1, state_dir=tmp_path / "st"), clock=clock
+    )
     return Session(
         num_stages=1,
         num_microbatches=2,
@@ -497,7 +580,9 @@ def test_two_gloo_ranks_launch_at_the_planned_slots(tmp_path: Path) -> None:
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     plan = FrequencyPlan.from_json(data).stage(0)
     for res in results:
-        assert res["all_correct"] and res["checked"] == 2 * 2 * 12  # iterations x layers x partitions
+        assert (
+            res["all_correct"] and res["checked"] == 2 * 2 * 12
+        )  # iterations x layers x partitions
         assert res["report"]["active"] and res["report"]["disabled"] is None
         assert res["report"]["enforced"] == 0 and res["report"]["communicators"] == 0
         records = res["records"]
@@ -507,7 +592,11 @@ def test_two_gloo_ranks_launch_at_the_planned_slots(tmp_path: Path) -> None:
             assert rec["sm_count"] == (None if setting is None else setting.sm_count)
             assert rec["planned_slot"] == (None if setting is None else setting.slot)
             # where the collective really started, seen by the worker's own slot tracking
-            assert rec["launched_at"] == rec["worker_slot"] == (None if setting is None else setting.slot)
+            assert (
+                rec["launched_at"]
+                == rec["worker_slot"]
+                == (None if setting is None else setting.slot)
+            )
         planned = {}
         for p in plan:
             for key, s in p.overlap.items():

@@ -1,6 +1,6 @@
 """From partition measurements to per-instruction options, and from those to one frontier.
 
-Composition (kareus.md §2.2, Alg. 2): an instruction (the forward or backward of one microbatch on
+Composition (docs/kareus.md §2.2, Alg. 2): an instruction (the forward or backward of one microbatch on
 one stage) runs at **one clock**, and every partition type in it runs **one configuration** across
 all its layers and both nanobatches. For each clock ``f``:
 
@@ -15,7 +15,7 @@ all its layers and both nanobatches. For each clock ``f``:
    1.0 on the simulator where partitions compose exactly).
 4. Add the non-partition work of the stage (embedding; output layer and loss).
 5. Add two more candidates per clock: **sequential** execution of the whole microbatch
-   (execution-model switching, kareus.md §4.5) and the **stock** nanobatched configuration
+   (execution-model switching, docs/kareus.md §4.5) and the **stock** nanobatched configuration
    (collective launched as soon as possible with the library's default SM count: plain
    nanobatching). Both are measured, so the composed set can only be better than either.
 
@@ -231,7 +231,7 @@ def compose_options(
     Args:
         workload: The model, parallelism and stages.
         records: Per partition type key, every measured ``(config, time_s, dynamic_energy_j)``
-            (the whole evaluation log, not only its Pareto set; kareus.md §2.1). Needed for
+            (the whole evaluation log, not only its Pareto set; docs/kareus.md §2.1). Needed for
             ``method="kareus"`` only.
         components: Sequential, extra and stock measurements (:func:`measure_components`).
         method: One of :data:`METHODS`.
@@ -400,7 +400,7 @@ def method_frontier(
 
 
 def sample_frontier(points: Sequence[FrontierPoint], n: int = 10) -> list[FrontierPoint]:
-    """``n`` plans along the solver trajectory, denser toward the fast end (kareus.md §2.3).
+    """``n`` plans along the solver trajectory, denser toward the fast end (docs/kareus.md §2.3).
 
     The artifact takes 15 strided samples and drops positions 0, 2, 4, 6 and 8; this does the
     same for ``n = 10`` and keeps the fastest point last.
@@ -424,7 +424,7 @@ def _lowest_energy_within(points: Sequence[FrontierPoint], time_s: float) -> Fro
 def compare_frontiers(
     kareus: Frontier, perseus: Frontier, nanobatch: Frontier | None = None, *, samples: int = 10
 ) -> dict[str, Any]:
-    """The paper's metrics (kareus.md §4 "Metrics") on planner frontiers.
+    """The paper's metrics (docs/kareus.md §4 "Metrics") on planner frontiers.
 
     - ``iso_time_energy_reduction``: the lowest energy Kareus reaches with ``T ≤`` the fastest
       Perseus-only (M+P) time, against that M+P point's energy.

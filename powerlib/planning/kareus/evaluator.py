@@ -1,7 +1,7 @@
 """What the per-partition search measures with: the evaluator contract and its protocol.
 
 An evaluator runs one partition type under one configuration and reports the time and energy of a
-single execution, per GPU. Real GPUs need a *thermally stable* protocol (kareus.md §2.1
+single execution, per GPU. Real GPUs need a *thermally stable* protocol (docs/kareus.md §2.1
 "Measurement"): lock the clock, warm up, run the partition repeatedly over a measurement window
 (NVML's energy counter updates only every ~100 ms, and short windows read low because the chip has
 not warmed up), then cool down before the next candidate, because mean energy follows the
@@ -27,7 +27,7 @@ __all__ = ["Evaluator", "Measurement", "MeasureProtocol"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeasureProtocol:
-    """The thermally stable measurement protocol (kareus.md §2.1, §5.3).
+    """The thermally stable measurement protocol (docs/kareus.md §2.1, §5.3).
 
     Attributes:
         settle_s: Wait after locking the clock (NVML applies it asynchronously).
@@ -77,7 +77,7 @@ class Measurement:
 
     @property
     def dynamic_energy_j(self) -> float:
-        """``energy_j − P_static · time_s``: what the schedule trades (kareus.md §0 item 10)."""
+        """``energy_j − P_static · time_s``: what the schedule trades (docs/kareus.md §0 item 10)."""
         return self.energy_j - self.p_static_w * self.time_s
 
 

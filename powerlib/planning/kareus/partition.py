@@ -1,7 +1,7 @@
 """Kareus's partitioned overlap model: operations, partitions and their configuration spaces.
 
 A microbatch is split into two nanobatches with no data dependency between them and run staggered,
-so that a collective of one nanobatch overlaps compute of the other (kareus.md §1.3-1.4). A
+so that a collective of one nanobatch overlaps compute of the other (docs/kareus.md §1.3-1.4). A
 **partition** is one collective of one nanobatch plus the contiguous run of the other nanobatch's
 compute that does not depend on it; partitions of one *type* repeat in every layer and share one
 configuration within an instruction.
@@ -100,7 +100,7 @@ class PartitionWorkload:
         stages: Per stage, its layers and extra work.
         segments: ``{"fwd": [...], "bwd": [...]}``: one layer's segments at nanobatch size.
         sequential: ``{"fwd": [...], "bwd": [...]}``: one layer's segments at microbatch size
-            (no nanobatching; execution-model switching, kareus.md §4.5).
+            (no nanobatching; execution-model switching, docs/kareus.md §4.5).
         partitions: Every partition type, forward types first, in layer order.
     """
 
@@ -133,7 +133,7 @@ class PartitionWorkload:
         """The layer phases an instruction of ``kind`` runs, in order.
 
         A forward runs ``fwd``; a backward runs ``bwd`` and, with recompute, ``fwd`` first
-        (kareus.md §1.4).
+        (docs/kareus.md §1.4).
 
         Raises:
             PlanError: For a kind other than forward or backward.
@@ -291,7 +291,7 @@ def _layer_segments(
 
 
 def _partitions(phase: str, segments: Sequence[Segment]) -> list[PartitionType]:
-    """Pair each segment's compute with the collectives in flight (kareus.md §1.4).
+    """Pair each segment's compute with the collectives in flight (docs/kareus.md §1.4).
 
     Nanobatch 0's segment ``i`` overlaps nanobatch 1's collective of segment ``i−1`` (the
     previous layer's last for ``i = 0``); nanobatch 1's segment ``i`` overlaps nanobatch 0's
@@ -417,7 +417,7 @@ def build_workload(
 
 
 def default_sm_counts(group_size: int) -> tuple[int, ...]:
-    """SM counts searched (kareus.md §1.4): 3, 6, …, 30 for groups of 4+ GPUs, else 1-20."""
+    """SM counts searched (docs/kareus.md §1.4): 3, 6, …, 30 for groups of 4+ GPUs, else 1-20."""
     return tuple(range(3, 31, 3)) if group_size >= 4 else tuple(range(1, 21))
 
 

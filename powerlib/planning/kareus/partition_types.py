@@ -75,7 +75,7 @@ class Collective:
             result; reduce-scatter: the input).
         group_size: Ranks in the group ``g``.
         wire_bytes: Bytes each GPU sends: ring all-reduce ``2(g−1)/g·M``, the others
-            ``(g−1)/g·M`` (kareus.md §5.1).
+            ``(g−1)/g·M`` (docs/kareus.md §5.1).
     """
 
     kind: str
@@ -127,7 +127,7 @@ class PartitionType:
 
     @property
     def size_class(self) -> str:
-        """Search-budget class by compute kernels (kareus.md §1.4): small, medium or large."""
+        """Search-budget class by compute kernels (docs/kareus.md §1.4): small, medium or large."""
         n = len(self.ops)
         return "small" if n <= 1 else "medium" if n <= 3 else "large"
 

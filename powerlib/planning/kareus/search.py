@@ -1,4 +1,4 @@
-"""Kareus's per-partition search: multi-pass multi-objective Bayesian optimisation (kareus.md §2.1).
+"""Kareus's per-partition search: multi-pass multi-objective Bayesian optimisation (docs/kareus.md §2.1).
 
 One partition type has a finite configuration space (clock × communication SM count × launch
 slot, at most 1,080 points). Measuring a candidate costs about 13 s of thermally stable profiling,

@@ -20,7 +20,7 @@ __all__ = ["MODEL_SHAPES", "ModelShape", "Parallelism"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelShape:
-    """A decoder-only transformer's layer shapes (kareus.md §5.4 "Reference workloads").
+    """A decoder-only transformer's layer shapes (docs/kareus.md §5.4 "Reference workloads").
 
     Attributes:
         name: Model name, recorded in plans.
@@ -54,7 +54,7 @@ class ModelShape:
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {
-    # kareus.md §5.4 (the artifact's model registry); vocabularies from the model cards.
+    # docs/kareus.md §5.4 (the artifact's model registry); vocabularies from the model cards.
     "llama3.2-3b": ModelShape(
         name="Llama 3.2 3B",
         hidden=3072,

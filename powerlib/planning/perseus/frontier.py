@@ -1,6 +1,6 @@
 """From a profile to the iteration time-energy frontier, plans and the all-max baseline.
 
-Energy accounting (reference perseus.md §1.4): with ``P_block`` the power a GPU draws while it
+Energy accounting (reference docs/perseus.md §1.4): with ``P_block`` the power a GPU draws while it
 waits, ``E_iter = Σ_v ẽ_v + N · P_block · T`` where ``ẽ_v = e_v - P_block · q_v · τ`` is the
 effective energy the solver minimises. Each frontier point reports both.
 
@@ -159,7 +159,7 @@ class Frontier:
     def baseline(self, time_s: float | None = None) -> Baseline:
         """All-max-frequency energy at ``time_s`` (default: its own iteration time).
 
-        ``E = Σ_s [busy energy_s + P_block · (T - busy time_s)]`` (perseus.md §4.4, Table 6).
+        ``E = Σ_s [busy energy_s + P_block · (T - busy time_s)]`` (docs/perseus.md §4.4, Table 6).
         With ``reference_times`` (Kareus), ``T`` is at least the baseline's own time.
         """
         t = self.baseline_time_s if time_s is None else time_s
@@ -265,7 +265,7 @@ class Frontier:
 
         Every instruction runs at its planned frequency for its measured time and energy; the
         iteration time is the critical path, and each stage pays ``P_block`` while it waits
-        (perseus.md §5.5). This is what the plan would cost if the profile were exact, without
+        (docs/perseus.md §5.5). This is what the plan would cost if the profile were exact, without
         the fit and the quantization the planner works with.
         """
         return self.realized(self.planned_options(point))
