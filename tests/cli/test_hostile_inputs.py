@@ -31,7 +31,7 @@ from powerlib.planning.pipeline import build_schedule
 from powerlib.planning.profile import Profile
 
 GPT3 = (
-    Path(__file__).resolve().parents[1]
+    Path(__file__).resolve().parents[2]
     / "powerlib"
     / "emulator"
     / "data"

@@ -30,7 +30,7 @@ from powerlib.config import Settings
 from powerlib.control import ControlSession
 from powerlib.journal import Change, JournalEntry, Owner, StateDir
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 REPO = README.parent
 
 

@@ -29,7 +29,7 @@ from powerlib.planning.perseus.frontier import compute_frontier
 from powerlib.planning.pipeline import build_schedule
 from powerlib.planning.profile import Profile
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "lowtime_frontiers"
+DATA = Path(__file__).resolve().parents[2] / "data" / "lowtime_frontiers"
 PROFILES = DATA / "profiles"
 NUM_STAGES = 8
 REL_TOL = 1e-6

@@ -19,7 +19,7 @@ from powerlib.planning.perseus.solver import PhillipsDessouky
 from powerlib.planning.pipeline import build_schedule
 from powerlib.planning.profile import Profile
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "perseus_validation"
+SHARED = Path(__file__).resolve().parents[4] / "shared" / "perseus_validation"
 if not SHARED.is_dir():
     pytest.skip(
         "validation data (../shared/perseus_validation) is not present", allow_module_level=True
