@@ -1,4 +1,4 @@
-"""`powerlib overlap search|plan` end to end on the simulated evaluator (small clock sets)."""
+"""`powerlib kareus search|plan` (alias `overlap`) end to end on the simulated evaluator (small clock sets)."""
 
 from __future__ import annotations
 
@@ -143,3 +143,18 @@ def test_missing_log_and_bad_input_are_one_line_errors(study: Path, tmp_path: Pa
     code, _, stderr = _run("overlap", "search", str(tmp_path / "x"), "--partition", "fwd_qkv_ag")
     assert code == 7 and "unknown partition type" in stderr
     assert not (tmp_path / "x" / "study.json").exists()
+
+
+def test_kareus_is_the_group_and_overlap_its_alias(study: Path, tmp_path: Path) -> None:
+    """Both names run the same commands on the same study and write the same plan."""
+    code, stdout, _ = _run("--help")
+    assert code == 0 and "kareus" in stdout and "overlap" not in stdout  # the alias is hidden
+    plans = []
+    for group in ("kareus", "overlap"):
+        out = tmp_path / f"{group}.json"
+        code, _, stderr = _run(
+            group, "plan", str(study), "--microbatches", "4", "--plan-out", str(out)
+        )
+        assert code == 0, stderr
+        plans.append(out.read_text())
+    assert plans[0] == plans[1]

@@ -62,6 +62,22 @@ def test_simulate_replays_the_saved_plan(demo: dict) -> None:
     assert data["slowdown_percent"] <= 0.1
 
 
+def test_simulate_prints_the_plan_as_a_stage_by_time_grid(demo: dict) -> None:
+    plan = demo["outputs"]["plan.json"]
+    result = CliRunner().invoke(cli, ["simulate", plan])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    rows = [line for line in lines if line.startswith("S") and line[1].isdigit()]
+    assert [row.split()[0] for row in rows] == [f"S{s}" for s in range(8)] * 2  # kinds, clocks
+    assert len({len(row) for row in rows}) == 1  # one width
+    assert lines.index(rows[0]) < next(i for i, ln in enumerate(lines) if "all max clock" in ln)
+    assert "energy saved" in lines[-1]
+    quiet = CliRunner().invoke(cli, ["simulate", plan, "--no-grid"])
+    assert quiet.exit_code == 0 and not any(
+        ln.startswith("S0 |") for ln in quiet.stdout.splitlines()
+    )
+
+
 def test_a_straggler_saves_more(demo: dict, tmp_path: Path) -> None:
     result = CliRunner().invoke(
         cli, ["demo", "--straggler", "1.2", "--json", "--no-plot", "--out-dir", str(tmp_path)]
