@@ -1,8 +1,8 @@
 """The per-device frequency controller: the training thread hands over, a worker calls the driver.
 
 NVML clock calls take milliseconds (10-20 ms per call reported; docs/vendor-calls.md, "Call
-latency"), longer than the gap between two pipeline instructions. :class:`FrequencyController` keeps them off the training
-thread: :meth:`request` stores the wanted frequency in a one-slot mailbox and wakes the worker;
+latency"), longer than the gap between two pipeline instructions. :class:`FrequencyController`
+keeps them off the training thread: :meth:`request` stores the wanted frequency in a one-slot mailbox and wakes the worker;
 the worker applies the *latest* request (older ones that were never applied are dropped) and
 skips a request equal to what the device already runs. Every change goes through
 :meth:`ControlSession.apply_sm_clocks <powerlib.control.ControlSession.apply_sm_clocks>`, so it is
