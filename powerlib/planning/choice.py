@@ -1,6 +1,6 @@
 """Choosing the plan: one frontier point by policy, guarded against realized slowdown.
 
-Every caller that turns a frontier into a plan (``powerlib plan``, ``powerlib overlap plan``,
+Every caller that turns a frontier into a plan (``powerlib plan``, ``powerlib kareus plan``,
 rank 0's planning step in a session, the benchmarks) goes through :func:`choose`::
 
     choice = choose(frontier, Policy(name="deadline", deadline_s=3.3))

@@ -1,6 +1,6 @@
 """A Kareus study on disk: the workload, the per-partition search logs and the components.
 
-``powerlib overlap search`` writes a study directory; ``powerlib overlap plan`` reads it::
+``powerlib kareus search`` writes a study directory; ``powerlib kareus plan`` reads it::
 
     study/
       study.json            workload (model, parallelism, stage split), clocks, P_static,
@@ -139,7 +139,7 @@ def read_study(directory: str | Path) -> Study:
     path = Path(directory) / STUDY_FILE
     source = str(path)
     if not path.exists():
-        raise PlanError(f"{source}: no study here; run `powerlib overlap search` first")
+        raise PlanError(f"{source}: no study here; run `powerlib kareus search` first")
     data = load_json_file(path, what="study", error=PlanError)
     if not isinstance(data, dict) or data.get("schema") != STUDY_SCHEMA:
         got = data.get("schema") if isinstance(data, dict) else type(data).__name__
