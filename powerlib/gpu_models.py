@@ -70,7 +70,7 @@ class GpuSpec:
         return self.idle_power_w + self.clock_power_w
 
 
-# Sources: ../shared/reference/kareus.md §5.4 ("Parameter sets"), docs/peers.md §4.1 ("Device table"),
+# Sources: docs/kareus.md §5.4 ("Parameter sets"), docs/peers.md §4.1 ("Device table"),
 # docs/perseus.md §1.3–1.4. Numbers marked [assumption] are not published; they are chosen to reproduce
 # the documented phenomena and should be re-calibrated on hardware.
 GPU_SPECS: dict[str, GpuSpec] = {

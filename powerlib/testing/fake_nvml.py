@@ -13,7 +13,7 @@ Usage::
     fake.fail("nvmlDeviceSetGpuLockedClocks", fake.NVML_ERROR_NO_PERMISSION)
     fake.advance(1.0)                                # one second at each GPU's modelled power
 
-Modelled GPUs are approximations built from public figures (see ``reference/peers.md`` §4.1), not
+Modelled GPUs are approximations built from public figures (see docs/peers.md §4.1), not
 recordings of real devices.
 """
 

@@ -43,9 +43,11 @@ hypervolumes (``hv_history``, the stopping rule, :func:`hypervolume`,
 :func:`relative_hypervolume`) use ``moocore.hypervolume``.
 
 Surrogates. ``sklearn.ensemble.GradientBoostingRegressor`` with the paper's XGBoost settings
-(depth 6, learning rate 0.3, 100 rounds, row subsample 0.8, column subsample 0.8). Measured search
-quality on the simulator (recovered Pareto points against exhaustive search, evaluations used) is
-in benchmarks/results/kareus_search_quality.md, with the command that produced it. Inputs:
+(depth 6, learning rate 0.3, 100 rounds, row subsample 0.8, column subsample 0.8). Why these
+settings and the believer batch were kept (relative hypervolume and Pareto recovery against the
+variants tried, on the synthetic landscape of ``tests/planning/kareus/test_search.py``) is
+measured in benchmarks/results/kareus_search_quality.md, with the command that reproduces it.
+Inputs:
 frequency in MHz, the index of the SM count in the space's sorted SM counts, and a one-hot
 launch slot, where "no overlap" (``slot=None``) is a category of its own.
 
