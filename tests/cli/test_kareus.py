@@ -135,7 +135,7 @@ def test_missing_log_and_bad_input_are_one_line_errors(study: Path, tmp_path: Pa
     code, _, stderr = _run("overlap", "plan", str(partial), "--microbatches", "4")
     assert code == 7 and "fwd_attn.jsonl, line 1" in stderr
     code, _, stderr = _run("overlap", "plan", str(tmp_path / "nothing"), "--microbatches", "4")
-    assert code == 7 and "overlap search" in stderr
+    assert code == 7 and "kareus search" in stderr
     code, _, stderr = _run("overlap", "search", str(tmp_path / "x"), "--stage-layers", "10,10")
     assert code == 7 and "add up to 20" in stderr
     code, _, stderr = _run("overlap", "search", str(tmp_path / "x"), "--freqs", "900:fast")

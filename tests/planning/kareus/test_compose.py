@@ -295,7 +295,7 @@ def test_study_round_trip_and_malformed_study(tp_case, tmp_path: Path) -> None:
     (tmp_path / "study.json").write_text("{")
     with pytest.raises(PlanError, match="study.json: invalid JSON"):
         read_study(tmp_path)
-    with pytest.raises(PlanError, match="overlap search"):
+    with pytest.raises(PlanError, match="kareus search"):
         read_study(tmp_path / "missing")
 
 
