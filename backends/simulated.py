@@ -39,7 +39,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -74,78 +74,26 @@ _STATE_SCHEMA = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GpuModel(VoltageCurve):
-    """Parameters of one simulated GPU model. Powers in W at the maximum clock unless noted.
+class GpuModel(GpuSpec, VoltageCurve):
+    """One simulated GPU: its spec with the time and power model the simulated backend runs.
 
-    Attributes:
-        key: ``POWERLIB_SIM_MODEL`` value.
-        name: Name reported as the device name.
-        num_sms: Streaming multiprocessors.
-        min_freq_mhz: Lowest supported SM clock.
-        max_freq_mhz: Highest supported SM clock.
-        freq_step_mhz: Spacing of supported SM clocks.
-        knee_freq_mhz: Clock below which the voltage stays at its floor.
-        v_min_ratio: Voltage floor as a fraction of the voltage at ``max_freq_mhz``.
-        idle_power_w: Power with the clock stopped and no work (board, leakage).
-        clock_power_w: Clock-tree power at ``max_freq_mhz``, drawn whenever the clock runs.
-        dynamic_power_w: Extra power with every SM busy at ``max_freq_mhz``.
-        memory_power_w: Extra power with memory traffic at full rate.
-        default_power_limit_w: Default (TDP) power limit.
-        min_power_limit_w: Lowest settable power limit.
-        max_power_limit_w: Highest settable power limit.
-        mem_freq_mhz: Memory clock (fixed).
-        ambient_c: Inlet temperature.
-        thermal_resistance_c_per_w: Steady-state temperature rise per watt.
-        thermal_capacitance_j_per_c: Heat capacity; τ = R·C.
-        energy_update_period_s: How often the energy counter publishes a new value.
+    The parameters are the :class:`~powerlib.gpu_models.GpuSpec` both simulators read. Powers are in W at the maximum clock unless noted.
     """
-
-    key: str
-    name: str
-    num_sms: int
-    min_freq_mhz: float
-    max_freq_mhz: float
-    freq_step_mhz: float
-    knee_freq_mhz: float
-    v_min_ratio: float
-    idle_power_w: float
-    clock_power_w: float
-    dynamic_power_w: float
-    memory_power_w: float
-    default_power_limit_w: float
-    min_power_limit_w: float
-    max_power_limit_w: float
-    mem_freq_mhz: float
-    ambient_c: float
-    thermal_resistance_c_per_w: float
-    thermal_capacitance_j_per_c: float
-    energy_update_period_s: float = 0.1
 
     @classmethod
     def from_spec(cls, spec: GpuSpec) -> GpuModel:
         """The simulated GPU of one :class:`~powerlib.gpu_models.GpuSpec`."""
-        return cls(
-            key=spec.key,
-            name=f"Simulated NVIDIA {spec.product}",
-            num_sms=spec.num_sms,
-            min_freq_mhz=spec.min_freq_mhz,
-            max_freq_mhz=spec.max_freq_mhz,
-            freq_step_mhz=spec.freq_step_mhz,
-            knee_freq_mhz=spec.knee_freq_mhz,
-            v_min_ratio=spec.v_min_ratio,
-            idle_power_w=spec.idle_power_w,
-            clock_power_w=spec.clock_power_w,
-            dynamic_power_w=spec.num_sms * spec.sm_power_w,
-            memory_power_w=spec.memory_power_w,
-            default_power_limit_w=spec.default_power_limit_w,
-            min_power_limit_w=spec.min_power_limit_w,
-            max_power_limit_w=spec.max_power_limit_w,
-            mem_freq_mhz=spec.mem_freq_mhz,
-            ambient_c=spec.ambient_c,
-            thermal_resistance_c_per_w=spec.thermal_resistance_c_per_w,
-            thermal_capacitance_j_per_c=spec.thermal_capacitance_j_per_c,
-            energy_update_period_s=spec.energy_update_period_s,
-        )
+        return cls(**{f.name: getattr(spec, f.name) for f in fields(spec)})
+
+    @property
+    def name(self) -> str:
+        """The device name the backend reports."""
+        return f"Simulated NVIDIA {self.product}"
+
+    @property
+    def dynamic_power_w(self) -> float:
+        """Extra power with every SM busy at ``max_freq_mhz``: ``num_sms × sm_power_w``."""
+        return self.num_sms * self.sm_power_w
 
     def duration_s(self, work: WorkUnit, freq_mhz: float) -> float:
         """How long ``work`` takes at ``freq_mhz``."""
