@@ -38,8 +38,7 @@ from powerlib.errors import (
 from powerlib.registry import backend_names, open_backend, probe_backends
 
 if TYPE_CHECKING:  # loaded on first use (see __getattr__); typed and documented where defined
-    from powerlib.runtime.options import optimize
-    from powerlib.runtime.session import Session
+    from powerlib.runtime.session import Session, optimize
 
 __version__ = "0.1.0"
 

@@ -4,10 +4,10 @@ from powerlib.runtime.apply_phase import ApplyConfig, ApplyPhase
 from powerlib.runtime.controller import AppliedChange, FrequencyController
 from powerlib.runtime.coordination import LocalGroup, SingleProcess, TorchDistributed
 from powerlib.runtime.launch_control import LaunchRecord, Overlap, OverlapSchedule, SMGroups
-from powerlib.runtime.options import MODES, RunConfig, optimize
+from powerlib.runtime.options import MODES, RunConfig
 from powerlib.runtime.planning_step import PlanSpec, make_plan
 from powerlib.runtime.profile_phase import ProfileConfig, ProfilePhase
-from powerlib.runtime.session import Session
+from powerlib.runtime.session import Session, optimize
 
 __all__ = [
     "MODES",

@@ -73,7 +73,7 @@ from powerlib.runtime.apply_phase import ApplyConfig, ApplyPhase, InstructionKey
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, default_coordinator
 from powerlib.runtime.launch_control import Overlap, plan_has_overlap
-from powerlib.runtime.options import MODES, RunConfig, claim_device, optimize
+from powerlib.runtime.options import MODES, RunConfig, claim_device
 from powerlib.runtime.phases import (
     CLOSED,
     DONE,
@@ -94,10 +94,60 @@ _LAYOUT = ("schedule", "num_chunks", "placement")
 
 
 class Session:
-    """Profile -> plan -> apply around a training loop. Use :func:`optimize` to make one.
+    """Profile -> plan -> apply around a training loop: ``with powerlib.optimize(...) as session``.
 
-    The keywords are :func:`optimize`'s (documented there); :meth:`from_config` takes the same
+    ``powerlib.optimize`` is this class (:data:`optimize`); :meth:`from_config` takes the same
     settings as configuration objects.
+
+    Args:
+        num_stages: Pipeline stages of the job.
+        num_microbatches: Microbatches per iteration.
+        mode: ``auto``, ``profile``, ``plan`` or ``apply``.
+        stage: This rank's pipeline stage; default: the rank, when there is one rank per stage.
+        schedule: ``1f1b`` (default), ``gpipe``, ``interleaved``, or ``recorded`` (plan only on
+            the order the hooks record while profiling: zero-bubble and V schedules).
+        num_chunks: Model chunks per stage (interleaved, V schedules); default 1.
+        placement: ``looped`` (default) or ``v``: which model pieces a stage's chunks hold (see
+            :mod:`powerlib.planning.pipeline`). Integrations set schedule, chunks and placement
+            through :meth:`set_layout` when they know them. A saved plan (``apply`` mode) is
+            checked against the ones given here or through :meth:`set_layout`.
+        backend: A :class:`Backend`, a backend name, or ``None`` (``POWERLIB_BACKEND``).
+        device: The device (index, id or :class:`Device`); default ``LOCAL_RANK`` or 0.
+        policy: ``fastest`` (no slowdown), ``deadline`` or ``min-energy``.
+        deadline_s: Straggler iteration time T′ for ``deadline``.
+        deadline_ratio: T′ as a multiple of the all-max iteration time.
+        argmin: The paper's emulation rule for ``deadline``.
+        max_slowdown: Realized-slowdown guard for ``fastest`` and ``deadline`` (fraction;
+            default 0.1 %).
+        switch_latency_s: Clock-change latency the guard plans for (default 5 ms).
+        p_block_w: Blocking power; default: measured between instructions while profiling.
+        unit_time_s: Planner time unit; default: from the profile.
+        profile_path: The profile to plan from (``plan`` mode).
+        plan_path: The plan to apply (``apply`` mode).
+        out_dir: Where rank 0 writes profile, frontier, plan and summary; ``None``: nowhere.
+        freqs_mhz: Profile candidates; default: every supported clock from the top down.
+        warmup_iterations: Discarded iterations at the highest frequency.
+        settle_iterations: Discarded iterations after each clock change.
+        iterations_per_freq: Measured iterations per frequency.
+        stop_after_rises: Stop the sweep after this many frequencies of rising energy.
+        coordinator: How ranks agree; default ``torch.distributed`` if initialised, else alone.
+        clock: Time source in seconds; default ``time.perf_counter``.
+        sync: Waits for the device before a time is read; default ``torch.cuda.synchronize``
+            when CUDA is in use, else nothing.
+        threaded: Apply frequencies on a controller thread (default) or inline (emulator).
+        progress: Print progress to stderr; default on rank 0 only.
+        guardian: Start the watchdog process that restores the device if this process is killed.
+        prefetch: In the apply phase, request the next instruction's clock when one ends, so the
+            switch overlaps the wait between instructions (after the order check).
+        plot: Rank 0 also draws ``frontier.png`` in ``out_dir`` (``plot`` extra).
+        overlap_groups: For overlap plans on NCCL: the global ranks of every group the overlapped
+            collectives run on (every tensor/context-parallel group of the job, the same lists on
+            every rank); default: the whole world. See :mod:`powerlib.runtime.launch_control`.
+        settings: Settings; default from the environment.
+
+    Raises:
+        InvalidArgumentError: A bad option (a mode without its input file, bad sweep counts).
+        PlanError: A bad planning option (an unknown policy, a deadline without T′).
     """
 
     def __init__(
@@ -605,3 +655,8 @@ class Session:
             "plan": None if self.plan is None else dict(self.plan.summary),
             "overlap": self.overlap.report() if self.overlap.schedule is not None else None,
         }
+
+
+optimize = Session
+"""``with powerlib.optimize(num_stages=..., num_microbatches=...) as session:`` makes a
+:class:`Session` (its keywords are documented there)."""
