@@ -246,7 +246,7 @@ class Session:
         apply: ApplyConfig | None = None,
         run: RunConfig | None = None,
     ) -> Session:
-        """A session from configuration objects instead of :func:`optimize`'s flat keywords.
+        """A session from configuration objects instead of the flat keywords.
 
         Args:
             spec: The workload and the planning choices. Its layout (schedule, chunks,
@@ -432,7 +432,7 @@ class Session:
         """Describe the pipeline the hooks will see (integrations call it when they attach).
 
         Args:
-            schedule: See :func:`optimize`; ``recorded`` for orders with no built-in generator.
+            schedule: See :class:`Session`; ``recorded`` for orders with no built-in generator.
             num_chunks: Model chunks per stage.
             placement: ``looped`` or ``v``.
 
