@@ -32,7 +32,24 @@ if TYPE_CHECKING:
     from powerlib.planning.perseus.options import Option
     from powerlib.planning.plan import FrequencyPlan
 
-__all__ = ["POLICIES", "Choice", "Policy", "choose", "objection"]
+__all__ = ["POLICIES", "Choice", "Policy", "check_policy", "choose", "objection"]
+
+
+def check_policy(name: str, *, max_slowdown: float, switch_latency_s: float) -> None:
+    """Refuse an unknown policy name, or a slowdown guard that is negative or not finite.
+
+    Shared by :class:`Policy` and the session's plan settings, which name the deadline their
+    own way (a time, or a multiple of the all-max iteration time).
+
+    Raises:
+        PlanError: One line naming the value.
+    """
+    if name not in POLICIES:
+        raise PlanError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if not (math.isfinite(max_slowdown) and max_slowdown >= 0):
+        raise PlanError(f"max_slowdown must be >= 0, got {max_slowdown}")
+    if not (math.isfinite(switch_latency_s) and switch_latency_s >= 0):
+        raise PlanError(f"switch_latency_s must be >= 0, got {switch_latency_s}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,18 +74,15 @@ class Policy:
     switch_latency_s: float = 0.005
 
     def __post_init__(self) -> None:
-        if self.name not in POLICIES:
-            raise PlanError(f"unknown policy {self.name!r}; choose one of {', '.join(POLICIES)}")
+        check_policy(
+            self.name, max_slowdown=self.max_slowdown, switch_latency_s=self.switch_latency_s
+        )
         if self.name == "deadline" and (
             self.deadline_s is None or not math.isfinite(self.deadline_s)
         ):
             raise PlanError(
                 "the deadline policy needs --deadline-s (the straggler's iteration time)"
             )
-        if not (math.isfinite(self.max_slowdown) and self.max_slowdown >= 0):
-            raise PlanError(f"max_slowdown must be >= 0, got {self.max_slowdown}")
-        if not (math.isfinite(self.switch_latency_s) and self.switch_latency_s >= 0):
-            raise PlanError(f"switch_latency_s must be >= 0, got {self.switch_latency_s}")
 
     @property
     def guarded(self) -> bool:

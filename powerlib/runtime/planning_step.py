@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.errors import BackendUnavailableError, PlanError
-from powerlib.planning.choice import Policy, choose
-from powerlib.planning.perseus.frontier import POLICIES, compute_frontier
+from powerlib.planning.choice import Policy, check_policy, choose
+from powerlib.planning.perseus.frontier import compute_frontier
 from powerlib.planning.perseus.report import plot_frontier, summary, write_frontier_csv
 from powerlib.planning.pipeline import (
     PLACEMENTS,
@@ -109,18 +109,15 @@ class PlanSpec:
     plot: bool = False
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise PlanError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        check_policy(
+            self.policy, max_slowdown=self.max_slowdown, switch_latency_s=self.switch_latency_s
+        )
         if self.policy == "deadline" and self.deadline_s is None and self.deadline_ratio is None:
             raise PlanError("the deadline policy needs deadline_s or deadline_ratio")
         if self.deadline_ratio is not None and not (
             math.isfinite(self.deadline_ratio) and self.deadline_ratio >= 1.0
         ):
             raise PlanError(f"deadline_ratio must be >= 1, got {self.deadline_ratio}")
-        if not (math.isfinite(self.max_slowdown) and self.max_slowdown >= 0):
-            raise PlanError(f"max_slowdown must be >= 0, got {self.max_slowdown}")
-        if not (math.isfinite(self.switch_latency_s) and self.switch_latency_s >= 0):
-            raise PlanError(f"switch_latency_s must be >= 0, got {self.switch_latency_s}")
         if self.placement not in PLACEMENTS:
             raise PlanError(
                 f"unknown placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}"
