@@ -453,13 +453,16 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome
     objection = choice.objection
     if objection is not None:
         info["refused"] = objection
-    plan = choice.plan(
-        metadata={
-            "deadline_s": deadline_s,
-            "profile_source": profile.source,
-            "order_source": order_source,
-        },
-    )
+    # A refused plan is never built: nothing could apply it, or find it later as plan.json.
+    plan = None
+    if objection is None:
+        plan = choice.plan(
+            metadata={
+                "deadline_s": deadline_s,
+                "profile_source": profile.source,
+                "order_source": order_source,
+            },
+        )
     Progress(spec.progress).say(
         f"frontier of {len(frontier.points)} points in {solve_s:.1f} s; {spec.policy} plan saves "
         f"{info['realized']['saving_percent'] or 0.0:.2f} % at "
@@ -471,11 +474,11 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome
         out.mkdir(parents=True, exist_ok=True)
         profile.write_csv(out / "profile.csv")
         write_frontier_csv(frontier, out / "frontier.csv")
-        if objection is None:  # a refused plan is not left where `mode="apply"` could pick it up
+        if plan is not None:
             plan.write(out / "plan.json")
         (out / "summary.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
         Progress(spec.progress).say(
-            f"profile, frontier, {'plan and ' if objection is None else ''}summary written to "
+            f"profile, frontier, {'plan and ' if plan is not None else ''}summary written to "
             f"{out}/",
         )
         if spec.plot:
@@ -483,6 +486,6 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome
                 plot_frontier(frontier, choice.point, out / "frontier.png")
             except BackendUnavailableError as err:
                 Progress(spec.progress).say(f"no frontier.png: {err}")
-    if objection is not None:
+    if plan is None:
         return PlanningOutcome(baseline_reason=objection, summary=info, p_block_w=p_block_w)
     return PlanningOutcome(plan=plan, summary=info, p_block_w=p_block_w)
