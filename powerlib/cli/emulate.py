@@ -197,8 +197,9 @@ def simulate(
     from powerlib.emulator.demo import simulate_plan  # noqa: PLC0415 - keep CLI start fast
     from powerlib.planning.plan import FrequencyPlan  # noqa: PLC0415
 
+    plan = FrequencyPlan.read(plan_path)
     result = simulate_plan(
-        plan_path,
+        plan,
         profile_path=profile_path,
         p_block_w=p_block_w,
         switch_latency_s=switch_latency_s,
@@ -209,7 +210,7 @@ def simulate(
         emit_json(result)
         return
     if not no_grid:
-        click.echo(FrequencyPlan.read(plan_path).grid())
+        click.echo(plan.grid())
     b, r = result["baseline"], result["plan_result"]
     versus_all_max(b, "plan", r)
     click.echo(

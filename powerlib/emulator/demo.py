@@ -260,7 +260,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
 
 
 def simulate_plan(
-    plan_path: str,
+    plan: str | FrequencyPlan,
     *,
     profile_path: str | None = None,
     p_block_w: float = DEFAULT_P_BLOCK_W,
@@ -276,6 +276,14 @@ def simulate_plan(
     ends and lands after the switch latency. The emulator runs the plan's own order, so the
     first iteration's order check is skipped (it could not fail) and prefetching starts at once.
 
+    Args:
+        plan: The plan file, or a plan already read (its ``source`` names it in the result).
+        profile_path: Ground-truth profile of the emulated GPUs; ``None``: the shipped one.
+        p_block_w: Power of a waiting emulated GPU.
+        switch_latency_s: Clock-change latency of the emulated GPUs.
+        straggler_time_s: A straggler holds every iteration to this time.
+        iterations: Managed iterations replayed (their mean is reported).
+
     Raises:
         PlanError: A malformed plan, or one that does not fit the profile: another number of
             stages (the message names both), a workload its own instructions contradict, kinds
@@ -283,7 +291,9 @@ def simulate_plan(
     """
     from powerlib.errors import PlanError  # noqa: PLC0415
 
-    plan = FrequencyPlan.read(plan_path)
+    if not isinstance(plan, FrequencyPlan):
+        plan = FrequencyPlan.read(plan)
+    plan_path = plan.source
     profile = default_profile() if profile_path is None else Profile.read(profile_path)
     plan.check_workload(num_stages=profile.num_stages, against=f"the profile {profile.source}")
     # The plan lists every stage's instructions in execution order: that is the schedule.
