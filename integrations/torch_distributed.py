@@ -22,6 +22,8 @@ among the rank's stages: ``stage_index = c*P + rank`` for looped schedules, stag
 it, so nothing relies on ``pipeline_order`` (wrong for the last stage of ``Schedule1F1B`` in torch
 2.13); zero-bubble and V schedules are planned on the recorded order only (``schedule="recorded"``).
 DualPipeV's ``OVERLAP_F_B`` runs its F and B one after the other, and they are hooked as such.
+``schedule.eval()`` (forward-only ``step`` with the loss's backward off; torchtitan's validation
+calls it) is neither recorded nor counted as an iteration.
 
 Pure glue: no planning and no device calls; torch is imported lazily; ``enabled=False`` (or no
 session) makes both a no-op.
@@ -75,9 +77,13 @@ def _placement(stages: list[Any], num_ranks: int, rank: int) -> str:
     )
 
 
-def _wrap(session: Any, kind: str, chunk: int, method: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap(
+    session: Any, state: dict[str, bool], kind: str, chunk: int, method: Callable[..., Any]
+) -> Callable[..., Any]:
     @functools.wraps(method)
     def hooked(microbatch: int, *args: Any, **kwargs: Any) -> Any:
+        if state["eval"]:  # schedule.eval(): forwards only, not instructions of an iteration
+            return method(microbatch, *args, **kwargs)
         if kind == "backward" and kwargs.get("full_backward", True) is False:
             session.begin("backward_input", microbatch, chunk)
         else:
@@ -119,6 +125,7 @@ def attach_pipeline(session: Any, schedule: Any, *, enabled: bool = True) -> Ite
     ):
         name = "recorded"  # no built-in order fits: plan on what the hooks see
     session.set_layout(schedule=name, num_chunks=len(stages), placement=placement)
+    state = {"eval": False}
     patched: list[tuple[Any, str]] = []
     try:
         for chunk, stage in enumerate(stages):
@@ -127,12 +134,20 @@ def attach_pipeline(session: Any, schedule: Any, *, enabled: bool = True) -> Ite
                 ("backward_one_chunk", "backward"),
                 ("backward_weight_one_chunk", "backward_weight"),
             ):
-                setattr(stage, method, _wrap(session, kind, chunk, getattr(stage, method)))
+                setattr(stage, method, _wrap(session, state, kind, chunk, getattr(stage, method)))
                 patched.append((stage, method))
         step = schedule.step
 
         @functools.wraps(step)
         def hooked_step(*args: Any, **kwargs: Any) -> Any:
+            # schedule.eval() runs step() with _has_backward off (torchtitan's validation does):
+            # its forwards are not instructions and it is not a training iteration
+            if state["eval"] or not getattr(schedule, "_has_backward", True):
+                outer, state["eval"] = state["eval"], True
+                try:
+                    return step(*args, **kwargs)
+                finally:
+                    state["eval"] = outer
             result = step(*args, **kwargs)
             session.step()
             return result
