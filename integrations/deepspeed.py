@@ -10,8 +10,8 @@ One line inside the session hooks an engine (docs/frameworks.md §2.2)::
     with powerlib.optimize(num_stages=1, num_microbatches=GAS, stage=0) as session:
         with attach_engine(session, engine):         # ZeRO-0/1/2/3 without pipelining
             for x, y in loader:
-                engine.backward(loss_fn(engine(x), y))   # F and B of microbatch i
-                engine.step()                        # the accumulation boundary ends the step
+                engine.backward(loss_fn(engine(x), y))   # F and B of microbatch i (also
+                engine.step()                        # scale(loss).backward()); the boundary ends it
 
 ``attach_pipeline`` wraps the F/B entries of a copy of the engine class's ``_INSTRUCTION_MAP``
 (patching ``_exec_forward_pass`` has no effect: the map holds the original functions) and the
@@ -158,9 +158,12 @@ def attach_pipeline(session: Any, engine: Any, *, enabled: bool = True) -> Itera
 def attach_engine(session: Any, engine: Any, *, enabled: bool = True) -> Iterator[None]:
     """Drive ``session``'s hooks from a DeepSpeed engine without pipelining (ZeRO-0/1/2/3).
 
-    The i-th ``engine(...)`` forward with gradients enabled is instruction ``("F", i)``, the i-th
-    ``engine.backward(loss)`` is ``("B", i)``; ``engine.step()`` at the gradient-accumulation
-    boundary ends the iteration and restarts the count.
+    The i-th ``engine(...)`` forward with gradients enabled is instruction ``("F", i)``; the i-th
+    backward is ``("B", i)``, whichever way it is started: ``engine.backward(loss)`` (bracketed
+    as a call), ``engine.scale(loss).backward()`` or a plain ``loss.backward()`` (DeepSpeed's
+    manual paths: B starts when the gradient reaches the scaled loss, or else the forward's
+    output, and ends when autograd finishes that backward pass). ``engine.step()`` at the
+    gradient-accumulation boundary ends the iteration and restarts the count.
 
     Args:
         session: This rank's :class:`powerlib.Session` (``num_microbatches`` = accumulation steps).
@@ -181,24 +184,64 @@ def attach_engine(session: Any, engine: Any, *, enabled: bool = True) -> Iterato
     for name in ("forward", "backward", "step", "is_gradient_accumulation_boundary"):
         if not callable(getattr(engine, name, None)):
             raise _unsupported(f"{type(engine).__name__} has no {name}()")
-    state = {"F": 0, "B": 0}
-    originals = {name: getattr(engine, name) for name in ("forward", "backward", "step")}
+    state: dict[str, Any] = {"F": 0, "B": 0, "open": False}
+    names = ("forward", "backward", "step", "scale")
+    originals = {name: getattr(engine, name) for name in names if callable(getattr(engine, name, None))}
 
-    def instruction(kind: str) -> Callable[..., Any]:
-        method = originals["forward" if kind == "F" else "backward"]
+    def open_backward() -> bool:
+        """Begin the next B unless one is open; whether this call began it."""
+        if state["open"]:
+            return False
+        session.begin("B", state["B"])
+        state["B"] += 1
+        state["open"] = True
+        return True
 
-        @functools.wraps(method)
-        def hooked(*args: Any, **kwargs: Any) -> Any:
-            if kind == "F" and not torch.is_grad_enabled():  # evaluation: not an instruction
-                return method(*args, **kwargs)
-            session.begin(kind, state[kind])
-            state[kind] += 1
-            try:
-                return method(*args, **kwargs)
-            finally:
-                session.end()
+    def close_backward() -> None:
+        if state["open"]:
+            state["open"] = False
+            session.end()
 
-        return hooked
+    def on_gradient(grad: Any) -> Any:
+        """A manual backward reached a hooked tensor: B runs until autograd's pass ends."""
+        if open_backward():
+            torch.autograd.Variable._execution_engine.queue_callback(close_backward)
+        return grad
+
+    def watch(tensor: Any) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(on_gradient)
+
+    @functools.wraps(originals["forward"])
+    def hooked_forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # evaluation: not an instruction
+            return originals["forward"](*args, **kwargs)
+        session.begin("F", state["F"])
+        state["F"] += 1
+        try:
+            output = originals["forward"](*args, **kwargs)
+        finally:
+            session.end()
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        for out in outputs:  # a plain loss.backward() reaches the output first
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                watch(out)
+                break
+        return output
+
+    @functools.wraps(originals["backward"])
+    def hooked_backward(*args: Any, **kwargs: Any) -> Any:
+        began = open_backward()
+        try:
+            return originals["backward"](*args, **kwargs)
+        finally:
+            if began:
+                close_backward()
+
+    def hooked_scale(loss: Any) -> Any:
+        scaled = originals["scale"](loss)
+        watch(scaled)  # the scaled loss gets its gradient first: B starts there
+        return scaled
 
     @functools.wraps(originals["step"])
     def hooked_step(*args: Any, **kwargs: Any) -> Any:
@@ -211,11 +254,14 @@ def attach_engine(session: Any, engine: Any, *, enabled: bool = True) -> Iterato
         return result
 
     try:
-        engine.forward = instruction("F")
-        engine.backward = instruction("B")
+        engine.forward = hooked_forward
+        engine.backward = hooked_backward
         engine.step = hooked_step
+        if "scale" in originals:
+            engine.scale = functools.wraps(originals["scale"])(hooked_scale)
         yield
     finally:
+        close_backward()
         for name in originals:
             with contextlib.suppress(AttributeError):
                 delattr(engine, name)

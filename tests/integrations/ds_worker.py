@@ -8,7 +8,9 @@ rank 0 plans, every rank applies. Cases:
   stage-1 order was tampered with, applied in ``apply`` mode;
 - ``ppdp``: ``PipelineEngine`` with 2 stages and the rest data parallel (stage = ``stage_id``);
 - ``dualpipev``: ``DualPipeVEngine`` (two chunks per rank, V placement);
-- ``zero``: ZeRO-1 without pipelining, data parallel over every rank (``attach_engine``); run
+- ``zero``: ZeRO-1 without pipelining, data parallel over every rank (``attach_engine``), each
+  iteration using the three backward paths (``engine.backward``, ``engine.scale(loss).backward()``,
+  plain ``loss.backward()``); run
   it before the pipeline cases (a pipeline engine leaves its grid as DeepSpeed's global mpu).
 
 Each stage's module sleeps ``BASE_S * f_max / f`` (``clocked.py``) in forward and backward for the clock in force
@@ -81,8 +83,16 @@ def _setup(case: str, world: int) -> dict:
         engine = _engine(Block(), zero_stage=1)
 
         def iteration() -> None:
-            for x, y in (next(_DATA) for _ in range(M)):
-                engine.backward(_loss(engine(x), y))
+            # every backward path DeepSpeed documents: engine.backward(loss) for microbatches
+            # 0 and 1, then engine.scale(loss).backward(), then a plain loss.backward()
+            for mb, (x, y) in enumerate(next(_DATA) for _ in range(M)):
+                loss = _loss(engine(x), y)
+                if mb < 2:
+                    engine.backward(loss)
+                elif mb == 2:
+                    engine.scale(loss).backward()
+                else:
+                    loss.backward()
                 engine.step()
 
         return {
@@ -167,7 +177,7 @@ def _run_case(case: str, out: Path, rank: int, world: int, device: powerlib.Devi
             str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
         ]
     result["hooks_removed"] = type(engine).__dict__.get("_INSTRUCTION_MAP") is table and not (
-        {"train_batch", "forward", "backward", "step"} & set(vars(engine))
+        {"train_batch", "forward", "backward", "step", "scale"} & set(vars(engine))
     )
     return result
 
