@@ -186,7 +186,9 @@ def attach_engine(session: Any, engine: Any, *, enabled: bool = True) -> Iterato
             raise _unsupported(f"{type(engine).__name__} has no {name}()")
     state: dict[str, Any] = {"F": 0, "B": 0, "open": False}
     names = ("forward", "backward", "step", "scale")
-    originals = {name: getattr(engine, name) for name in names if callable(getattr(engine, name, None))}
+    originals = {
+        name: getattr(engine, name) for name in names if callable(getattr(engine, name, None))
+    }
 
     def open_backward() -> bool:
         """Begin the next B unless one is open; whether this call began it."""

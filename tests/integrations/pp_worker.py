@@ -82,7 +82,9 @@ def _pipeline(kind: str, rank: int, world: int):
         run(schedule.step)
         opt.step()
         opt.zero_grad()
-        if kind not in NO_EVAL:  # a validation pass, as torchtitan runs it: neither instructions nor a step
+        if (
+            kind not in NO_EVAL
+        ):  # a validation pass, as torchtitan runs it: neither instructions nor a step
             with torch.no_grad():
                 run(schedule.eval)
 
