@@ -82,9 +82,8 @@ def _pipeline(kind: str, rank: int, world: int):
         run(schedule.step)
         opt.step()
         opt.zero_grad()
-        if (
-            kind not in NO_EVAL
-        ):  # a validation pass, as torchtitan runs it: neither instructions nor a step
+        # a validation pass, as torchtitan runs it: neither instructions nor a step
+        if kind not in NO_EVAL:
             with torch.no_grad():
                 run(schedule.eval)
 
