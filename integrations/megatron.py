@@ -1,45 +1,67 @@
-"""Megatron-core: the pipeline schedules of ``megatron.core.pipeline_parallel`` (tested: 0.16.1).
+"""Megatron: megatron-core's pipeline schedules and Megatron-LM's own training loop.
 
-One line inside the session (docs/frameworks.md §2.1)::
+Tested: megatron-core 0.16.1 (Python 3.11, torch 2.13 CPU) and 0.17.1, 0.18.2, 0.19.2 (Python
+3.12, torch 2.14.1), gloo, PP=2; newer releases are feature-detected (see *Versions*).
 
-    from powerlib.integrations.megatron import attach
+**Megatron-LM's** ``pretrain()`` (``pretrain_gpt.py``-style scripts; ``megatron.training``, which
+megatron-core wheels ship from 0.17 on), two lines at the top of the script::
+
+    from powerlib.integrations.megatron import patch_training
+    patch_training(out_dir="/scratch/powerlib")         # any powerlib.optimize keyword
+
+or no edit at all: ``POWERLIB_MEGATRON=1 torchrun ... -m powerlib.integrations.megatron
+pretrain_gpt.py ARGS`` (keywords as JSON in ``POWERLIB_MEGATRON_OPTIONS``; see :func:`main`).
+Megatron-LM's ``train()`` obtains ``forward_backward_func`` **once, before its loop**, and hands
+it to every ``train_step``, so the schedules must be hooked before ``train()`` starts:
+:func:`patch_training` wraps ``megatron.training.training.train`` (which ``pretrain()`` looks up
+by name when it calls it), and each call enters a session built from Megatron's own state
+(pipeline size and rank, virtual pipeline size, microbatch count) with :func:`attach` around it.
+
+**megatron-core** alone, one line inside the session (docs/frameworks.md §2.1)::
 
     with (
         powerlib.optimize(num_stages=pp, num_microbatches=M, stage=pp_rank) as session,
         attach(session),
     ):
+        forward_backward_func = get_forward_backward_func()     # inside the with block
         for batch in loader:
-            forward_backward_func = get_forward_backward_func()     # inside the with block
             forward_backward_func(forward_step_func=..., num_microbatches=M, ...)
             optimizer.step()
 
-While attached, ``megatron.core.pipeline_parallel.schedules``' module-level ``forward_step`` and
-``backward_step`` (every schedule, ``hybrid_cp_schedule`` included, looks them up by name at call
-time) and its three ``forward_backward_*`` schedules are wrappers, restored on every exit path.
-``get_forward_backward_func`` also looks the schedules up at call time, so one obtained *inside*
-the block is wrapped (Megatron-LM's ``train_step`` asks every step); one obtained before
-``attach`` raises ``NotSupportedError`` at its first forward.
+While attached, ``megatron.core.pipeline_parallel.schedules``' module-level ``forward_step``,
+``backward_step`` and (0.17+) ``backward_step_multimodule`` (every schedule, ``hybrid_cp_schedule``
+and the multi-module MIMO path included, looks them up by name at call time) and its three
+``forward_backward_*`` schedules are wrappers, restored on every exit path.
+``get_forward_backward_func`` looks the schedules up when it is called, so one obtained *inside*
+the block is wrapped; one obtained before ``attach`` raises ``NotSupportedError`` at its first
+forward.
 
 - **F** = ``forward_step``, labelled by its ``current_microbatch=`` and ``vp_stage=`` (chunk;
-  ``None`` is 0) keywords. **B** = ``backward_step``, which carries no ids: the schedule hands it
-  the very object ``forward_step`` returned (a tensor, or a one-element list for a list input),
-  so the forward wrapper keys ``(microbatch, chunk)`` by that object and the backward pops it
-  (the interleaved backward walks the chunks in reverse). Receive waits lie outside both calls.
+  ``None`` is 0) keywords. **B** = ``backward_step`` (or the MIMO ``backward_step_multimodule``),
+  which carries no ids: the schedule hands it the very object ``forward_step`` returned (a
+  tensor, a one-element list for a list input, a dict of module outputs under MIMO), so the
+  forward wrapper keys ``(microbatch, chunk)`` by that object and the backward pops it (the
+  interleaved backward walks the chunks in reverse). Receive waits lie outside both calls.
 - **Step**: a schedule call with ``forward_only=False`` is one iteration: ``session.step()`` runs
   when it returns (before ``optimizer.step()``, at the iteration boundary).
-- **Eval**: 0.16.1's ``forward_step`` is not told ``forward_only``; the schedule wrapper reads it
-  from the call's keywords (the schedules take keywords only) and skips those forwards.
+- **Eval**: ``forward_step`` is not told ``forward_only``; the schedule wrapper reads it from the
+  call's keywords (the schedules take keywords only) and skips those forwards.
 - **Stage**: the session's ``stage`` must be ``parallel_state.get_pipeline_model_parallel_rank()``
   (checked at attach if model parallelism is initialised, else at the first schedule call); the
   TP/DP/CP ranks of a pp rank share its stage (docs/frameworks.md §3.6).
 
-Limits: the MoE combined-1F1B path (``overlap_moe_expert_parallel_comm``) fuses an F and a B past
-these hooks and a full-iteration CUDA graph replays without Python: both are refused at the
-schedule call. Activation recompute runs inside ``backward_step``, so it is part of B. 0.16.1 has
-no zero-bubble (I/W) schedule. Names are feature-detected at attach (``NotSupportedError``).
+Refused at the schedule call (``NotSupportedError``), because these paths run compute past the
+hooks: the MoE combined-1F1B path (``overlap_moe_expert_parallel_comm``), which fuses an F and a
+B; a full-iteration CUDA graph (``cuda_graph_impl="full_iteration"``, 0.18+, or ``"local"`` with
+scope ``full_iteration``), which replays the whole schedule without Python. Activation recompute
+runs inside ``backward_step``, so it is part of B. :func:`patch_training` also refuses a batch-size
+ramp-up (``--rampup-batch-size``: the microbatch count, and so the plan's workload, changes).
 
-Pure glue: no planning, no device calls; megatron is imported inside :func:`attach`;
-``enabled=False`` (or no session) makes it a no-op.
+*Versions*: every hooked name and keyword is checked at attach; a megatron-core that lacks one
+gets ``NotSupportedError`` naming it (and the tested releases), never a silent partial hookup.
+
+Pure glue: no planning, no device calls; megatron is imported inside :func:`attach` and
+:func:`patch_training`; ``enabled=False`` (or no session) makes it a no-op.
 """
 
 from __future__ import annotations
@@ -47,19 +69,35 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
+import os
+import runpy
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from powerlib.errors import InvalidArgumentError, NotSupportedError
+from powerlib.errors import InvalidArgumentError, NotSupportedError, PowerlibError
 
-__all__ = ["TESTED_VERSION", "attach"]
+__all__ = [
+    "TESTED_VERSIONS",
+    "TrainingPatch",
+    "attach",
+    "main",
+    "options_from_env",
+    "patch_training",
+    "workload_from_args",
+]
 
-TESTED_VERSION = "0.16.1"
+TESTED_VERSIONS = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
+_TESTED = f"tested: megatron-core {', '.join(TESTED_VERSIONS)}"
 _SCHEDULES = (
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
 )
+_BACKWARDS = ("backward_step", "backward_step_multimodule")  # the second: 0.17+ (MIMO)
+# What patch_training reads from Megatron; a caller's keyword for one of these is refused.
+_FROM_MEGATRON = ("num_stages", "num_microbatches", "stage", "schedule", "num_chunks")
 
 
 def _check_api(schedules: Any) -> None:
@@ -69,16 +107,18 @@ def _check_api(schedules: Any) -> None:
     ]
     if not missing:
         fwd = inspect.signature(schedules.forward_step).parameters
-        bwd = list(inspect.signature(schedules.backward_step).parameters)
         missing = [
             f"forward_step({p}=)" for p in ("current_microbatch", "vp_stage") if p not in fwd
         ]
-        if bwd[1:2] != ["output_tensor"]:
-            missing.append("backward_step(input_tensor, output_tensor, ...)")
+        for name in _BACKWARDS:
+            if hasattr(schedules, name):
+                params = list(inspect.signature(getattr(schedules, name)).parameters)
+                if params[1:2] != ["output_tensor"]:
+                    missing.append(f"{name}(input_tensor, output_tensor, ...)")
     if missing:
         raise NotSupportedError(
             f"megatron.core.pipeline_parallel.schedules lacks {', '.join(missing)}: this "
-            f"megatron-core is not one the integration knows (tested: {TESTED_VERSION})"
+            f"megatron-core is not one the integration knows ({_TESTED})"
         )
 
 
@@ -94,16 +134,22 @@ def _check_stage(session: Any, parallel_state: Any) -> None:
         )
 
 
+def _full_iteration_graph(config: Any) -> bool:
+    """Whether ``config`` (a TransformerConfig or Megatron-LM's args) captures whole iterations."""
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if impl == "full_iteration":  # 0.18+
+        return True
+    scope = getattr(config, "cuda_graph_scope", None) or ()
+    scopes = [scope] if isinstance(scope, str) else scope
+    return impl == "local" and any(getattr(s, "name", s) == "full_iteration" for s in scopes)
+
+
 def _refused(model: Any) -> str | None:
     """Why this model's config takes a path the hooks do not see, or ``None``."""
     config = getattr(model[0] if isinstance(model, list) else model, "config", None)
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         return "overlap_moe_expert_parallel_comm (combined 1F1B) bypasses forward/backward_step"
-    scope = getattr(config, "cuda_graph_scope", None) or ()
-    scopes = [scope] if isinstance(scope, str) else scope
-    if getattr(config, "cuda_graph_impl", "none") == "local" and any(
-        getattr(s, "name", s) == "full_iteration" for s in scopes
-    ):
+    if _full_iteration_graph(config):
         return "a full-iteration CUDA graph replays without running the hooks"
     return None
 
@@ -117,8 +163,8 @@ def attach(session: Any, *, enabled: bool = True) -> Iterator[None]:
         enabled: ``False`` attaches nothing.
 
     Raises:
-        NotSupportedError: megatron-core lacks the hooked names (tested: 0.16.1); at a schedule
-            call: a path the hooks do not see, or a schedule obtained before ``attach``.
+        NotSupportedError: megatron-core lacks the hooked names; at a schedule call: a path the
+            hooks do not see, or a schedule obtained before ``attach``.
         InvalidArgumentError: The session's stage is not this rank's pipeline rank.
     """
     if not enabled or session is None:
@@ -135,19 +181,20 @@ def attach(session: Any, *, enabled: bool = True) -> Iterator[None]:
     # objects waiting for their backward: id -> (object, microbatch, chunk)
     state: dict[str, Any] = {"forward_only": None, "checked": checked}
     pending: dict[int, tuple[Any, int, int]] = {}
-    forward_step, backward_step = schedules.forward_step, schedules.backward_step
+    forward_step = schedules.forward_step
 
     @functools.wraps(forward_step)
     def hooked_forward(*args: Any, **kwargs: Any) -> Any:
         if state["forward_only"] is None:
             raise NotSupportedError(
                 "forward_step ran outside a schedule obtained inside powerlib's attach(): call "
-                "get_forward_backward_func() inside the with block"
+                "get_forward_backward_func() inside the with block (Megatron-LM's pretrain(): "
+                "use patch_training)"
             )
         if state["forward_only"]:
             return forward_step(*args, **kwargs)
         chunk, microbatch = kwargs.get("vp_stage") or 0, kwargs.get("current_microbatch")
-        if microbatch is None:  # every schedule of 0.16.1 passes it
+        if microbatch is None:  # every schedule of the tested releases passes it
             raise NotSupportedError("forward_step was called without current_microbatch=")
         session.begin("F", microbatch, chunk)
         try:
@@ -158,20 +205,25 @@ def attach(session: Any, *, enabled: bool = True) -> Iterator[None]:
         pending[id(output)] = (output, microbatch, chunk)
         return result
 
-    @functools.wraps(backward_step)
-    def hooked_backward(*args: Any, **kwargs: Any) -> Any:
-        output = args[1] if len(args) > 1 else kwargs.get("output_tensor")
-        entry = pending.pop(id(output), None)
-        if entry is None or entry[0] is not output:
-            raise NotSupportedError(
-                "backward_step got an output no hooked forward_step returned: this schedule "
-                f"does not hand the forward's output back (tested: megatron-core {TESTED_VERSION})"
-            )
-        session.begin("B", entry[1], entry[2])
-        try:
-            return backward_step(*args, **kwargs)
-        finally:
-            session.end()
+    def wrap_backward(name: str, backward: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(backward)
+        def hooked_backward(*args: Any, **kwargs: Any) -> Any:
+            if state["forward_only"] is None:
+                return backward(*args, **kwargs)  # not inside a hooked schedule call
+            output = args[1] if len(args) > 1 else kwargs.get("output_tensor")
+            entry = pending.pop(id(output), None)
+            if entry is None or entry[0] is not output:
+                raise NotSupportedError(
+                    f"{name} got an output no hooked forward_step returned: this schedule "
+                    f"does not hand the forward's output back ({_TESTED})"
+                )
+            session.begin("B", entry[1], entry[2])
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                session.end()
+
+        return hooked_backward
 
     def wrap_schedule(schedule: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(schedule)
@@ -197,13 +249,224 @@ def attach(session: Any, *, enabled: bool = True) -> Iterator[None]:
 
         return hooked_schedule
 
-    originals = {n: getattr(schedules, n) for n in ("forward_step", "backward_step", *_SCHEDULES)}
+    names = ("forward_step", *(n for n in _BACKWARDS if hasattr(schedules, n)), *_SCHEDULES)
+    originals = {n: getattr(schedules, n) for n in names}
     try:
         schedules.forward_step = hooked_forward
-        schedules.backward_step = hooked_backward
+        for name in _BACKWARDS:
+            if name in originals:
+                setattr(schedules, name, wrap_backward(name, originals[name]))
         for name in _SCHEDULES:
             setattr(schedules, name, wrap_schedule(originals[name]))
         yield
     finally:
         for name, original in originals.items():
             setattr(schedules, name, original)
+
+
+# -- Megatron-LM's own loop ---------------------------------------------------------------------
+
+
+def workload_from_args(args: Any, num_microbatches: int, pp_rank: int) -> dict[str, Any]:
+    """The session's workload keywords from Megatron-LM's parsed ``args`` (``get_args()``).
+
+    Raises:
+        NotSupportedError: A setting whose iterations the hooks cannot follow (a full-iteration
+            CUDA graph; a batch-size ramp-up, which changes the microbatch count mid-run).
+    """
+    if _full_iteration_graph(args):
+        raise NotSupportedError(
+            "powerlib cannot follow Megatron with --cuda-graph-impl full_iteration: the captured "
+            "iteration replays without running the hooks (use a per-layer CUDA graph scope)"
+        )
+    if getattr(args, "rampup_batch_size", None):
+        raise NotSupportedError(
+            "powerlib cannot plan Megatron with --rampup-batch-size: the number of microbatches "
+            "per iteration changes during the run (start powerlib after the ramp-up)"
+        )
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    chunks = int(vp) if vp else 1
+    return {
+        "num_stages": pp,
+        "num_microbatches": int(num_microbatches),
+        "stage": int(pp_rank),
+        "schedule": "interleaved" if chunks > 1 else "1f1b",
+        "num_chunks": chunks,
+    }
+
+
+def _training_module() -> Any:
+    try:
+        from megatron.training import training  # noqa: PLC0415
+    except ImportError as err:
+        raise NotSupportedError(
+            f"Megatron-LM's training loop cannot be imported ({err}): megatron-core wheels ship "
+            "megatron.training from 0.17 on (Python 3.12+); with megatron-core alone, use attach"
+        ) from None
+    if not callable(getattr(training, "train", None)):
+        raise NotSupportedError(
+            f"megatron.training.training has no train(): not a Megatron-LM the integration "
+            f"knows ({_TESTED})"
+        )
+    return training
+
+
+class TrainingPatch:
+    """What :func:`patch_training` returns: the sessions it ran, and the way back.
+
+    Attributes:
+        sessions: Each :class:`powerlib.Session` a patched ``train()`` call ran, in order (their
+            ``report()``, ``plan`` and ``phase`` stay readable after ``train()`` returns).
+    """
+
+    def __init__(self, training: Any, original: Callable[..., Any]) -> None:
+        self.sessions: list[Any] = []
+        self._training = training
+        self._original = original
+        self._wrapper: Callable[..., Any] | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether ``megatron.training.training.train`` is still this patch's wrapper."""
+        return self._wrapper is not None and self._training.train is self._wrapper
+
+    def restore(self) -> None:
+        """Put the original ``train`` back (idempotent; leaves a later patch of it alone)."""
+        if self.active:
+            self._training.train = self._original
+        self._wrapper = None
+
+    def __enter__(self) -> TrainingPatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def patch_training(*, enabled: bool = True, **options: Any) -> TrainingPatch | None:
+    """Run every ``megatron.training.training.train()`` call inside a powerlib session.
+
+    Call it once at the top of a ``pretrain_gpt.py``-style script, before ``pretrain(...)``.
+    ``pretrain()`` calls ``train()`` by name, so the wrapper runs after Megatron's
+    initialisation: it reads the pipeline size and rank, the virtual pipeline size and
+    ``get_num_microbatches()`` from Megatron, then runs the original ``train()`` inside
+    ``powerlib.optimize(**workload, **options)`` and :func:`attach`. The session profiles, plans
+    and applies as in any loop (Megatron's ``evaluate()`` runs forward-only schedules, which
+    are not steps), and restores the devices when ``train()`` returns or raises.
+
+    Args:
+        enabled: ``False`` patches nothing and returns ``None``.
+        **options: Any :class:`powerlib.Session` keyword (``out_dir``, ``mode``, ``plan_path``,
+            ``max_slowdown``, ...) except the workload, which comes from Megatron.
+
+    Returns:
+        A :class:`TrainingPatch` (``.restore()``, or use it as a context manager; ``.sessions``).
+
+    Raises:
+        NotSupportedError: ``megatron.training`` is missing (megatron-core before 0.17) or
+            lacks ``train``; ``train`` is already patched.
+        InvalidArgumentError: ``options`` names a workload keyword Megatron provides.
+    """
+    given = sorted(set(options) & set(_FROM_MEGATRON))
+    if given:
+        raise InvalidArgumentError(
+            f"patch_training reads {', '.join(given)} from Megatron's arguments: do not pass them"
+        )
+    if not enabled:
+        return None
+    training = _training_module()
+    train = training.train
+    if getattr(train, "__powerlib_original__", None) is not None:
+        raise NotSupportedError("megatron.training.training.train is already patched by powerlib")
+    patch = TrainingPatch(training, train)
+
+    @functools.wraps(train)
+    def powered_train(*args: Any, **kwargs: Any) -> Any:
+        from megatron.core import parallel_state  # noqa: PLC0415
+        from megatron.core.num_microbatches_calculator import (  # noqa: PLC0415
+            get_num_microbatches,
+        )
+        from megatron.training.global_vars import get_args  # noqa: PLC0415
+
+        import powerlib  # noqa: PLC0415
+
+        workload = workload_from_args(
+            get_args(), get_num_microbatches(), parallel_state.get_pipeline_model_parallel_rank()
+        )
+        with powerlib.optimize(**workload, **options) as session, attach(session):
+            patch.sessions.append(session)
+            return train(*args, **kwargs)
+
+    powered_train.__powerlib_original__ = train  # type: ignore[attr-defined]
+    patch._wrapper = powered_train
+    training.train = powered_train
+    return patch
+
+
+_ENV = "POWERLIB_MEGATRON"
+_ENV_OPTIONS = "POWERLIB_MEGATRON_OPTIONS"
+
+
+def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """The session keywords the launcher passes, or ``None`` when ``POWERLIB_MEGATRON`` is off.
+
+    ``POWERLIB_MEGATRON``: ``1`` on, ``0`` or unset off. ``POWERLIB_MEGATRON_OPTIONS``: a JSON
+    object of :class:`powerlib.Session` keywords (``{"out_dir": "/scratch/pl", "mode": "auto"}``).
+
+    Raises:
+        InvalidArgumentError: Another value of ``POWERLIB_MEGATRON``, or options that are not a
+            JSON object.
+    """
+    env = os.environ if environ is None else environ
+    switch = env.get(_ENV, "0").strip()
+    if switch not in ("0", "1", ""):
+        raise InvalidArgumentError(f"{_ENV} must be 1 or 0, not {switch!r}")
+    if switch != "1":
+        return None
+    text = env.get(_ENV_OPTIONS, "").strip() or "{}"
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InvalidArgumentError(f"{_ENV_OPTIONS} is not JSON: {err}") from None
+    if not isinstance(options, dict):
+        raise InvalidArgumentError(f"{_ENV_OPTIONS} must be a JSON object of Session keywords")
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m powerlib.integrations.megatron SCRIPT [ARGS...]``: run a Megatron script.
+
+    With ``POWERLIB_MEGATRON=1``, :func:`patch_training` is called (with the keywords of
+    ``POWERLIB_MEGATRON_OPTIONS``) before ``SCRIPT`` runs as ``__main__`` with ``ARGS`` as its
+    ``sys.argv[1:]``; otherwise the script runs untouched, so one launch line serves both.
+    Under torchrun: ``torchrun --nproc-per-node 8 -m powerlib.integrations.megatron
+    pretrain_gpt.py ARGS``.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(main.__doc__)
+        return 0 if argv else 2
+    script = argv[0]
+    if not os.path.isfile(script):
+        print(f"error: no such script: {script}", file=sys.stderr)
+        return 2
+    try:
+        options = options_from_env()
+        patch = patch_training(**options) if options is not None else None
+    except PowerlibError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    saved = sys.argv
+    sys.argv = [script, *argv[1:]]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = saved
+        if patch is not None:
+            patch.restore()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -105,6 +105,20 @@ def drive(session: Any, iteration: Callable[[int], None]) -> list[int]:
     return marks
 
 
+def plan_rows(session: Any) -> dict[str, Any]:
+    """This stage's plan and the first applied iteration's requests, as ``[kind, mb, chunk, f]``."""
+    plan = session.plan
+    return {
+        "plan": [
+            [p.instruction.kind, p.instruction.microbatch, p.instruction.chunk, p.freq_mhz]
+            for p in plan.stage(session.stage)
+        ]
+        if plan
+        else None,
+        "requested": [[k[3], k[2], k[1], f] for k, f in session.first_apply_requests],
+    }
+
+
 def record(session: Any, marks: list[int]) -> dict[str, Any]:
     """What the tests check of an auto run: the plan of this stage against what was asked/applied."""
     plan = session.plan
@@ -114,13 +128,7 @@ def record(session: Any, marks: list[int]) -> dict[str, Any]:
         "phase": session.phase,
         "iterations": session.iteration,
         "applied_from": first,
-        "plan": [
-            [p.instruction.kind, p.instruction.microbatch, p.instruction.chunk, p.freq_mhz]
-            for p in plan.stage(session.stage)
-        ]
-        if plan
-        else None,
-        "requested": [[k[3], k[2], k[1], f] for k, f in session.first_apply_requests],
+        **plan_rows(session),
         "applied_first_iteration": applied[marks[first] : marks[first + 1]] if plan else None,
         "order_source": plan.workload.get("order_source") if plan else None,
         "placement": plan.workload.get("placement") if plan else None,

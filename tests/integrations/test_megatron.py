@@ -15,7 +15,11 @@ and backward labels that follow the forward's output object.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +27,32 @@ import pytest
 from multiproc import collapse, launch_ranks
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
+megatron = pytest.importorskip("megatron.core") and __import__("megatron.core")
 if not torch.distributed.is_gloo_available():
     pytest.skip("gloo is not available", allow_module_level=True)
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.pipeline_parallel import schedules  # noqa: E402
 
-from powerlib.errors import NotSupportedError  # noqa: E402
-from powerlib.integrations.megatron import attach  # noqa: E402
+from powerlib.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
+from powerlib.integrations import megatron as integration  # noqa: E402
+from powerlib.integrations.megatron import attach, patch_training  # noqa: E402
 from powerlib.planning.pipeline import build_schedule  # noqa: E402
+
+try:
+    with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed"
+        warnings.simplefilter("ignore")
+        from megatron.training import training as megatron_training  # megatron-core 0.17+
+except ImportError:
+    megatron_training = None
+needs_training = pytest.mark.skipif(
+    megatron_training is None, reason="megatron.training ships with megatron-core 0.17+ only"
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.megatron]
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
+GPT_WORKER = Path(__file__).with_name("megatron_gpt_worker.py")
 WORLD = 2
 M = 4
 SCHEDULES = {"1f1b": 1, "interleaved": 2}  # name -> model chunks per rank
@@ -135,7 +151,7 @@ def test_originals_come_back_on_an_exception() -> None:
 
 def test_a_megatron_without_the_hooked_names_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(schedules, "backward_step")
-    with pytest.raises(NotSupportedError, match=r"backward_step.*tested: 0\.16\.1"):
+    with pytest.raises(NotSupportedError, match=r"backward_step.*tested: megatron-core 0\.16\.1"):
         with attach(_Recorder()):
             pass
 
@@ -149,7 +165,8 @@ def test_a_schedule_obtained_before_attach_is_refused_at_its_first_forward() -> 
     "config",
     [
         {"overlap_moe_expert_parallel_comm": True},
-        {"cuda_graph_impl": "local", "cuda_graph_scope": ["full_iteration"]},
+        {"cuda_graph_impl": "local", "cuda_graph_scope": ["full_iteration"]},  # 0.16-0.17
+        {"cuda_graph_impl": "full_iteration"},  # 0.18+
     ],
 )
 def test_paths_the_hooks_cannot_see_are_refused(config: dict) -> None:
@@ -204,3 +221,223 @@ def test_backward_labels_follow_the_forward_output_and_eval_is_skipped(
     ]
     assert session.calls.count(("end",)) == 6
     assert schedules.forward_step is fake_forward  # restored to what it was at attach
+
+
+def test_mimo_backward_is_labelled_by_the_forward_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The multi-module (MIMO) path: the 1F1B schedule binds ``backward_step_multimodule`` by
+    name into a ``functools.partial`` at call time (megatron-core 0.17+), outputs are dicts."""
+    import functools
+
+    def fake_forward(*args: Any, current_microbatch: Any = None, vp_stage: Any = None, **kw: Any):
+        return {"vision": object(), "language": object()}, 0
+
+    def fake_multimodule(
+        input_tensor: Any,
+        output_tensor: Any,
+        grad: Any,
+        config: Any,
+        language_model_module_name: str,
+    ) -> dict:
+        assert language_model_module_name == "language"
+        return {}
+
+    def fake_schedule(*, model: Any, forward_only: bool = False, **kwargs: Any) -> None:
+        backward = functools.partial(
+            schedules.backward_step_multimodule, language_model_module_name="language"
+        )
+        outs = [schedules.forward_step(None, current_microbatch=mb)[0] for mb in (0, 1)]
+        for out in outs:
+            backward({}, out, None, None)
+
+    monkeypatch.setattr(schedules, "forward_step", fake_forward)
+    monkeypatch.setattr(schedules, "backward_step_multimodule", fake_multimodule, raising=False)
+    monkeypatch.setattr(schedules, "forward_backward_no_pipelining", fake_schedule)
+    monkeypatch.setattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_RANK", 0)
+    monkeypatch.setattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", 1)
+    session = _Recorder()
+    with attach(session):
+        schedules.get_forward_backward_func(1, None)(model=None)
+    assert [c for c in session.calls if c != ("end",)] == [
+        ("F", 0, 0),
+        ("F", 1, 0),
+        ("B", 0, 0),
+        ("B", 1, 0),
+        ("step",),
+    ]
+    assert schedules.backward_step_multimodule is fake_multimodule
+
+
+def test_this_megatron_core_has_every_hooked_name() -> None:
+    """The installed release passes the feature detection (0.17+ also has the MIMO backward)."""
+    integration._check_api(schedules)
+    version = tuple(int(x) for x in megatron.core.__version__.split(".")[:2])
+    assert hasattr(schedules, "backward_step_multimodule") == (version >= (0, 17))
+
+
+# -- Megatron-LM's own loop: patch_training ---------------------------------------------------
+
+
+def _args(**changes: Any) -> types.SimpleNamespace:
+    base = {
+        "pipeline_model_parallel_size": 4,
+        "virtual_pipeline_model_parallel_size": None,
+        "cuda_graph_impl": "none",
+        "cuda_graph_scope": [],
+        "rampup_batch_size": None,
+    }
+    return types.SimpleNamespace(**(base | changes))
+
+
+def test_the_workload_is_read_from_megatron_arguments() -> None:
+    assert integration.workload_from_args(_args(), 8, 2) == {
+        "num_stages": 4,
+        "num_microbatches": 8,
+        "stage": 2,
+        "schedule": "1f1b",
+        "num_chunks": 1,
+    }
+    interleaved = integration.workload_from_args(
+        _args(virtual_pipeline_model_parallel_size=2), 8, 0
+    )
+    assert (interleaved["schedule"], interleaved["num_chunks"]) == ("interleaved", 2)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"cuda_graph_impl": "full_iteration"}, "full_iteration"),
+        ({"cuda_graph_impl": "local", "cuda_graph_scope": ["full_iteration"]}, "full_iteration"),
+        ({"rampup_batch_size": ["16", "16", "1000"]}, "rampup-batch-size"),
+    ],
+)
+def test_megatron_settings_the_hooks_cannot_follow_are_refused(changes: dict, message: str) -> None:
+    with pytest.raises(NotSupportedError, match=message):
+        integration.workload_from_args(_args(**changes), 8, 0)
+
+
+def test_patch_training_refuses_workload_keywords_before_touching_megatron() -> None:
+    with pytest.raises(InvalidArgumentError, match="num_microbatches, stage"):
+        patch_training(stage=0, num_microbatches=4)
+    assert patch_training(enabled=False) is None
+
+
+@pytest.mark.skipif(megatron_training is not None, reason="this megatron-core ships training")
+def test_patch_training_without_megatron_training_says_to_use_attach() -> None:
+    with pytest.raises(NotSupportedError, match="from 0.17 on.*use attach"):
+        patch_training()
+
+
+@needs_training
+def test_patch_training_wraps_the_train_that_pretrain_calls() -> None:
+    original = megatron_training.train
+    # pretrain() calls train() by its module-global name: the name patch_training replaces
+    assert "train" in megatron_training.pretrain.__code__.co_names
+    assert megatron_training.pretrain.__globals__ is vars(megatron_training)
+    with patch_training(out_dir=None) as patch:
+        assert patch.active and megatron_training.train is not original
+        assert megatron_training.train.__powerlib_original__ is original
+        with pytest.raises(NotSupportedError, match="already patched"):
+            patch_training()
+    assert megatron_training.train is original and not patch.active
+    patch.restore()  # idempotent
+    assert megatron_training.train is original
+
+
+def test_env_options() -> None:
+    assert integration.options_from_env({}) is None
+    assert integration.options_from_env({"POWERLIB_MEGATRON": "0"}) is None
+    assert integration.options_from_env({"POWERLIB_MEGATRON": "1"}) == {}
+    on = {"POWERLIB_MEGATRON": "1", "POWERLIB_MEGATRON_OPTIONS": '{"out_dir": "/x"}'}
+    assert integration.options_from_env(on) == {"out_dir": "/x"}
+    for bad, message in (
+        ({"POWERLIB_MEGATRON": "yes"}, "must be 1 or 0"),
+        ({**on, "POWERLIB_MEGATRON_OPTIONS": "{out_dir"}, "is not JSON"),
+        ({**on, "POWERLIB_MEGATRON_OPTIONS": "[1]"}, "JSON object"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=message):
+            integration.options_from_env(bad)
+
+
+def _launch_script(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``python -m powerlib.integrations.megatron script.py a b``: the script reports its view."""
+    script = tmp_path / "pretrain_like.py"
+    script.write_text(
+        "import json, sys\n"
+        "try:\n"
+        "    from megatron.training import training\n"
+        "    patched = hasattr(training.train, '__powerlib_original__')\n"
+        "except ImportError:\n"
+        "    patched = None\n"
+        "print(json.dumps({'argv': sys.argv, 'name': __name__, 'patched': patched}))\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("POWERLIB_MEGATRON")}
+    return subprocess.run(
+        [sys.executable, "-m", "powerlib.integrations.megatron", str(script), "a", "--b"],
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_launcher_runs_the_script_untouched_when_off(tmp_path: Path) -> None:
+    done = _launch_script(tmp_path, {"POWERLIB_MEGATRON": "0"})
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["argv"][1:] == ["a", "--b"] and seen["name"] == "__main__"
+    assert seen["patched"] in (False, None)
+
+
+def test_the_launcher_patches_train_when_on(tmp_path: Path) -> None:
+    done = _launch_script(tmp_path, {"POWERLIB_MEGATRON": "1"})
+    if megatron_training is None:  # 0.16: one clear line, nothing run
+        assert done.returncode == 2
+        last = done.stderr.strip().splitlines()[-1]  # torch may log a line of its own first
+        assert last.startswith("error: Megatron-LM's training loop cannot be imported"), last
+        assert done.stdout == ""
+        return
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["patched"] is True
+
+
+def test_the_launcher_rejects_bad_options_in_one_line(tmp_path: Path) -> None:
+    done = _launch_script(
+        tmp_path, {"POWERLIB_MEGATRON": "1", "POWERLIB_MEGATRON_OPTIONS": '{"stage": 1}'}
+    )
+    if megatron_training is None:
+        pytest.skip("0.16: the launcher stops at the missing megatron.training first")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: patch_training reads stage from Megatron's arguments: do not pass them"
+    )
+
+
+# -- end to end: a megatron-core GPT on a 2-stage pipeline ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mode", [pytest.param("pretrain", marks=needs_training), pytest.param("core")]
+)
+def test_gpt_pipeline_is_profiled_planned_and_applied(mode: str, tmp_path: Path) -> None:
+    """Megatron-LM's own train() (patched) or megatron-core's schedule (attach) drives a GPT."""
+    launch_ranks(GPT_WORKER, [str(tmp_path), mode], WORLD, tmp_path / "state")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for rank, res in enumerate(results):
+        assert res["warnings"] == [], res["warnings"]  # no refused plan, no order mismatch
+        assert res["phase"] == "closed" and res["applied_from"] == 4, res  # warm-up + 3 clocks
+        assert res["iterations"] == 6  # two applied iterations
+        assert res["spec"] == {"num_stages": WORLD, "num_microbatches": M, "stage": rank}
+        assert res["order_source"] == "recorded"
+        # the order the hooks recorded is megatron's 1F1B, and the plan has one clock each
+        generated = build_schedule("1f1b", WORLD, M, 1)[rank]
+        assert [(k, mb, c) for k, mb, c, _ in res["plan"]] == [
+            (i.kind, i.microbatch, i.chunk) for i in generated
+        ]
+        assert all(isinstance(f, float) and f > 0 for *_, f in res["plan"])
+        assert res["requested"] == res["plan"]  # the first applied iteration asked for each
+        assert res["restored"]
+        if mode == "pretrain":
+            # train() ran its iterations and two evaluate() passes; only the former are steps
+            assert res["train_iterations"] == res["megatron_args"]["train_iters"]
+            assert res["iterations"] == res["train_iterations"]
+            assert res["sessions"] == 1 and res["patched"] and res["unpatched"]
