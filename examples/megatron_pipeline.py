@@ -1,4 +1,4 @@
-"""powerlib around a megatron-core pipeline (PP = number of ranks, 1F1B; megatron-core 0.16.1).
+"""powerlib around a megatron-core pipeline (PP = number of ranks, 1F1B; megatron-core 0.16.1-0.19.2).
 
 Run on CPU with simulated GPUs (no GPU needed)::
 

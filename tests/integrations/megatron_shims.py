@@ -1,4 +1,4 @@
-"""Test-only shims that let megatron-core 0.16.1's pipeline schedules run on CPU (gloo).
+"""Test-only shims that let megatron-core's (0.16.1-0.19.2) pipeline schedules run on CPU (gloo).
 
 Megatron-core assumes CUDA in a few places of the schedule path. These shims patch ``torch.cuda``
 **globally inside the process**, so they belong in test workers and CPU-only examples, never in
