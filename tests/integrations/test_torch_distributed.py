@@ -60,7 +60,9 @@ def test_pipeline_schedule_applies_the_plan_and_catches_a_wrong_order(
             # the whole backward), so the clock asked for that ~0 ms instruction may be
             # superseded by the next one before the controller applies it (latest wins)
             assert _is_subsequence(applied, collapse(plan_freqs)), (applied, plan_freqs)
-            assert len(applied) >= len(collapse(plan_freqs)) // 2
+            # how many are superseded depends on the machine's load (a loaded 2-core CI once
+            # applied 2 of 6); the last request of the iteration always lands (latest wins)
+            assert applied and applied[-1] == collapse(plan_freqs)[-1], (applied, plan_freqs)
         else:
             assert applied == collapse(plan_freqs)
         assert res["restored"]
