@@ -77,12 +77,21 @@ def _placement(stages: list[Any], num_ranks: int, rank: int) -> str:
     )
 
 
+def _training(schedule: Any) -> bool:
+    """Whether ``schedule`` runs a training step, not ``eval()``.
+
+    ``eval()`` (torchtitan's validation calls it) runs ``step()`` with the loss's backward off
+    (``_has_backward``): forwards only, neither instructions nor an iteration.
+    """
+    return bool(getattr(schedule, "_has_backward", True))
+
+
 def _wrap(
-    session: Any, state: dict[str, bool], kind: str, chunk: int, method: Callable[..., Any]
+    session: Any, schedule: Any, kind: str, chunk: int, method: Callable[..., Any]
 ) -> Callable[..., Any]:
     @functools.wraps(method)
     def hooked(microbatch: int, *args: Any, **kwargs: Any) -> Any:
-        if state["eval"]:  # schedule.eval(): forwards only, not instructions of an iteration
+        if not _training(schedule):  # schedule.eval(): not instructions of an iteration
             return method(microbatch, *args, **kwargs)
         if kind == "backward" and kwargs.get("full_backward", True) is False:
             session.begin("backward_input", microbatch, chunk)
@@ -125,7 +134,6 @@ def attach_pipeline(session: Any, schedule: Any, *, enabled: bool = True) -> Ite
     ):
         name = "recorded"  # no built-in order fits: plan on what the hooks see
     session.set_layout(schedule=name, num_chunks=len(stages), placement=placement)
-    state = {"eval": False}
     patched: list[tuple[Any, str]] = []
     try:
         for chunk, stage in enumerate(stages):
@@ -134,20 +142,16 @@ def attach_pipeline(session: Any, schedule: Any, *, enabled: bool = True) -> Ite
                 ("backward_one_chunk", "backward"),
                 ("backward_weight_one_chunk", "backward_weight"),
             ):
-                setattr(stage, method, _wrap(session, state, kind, chunk, getattr(stage, method)))
+                setattr(
+                    stage, method, _wrap(session, schedule, kind, chunk, getattr(stage, method))
+                )
                 patched.append((stage, method))
         step = schedule.step
 
         @functools.wraps(step)
         def hooked_step(*args: Any, **kwargs: Any) -> Any:
-            # schedule.eval() runs step() with _has_backward off (torchtitan's validation does):
-            # its forwards are not instructions and it is not a training iteration
-            if state["eval"] or not getattr(schedule, "_has_backward", True):
-                outer, state["eval"] = state["eval"], True
-                try:
-                    return step(*args, **kwargs)
-                finally:
-                    state["eval"] = outer
+            if not _training(schedule):  # schedule.eval(): not a training iteration
+                return step(*args, **kwargs)
             result = step(*args, **kwargs)
             session.step()
             return result
