@@ -225,10 +225,8 @@ def attach_engine(session: Any, engine: Any, *, enabled: bool = True) -> Iterato
         finally:
             session.end()
         outputs = output if isinstance(output, (tuple, list)) else (output,)
-        for out in outputs:  # a plain loss.backward() reaches the output first
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                watch(out)
-                break
+        first = next((o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad), None)
+        watch(first)  # a plain loss.backward() reaches the forward's output first
         return output
 
     @functools.wraps(originals["backward"])
