@@ -10,8 +10,8 @@ rank 0 plans, every rank applies. Cases:
 - ``dualpipev``: ``DualPipeVEngine`` (two chunks per rank, V placement);
 - ``zero``: ZeRO-1 without pipelining, data parallel over every rank (``attach_engine``), each
   iteration using the three backward paths (``engine.backward``, ``engine.scale(loss).backward()``,
-  plain ``loss.backward()``); run
-  it before the pipeline cases (a pipeline engine leaves its grid as DeepSpeed's global mpu).
+  plain ``loss.backward()``); run it before the pipeline cases (a pipeline engine leaves its grid
+  as DeepSpeed's global mpu).
 
 Each stage's module sleeps ``BASE_S * f_max / f`` (``clocked.py``) in forward and backward for the clock in force
 (the simulated GPU does not run torch). Writes ``rank<R>.json``: ``{case: result}``.

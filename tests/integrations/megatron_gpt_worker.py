@@ -210,6 +210,50 @@ def _summary(session: powerlib.Session) -> dict:
     }
 
 
+def _pretrain(chunk: Chunk, optimizer: Optimizer, options: dict, result: dict):  # noqa: ANN202
+    """Megatron-LM's ``train()``, called by name as ``pretrain()`` calls it, while patched."""
+    from megatron.training import training
+
+    from powerlib.integrations.megatron import patch_training
+
+    with patch_training(**options) as patch:
+        iteration, _ = training.train(
+            _forward_step, [chunk], optimizer, Scheduler(), _data(), _data(), None,
+            chunk.config, {}, None,
+        )  # fmt: skip
+        result["patched"] = patch.active
+    result["train_iterations"] = iteration
+    result["sessions"] = len(patch.sessions)
+    result["unpatched"] = not hasattr(training.train, "__powerlib_original__")
+    return patch.sessions[-1]
+
+
+def _core(chunk: Chunk, optimizer: Optimizer, options: dict, world: int):  # noqa: ANN202
+    """megatron-core's schedule in a hand-written loop, with ``attach``."""
+    session = powerlib.optimize(
+        num_stages=world,
+        num_microbatches=M,
+        stage=parallel_state.get_pipeline_model_parallel_rank(),
+        **options,
+    )
+    data = _data()
+    with session, attach(session):
+        forward_backward_func = get_forward_backward_func()
+        for _ in range(ITERATIONS):
+            forward_backward_func(
+                forward_step_func=_forward_step,
+                data_iterator=data,
+                model=chunk,
+                num_microbatches=M,
+                seq_length=SEQ,
+                micro_batch_size=MBS,
+                forward_only=False,
+            )
+            optimizer.step()
+            optimizer.zero_grad()
+    return session
+
+
 def main() -> int:
     out, mode = Path(sys.argv[1]), sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -219,8 +263,9 @@ def main() -> int:
     Delay.device = device
     before = device.read_state().locked_sm_freqs_mhz
     options = {**SWEEP, "out_dir": out / mode, "device": rank, "progress": rank == 0}
+    result: dict = {"rank": rank}
     if mode == "pretrain":
-        args = _megatron_args(world)
+        result["megatron_args"] = {"train_iters": _megatron_args(world).train_iters}
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
     torch.manual_seed(0)
     # the tensor-parallel RNG tracker the attention forks; the inference tracker's fork is a
@@ -228,59 +273,12 @@ def main() -> int:
     model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
     chunk = _model(world)
     optimizer = Optimizer(chunk.parameters())
-    result: dict = {"rank": rank}
-    caught = warnings.catch_warnings(record=True)
-    seen = caught.__enter__()
-    warnings.simplefilter("always")
-    with shims.cuda_to_cpu():
+    with warnings.catch_warnings(record=True) as seen, shims.cuda_to_cpu():
+        warnings.simplefilter("always")
         if mode == "pretrain":
-            from megatron.training import training
-
-            from powerlib.integrations.megatron import patch_training
-
-            with patch_training(**options) as patch:
-                # as pretrain() calls it, by name, through the module
-                iteration, _ = training.train(
-                    _forward_step,
-                    [chunk],
-                    optimizer,
-                    Scheduler(),
-                    _data(),
-                    _data(),
-                    None,
-                    chunk.config,
-                    {},
-                    None,
-                )
-                result["patched"] = patch.active
-            result["train_iterations"] = iteration
-            result["megatron_args"] = {"train_iters": args.train_iters}
-            session = patch.sessions[-1]
-            result["sessions"] = len(patch.sessions)
-            result["unpatched"] = not hasattr(training.train, "__powerlib_original__")
+            session = _pretrain(chunk, optimizer, options, result)
         else:
-            session = powerlib.optimize(
-                num_stages=world,
-                num_microbatches=M,
-                stage=parallel_state.get_pipeline_model_parallel_rank(),
-                **options,
-            )
-            data = _data()
-            with session, attach(session):
-                forward_backward_func = get_forward_backward_func()
-                for _ in range(ITERATIONS):
-                    forward_backward_func(
-                        forward_step_func=_forward_step,
-                        data_iterator=data,
-                        model=chunk,
-                        num_microbatches=M,
-                        seq_length=SEQ,
-                        micro_batch_size=MBS,
-                        forward_only=False,
-                    )
-                    optimizer.step()
-                    optimizer.zero_grad()
-    caught.__exit__(None, None, None)
+            session = _core(chunk, optimizer, options, world)
     # powerlib's own (an order mismatch, a refused plan); Megatron's notices are not checked
     result["warnings"] = [str(w.message) for w in seen if "powerlib" in str(w.message)]
     result.update(_summary(session))

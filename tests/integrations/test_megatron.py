@@ -27,7 +27,7 @@ import pytest
 from multiproc import collapse, launch_ranks
 
 torch = pytest.importorskip("torch")
-megatron = pytest.importorskip("megatron.core") and __import__("megatron.core")
+megatron_core = pytest.importorskip("megatron.core")
 if not torch.distributed.is_gloo_available():
     pytest.skip("gloo is not available", allow_module_level=True)
 
@@ -270,7 +270,7 @@ def test_mimo_backward_is_labelled_by_the_forward_output(monkeypatch: pytest.Mon
 def test_this_megatron_core_has_every_hooked_name() -> None:
     """The installed release passes the feature detection (0.17+ also has the MIMO backward)."""
     integration._check_api(schedules)
-    version = tuple(int(x) for x in megatron.core.__version__.split(".")[:2])
+    version = tuple(int(x) for x in megatron_core.__version__.split(".")[:2])
     assert hasattr(schedules, "backward_step_multimodule") == (version >= (0, 17))
 
 
