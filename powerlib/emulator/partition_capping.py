@@ -191,9 +191,14 @@ class _Throttle:
         self,
         phases: Callable[[float], _Phases],
         duration_s: float,
-        sink: Callable[[float, float, float], None],
+        sink: Callable[[float, float, float], float],
     ) -> float:
-        """Run for ``duration_s``; ``sink(dt, energy, freq)`` per period. Returns work units."""
+        """Run for ``duration_s``; ``sink(dt, energy, freq)`` per period. Returns work units.
+
+        ``sink`` returns the energy the device actually drew in the period (the work's
+        ``energy`` at the reference temperature, or more on a hot die): the controller limits
+        that, as a real GPU's power limit covers all of its power.
+        """
         p = self.params
         units = 0.0
         done = 0.0
@@ -205,10 +210,10 @@ class _Throttle:
             units += dt / ph.time_s
             self.pos = (self.pos + dt / ph.time_s) % 1.0
             done += dt
-            sink(dt, e, f)
-            self._window.append((dt, e))
+            drawn = sink(dt, e, f)
+            self._window.append((dt, drawn))
             self._win_t += dt
-            self._win_e += e
+            self._win_e += drawn
             while self._win_t - self._window[0][0] >= p.cap_window_s - 1e-12:
                 old_t, old_e = self._window.popleft()
                 self._win_t -= old_t
@@ -249,11 +254,12 @@ def run_capped(
     powers: list[float] = []
     totals = [0.0, 0.0]  # energy, ∫f dt
 
-    def sink(dt: float, e: float, f: float) -> None:
+    def sink(dt: float, e: float, f: float) -> float:
         totals[0] += e
         totals[1] += f * dt
         freqs.append(f)
         powers.append(e / dt)
+        return e
 
     units = _Throttle(params, f_lock, cap).run(_phases_fn(work), float(duration_s), sink)
     return CappedRun(

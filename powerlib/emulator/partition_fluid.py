@@ -1,12 +1,16 @@
 """The noise-free fluid model of one GPU running a partition: exact ground truth for searches.
 
-The formulas are in :mod:`powerlib.emulator.partition_model`'s docstring.
+The formulas are in :mod:`powerlib.emulator.partition_model`'s docstring. :func:`simulate` is the
+physics at one clock; :func:`model`, :func:`model_power`, :func:`model_sequential` and
+:func:`model_compute` keep the device's power limit in force, as a real GPU does: work that would
+draw more than the limit at its locked clock runs at the lower clock where it fits
+(:func:`throttled_clock`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -16,7 +20,16 @@ from powerlib.emulator.partition_params import A100, OverlapDeviceParams
 from powerlib.errors import PlanError
 from powerlib.planning.kareus.partition import Collective, Config, Op, PartitionType, Segment
 
-__all__ = ["OverlapResult", "model", "model_compute", "model_power", "model_sequential", "simulate"]
+__all__ = [
+    "OverlapResult",
+    "model",
+    "model_compute",
+    "model_power",
+    "model_sequential",
+    "simulate",
+    "simulate_capped",
+    "throttled_clock",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,7 +220,10 @@ def _run(
 def simulate(
     ptype: PartitionType, config: Config, *, params: OverlapDeviceParams = A100
 ) -> OverlapResult:
-    """One noise-free execution of ``ptype`` under ``config``.
+    """One noise-free execution of ``ptype`` at exactly ``config``'s clock, whatever it draws.
+
+    The raw physics at one clock, without the power limit: :func:`model` and the evaluator
+    throttle (:func:`throttled_clock`).
 
     Raises:
         PlanError: On a slot the partition does not have, an SM count outside ``1..N_sm−1`` or a
@@ -215,6 +231,12 @@ def simulate(
     """
     f = _check_freq(config.freq_mhz, params)
     sms = _check_sms(config.sm_count, params)
+    return _simulate_at(ptype, config, sms, f, params)
+
+
+def _simulate_at(
+    ptype: PartitionType, config: Config, sms: int, freq_mhz: float, params: OverlapDeviceParams
+) -> OverlapResult:
     if config.slot is None:
         start = None
     else:
@@ -225,23 +247,131 @@ def simulate(
                 f"it has {', '.join(slot_ops)}"
             )
         start = slot_ops[config.slot]
-    return _run(_prepare(ptype.ops, params), ptype.comm, start, sms, f, params)
+    return _run(_prepare(ptype.ops, params), ptype.comm, start, sms, freq_mhz, params)
+
+
+def _cap_of(power_cap_w: float | None, params: OverlapDeviceParams) -> float:
+    """The power limit in force: the device's by default; ``math.inf`` turns it off."""
+    cap = params.power_cap_w if power_cap_w is None else float(power_cap_w)
+    if not cap > 0:  # also rejects NaN
+        raise PlanError(f"power_cap_w must be positive (math.inf: no limit), got {power_cap_w!r}")
+    return cap
+
+
+def throttled_clock(
+    power_at_w: Callable[[float], float],
+    freq_lock_mhz: float,
+    power_cap_w: float,
+    params: OverlapDeviceParams = A100,
+) -> float:
+    """The clock repeated work settles at under a power limit, with the clock locked at a value.
+
+    A GPU whose average power exceeds its limit lowers its clock until the power fits
+    (docs/kareus.md §2.4); in steady state the clock averages the one where the work's average
+    power ``power_at_w(f)`` meets the limit (off the supported grid in general: the controller
+    of :func:`~powerlib.emulator.partition_capping.run_capped` oscillates around it, and by
+    Theorem 1 a lock at that average takes the same time). Returns ``freq_lock_mhz`` when the
+    work fits at the lock, the highest clock in ``[min_freq_mhz, freq_lock_mhz]`` whose power
+    fits (bisection to 0.01 MHz) otherwise, and ``min_freq_mhz`` if even that clock does not fit.
+    """
+    if not math.isfinite(power_cap_w) or power_at_w(freq_lock_mhz) <= power_cap_w:
+        return freq_lock_mhz
+    lo, hi = params.min_freq_mhz, freq_lock_mhz
+    if power_at_w(lo) > power_cap_w:
+        return lo
+    while hi - lo > 0.01:
+        mid = 0.5 * (lo + hi)
+        if power_at_w(mid) <= power_cap_w:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def simulate_capped(
+    ptype: PartitionType,
+    config: Config,
+    *,
+    params: OverlapDeviceParams = A100,
+    power_cap_w: float | None = None,
+) -> tuple[OverlapResult, float]:
+    """One noise-free execution of ``ptype`` locked at ``config``'s clock, under the power limit.
+
+    Returns the execution at the clock the device settles at (:func:`throttled_clock`) and that
+    clock (``config.freq_mhz`` unless it throttled).
+
+    Args:
+        ptype: The partition type.
+        config: Its configuration; the clock is the lock.
+        params: Device parameters.
+        power_cap_w: Power limit; ``None``: the device's (:attr:`OverlapDeviceParams.power_cap_w`),
+            as on a real GPU; ``math.inf``: none.
+
+    Raises:
+        PlanError: As :func:`simulate`, or on a non-positive limit.
+    """
+    f = _check_freq(config.freq_mhz, params)
+    sms = _check_sms(config.sm_count, params)
+    cap = _cap_of(power_cap_w, params)
+    at = _simulate_at(ptype, config, sms, f, params)
+    if at.avg_power_w <= cap:
+        return at, f
+    f_eff = throttled_clock(
+        lambda x: _simulate_at(ptype, config, sms, x, params).avg_power_w, f, cap, params
+    )
+    return _simulate_at(ptype, config, sms, f_eff, params), f_eff
 
 
 def model(
-    ptype: PartitionType, config: Config, *, params: OverlapDeviceParams = A100
+    ptype: PartitionType,
+    config: Config,
+    *,
+    params: OverlapDeviceParams = A100,
+    power_cap_w: float | None = None,
 ) -> tuple[float, float]:
-    """Noise-free ``(time_s, energy_j)`` of one execution of ``ptype`` under ``config``."""
-    r = simulate(ptype, config, params=params)
+    """Noise-free ``(time_s, energy_j)`` of one execution of ``ptype`` under ``config``.
+
+    The device's power limit is in force (``power_cap_w``: see :func:`simulate_capped`): a
+    configuration that would draw more runs at the lower clock where it fits.
+    """
+    r, _ = simulate_capped(ptype, config, params=params, power_cap_w=power_cap_w)
     return r.time_s, r.energy_j
 
 
 def model_power(
-    ptype: PartitionType, config: Config, *, params: OverlapDeviceParams = A100
+    ptype: PartitionType,
+    config: Config,
+    *,
+    params: OverlapDeviceParams = A100,
+    power_cap_w: float | None = None,
 ) -> tuple[float, float, float]:
-    """Noise-free ``(time_s, energy_j, avg_power_w)`` of one execution."""
-    r = simulate(ptype, config, params=params)
+    """Noise-free ``(time_s, energy_j, avg_power_w)`` of one execution, under the power limit."""
+    r, _ = simulate_capped(ptype, config, params=params, power_cap_w=power_cap_w)
     return r.time_s, r.energy_j, r.avg_power_w
+
+
+def _capped_sum(
+    runs: Callable[[float], list[OverlapResult]],
+    freq_mhz: float,
+    power_cap_w: float | None,
+    params: OverlapDeviceParams,
+) -> tuple[float, float]:
+    """``(time_s, energy_j)`` of repeated work given per clock as a list of executions.
+
+    The limit acts on the whole unit's average power, as a controller averaging over many units
+    does.
+    """
+    cap = _cap_of(power_cap_w, params)
+
+    def total(f: float) -> tuple[float, float]:
+        rs = runs(f)
+        return sum(r.time_s for r in rs), sum(r.energy_j for r in rs)
+
+    def power(f: float) -> float:
+        t, e = total(f)
+        return e / t
+
+    return total(throttled_clock(power, freq_mhz, cap, params))
 
 
 def model_sequential(
@@ -250,26 +380,32 @@ def model_sequential(
     sm_count: int | None = None,
     *,
     params: OverlapDeviceParams = A100,
+    power_cap_w: float | None = None,
 ) -> tuple[float, float]:
-    """Noise-free ``(time_s, energy_j)`` of segments run without overlap.
+    """Noise-free ``(time_s, energy_j)`` of segments run without overlap, under the power limit.
 
     Each segment's compute runs on all SMs, then its collective alone with ``sm_count`` CTAs
     (default: the stock collective's :attr:`OverlapDeviceParams.default_comm_sms`), fully exposed.
+    The limit (``power_cap_w``: see :func:`simulate_capped`) acts on the segments' average power.
     """
     f = _check_freq(freq_mhz, params)
     sms = _check_sms(params.default_comm_sms if sm_count is None else sm_count, params)
-    time_s = energy_j = 0.0
-    for seg in segments:
-        r = _run(_prepare(seg.ops, params), seg.comm, None, sms, f, params)
-        time_s += r.time_s
-        energy_j += r.energy_j
-    return time_s, energy_j
+    segs = tuple(segments)
+
+    def runs(x: float) -> list[OverlapResult]:
+        return [_run(_prepare(seg.ops, params), seg.comm, None, sms, x, params) for seg in segs]
+
+    return _capped_sum(runs, f, power_cap_w, params)
 
 
 def model_compute(
-    ops: Sequence[Op], freq_mhz: float, *, params: OverlapDeviceParams = A100
+    ops: Sequence[Op],
+    freq_mhz: float,
+    *,
+    params: OverlapDeviceParams = A100,
+    power_cap_w: float | None = None,
 ) -> tuple[float, float]:
-    """Noise-free ``(time_s, energy_j)`` of compute ops alone on all SMs."""
+    """Noise-free ``(time_s, energy_j)`` of compute ops alone on all SMs, under the power limit."""
     f = _check_freq(freq_mhz, params)
-    r = _run(_prepare(tuple(ops), params), None, None, 1, f, params)
-    return r.time_s, r.energy_j
+    pre = _prepare(tuple(ops), params)
+    return _capped_sum(lambda x: [_run(pre, None, None, 1, x, params)], f, power_cap_w, params)

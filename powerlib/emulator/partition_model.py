@@ -30,8 +30,17 @@ The noise-free functions (:func:`model`, :func:`simulate`, :func:`model_sequenti
 :func:`model_compute`) are exact ground truth for exhaustive searches. The
 :class:`SimulatedOverlapEvaluator` wraps them in the thermally stable measurement protocol
 (docs/kareus.md §2.1) in virtual time: settle, warm-up, window, cool-down; temperature-dependent static
-power; an NVML-like energy counter updated every 100 ms; multiplicative noise. Power-cap throttling
-and Theorem 1 (docs/kareus.md §2.4) are reproduced by :func:`run_capped` and :func:`run_locked`.
+power; an NVML-like energy counter updated every 100 ms; multiplicative noise.
+
+**Power limit.** A real GPU always has its power limit in force, and so do the evaluator and the
+noise-free functions by default (the device's :attr:`~OverlapDeviceParams.power_cap_w`, 400 W
+on the A100): the evaluator runs the stepping clock controller of :func:`run_capped` on the power
+the die actually draws (static power at its temperature included), so a locked clock whose power
+exceeds the limit drops until it fits, the measured time grows and ``avg_freq_mhz`` falls below
+the lock; :func:`model` and its siblings run at the clock where the work's average power meets
+the limit (:func:`throttled_clock`). :func:`simulate` and :meth:`Work.at` stay the raw physics at
+one clock. Theorem 1 (docs/kareus.md §2.4) is reproduced by :func:`run_capped` and
+:func:`run_locked`.
 
 The parameters are in :mod:`~powerlib.emulator.partition_params`, the noise-free model in
 :mod:`~powerlib.emulator.partition_fluid`, repeated and capped runs in
@@ -68,6 +77,8 @@ from powerlib.emulator.partition_fluid import (
     model_power,
     model_sequential,
     simulate,
+    simulate_capped,
+    throttled_clock,
 )
 from powerlib.emulator.partition_params import A100, H100, OverlapDeviceParams
 from powerlib.errors import PlanError
@@ -90,6 +101,8 @@ __all__ = [
     "run_capped",
     "run_locked",
     "simulate",
+    "simulate_capped",
+    "throttled_clock",
 ]
 
 
@@ -128,7 +141,8 @@ class SimulatedOverlapEvaluator:
         noise: Relative standard deviation of the energy noise (time gets half of it).
         seed: Seed of the noise generator (results are deterministic given it).
         thermal: Static power rises with temperature (off: constant ``p_static_w``).
-        power_cap_w: Power limit; ``None``: no throttling (locked clocks never hit a cap).
+        power_cap_w: Power limit; ``None``: the device's (:attr:`OverlapDeviceParams.power_cap_w`),
+            as on a real GPU; ``math.inf``: none (locked clocks never throttle).
         freqs_mhz: Clocks the search may use (default 900-1410 MHz in 30 MHz steps); any clock
             on the device's grid can still be evaluated.
     """
@@ -146,14 +160,15 @@ class SimulatedOverlapEvaluator:
     ) -> None:
         if not (math.isfinite(noise) and 0 <= noise < 0.5):
             raise PlanError(f"noise must be a relative standard deviation in [0, 0.5), got {noise}")
-        if power_cap_w is not None and not power_cap_w > 0:
-            raise PlanError(f"power_cap_w must be positive, got {power_cap_w}")
+        cap = params.power_cap_w if power_cap_w is None else float(power_cap_w)
+        if not cap > 0:  # also rejects NaN
+            raise PlanError(f"power_cap_w must be positive (math.inf: no limit), got {power_cap_w}")
         self._params = params
         self._protocol = protocol if protocol is not None else MeasureProtocol()
         self._noise = float(noise)
         self._rng = np.random.default_rng(seed)
         self._thermal = bool(thermal)
-        self._cap = power_cap_w
+        self._cap = cap
         if freqs_mhz is None:
             top = params.max_freq_mhz
             lo = max(params.knee_freq_mhz, params.min_freq_mhz)
@@ -169,6 +184,7 @@ class SimulatedOverlapEvaluator:
         self._energy_j = 0.0
         self._pieces: deque[_Piece] = deque(maxlen=4096)
         self._evaluations = 0
+        self._window_powers: list[float] = []
         self._phases: Callable[[float], _Phases] = _phases_fn(lambda f: (1.0, 0.0))
 
     # ---- the Evaluator protocol ---------------------------------------------------------
@@ -197,6 +213,20 @@ class SimulatedOverlapEvaluator:
     def evaluations(self) -> int:
         """Measurements taken so far."""
         return self._evaluations
+
+    @property
+    def power_cap_w(self) -> float:
+        """The power limit in force (``math.inf``: none)."""
+        return self._cap
+
+    @property
+    def window_powers_w(self) -> tuple[float, ...]:
+        """Average power the device drew in each measurement window so far, in order.
+
+        The die's true energy over the window divided by its length: what the power limit acts
+        on, without the energy counter's quantisation and the measurement noise.
+        """
+        return tuple(self._window_powers)
 
     @property
     def temperature_c(self) -> float:
@@ -247,15 +277,19 @@ class SimulatedOverlapEvaluator:
         k = p.p_static_w * p.static_temp_coeff_per_c
         return p.p_static_w - k * p.static_ref_temp_c, k
 
-    def _advance(self, dur: float, p0: float) -> None:
-        """Run ``dur`` seconds with non-static power ``p0`` (exact first-order thermal model)."""
+    def _advance(self, dur: float, p0: float) -> float:
+        """Run ``dur`` seconds with non-static power ``p0`` (exact first-order thermal model).
+
+        Returns the energy drawn, static power at the die's temperature included.
+        """
         if dur <= 0:
-            return
+            return 0.0
         self._pieces.append(_Piece(self._now_s, dur, p0, self._theta, self._energy_j))
         theta, energy = self._integrate(p0, self._theta, dur)
         self._theta = theta
         self._energy_j += energy
         self._now_s += dur
+        return energy
 
     def _integrate(self, p0: float, theta0: float, dur: float) -> tuple[float, float]:
         p = self._params
@@ -286,34 +320,60 @@ class SimulatedOverlapEvaluator:
     def _run_work(
         self, work: WorkLike, f_lock: float, dur: float, throttle: _Throttle | None
     ) -> tuple[float, float]:
-        """Run repeated work for ``dur``; returns ``(units, ∫f dt)``."""
+        """Run repeated work for ``dur``; returns ``(units, ∫(f_lock − f) dt)``.
+
+        The clock is integrated as its shortfall from the lock, so a run that never throttled
+        averages exactly the lock.
+        """
         p = self._params
         if dur <= 0:
             return 0.0, 0.0
         if throttle is None:
             ph = _phases_fn(work)(f_lock)
             self._advance(dur, ph.energy_j / ph.time_s - p.p_static_w)
-            return dur / ph.time_s, f_lock * dur
-        f_int = [0.0]
+            return dur / ph.time_s, 0.0
+        shortfall = [0.0]
 
-        def sink(dt: float, e: float, f: float) -> None:
-            # The throttle sees static power at the reference; the die sees it at θ.
-            self._advance(dt, e / dt - p.p_static_w)
-            f_int[0] += f * dt
+        def sink(dt: float, e: float, f: float) -> float:
+            # ``e`` has static power at the reference temperature; the die draws it at θ, and
+            # the controller limits what the die draws.
+            shortfall[0] += (f_lock - f) * dt
+            return self._advance(dt, e / dt - p.p_static_w)
 
         units = throttle.run(self._phases, dur, sink)
-        return units, f_int[0]
+        return units, shortfall[0]
+
+    def _may_throttle(self, f_lock: float) -> bool:
+        """Whether the work can reach the power limit at ``f_lock`` during this measurement.
+
+        A bound, not an estimate: the highest phase power, with static power at the hottest
+        temperature the die can reach (now, or the steady state of that phase's power). Work
+        below it runs at the lock without the controller (and costs no control steps).
+        """
+        if math.isinf(self._cap):
+            return False
+        p = self._params
+        peak_dyn = max(self._phases(f_lock).powers) - p.p_static_w
+        a, k = self._static_terms()
+        theta_hi = self._theta
+        if k:
+            r, c = p.thermal_resistance_c_per_w, p.thermal_capacitance_j_per_c
+            b = (k - 1.0 / r) / c
+            theta_hi = max(theta_hi, -(peak_dyn + a + p.ambient_c / r) / c / b)
+        return peak_dyn + a + k * theta_hi > self._cap
 
     def _measure(self, work: WorkLike, f_lock: float) -> Measurement:
         p, proto = self._params, self._protocol
         self._phases = _phases_fn(work)
-        throttle = None if self._cap is None else _Throttle(p, f_lock, self._cap)
+        throttle = _Throttle(p, f_lock, self._cap) if self._may_throttle(f_lock) else None
         wall0 = self._now_s
         self._advance(proto.settle_s, 0.0)  # locked and idle: static power only
         self._run_work(work, f_lock, proto.warmup_s, throttle)
         start_temp = self._theta
         c0 = self._counter_j()
-        units, f_int = self._run_work(work, f_lock, proto.window_s, throttle)
+        e0 = self._energy_j
+        units, shortfall = self._run_work(work, f_lock, proto.window_s, throttle)
+        self._window_powers.append((self._energy_j - e0) / proto.window_s)
         c1 = self._counter_j()
         self._advance(proto.cooldown_s, 0.0)
         self._evaluations += 1
@@ -327,6 +387,6 @@ class SimulatedOverlapEvaluator:
             energy_j=energy_j,
             p_static_w=p.p_static_w,
             wall_s=self._now_s - wall0,
-            avg_freq_mhz=f_int / proto.window_s,
+            avg_freq_mhz=f_lock - shortfall / proto.window_s,
             start_temp_c=start_temp,
         )

@@ -63,6 +63,33 @@ def test_search_reaches_98_percent_of_exhaustive_hypervolume_on_the_simulator(
     assert result.wall_s == pytest.approx(13.0 * result.evaluations_used, rel=0.05)
 
 
+def test_search_respects_the_power_limit() -> None:
+    """No candidate the search measures, and none on the front it returns, draws more than the
+    device's limit (Llama 3.2 3B CP2xTP4 fwd_ao_ar reaches 486 W at 1410 MHz without it): the
+    hot ones run throttled, below their locked clock."""
+    from powerlib.emulator.partition_model import A100, simulate
+    from powerlib.planning.kareus.partition import Budget
+
+    ptype = _workload("llama3.2-3b", tp=4, cp=2, micro_batch=8, seq_len=4096).partition("fwd_ao_ar")
+    freqs = (1230.0, 1320.0, 1410.0)
+    space = config_space(ptype, freqs)
+    assert max(simulate(ptype, c).avg_power_w for c in space) > 480
+    evaluator = SimulatedOverlapEvaluator(noise=0.0, seed=1, freqs_mhz=freqs)
+    result = search_partition(ptype, space, evaluator, budget=Budget(24, 2, 8), seed=1)
+    cap = A100.power_cap_w
+    assert max(evaluator.window_powers_w) <= cap + 1.0
+    assert max(r.energy_j / r.time_s for r in result.evaluations) <= cap + 1.0
+    front = result.pareto("total") + result.pareto("dynamic")
+    assert front and max(r.energy_j / r.time_s for r in front) <= cap + 1.0
+    assert any(r.energy_j / r.time_s > cap - 5.0 for r in front)  # the front reaches the limit
+    hot = [r for r in result.evaluations if simulate(ptype, r.config).avg_power_w > cap + 5.0]
+    assert hot  # measured throttled: slower than at their locked clock
+    for r in hot:
+        assert r.time_s > 1.005 * simulate(ptype, r.config).time_s
+        t, e = model(ptype, r.config)
+        assert e / t <= cap + 1e-6 and r.time_s == pytest.approx(t, rel=0.04)
+
+
 def _exact_study(workload):
     """Noise-free measurements of a reduced space (3 clocks, 3 SM counts), all of it."""
     evaluator = SimulatedOverlapEvaluator(noise=0.0, thermal=False, freqs_mhz=FEW_FREQS)
