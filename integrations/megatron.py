@@ -82,7 +82,9 @@ __all__ = [
     "TESTED_VERSIONS",
     "TrainingPatch",
     "attach",
+    "current_session",
     "main",
+    "nanobatch_layer_spec",
     "options_from_env",
     "patch_training",
     "workload_from_args",
@@ -90,6 +92,7 @@ __all__ = [
 
 TESTED_VERSIONS = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 _TESTED = f"tested: megatron-core {', '.join(TESTED_VERSIONS)}"
+_ATTACHED: list[Any] = []  # the sessions attach() is driving, innermost last
 _SCHEDULES = (
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_without_interleaving",
@@ -258,10 +261,34 @@ def attach(session: Any, *, enabled: bool = True) -> Iterator[None]:
                 setattr(schedules, name, wrap_backward(name, originals[name]))
         for name in _SCHEDULES:
             setattr(schedules, name, wrap_schedule(originals[name]))
+        _ATTACHED.append(session)
         yield
     finally:
+        if _ATTACHED and _ATTACHED[-1] is session:
+            _ATTACHED.pop()
         for name, original in originals.items():
             setattr(schedules, name, original)
+
+
+def current_session() -> Any:
+    """The session the innermost :func:`attach` drives, or ``None`` (what nanobatched layers follow)."""
+    return _ATTACHED[-1] if _ATTACHED else None
+
+
+def nanobatch_layer_spec(overlap: Any = None, **local_spec_kwargs: Any) -> Any:
+    """A layer spec whose layers execute Kareus overlap plans (two overlapped nanobatches).
+
+    ``get_gpt_layer_local_spec(**local_spec_kwargs)`` with megatron-core's ``TransformerLayer``
+    replaced by :class:`~powerlib.integrations.megatron_nanobatch.NanobatchTransformerLayer`:
+    use it wherever the local spec is (``GPTModel(config, transformer_layer_spec=...)``). The
+    layers follow the plan of the session :func:`attach` (or :func:`patch_training`) drives, or
+    ``overlap`` (an ``Overlap``, a session, or a callable returning one); without a plan, or in a
+    ``sequential`` instruction, they are the stock layer. See
+    :mod:`powerlib.integrations.megatron_nanobatch`.
+    """
+    from powerlib.integrations.megatron_nanobatch import layer_spec  # noqa: PLC0415
+
+    return layer_spec(overlap, **local_spec_kwargs)
 
 
 # -- Megatron-LM's own loop ---------------------------------------------------------------------

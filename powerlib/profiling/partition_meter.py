@@ -64,6 +64,11 @@ class DeviceEvaluator:
         run_compute: Runs compute ops alone (for :meth:`evaluate_compute`).
         clock: Time source in seconds (default ``time.perf_counter``).
         sleep: Waits a number of seconds (default ``time.sleep``).
+        agree: For a ``run`` that issues collectives (a tensor-parallel partition): makes every
+            rank of the group run the same number of executions. Called after each execution
+            of the warm-up and of the window with whether *this* rank's time is up; returns
+            whether the group stops (e.g. an all-reduce MIN of the flag over the group, so that
+            every rank has run at least its window). Default: each rank decides alone.
 
     Raises:
         InvalidArgumentError: No devices, a device without lockable clocks, a negative
@@ -83,6 +88,7 @@ class DeviceEvaluator:
         run_compute: RunCompute | None = None,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
         devs = list(backend.devices() if devices is None else devices)
         if not devs:
@@ -120,6 +126,7 @@ class DeviceEvaluator:
         self.protocol = protocol or MeasureProtocol()
         self._clock = clock
         self._sleep = sleep
+        self._agree = agree
         self._control: ControlSession | None = None
         self.evaluations = 0
 
@@ -211,8 +218,11 @@ class DeviceEvaluator:
             if protocol.settle_s:
                 sleep(protocol.settle_s)
             t = clock()
-            while clock() - t < protocol.warmup_s:
-                self._once(once)
+            if protocol.warmup_s > 0:
+                while True:
+                    self._once(once)
+                    if self._stop(clock() - t >= protocol.warmup_s):
+                        break
             temps = [dev.read_state().temperature_c for dev in self._devices]
             e0 = [m.read_j() for m in meters]
             t0 = clock()
@@ -220,7 +230,7 @@ class DeviceEvaluator:
             while True:
                 self._once(once)
                 count += 1
-                if clock() - t0 >= protocol.window_s:
+                if self._stop(clock() - t0 >= protocol.window_s):
                     break
             t1 = clock()
             e1 = [m.read_j() for m in meters]
@@ -241,6 +251,9 @@ class DeviceEvaluator:
             avg_freq_mhz=None,  # clocks read between executions show the idle clock, not the run's
             start_temp_c=sum(known) / len(known) if known else None,
         )
+
+    def _stop(self, elapsed: bool) -> bool:
+        return elapsed if self._agree is None else bool(self._agree(elapsed))
 
     def _once(self, once: Callable[[], Any]) -> None:
         before = self._clock()

@@ -38,7 +38,14 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaToCpu", "StageModule", "cuda_to_cpu", "install"]
+__all__ = [
+    "CudaToCpu",
+    "StageModule",
+    "cuda_to_cpu",
+    "checkpoint_rng",
+    "install",
+    "sequence_parallel_norms",
+]
 
 
 def _is_cuda(device: Any) -> bool:
@@ -105,3 +112,57 @@ class StageModule(torch.nn.Module):
     def forward(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` from the data on the first stage, else the received activation."""
         return self.body(self.input_tensor if self.input_tensor is not None else x)
+
+
+def sequence_parallel_norms() -> Callable[[], None]:
+    """Torch norms under sequence parallelism (docs/frameworks.md §5; the reference's patch 4).
+
+    megatron-core's ``WrappedTorchNorm`` refuses ``sequence_parallel`` (its fused norms handle
+    it on GPU). The norm itself is the same on a sequence shard; what SP adds is that its
+    parameters' gradients are partial per shard: the norm is built with SP off and its
+    parameters tagged ``sequence_parallel = True``, the tag ``finalize_model_grads`` all-reduces
+    by. Returns a function that puts the original back.
+    """
+    import copy  # noqa: PLC0415
+
+    from megatron.core.transformer import torch_norm  # noqa: PLC0415
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def build(cls, config, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = build  # type: ignore[method-assign]
+
+    def uninstall() -> None:
+        torch_norm.WrappedTorchNorm.__new__ = original  # type: ignore[method-assign]
+
+    return uninstall
+
+
+def checkpoint_rng() -> Callable[[], None]:
+    """Activation recompute on CPU: the checkpoint's "CUDA" RNG state is a CPU one.
+
+    ``tensor_parallel.checkpoint`` saves and restores the CUDA RNG state around the recomputed
+    forward (``_get_cuda_rng_state``/``_set_cuda_rng_state``), which fails with "Torch not
+    compiled with CUDA enabled". The CPU generator, which it saves too, is the only one a CPU
+    run draws from: the CUDA state is stood in for by a copy of it, and setting it does nothing.
+    Returns a function that puts the originals back.
+    """
+    from megatron.core.tensor_parallel import random  # noqa: PLC0415
+
+    saved = (random._get_cuda_rng_state, random._set_cuda_rng_state)
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+    def uninstall() -> None:
+        random._get_cuda_rng_state, random._set_cuda_rng_state = saved
+
+    return uninstall

@@ -177,3 +177,32 @@ def test_sequential_and_compute_runs_use_the_same_protocol(backend, ptype) -> No
     assert a.time_s == pytest.approx(b.time_s)
     assert {s[0] for s in seen} == {"seq", "compute"} and ("seq", 1200.0, 20) in seen
     assert runner.locks == {(1200.0, 1200.0)}
+
+
+def test_a_group_runs_as_many_executions_as_its_slowest_rank(backend, ptype) -> None:
+    # A partition that issues collectives must run the same number of times on every rank of
+    # its group, or a rank blocks in a collective the others never start. ``agree`` is the
+    # group's decision; here it holds every warm-up and window open for 3 more executions after
+    # this rank's time is up (a slower peer), as an all-reduce MIN of "done" would.
+    late = {"left": 3}
+    asked: list[bool] = []
+
+    def agree(done: bool) -> bool:
+        asked.append(done)
+        if not done:
+            return False
+        late["left"] -= 1
+        if late["left"] < 0:
+            late["left"] = 3
+            return True
+        return False
+
+    alone, together = Runner(backend), Runner(backend)
+    config = Config(freq_mhz=1410.0, sm_count=6, slot="rope_0")
+    with _evaluator(backend, alone) as ev:
+        m_alone = ev.evaluate(ptype, config)
+    with _evaluator(backend, together, agree=agree) as ev:
+        m_together = ev.evaluate(ptype, config)
+    assert together.calls == alone.calls + 2 * 3  # warm-up and window each ran 3 more
+    assert asked.count(True) == 2 * 4
+    assert m_together.time_s == pytest.approx(m_alone.time_s, rel=1e-9)  # per execution
