@@ -63,8 +63,10 @@ with ``hidden_dropout > 0`` the two layers agree in distribution, not bit for bi
 :class:`~powerlib.profiling.partition_meter.DeviceEvaluator` needs: it runs exactly one partition of
 a given type under a configuration, so ``powerlib kareus search`` can measure on a device.
 
-Requires megatron-core (tested 0.16.1-0.19.2): this module imports it; the integration package
-imports this module lazily (:func:`powerlib.integrations.megatron.nanobatch_layer_spec`).
+Requires megatron-core (tested 0.16.1-0.19.2), imported on first use: like every integration,
+this module imports no framework at import time. The layer class is made then, from a mixin of
+its behaviour and megatron-core's ``TransformerLayer`` (:func:`layer_class`; the module attribute
+``NanobatchTransformerLayer`` is that class).
 """
 
 from __future__ import annotations
@@ -76,12 +78,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.transformer_layer import TransformerLayer
-
 from powerlib.errors import InvalidArgumentError
 from powerlib.planning.kareus.partition import Config, PartitionType
 from powerlib.planning.pipeline import Instruction
@@ -89,9 +85,30 @@ from powerlib.planning.plan import PartitionSetting, PlannedInstruction
 from powerlib.runtime.launch_control import Overlap, OverlapSchedule
 from powerlib.runtime.sm_groups import SMGroups
 
-__all__ = ["NanobatchTransformerLayer", "group_agreement", "layer_spec"]
+__all__ = ["NanobatchTransformerLayer", "group_agreement", "layer_class", "layer_spec"]  # noqa: F822
 
 logger = logging.getLogger(__name__)
+
+# The frameworks, bound by _load() on first use (no import at module level: tests/test_boundaries.py)
+torch: Any = None
+dist: Any = None
+_MEGATRON: dict[str, Any] = {}
+
+
+def _load() -> None:
+    global torch, dist
+    if torch is None:
+        import torch as torch_module  # noqa: PLC0415
+        import torch.distributed as dist_module  # noqa: PLC0415
+
+        torch, dist = torch_module, dist_module
+    if not _MEGATRON:
+        from megatron.core.transformer.identity_op import IdentityOp  # noqa: PLC0415
+        from megatron.core.transformer.mlp import MLP  # noqa: PLC0415
+        from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415
+
+        _MEGATRON.update(IdentityOp=IdentityOp, MLP=MLP, TransformerLayer=TransformerLayer)
+
 
 OverlapSource = Any
 """An :class:`Overlap`, an object with ``.overlap`` (a session), a zero-argument callable
@@ -234,7 +251,7 @@ class _Run:
 
     def __init__(
         self,
-        layer: NanobatchTransformerLayer,
+        layer: Any,
         overlap: Overlap | None,
         x: torch.Tensor,
         mask: Any,
@@ -363,24 +380,35 @@ def _split_mask(mask: Any, batch: int) -> list[Any]:
     return [mask, mask]
 
 
-class _NanobatchFunction(torch.autograd.Function):
+def _forward_node(ctx: Any, run: _Run, x: Any, anchor: Any) -> Any:  # noqa: ARG001
+    with torch.enable_grad():
+        out = run.forward()
+    ctx.run = run
+    return out
+
+
+def _backward_node(ctx: Any, g: Any) -> tuple[None, Any, None]:
+    run, ctx.run = ctx.run, None
+    run.overlap = _resolve(run.layer._overlap_source)
+    with torch.enable_grad():
+        grad_x = run.backward(g.contiguous())
+    return None, grad_x, None
+
+
+_FUNCTION: list[Any] = []
+
+
+def _function() -> Any:
     """The nanobatched layer as one autograd node: its backward runs the backward schedule."""
-
-    @staticmethod
-    def forward(ctx: Any, run: _Run, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
-        with torch.enable_grad():
-            out = run.forward()
-        ctx.run = run
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[None, torch.Tensor, None]:
-        run, ctx.run = ctx.run, None
-        overlap = _resolve(run.layer._overlap_source)
-        run.overlap = overlap
-        with torch.enable_grad():
-            grad_x = run.backward(g.contiguous())
-        return None, grad_x, None
+    if not _FUNCTION:
+        _FUNCTION.append(
+            type(
+                "NanobatchFunction",
+                (torch.autograd.Function,),
+                {"forward": staticmethod(_forward_node), "backward": staticmethod(_backward_node)},
+            )
+        )
+    return _FUNCTION[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,8 +416,10 @@ class _NanobatchFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-class NanobatchTransformerLayer(TransformerLayer):
-    """megatron-core's ``TransformerLayer`` that executes Kareus overlap plans (module doc).
+class _NanobatchLayer:
+    """The behaviour of :class:`NanobatchTransformerLayer` (a mixin before ``TransformerLayer``).
+
+    megatron-core's ``TransformerLayer`` that executes Kareus overlap plans (module doc).
 
     Args:
         *args: ``TransformerLayer``'s arguments (config, submodules, layer_number, ...).
@@ -496,9 +526,9 @@ class NanobatchTransformerLayer(TransformerLayer):
             )
         if getattr(cfg, "context_parallel_size", 1) > 1:
             return "context parallelism (splitting along the sequence is not implemented)"
-        if not isinstance(self.mlp, MLP):
+        if not isinstance(self.mlp, _MEGATRON["MLP"]):
             return "the MLP is not megatron's dense MLP (MoE)"
-        if not isinstance(self.cross_attention, IdentityOp):
+        if not isinstance(self.cross_attention, _MEGATRON["IdentityOp"]):
             return "cross-attention"
         if type(self.self_attention).__name__ != "SelfAttention":
             return f"{type(self.self_attention).__name__} (only SelfAttention)"
@@ -553,7 +583,7 @@ class NanobatchTransformerLayer(TransformerLayer):
         if not grad:
             return run.forward(), None
         anchor = torch.empty(0, requires_grad=True)  # the node runs even if x needs no gradient
-        return _NanobatchFunction.apply(run, x, anchor), None
+        return _function().apply(run, x, anchor), None
 
     # -- measuring partitions ---------------------------------------------------------------
 
@@ -684,6 +714,7 @@ def group_agreement(group: Any = None) -> Callable[[bool], bool]:
     Every rank of a tensor-parallel group must run a partition as many times as the others (its
     collectives pair up): the group stops when every rank's time is up (an all-reduce MIN).
     """
+    _load()
 
     def agree(done: bool) -> bool:
         flag = torch.tensor([1 if done else 0], dtype=torch.int32)
@@ -691,6 +722,29 @@ def group_agreement(group: Any = None) -> Callable[[bool], bool]:
         return bool(flag.item())
 
     return agree
+
+
+_CLASS: list[type] = []
+
+
+def layer_class() -> type:
+    """``NanobatchTransformerLayer``: the mixin over megatron-core's ``TransformerLayer``."""
+    if not _CLASS:
+        _load()
+        _CLASS.append(
+            type(
+                "NanobatchTransformerLayer",
+                (_NanobatchLayer, _MEGATRON["TransformerLayer"]),
+                {"__module__": __name__, "__doc__": _NanobatchLayer.__doc__},
+            )
+        )
+    return _CLASS[0]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NanobatchTransformerLayer":
+        return layer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def layer_spec(overlap: OverlapSource = None, **local_spec_kwargs: Any) -> Any:
@@ -706,4 +760,4 @@ def layer_spec(overlap: OverlapSource = None, **local_spec_kwargs: Any) -> Any:
     spec = get_gpt_layer_local_spec(**local_spec_kwargs)
     params = dict(spec.params or {})
     params["overlap"] = overlap
-    return dataclasses.replace(spec, module=NanobatchTransformerLayer, params=params)
+    return dataclasses.replace(spec, module=layer_class(), params=params)

@@ -202,6 +202,7 @@ def _summary(session: powerlib.Session) -> dict:
         "applied_from": session.apply_started_iteration,
         "order_source": plan.workload.get("order_source") if plan else None,
         **plan_rows(session),
+        "overlap_groups": session.run_config.overlap_groups,
         "spec": {
             "num_stages": session.spec.num_stages,
             "num_microbatches": session.spec.num_microbatches,

@@ -441,3 +441,5 @@ def test_gpt_pipeline_is_profiled_planned_and_applied(mode: str, tmp_path: Path)
             assert res["train_iterations"] == res["megatron_args"]["train_iters"]
             assert res["iterations"] == res["train_iterations"]
             assert res["sessions"] == 1 and res["patched"] and res["unpatched"]
+            # patch_training passes every tensor-parallel group (TP=1 here: one rank each)
+            assert res["overlap_groups"] == [[0], [1]]
