@@ -520,10 +520,10 @@ class _NanobatchLayer:
     def unsupported(self, hidden_states: torch.Tensor, kwargs: dict[str, Any]) -> str | None:
         """Why this call cannot be nanobatched, or ``None``."""
         cfg = self.config
-        if hidden_states.dim() != 3 or hidden_states.shape[1] < 2:
-            return (
-                f"the micro-batch is {tuple(hidden_states.shape)[1:2]}: two nanobatches need b >= 2"
-            )
+        if hidden_states.dim() != 3:
+            return f"the layer input has shape {tuple(hidden_states.shape)}, not [s, b, h]"
+        if hidden_states.shape[1] < 2:
+            return f"a micro-batch of {hidden_states.shape[1]} cannot be split into two nanobatches"
         if getattr(cfg, "context_parallel_size", 1) > 1:
             return "context parallelism (splitting along the sequence is not implemented)"
         if not isinstance(self.mlp, _MEGATRON["MLP"]):

@@ -1,6 +1,7 @@
 """One rank of the nanobatched-layer tests (launched by test_megatron_nanobatch.py).
 
-``nanobatch_worker.py OUT numerics CASE...`` (TP=2, two ranks; ``CASE`` is ``PLAN:SP:RECOMPUTE``)
+``nanobatch_worker.py OUT numerics CASE...`` (TP=2, two ranks; ``CASE`` is
+``PLAN:SP:RECOMPUTE[:MICRO_BATCH]``, micro-batch 4 by default)
 builds two megatron-core ``GPTModel`` s (2 layers,
 hidden 32, 4 heads, sequence 8, micro-batch 4, vocabulary 64, RoPE, fp32, dropout 0) on a
 TP=2 group over gloo from the same seed: one from ``get_gpt_layer_local_spec()``, one from
@@ -106,14 +107,16 @@ def model(spec, sp: bool, recompute: bool) -> GPTModel:  # noqa: ANN001
 
 
 def numerics(case: str) -> dict:
-    kind, sp, recompute = case.split(":")[0], case.split(":")[1] == "1", case.split(":")[2] == "1"
+    fields = case.split(":")
+    kind, sp, recompute = fields[0], fields[1] == "1", fields[2] == "1"
+    mbs = int(fields[3]) if len(fields) > 3 else MBS  # PLAN:SP:RECOMPUTE[:MICRO_BATCH]
     overlap = Overlap(OverlapSchedule(plan(kind))) if kind != "none" else Overlap()
     stock = model(get_gpt_layer_local_spec(), sp, recompute)
     nano = model(nanobatch_layer_spec(overlap=overlap), sp, recompute)
     same_init = all(torch.equal(a, b) for a, b in zip(stock.parameters(), nano.parameters()))
     g = torch.Generator().manual_seed(7)
-    batches = [torch.randint(0, VOCAB, (MBS, SEQ), generator=g) for _ in range(M)]
-    positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
+    batches = [torch.randint(0, VOCAB, (mbs, SEQ), generator=g) for _ in range(M)]
+    positions = torch.arange(SEQ).unsqueeze(0).expand(mbs, SEQ)
     losses: dict[str, list[float]] = {"stock": [], "nano": []}
     with warnings.catch_warnings(record=True) as seen, shims.cuda_to_cpu():
         warnings.simplefilter("always")
