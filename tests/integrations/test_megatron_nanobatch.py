@@ -219,3 +219,17 @@ def test_a_searched_plan_trains_a_megatron_gpt(tmp_path: Path) -> None:
     for stage in (0, 1):
         a, b = (r["records"] for r in ranks if r["stage"] == stage)
         assert a == b
+
+
+def test_the_gpu_benchmark_script_runs_on_cpu(tmp_path: Path) -> None:
+    # benchmarks/nanobatch_layer.py is the device check for a lent GPU; its --smoke run keeps it
+    # working between GPUs (its CPU figures mean nothing and are not checked)
+    script = Path(__file__).parents[2] / "benchmarks" / "nanobatch_layer.py"
+    out = tmp_path / "bench.json"
+    launch_ranks(script, ["--smoke", "--out", str(out)], 2, tmp_path / "state")
+    data = json.loads(out.read_text())
+    assert data["tensor_parallel"] == 2 and data["collectives"] == "gloo"
+    passes = 1 + 2  # warm-up, then one round of two
+    assert data["overlap"] == {"paths": {"overlap": 6 * passes}, "enforced": 0, "disabled": None}
+    for variant in ("stock", "nanobatch"):
+        assert data["per_layer_pass"][variant]["time_s"] > 0

@@ -1,0 +1,216 @@
+"""Stock vs nanobatched megatron-core transformer layer: time and energy per layer, side by side.
+
+Run on GPUs (tensor parallelism = the number of ranks, NCCL, the NVIDIA backend for energy)::
+
+    POWERLIB_BACKEND=nvidia torchrun --nproc-per-node 2 benchmarks/nanobatch_layer.py \\
+        --hidden 4096 --heads 32 --seq-len 4096 --micro-batch 4 --out nanobatch_layer.json
+
+or as a CPU smoke run (gloo, the simulated backend: times are CPU times and the energy is the
+simulated GPU's, which does not run torch, so neither says anything about a GPU)::
+
+    POWERLIB_BACKEND=simulated POWERLIB_SIM_GPUS=2 torchrun --standalone --nproc-per-node 2 \\
+        benchmarks/nanobatch_layer.py --smoke
+
+Both layers are built from the same seed with the local spec (``get_gpt_layer_local_spec``) and
+``nanobatch_layer_spec``. Each runs ``--iters`` forward+backward passes of one microbatch,
+alternating stock and nanobatched rounds so drift hits both alike; the nanobatched layer runs
+under a one-microbatch overlap plan whose launch slots and SM count come from ``--slots`` /
+``--sm-count`` (default: each partition type's first compute slot after the norm, 8 SMs). Time is
+wall time between device synchronisations (max over ranks); energy is each rank's device energy
+counter delta (sum over ranks) divided by the passes. JSON to stdout (and ``--out``) from rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SLOTS = {"fwd_attn": "linear_0", "fwd_mlp": "linear_0", "bwd_mlp": "linear_0",
+                 "bwd_attn": "linear_0"}  # fmt: skip
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--ffn", type=int, default=None, help="default 4 x hidden")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--iters", type=int, default=20, help="measured passes per layer and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--sm-count", type=int, default=8)
+    p.add_argument("--slots", type=json.loads, default=DEFAULT_SLOTS, help="JSON {type: slot}")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, 2 passes (a CPU check)")
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args()
+    if a.smoke:
+        a.hidden, a.heads, a.seq_len, a.micro_batch = 32, 4, 16, 4
+        a.iters, a.rounds, a.warmup = 2, 1, 1
+    a.ffn = a.ffn or 4 * a.hidden
+    return a
+
+
+def main() -> int:
+    args = _args()
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import powerlib
+    from powerlib.integrations.megatron import nanobatch_layer_spec
+    from powerlib.planning.pipeline import Instruction
+    from powerlib.planning.plan import PartitionSetting, PlannedInstruction
+    from powerlib.profiling.meter import EnergyMeter
+    from powerlib.runtime.launch_control import Overlap, OverlapSchedule
+
+    cuda = torch.cuda.is_available()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    if not cuda:  # megatron-core asks for the current CUDA device in a few places
+        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        ffn_hidden_size=args.ffn,
+        tensor_model_parallel_size=world,
+        sequence_parallel=args.sequence_parallel,
+        use_cpu_initialization=not cuda,
+        params_dtype=dtype,
+        bf16=cuda,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+
+    def layer(spec: Any) -> Any:
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0, inference_rng_tracker=not cuda)
+        return build_module(spec, config=config, layer_number=1).to(device)
+
+    planned = [
+        PlannedInstruction(
+            instruction=Instruction(stage=0, microbatch=0, kind=kind),
+            freq_mhz=0.0,
+            execution="nanobatch",
+            overlap={
+                k: PartitionSetting(slot=s, sm_count=args.sm_count) for k, s in args.slots.items()
+            },  # fmt: skip
+        )
+        for kind in ("forward", "backward")
+    ]
+    overlap = Overlap(OverlapSchedule(planned, source="benchmark"))
+    overlap.groups.prepare({args.sm_count}, None)
+    stock = layer(get_gpt_layer_local_spec())
+    nano = layer(nanobatch_layer_spec(overlap=overlap))
+    seq = args.seq_len // (world if args.sequence_parallel else 1)
+    x = torch.randn(seq, args.micro_batch, args.hidden, device=device, dtype=dtype)
+    mask = torch.triu(torch.ones(args.seq_len, args.seq_len, dtype=torch.bool, device=device), 1)
+    mask = mask.view(1, 1, args.seq_len, args.seq_len)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    backend = powerlib.open_backend()
+    meter = EnergyMeter(backend.device(local % len(backend.devices())))
+
+    def passes(module: Any, n: int, planned_run: bool) -> tuple[float, float]:
+        sync()
+        dist.barrier()
+        e0, t0 = meter.read_j(), time.perf_counter()
+        for _ in range(n):
+            inp = x.detach().requires_grad_(True)
+            if planned_run:
+                overlap.begin("forward", 0)
+            out, _ = module(inp, attention_mask=mask)
+            if planned_run:
+                overlap.end()
+                overlap.begin("backward", 0)
+            out.backward(torch.ones_like(out))
+            if planned_run:
+                overlap.end()
+                overlap.step()
+            module.zero_grad(set_to_none=True)
+        sync()
+        t1, e1 = time.perf_counter(), meter.read_j()
+        times = [None] * world
+        energies = [None] * world
+        dist.all_gather_object(times, (t1 - t0) / n)
+        dist.all_gather_object(energies, (e1 - e0) / n)
+        return max(times), sum(energies)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        passes(stock, args.warmup, False)
+        passes(nano, args.warmup, True)
+        rounds = []
+        for _ in range(args.rounds):
+            rounds.append({"stock": passes(stock, args.iters, False),
+                           "nanobatch": passes(nano, args.iters, True)})  # fmt: skip
+    meter.close()
+    stock_t = statistics.median(r["stock"][0] for r in rounds)
+    nano_t = statistics.median(r["nanobatch"][0] for r in rounds)
+    stock_e = statistics.median(r["stock"][1] for r in rounds)
+    nano_e = statistics.median(r["nanobatch"][1] for r in rounds)
+    report = overlap.report()
+    result = {
+        "benchmark": "nanobatch_layer",
+        "device": torch.cuda.get_device_name(local) if cuda else platform.processor() or "cpu",
+        "backend": backend.name if hasattr(backend, "name") else type(backend).__name__,
+        "collectives": dist.get_backend(),
+        "tensor_parallel": world,
+        "shape": {
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "ffn": args.ffn,
+            "seq_len": args.seq_len,
+            "micro_batch": args.micro_batch,
+            "sequence_parallel": args.sequence_parallel,
+            "dtype": str(dtype),
+        },  # fmt: skip
+        "plan": {"slots": args.slots, "sm_count": args.sm_count},
+        "per_layer_pass": {
+            "stock": {"time_s": stock_t, "energy_j": stock_e},
+            "nanobatch": {"time_s": nano_t, "energy_j": nano_e},
+            "time_ratio": nano_t / stock_t if stock_t else None,
+            "energy_ratio": nano_e / stock_e if stock_e else None,
+        },
+        "rounds": rounds,
+        "overlap": {
+            "paths": report["paths"],
+            "enforced": report["enforced"],
+            "disabled": report["disabled"],
+        },  # fmt: skip
+        "note": None
+        if cuda
+        else "CPU smoke run: times are CPU times, energy is the simulated "
+        "GPU's (it does not run torch); neither says anything about a GPU",
+    }
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    if rank == 0:
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
