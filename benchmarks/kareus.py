@@ -19,10 +19,25 @@ artifact's 15/13 layer split, 8 microbatches, 1F1B, A100 parameters):
    with the Perseus solver: Kareus (composed + sequential + stock), Perseus-only ("M+P":
    sequential execution, clock per instruction) and nanobatch+Perseus ("N+P": collective
    launched as soon as possible with the stock SM count). Metrics as in the paper
-   (docs/kareus.md §4): iso-time energy reduction and iso-energy time reduction against M+P, max
-   throughput against Megatron-LM (sequential at the highest clock), weak dominance of the
-   Kareus frontier over M+P and N+P at 10 sampled points each.
-3. **Execution-model switch.** How many instructions of the Kareus plans run sequentially, and
+   (docs/kareus.md §4): iso-time energy reduction against Megatron-LM ("M": sequential, every
+   instruction at the highest clock; the lowest Kareus energy within M's iteration time) and,
+   separately, against Perseus alone (M+P, within its fastest time); iso-energy time reduction
+   against M+P; max throughput against M; weak dominance of the Kareus frontier over M+P and N+P
+   at 10 sampled points each.
+3. **Power limit.** The simulated A100 keeps its 400 W limit in force, as a real one does: a
+   candidate that would draw more at its locked clock runs throttled (its clock drops until the
+   power fits; the measurement is slower and averages a clock below the lock). Reported per
+   partition type and configuration: the highest average power the device drew in any
+   measurement window (and the noisy reading of it), on the returned fronts, in the noise-free
+   truth of the measured configurations, and what those configurations would draw at their
+   locked clocks without the limit; how many measurements throttled. A window above the limit
+   (plus 1 W for the controller's overshoot) is flagged and makes the run exit with status 1.
+4. **Composition correction.** :func:`~powerlib.planning.kareus.compose.calibrate_correction`
+   fitted from the planner's composed times of the nanobatched instructions of the fastest and
+   minimum-energy Kareus plans against the same instructions run in situ (their partitions and
+   extra work back to back on the simulated GPU, noise-free, under the power limit). The plans
+   use correction 1.0; the fitted factor says how far that is off.
+5. **Execution-model switch.** How many instructions of the Kareus plans run sequentially, and
    whether that is right: sequential at the plan's clock against the best nanobatched
    composition at that clock in the exhaustive (noise-free) space.
 
@@ -54,6 +69,8 @@ from powerlib.emulator.partition_model import (
     model_sequential,
     run_capped,
     run_locked,
+    simulate,
+    throttled_clock,
 )
 from powerlib.planning.kareus.compose import (
     METHODS,
@@ -62,6 +79,7 @@ from powerlib.planning.kareus.compose import (
     measure_components,
     sample_frontier,
 )
+from powerlib.planning.kareus.evaluator import Measurement
 from powerlib.planning.kareus.partition import (
     MODEL_SHAPES,
     Parallelism,
@@ -90,12 +108,66 @@ CONFIGS = {
 }
 
 
+POWER_TOLERANCE_W = 1.0
+"""A measurement window may average this much above the limit: the controller compares a
+trailing 100 ms average every 10 ms and overshoots briefly before each step down."""
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _search(workload: Any, seed: int) -> tuple[dict[str, Any], dict[str, list[Any]], Any]:
-    evaluator = SimulatedOverlapEvaluator(A100, noise=0.01, seed=seed, freqs_mhz=FREQS)
+class _Recording:
+    """The simulated evaluator, recording every measurement with its locked clock."""
+
+    def __init__(self, inner: SimulatedOverlapEvaluator) -> None:
+        self.inner = inner
+        self.taken: list[tuple[float, Measurement]] = []
+
+    @property
+    def p_static_w(self) -> float:
+        return self.inner.p_static_w
+
+    @property
+    def freqs_mhz(self) -> tuple[float, ...]:
+        return self.inner.freqs_mhz
+
+    def _keep(self, freq_mhz: float, m: Measurement) -> Measurement:
+        self.taken.append((float(freq_mhz), m))
+        return m
+
+    def evaluate(self, ptype: Any, config: Any) -> Measurement:
+        return self._keep(config.freq_mhz, self.inner.evaluate(ptype, config))
+
+    def evaluate_sequential(self, segments: Any, freq_mhz: float, sm_count: int) -> Measurement:
+        return self._keep(freq_mhz, self.inner.evaluate_sequential(segments, freq_mhz, sm_count))
+
+    def evaluate_compute(self, ops: Any, freq_mhz: float) -> Measurement:
+        return self._keep(freq_mhz, self.inner.evaluate_compute(ops, freq_mhz))
+
+    def power_since(self, start: int) -> dict[str, Any]:
+        """Power of the measurements taken from index ``start`` on."""
+        taken = self.taken[start:]
+        windows = self.inner.window_powers_w[start:]
+        assert len(windows) == len(taken)
+        throttled = sum(
+            1 for f, m in taken if m.avg_freq_mhz is not None and m.avg_freq_mhz < f - 1e-6
+        )
+        return {
+            "measurements": len(taken),
+            "throttled": throttled,
+            "max_device_power_w": max(windows),
+            "max_measured_power_w": max(m.energy_j / m.time_s for _, m in taken),
+            "above_limit": sum(
+                1 for w in windows if w > self.inner.power_cap_w + POWER_TOLERANCE_W
+            ),
+        }
+
+
+def _search(
+    workload: Any, seed: int
+) -> tuple[dict[str, Any], dict[str, list[Any]], Any, dict[str, Any]]:
+    evaluator = _Recording(SimulatedOverlapEvaluator(A100, noise=0.01, seed=seed, freqs_mhz=FREQS))
     per_type: dict[str, Any] = {}
     records: dict[str, list[Any]] = {}
     for ptype in workload.partitions:
@@ -103,8 +175,19 @@ def _search(workload: Any, seed: int) -> tuple[dict[str, Any], dict[str, list[An
         truth = {c: model(ptype, c) for c in space}
         budget = search_budget(ptype)
         started = time.perf_counter()
+        first = len(evaluator.taken)
         result = search_partition(ptype, space, evaluator, budget=budget, seed=seed)
         cpu_s = time.perf_counter() - started
+        power = evaluator.power_since(first)
+        front = result.pareto("total") + result.pareto("dynamic")
+        power["max_front_measured_power_w"] = max(r.energy_j / r.time_s for r in front)
+        power["max_model_power_w"] = max(truth[r.config][1] / truth[r.config][0] for r in front)
+        power["max_model_power_measured_w"] = max(
+            truth[r.config][1] / truth[r.config][0] for r in result.evaluations
+        )
+        power["max_power_at_lock_without_limit_w"] = max(
+            simulate(ptype, r.config).avg_power_w for r in result.evaluations
+        )
         found = np.array([truth[r.config] for r in result.evaluations])
         every = np.array(list(truth.values()))
         p_s = evaluator.p_static_w
@@ -132,14 +215,17 @@ def _search(workload: Any, seed: int) -> tuple[dict[str, Any], dict[str, list[An
             / max(1, len(result.evaluations))
             / 3600.0,
             "search_cpu_s": cpu_s,
+            "power": power,
         }
         records[ptype.key] = [(r.config, r.time_s, r.dynamic_energy_j) for r in result.evaluations]
         _log(
             f"  {ptype.key:<12} {result.evaluations_used:>3}/{len(space):<4} evaluations, "
-            f"HV {100 * rel_total:.2f} % of exhaustive ({result.stopped})"
+            f"HV {100 * rel_total:.2f} % of exhaustive ({result.stopped}), "
+            f"max {power['max_device_power_w']:.1f} W ({power['throttled']} throttled)"
         )
+    first = len(evaluator.taken)
     components = measure_components(workload, evaluator, FREQS)
-    return per_type, records, components
+    return per_type, records, components, evaluator.power_since(first)
 
 
 def _recovered(found: np.ndarray, every: np.ndarray) -> float:
@@ -196,31 +282,51 @@ def _sequential_faster(workload: Any, kind: str, freq_mhz: float) -> bool:
     return seq_t < nano_t
 
 
+def _in_situ_time_s(work: Work, freq_mhz: float) -> float:
+    """Noise-free time of ``work`` locked at ``freq_mhz`` under the device's power limit."""
+
+    def power(f: float) -> float:
+        t, e = work.at(f)
+        return e / t
+
+    return work.at(throttled_clock(power, freq_mhz, A100.power_cap_w, A100))[0]
+
+
 def _calibration(workload: Any, frontier: Any) -> dict[str, Any]:
     """The composition correction, fitted from composed vs in-situ instruction times.
 
     In situ: the instruction's partitions and extra work run back to back on the simulated GPU
-    (noise-free); composed: the planner's sum of separately measured (noisy) partitions.
+    (noise-free, under the power limit, which then acts on the instruction's average power);
+    composed: the planner's sum of separately measured (noisy, each throttled on its own)
+    partitions. The nanobatched instructions of the fastest and minimum-energy plans.
     """
     pairs = []
     seen = set()
-    for ins, o in zip(frontier.dag.instructions, frontier.planned_options(frontier.fastest)):
-        key = (ins.stage, ins.kind, o.freq_mhz, o.knob)
-        if o.knob.execution != "nanobatch" or key in seen:
-            continue
-        seen.add(key)
-        stage = workload.stages[ins.stage]
-        items: list[Any] = []
-        for name, cfg in o.knob.configs:
-            ptype = workload.partition(name.removeprefix("recompute_"))
-            items += [(ptype, cfg)] * (ptype.per_layer * stage.layers)
-        extra = stage.extra_forward if ins.kind == "forward" else stage.extra_backward
-        if extra:
-            items.append(tuple(extra))
-        pairs.append((o.time_s, Work(tuple(items), params=A100).at(o.freq_mhz)[0]))
+    for point in (frontier.fastest, frontier.min_energy):
+        for ins, o in zip(frontier.dag.instructions, frontier.planned_options(point)):
+            key = (ins.stage, ins.kind, o.freq_mhz, o.knob)
+            if o.knob.execution != "nanobatch" or key in seen:
+                continue
+            seen.add(key)
+            stage = workload.stages[ins.stage]
+            items: list[Any] = []
+            for name, cfg in o.knob.configs:
+                ptype = workload.partition(name.removeprefix("recompute_"))
+                items += [(ptype, cfg)] * (ptype.per_layer * stage.layers)
+            extra = stage.extra_forward if ins.kind == "forward" else stage.extra_backward
+            if extra:
+                items.append(tuple(extra))
+            pairs.append((o.time_s, _in_situ_time_s(Work(tuple(items), params=A100), o.freq_mhz)))
     if not pairs:  # every instruction runs sequentially: there is nothing composed to calibrate
-        return {"instructions": 0, "factor": None}
-    return {"instructions": len(pairs), "factor": calibrate_correction(pairs)}
+        return {"instructions": 0, "factor": None, "used": 1.0}
+    ratios = [m / c for c, m in pairs]
+    return {
+        "instructions": len(pairs),
+        "factor": calibrate_correction(pairs),
+        "min_ratio": min(ratios),
+        "max_ratio": max(ratios),
+        "used": 1.0,
+    }
 
 
 def _theorem1() -> dict[str, Any]:
@@ -275,7 +381,7 @@ def run_config(name: str, seed: int) -> dict[str, Any]:
     workload = build_workload(MODEL_SHAPES[model_key], par, STAGE_LAYERS)
     _log(f"{name} ({workload.label}): {len(workload.partitions)} partition types")
     started = time.perf_counter()
-    per_type, records, components = _search(workload, seed)
+    per_type, records, components, components_power = _search(workload, seed)
     all_options = compose_methods(workload, records, components, methods=METHODS)
     unit_time_s = _time_quantum(all_options)
     frontiers = solve_methods(
@@ -288,14 +394,35 @@ def run_config(name: str, seed: int) -> dict[str, Any]:
     )
     cmp_ = compare_frontiers(frontiers["kareus"], frontiers["perseus"], frontiers["nanobatch"])
     kareus = frontiers["kareus"]
+    cmp_["iso_time_vs_megatron"] = _iso_time_vs_megatron(kareus, frontiers["perseus"])
     sampled = sample_frontier(kareus.points)
     switch = {
         "fastest": _sequential_check(workload, kareus, kareus.fastest),
         "min_energy": _sequential_check(workload, kareus, kareus.min_energy),
     }
+
     hv = [t["relative_hv_total"] for t in per_type.values()]
     recovered = [t["pareto_recovered_within_1pct"] for t in per_type.values()]
     recovered_random = [t["pareto_recovered_random_same_budget"] for t in per_type.values()]
+    powers = [t["power"] for t in per_type.values()] + [components_power]
+    power = {
+        "limit_w": A100.power_cap_w,
+        "tolerance_w": POWER_TOLERANCE_W,
+        "measurements": sum(p["measurements"] for p in powers),
+        "throttled": sum(p["throttled"] for p in powers),
+        "above_limit": sum(p["above_limit"] for p in powers),
+        "max_device_power_w": max(p["max_device_power_w"] for p in powers),
+        "max_measured_power_w": max(p["max_measured_power_w"] for p in powers),
+        "max_front_measured_power_w": max(
+            t["power"]["max_front_measured_power_w"] for t in per_type.values()
+        ),
+        "max_model_power_w": max(
+            t["power"]["max_model_power_measured_w"] for t in per_type.values()
+        ),
+        "max_power_at_lock_without_limit_w": max(
+            t["power"]["max_power_at_lock_without_limit_w"] for t in per_type.values()
+        ),
+    }
     return {
         "workload": workload.label,
         "unit_time_s": unit_time_s,
@@ -319,11 +446,31 @@ def run_config(name: str, seed: int) -> dict[str, Any]:
             }
             for m, f in frontiers.items()
         },
+        "power": power,
+        "components_power": components_power,
         "comparison": cmp_,
         "kareus_sampled_total_energy_u_shape": _u_shape([p.energy_j for p in sampled]),
         "execution_switch": switch,
         "correction_calibration": _calibration(workload, kareus),
         "elapsed_s": time.perf_counter() - started,
+    }
+
+
+def _iso_time_vs_megatron(kareus: Any, perseus: Any) -> dict[str, Any]:
+    """The lowest Kareus energy within Megatron-LM's iteration time, against Megatron-LM's.
+
+    Megatron-LM: sequential execution, every instruction at the highest clock (the frontiers'
+    common baseline, :meth:`~powerlib.planning.perseus.frontier.Frontier.baseline`).
+    """
+    base = perseus.baseline()
+    fits = [p for p in kareus.points if p.time_s <= base.time_s + 1e-12]
+    got = min(fits, key=lambda p: (p.energy_j, p.time_s)) if fits else None
+    return {
+        "megatron_time_s": base.time_s,
+        "megatron_energy_j": base.energy_j,
+        "kareus_time_s": None if got is None else got.time_s,
+        "kareus_energy_j": None if got is None else got.energy_j,
+        "energy_reduction": None if got is None else 1.0 - got.energy_j / base.energy_j,
     }
 
 
@@ -355,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:
         "mean_pareto_recovered_random": {
             n: r["mean_pareto_recovered_random"] for n, r in results.items()
         },
+        "iso_time_energy_reduction_vs_megatron": {
+            n: r["comparison"]["iso_time_vs_megatron"]["energy_reduction"]
+            for n, r in results.items()
+        },
         "iso_time_energy_reduction": {
             n: r["comparison"]["iso_time_energy_reduction"] for n, r in results.items()
         },
@@ -373,6 +524,13 @@ def main(argv: list[str] | None = None) -> int:
             or r["execution_switch"]["min_energy"]["sequential_instructions"]
         ],
         "theorem1_holds": theorem["holds"],
+        "power_limit_w": A100.power_cap_w,
+        "max_device_power_w": {n: r["power"]["max_device_power_w"] for n, r in results.items()},
+        "max_measured_power_w": {n: r["power"]["max_measured_power_w"] for n, r in results.items()},
+        "no_candidate_above_power_limit": all(
+            r["power"]["above_limit"] == 0 for r in results.values()
+        ),
+        "correction_factor": {n: r["correction_calibration"]["factor"] for n, r in results.items()},
     }
     data = {
         "schema": "powerlib.bench.kareus.v1",
@@ -394,6 +552,12 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         args.out.write_text(text + "\n", encoding="utf-8")
+    if not summary["no_candidate_above_power_limit"]:
+        _log(
+            f"FLAG: a measurement window drew more than the {A100.power_cap_w:g} W limit "
+            f"(+{POWER_TOLERANCE_W:g} W): see configs.*.power.above_limit"
+        )
+        return 1
     return 0
 
 
