@@ -79,13 +79,21 @@ from contextlib import contextmanager
 from typing import Any
 
 from powerlib.errors import InvalidArgumentError
-from powerlib.planning.kareus.partition import Config, PartitionType
+from powerlib.planning.kareus.evaluator import Measurement
+from powerlib.planning.kareus.partition import Config, Op, PartitionType, Segment
 from powerlib.planning.pipeline import Instruction
 from powerlib.planning.plan import PartitionSetting, PlannedInstruction
 from powerlib.runtime.launch_control import Overlap, OverlapSchedule
 from powerlib.runtime.sm_groups import SMGroups
 
-__all__ = ["NanobatchTransformerLayer", "group_agreement", "layer_class", "layer_spec"]  # noqa: F822
+__all__ = [  # noqa: F822 (NanobatchTransformerLayer: made on first use, module __getattr__)
+    "NanobatchTransformerLayer",
+    "gpt_compute_runner",
+    "group_agreement",
+    "group_measurement",
+    "layer_class",
+    "layer_spec",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -706,6 +714,134 @@ class _NanobatchLayer:
             return measured
 
         return run_partition
+
+    def sequential_runner(
+        self,
+        hidden_states: torch.Tensor,
+        *,
+        attention_mask: Any = None,
+        synchronize: Callable[[], None] | None = None,
+        **attention_kwargs: Any,
+    ) -> Callable[[tuple[Segment, ...], float, int], None]:
+        """``run_sequential(segments, freq_mhz, sm_count)`` for ``DeviceEvaluator``.
+
+        One execution of the *stock* layer on ``hidden_states`` (a whole microbatch, no
+        nanobatches): its forward for forward segments, its backward (on a forward kept for
+        it) for backward segments, with megatron-core's own collectives on the tensor-parallel
+        group (``sm_count`` is not applied: the stock collective keeps the default communicator).
+        Parameter gradients are cleared after each call.
+        """
+        stock = _MEGATRON["TransformerLayer"].forward
+        if synchronize is None:
+            synchronize = torch.cuda.synchronize if hidden_states.is_cuda else (lambda: None)
+        params = [p for p in self.parameters() if p.requires_grad]
+        x = hidden_states.detach().requires_grad_(True)
+        with torch.enable_grad():
+            kept, _ = stock(self, x, attention_mask=attention_mask, **attention_kwargs)
+        g = torch.ones_like(kept)
+
+        def run(segments: tuple[Segment, ...], freq_mhz: float, sm_count: int) -> None:
+            backward = any(op.name.endswith("_bwd") for seg in segments for op in seg.ops)
+            with torch.enable_grad():
+                if backward:
+                    torch.autograd.backward(kept, g, retain_graph=True)
+                else:
+                    stock(self, x, attention_mask=attention_mask, **attention_kwargs)
+            for p in params:
+                p.grad = None
+            x.grad = None
+            synchronize()
+
+        return run
+
+
+def gpt_compute_runner(
+    model: Any,
+    tokens: Any,
+    positions: Any,
+    labels: Any,
+    *,
+    synchronize: Callable[[], None] | None = None,
+) -> Callable[[tuple[Op, ...], float], None]:
+    """``run_compute(ops, freq_mhz)`` for ``DeviceEvaluator``: a GPT's work outside its layers.
+
+    The partition model's non-layer work (:mod:`powerlib.planning.kareus.partition`) is the
+    embedding on the first stage and the output layer and loss on the last: ``ops`` named
+    ``embedding`` / ``output_layer`` / ``loss`` run ``model.embedding`` and (final norm,)
+    ``model.output_layer`` and ``model.compute_language_model_loss`` forward; ``*_bwd`` names
+    run the embedding's and the output layer's backward on a forward kept for it. ``model`` is a megatron-core ``GPTModel`` built
+    with ``pre_process`` and ``post_process`` (a one-layer model for measuring is enough).
+    """
+    _load()
+    if synchronize is None:
+        synchronize = torch.cuda.synchronize if tokens.is_cuda else (lambda: None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    weight = (
+        model.shared_embedding_or_output_weight()
+        if getattr(model, "share_embeddings_and_output_weights", False)
+        else None
+    )
+    norm = getattr(model.decoder, "final_layernorm", None)
+
+    def embed() -> Any:
+        return model.embedding(input_ids=tokens, position_ids=positions)
+
+    def logits_of(hidden: Any) -> Any:
+        if norm is not None:
+            hidden = norm(hidden)
+        return model.output_layer(hidden, weight=weight)[0]
+
+    with torch.enable_grad():
+        emb = embed()
+        hidden = emb.detach().requires_grad_(True)
+        # kept for the backward runs: the output layer only (the partition model's
+        # output_layer_bwd); the loss's backward cannot be replayed, megatron's vocab-parallel
+        # cross-entropy rewrites its saved softmax in place
+        logits = logits_of(hidden)
+
+    def run(ops: tuple[Op, ...], freq_mhz: float) -> None:
+        names = {op.name for op in ops}
+        with torch.enable_grad():
+            if "embedding" in names:
+                embed()
+            if names & {"output_layer", "loss"}:
+                model.compute_language_model_loss(labels, logits_of(hidden.detach()))
+            if "output_layer_bwd" in names:
+                torch.autograd.backward(logits, torch.ones_like(logits), retain_graph=True)
+            if "embedding_bwd" in names:
+                torch.autograd.backward(emb, torch.ones_like(emb), retain_graph=True)
+        for p in params:
+            p.grad = None
+        hidden.grad = None
+        synchronize()
+
+    return run
+
+
+def group_measurement(group: Any = None) -> Callable[[Measurement], Measurement]:
+    """``combine`` for ``DeviceEvaluator`` over ``group``: the same figures on every rank.
+
+    A partition's time is its slowest rank's, its energy the group's mean per GPU (the
+    evaluator's convention, docs/kareus.md §2.1); the wall time the slowest rank's. Every rank of
+    the group then sees the same measurement, so searches running on each of them choose the same
+    candidates (and issue the same collectives).
+    """
+    _load()
+
+    def combine(m: Measurement) -> Measurement:
+        size = dist.get_world_size(group)
+        peak = torch.tensor([m.time_s, m.wall_s], dtype=torch.float64)
+        total = torch.tensor([m.energy_j], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(total, group=group)
+        return dataclasses.replace(
+            m,
+            time_s=float(peak[0]),
+            wall_s=float(peak[1]),
+            energy_j=float(total[0]) / size,
+        )
+
+    return combine
 
 
 def group_agreement(group: Any = None) -> Callable[[bool], bool]:

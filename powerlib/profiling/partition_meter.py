@@ -69,6 +69,10 @@ class DeviceEvaluator:
             of the warm-up and of the window with whether *this* rank's time is up; returns
             whether the group stops (e.g. an all-reduce MIN of the flag over the group, so that
             every rank has run at least its window). Default: each rank decides alone.
+        combine: Applied to every measurement before it is returned: for a group, the group's
+            figure (e.g. the slowest rank's time and the mean energy), so that every rank of it
+            gets the same numbers and a search on each rank takes the same decisions (and so
+            issues the same collectives). Default: this rank's own.
 
     Raises:
         InvalidArgumentError: No devices, a device without lockable clocks, a negative
@@ -89,6 +93,7 @@ class DeviceEvaluator:
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
         agree: Callable[[bool], bool] | None = None,
+        combine: Callable[[Measurement], Measurement] | None = None,
     ) -> None:
         devs = list(backend.devices() if devices is None else devices)
         if not devs:
@@ -127,6 +132,7 @@ class DeviceEvaluator:
         self._clock = clock
         self._sleep = sleep
         self._agree = agree
+        self._combine = combine
         self._control: ControlSession | None = None
         self.evaluations = 0
 
@@ -243,7 +249,7 @@ class DeviceEvaluator:
         self.evaluations += 1
         energy_j = sum(b - a for a, b in zip(e0, e1)) / len(meters) / count
         known = [c for c in temps if c is not None]
-        return Measurement(
+        measured = Measurement(
             time_s=(t1 - t0) / count,
             energy_j=energy_j,
             p_static_w=self._p_static_w,
@@ -251,6 +257,7 @@ class DeviceEvaluator:
             avg_freq_mhz=None,  # clocks read between executions show the idle clock, not the run's
             start_temp_c=sum(known) / len(known) if known else None,
         )
+        return measured if self._combine is None else self._combine(measured)
 
     def _stop(self, elapsed: bool) -> bool:
         return elapsed if self._agree is None else bool(self._agree(elapsed))

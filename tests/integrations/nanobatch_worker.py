@@ -41,9 +41,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 import powerlib
 from powerlib.integrations.megatron import attach, nanobatch_layer_spec
-from powerlib.integrations.megatron_nanobatch import group_agreement
+from powerlib.integrations.megatron_nanobatch import (
+    gpt_compute_runner,
+    group_agreement,
+    group_measurement,
+)
 from powerlib.planning.kareus.evaluator import MeasureProtocol
 from powerlib.planning.kareus.partition import MODEL_SHAPES, Config, Parallelism, build_workload
+from powerlib.planning.kareus.workflow import search_study
 from powerlib.planning.pipeline import Instruction
 from powerlib.planning.plan import PartitionSetting, PlannedInstruction
 from powerlib.profiling.partition_meter import DeviceEvaluator
@@ -212,6 +217,67 @@ def device_evaluator(rank: int) -> dict:
     }
 
 
+def device_search(out: Path, rank: int, partitions: list[str]) -> dict:
+    """``search_study`` measuring on this rank's simulated GPU through the layer's runners."""
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        ffn_hidden_size=4 * HIDDEN,
+        tensor_model_parallel_size=2,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(3)
+    model_parallel_cuda_manual_seed(3, inference_rng_tracker=True)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=nanobatch_layer_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="learned_absolute",
+    )
+    layer = gpt.decoder.layers[0]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(SEQ, MBS, HIDDEN, generator=g)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
+    group = parallel_state.get_tensor_model_parallel_group()
+    backend = powerlib.open_backend()
+    device = backend.device(rank)
+    before = device.read_state().locked_sm_freqs_mhz
+    evaluator = DeviceEvaluator(
+        backend,
+        layer.partition_runner(x, attention_mask=_MASK),
+        p_static_w=85.0,
+        devices=[device],
+        protocol=MeasureProtocol(settle_s=0.0, warmup_s=0.002, window_s=0.005, cooldown_s=0.0),
+        freqs_mhz=[1005.0, 1410.0],
+        run_sequential=layer.sequential_runner(x, attention_mask=_MASK),
+        run_compute=gpt_compute_runner(gpt, tokens, positions, torch.roll(tokens, -1, 1)),
+        agree=group_agreement(group),
+        combine=group_measurement(group),
+    )
+    with evaluator:
+        result = search_study(
+            out / f"study{rank}",
+            model="qwen3-1.7b",
+            parallelism=Parallelism(tp=2, micro_batch=MBS, seq_len=2048, recompute=False),
+            stage_layers=(14, 14),
+            evaluator=evaluator,
+            evaluator_info={"kind": "device", "backend": "simulated", "layer": "tiny megatron"},
+            partitions=partitions,
+            seed=0,
+        )
+    return {
+        "study": str(result.study_path),
+        "partitions": [r.partition for r in result.partitions],
+        "evaluations": evaluator.evaluations,
+        "restored": device.read_state().locked_sm_freqs_mhz == before,
+    }
+
+
 ITERATIONS = 3
 
 
@@ -303,6 +369,9 @@ def main() -> int:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
         result["cases"] = {case: numerics(case) for case in sys.argv[3:]}
         result["evaluator"] = device_evaluator(rank)
+    elif mode == "search":
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+        result.update(device_search(out, rank, sys.argv[3:]))
     else:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=2, pipeline_model_parallel_size=2

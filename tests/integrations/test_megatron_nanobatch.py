@@ -233,3 +233,31 @@ def test_the_gpu_benchmark_script_runs_on_cpu(tmp_path: Path) -> None:
     assert data["overlap"] == {"paths": {"overlap": 6 * passes}, "enforced": 0, "disabled": None}
     for variant in ("stock", "nanobatch"):
         assert data["per_layer_pass"][variant]["time_s"] > 0
+
+
+def test_the_search_workflow_measures_on_devices_through_the_layer(tmp_path: Path) -> None:
+    # search_study (the function behind `powerlib overlap search`) on a DeviceEvaluator fed by
+    # the layer: partitions by partition_runner, sequential layers by sequential_runner, the
+    # embedding/output layer by gpt_compute_runner, on each TP rank's simulated GPU. One
+    # partition type (fwd_mlp, 160 candidates at two clocks) plus every component. With
+    # group_measurement both ranks see the same figures and so take the same decisions.
+    launch_ranks(WORKER, [str(tmp_path), "search", "fwd_mlp"], 2, tmp_path / "state")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    logs = []
+    for rank in ranks:
+        assert rank["partitions"] == ["fwd_mlp"] and rank["restored"]
+        study = json.loads(Path(rank["study"]).read_text())
+        assert study["evaluator"]["kind"] == "device"
+        # every component measured: per clock, a forward and a backward layer, the stages'
+        # extra work (embedding on stage 0, output layer on stage 1, forward and backward) and
+        # the stock configuration of every partition type
+        assert len(study["sequential"]) == 2 * 2 and len(study["extras"]) == 2 * 4
+        assert len(study["stock"]) == 2 * 4
+        for m in study["sequential"] + study["extras"] + study["stock"]:
+            assert m["time_s"] > 0 and m["energy_j"] > 0
+        lines = (Path(rank["study"]).parent / "fwd_mlp.jsonl").read_text().splitlines()
+        entries = [json.loads(line) for line in lines[1:]]  # after the header
+        assert len(entries) == 160  # the whole space: its budget (224) exceeds it
+        assert rank["evaluations"] == 160 + 20
+        logs.append(entries)
+    assert logs[0] == logs[1]  # the same measurements and choices on both ranks
