@@ -206,3 +206,18 @@ def test_a_group_runs_as_many_executions_as_its_slowest_rank(backend, ptype) -> 
     assert together.calls == alone.calls + 2 * 3  # warm-up and window each ran 3 more
     assert asked.count(True) == 2 * 4
     assert m_together.time_s == pytest.approx(m_alone.time_s, rel=1e-9)  # per execution
+
+
+def test_combine_gives_every_measurement_the_groups_figures(backend, ptype) -> None:
+    import dataclasses
+
+    seen = []
+
+    def combine(m):  # a peer twice as slow: the group's time is the slowest rank's
+        seen.append(m)
+        return dataclasses.replace(m, time_s=2 * m.time_s)
+
+    with _evaluator(backend, Runner(backend), combine=combine) as ev:
+        m = ev.evaluate(ptype, Config(freq_mhz=1410.0, sm_count=6, slot=None))
+    assert len(seen) == 1 and m.time_s == 2 * seen[0].time_s
+    assert m.energy_j == seen[0].energy_j
