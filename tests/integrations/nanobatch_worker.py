@@ -155,8 +155,8 @@ def numerics(case: str) -> dict:
     }
 
 
-def device_evaluator(rank: int) -> dict:
-    """``DeviceEvaluator`` driving the layer's partition runner on this rank's simulated GPU."""
+def one_layer_gpt() -> GPTModel:
+    """A one-layer TP=2 GPT of the nanobatched spec (learned positions), for measuring its layer."""
     config = TransformerConfig(
         num_layers=1,
         hidden_size=HIDDEN,
@@ -176,6 +176,12 @@ def device_evaluator(rank: int) -> dict:
         max_sequence_length=SEQ,
         position_embedding_type="learned_absolute",
     )
+    return gpt
+
+
+def device_evaluator(rank: int) -> dict:
+    """``DeviceEvaluator`` driving the layer's partition runner on this rank's simulated GPU."""
+    gpt = one_layer_gpt()
     layer = gpt.decoder.layers[0]
     x = torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(5))
     runner = layer.partition_runner(x, attention_mask=_MASK)
@@ -219,25 +225,7 @@ def device_evaluator(rank: int) -> dict:
 
 def device_search(out: Path, rank: int, partitions: list[str]) -> dict:
     """``search_study`` measuring on this rank's simulated GPU through the layer's runners."""
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        ffn_hidden_size=4 * HIDDEN,
-        tensor_model_parallel_size=2,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    torch.manual_seed(3)
-    model_parallel_cuda_manual_seed(3, inference_rng_tracker=True)
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=nanobatch_layer_spec(),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        position_embedding_type="learned_absolute",
-    )
+    gpt = one_layer_gpt()
     layer = gpt.decoder.layers[0]
     g = torch.Generator().manual_seed(5)
     x = torch.randn(SEQ, MBS, HIDDEN, generator=g)
