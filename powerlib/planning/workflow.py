@@ -18,10 +18,10 @@ from powerlib.planning.perseus.frontier import DEFAULT_MAX_WORK
 
 if TYPE_CHECKING:
     from powerlib.planning.choice import Choice, Policy
-    from powerlib.planning.perseus.frontier import Frontier
+    from powerlib.planning.perseus.frontier import Frontier, Wanted
     from powerlib.planning.profile import Profile
 
-__all__ = ["PlanResult", "plan_from_profile", "write_outputs"]
+__all__ = ["PlanResult", "plan_from_profile", "wanted_for", "write_outputs"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +60,8 @@ def plan_from_profile(
     policy: Policy,
     max_work: int | None = DEFAULT_MAX_WORK,
     progress: Callable[[int, int], None] | None = None,
+    solver: str = "auto",
+    sweep: int = 0,
 ) -> PlanResult:
     """Solve a pipeline's Perseus frontier from a profile and choose ``policy``'s plan.
 
@@ -77,14 +79,22 @@ def plan_from_profile(
         policy: Which frontier point becomes the plan.
         max_work: Refuse a frontier estimated past this many instruction-steps (``None``: no
             limit), before the schedule is built.
-        progress: ``progress(done, expected)`` as the solver advances.
+        progress: ``progress(done, expected)`` as the walk advances.
+        solver: ``auto`` (direct where highspy is installed, else the walk), ``direct`` (one
+            linear program per point needed: T_min, T* and the policy's; docs/perseus.md §2.6)
+            or ``walk`` (the whole frontier, one quantum at a time).
+        sweep: With the direct solve, this many evenly spaced frontier points as well (for the
+            frontier CSV and plot); the walk always has every point.
 
     Raises:
         PlanError: A profile that cannot plan the pipeline, too much work, or a deadline the
             frontier cannot meet.
     """
+    from powerlib.errors import PlanError  # noqa: PLC0415
     from powerlib.planning.choice import choose  # noqa: PLC0415 - keep imports light
-    from powerlib.planning.perseus.frontier import (  # noqa: PLC0415
+    from powerlib.planning.perseus.direct import direct_available  # noqa: PLC0415
+    from powerlib.planning.perseus.frontier import (  # noqa: PLC0415  # noqa: PLC0415
+        SOLVERS,
         WORK_HINT,
         compute_frontier,
         estimate_pipeline_work,
@@ -93,19 +103,24 @@ def plan_from_profile(
     from powerlib.planning.pipeline import build_schedule  # noqa: PLC0415
     from powerlib.planning.profile import Profile  # noqa: PLC0415
 
+    if solver not in SOLVERS:
+        raise PlanError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if solver == "auto":
+        solver = "direct" if direct_available() else "walk"
     num_chunks = default_chunks(schedule, chunks)
     profile = (
         profile_or_path if isinstance(profile_or_path, Profile) else Profile.read(profile_or_path)
     )
     profile.validate_for(stages, ())  # a profile of 8 stages cannot plan 100000
-    # Before the schedule is even built: M = 100000 or τ = 1e-7 s would otherwise run for hours.
-    estimate_pipeline_work(
-        profile.option_points(),
-        num_stages=stages,
-        num_microbatches=microbatches,
-        num_chunks=num_chunks,
-        unit_time_s=unit_time_s,
-    ).check(max_work, hint=WORK_HINT)
+    if solver == "walk":
+        # Before the schedule is even built: M = 100000 or τ = 1e-7 s would run for hours.
+        estimate_pipeline_work(
+            profile.option_points(),
+            num_stages=stages,
+            num_microbatches=microbatches,
+            num_chunks=num_chunks,
+            unit_time_s=unit_time_s,
+        ).check(max_work, hint=WORK_HINT)
     sched = build_schedule(schedule, stages, microbatches, num_chunks)
     started = time.perf_counter()
     frontier = compute_frontier(
@@ -120,6 +135,8 @@ def plan_from_profile(
         cost_model=cost_model,
         progress=progress,
         max_work=max_work,
+        solver=solver,
+        wanted=wanted_for(policy, sweep=sweep),
     )
     solve_time_s = time.perf_counter() - started
     choice = choose(frontier, policy)
@@ -128,6 +145,21 @@ def plan_from_profile(
         choice=choice,
         summary=summary(choice, solve_time_s=solve_time_s),
         solve_time_s=solve_time_s,
+    )
+
+
+def wanted_for(policy: Policy, *, sweep: int = 0) -> Wanted:
+    """The frontier points a direct solve needs for ``policy``: T_min, T* and the deadline's."""
+    from powerlib.planning.perseus.frontier import Wanted  # noqa: PLC0415
+
+    deadline = (
+        () if policy.name != "deadline" or policy.deadline_s is None else (policy.deadline_s,)
+    )
+    return Wanted(
+        t_star=True,
+        deadlines_s=() if policy.argmin else deadline,
+        argmin_deadlines_s=deadline if policy.argmin else (),
+        sweep=sweep,
     )
 
 

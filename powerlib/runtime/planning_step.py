@@ -19,14 +19,14 @@ import json
 import logging
 import math
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from powerlib.errors import BackendUnavailableError, PlanError
 from powerlib.planning.choice import Policy, check_policy, choose
-from powerlib.planning.perseus.frontier import compute_frontier
+from powerlib.planning.perseus.frontier import Frontier, Wanted, compute_frontier
 from powerlib.planning.perseus.report import plot_frontier, summary, write_frontier_csv
 from powerlib.planning.pipeline import (
     PLACEMENTS,
@@ -37,6 +37,7 @@ from powerlib.planning.pipeline import (
 )
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile, ProfileRow
+from powerlib.planning.workflow import wanted_for
 from powerlib.profiling.meter import energy_error
 from powerlib.profiling.sweep import aggregate_stage_rows
 from powerlib.progress import Progress
@@ -45,6 +46,7 @@ __all__ = [
     "MAX_ENERGY_ERROR",
     "PlanSpec",
     "PlanningOutcome",
+    "Replanner",
     "auto_unit_time_s",
     "check_resolution",
     "make_plan",
@@ -58,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 RECORDED = "recorded"
 """The schedule name that means: plan on the order the hooks recorded, there is no other."""
+
+_SUMMARY_POINTS = 64
+"""Exact frontier points a direct solve writes to ``frontier.csv`` (evenly spaced)."""
 
 MAX_ENERGY_ERROR = 0.05
 """The largest relative error (bound on the standard error, :func:`energy_error`) of a profiled
@@ -362,7 +367,48 @@ def _schedule_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> tuple[Sched
     return recorded, "recorded"
 
 
-def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome:
+@dataclass(frozen=True, slots=True)
+class Replanner:
+    """Rank 0's solved frontier, kept to re-plan for a new straggler deadline at run time.
+
+    :meth:`plan_for` adds the deadline's point to the frontier (the direct solve from its last
+    basis, docs/perseus.md §2.6: seconds where the first solve took tens), guards and judges it
+    like the first plan, and returns the outcome every rank switches to. Runs off the training
+    thread (the session's planning thread); the frontier's own lock serialises solves.
+    """
+
+    frontier: Frontier
+    spec: PlanSpec
+    metadata: Mapping[str, Any]
+
+    def plan_for(self, deadline_s: float) -> PlanningOutcome:
+        """The ``deadline`` plan for iteration time ``deadline_s`` (clipped up to T_min)."""
+        spec = self.spec
+        deadline_s = max(float(deadline_s), self.frontier.fastest.time_s)
+        policy = Policy(
+            name="deadline",
+            deadline_s=deadline_s,
+            argmin=spec.argmin,
+            max_slowdown=spec.max_slowdown,
+            switch_latency_s=spec.switch_latency_s,
+        )
+        started = time.perf_counter()
+        frontier = self.frontier.extend(wanted_for(policy))
+        choice = choose(frontier, policy)
+        info = summary(choice, solve_time_s=time.perf_counter() - started)
+        if choice.objection is not None:
+            info["refused"] = choice.objection
+            return PlanningOutcome(summary=info, baseline_reason=choice.objection)
+        plan = choice.plan(metadata={**self.metadata, "deadline_s": deadline_s})
+        return PlanningOutcome(plan=plan, summary=info)
+
+
+def make_plan(
+    spec: PlanSpec,
+    payloads: list[dict[str, Any]],
+    *,
+    keep: Callable[[Replanner], None] | None = None,
+) -> PlanningOutcome:
     """Rank 0: merge the profiles, plan, write the files, and return the outcome.
 
     Each payload: ``{"stage": s, "rows": [...], "gap_time_s": ..., "gap_energy_j": ...,
@@ -430,8 +476,10 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome
         placement=spec.placement,
         p_block_w=p_block_w,
         unit_time_s=unit_time_s,
+        solver="auto",
+        # The deadline is known once the frontier is: its point is added below.
+        wanted=Wanted(t_star=True, sweep=_SUMMARY_POINTS if spec.out_dir is not None else 0),
     )
-    solve_s = time.perf_counter() - started
     deadline_s = spec.deadline_s
     if spec.policy == "deadline" and deadline_s is None:
         assert spec.deadline_ratio is not None
@@ -439,16 +487,24 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome
     if spec.policy == "deadline":
         assert deadline_s is not None
         deadline_s = max(deadline_s, frontier.fastest.time_s)
-    choice = choose(
-        frontier,
-        Policy(
-            name=spec.policy,
-            deadline_s=deadline_s,
-            argmin=spec.argmin,
-            max_slowdown=spec.max_slowdown,
-            switch_latency_s=spec.switch_latency_s,
-        ),
+    policy = Policy(
+        name=spec.policy,
+        deadline_s=deadline_s,
+        argmin=spec.argmin,
+        max_slowdown=spec.max_slowdown,
+        switch_latency_s=spec.switch_latency_s,
     )
+    frontier = frontier.extend(wanted_for(policy))
+    solve_s = time.perf_counter() - started
+    choice = choose(frontier, policy)
+    if keep is not None:
+        keep(
+            Replanner(
+                frontier,
+                spec,
+                {"profile_source": profile.source, "order_source": order_source},
+            )
+        )
     info = summary(choice, solve_time_s=solve_s)
     objection = choice.objection
     if objection is not None:
@@ -464,7 +520,9 @@ def make_plan(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome
             },
         )
     Progress(spec.progress).say(
-        f"frontier of {len(frontier.points)} points in {solve_s:.1f} s; {spec.policy} plan saves "
+        f"frontier of {len(frontier.points)} points"
+        f"{'' if frontier.complete else ' (solved directly)'} in {solve_s:.1f} s; "
+        f"{spec.policy} plan saves "
         f"{info['realized']['saving_percent'] or 0.0:.2f} % at "
         f"{info['realized']['slowdown_percent']:+.3f} % "
         "(replayed on the profile)",

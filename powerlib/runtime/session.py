@@ -54,9 +54,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -83,8 +85,15 @@ from powerlib.runtime.phases import (
     Waiting,
     instruction_kind,
 )
-from powerlib.runtime.planning_step import PlanningOutcome, PlanSpec, make_plan, write_profile
+from powerlib.runtime.planning_step import (
+    PlanningOutcome,
+    PlanSpec,
+    Replanner,
+    make_plan,
+    write_profile,
+)
 from powerlib.runtime.profile_phase import ProfileConfig, ProfilePhase
+from powerlib.runtime.replan import Replanning
 
 __all__ = ["MODES", "ApplyConfig", "ProfileConfig", "RunConfig", "Session", "optimize"]
 
@@ -307,6 +316,11 @@ class Session:
         """What rank 0 sent at the end of profiling (plan, planner summary, or why none)."""
         self.overlap = Overlap()
         """Overlap plans' runtime (:mod:`powerlib.runtime.launch_control`); inactive without one."""
+        self._replanner: Replanner | None = None
+        self._replanning: Replanning | None = None
+        self._planner_thread: ThreadPoolExecutor | None = None
+        self.replans: list[dict[str, Any]] = []
+        """Each re-plan this session switched to: iteration, deadline, policy, saving."""
 
     @property
     def phase(self) -> str:
@@ -410,6 +424,12 @@ class Session:
 
     def _close(self) -> None:
         self._active = False
+        if self._replanning is not None:
+            self._replanning.cancel()
+            self._replanning = None
+        if self._planner_thread is not None:
+            self._planner_thread.shutdown(wait=False, cancel_futures=True)
+            self._planner_thread = None
         if self.controller is not None:
             self.controller.close()
         if self._profiling is not None:
@@ -517,6 +537,8 @@ class Session:
         if not self._active:
             self._refuse_outside("start_iteration")
         self._started = True
+        if self._replanning is not None and self._applying is not None:
+            self._switch_replanned()
         self._phase.start_iteration()
 
     def step(self) -> None:
@@ -547,7 +569,120 @@ class Session:
         self._await(self._coordinator.exchange(payload, plan_fn), strict=False)
 
     def _plan_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
-        return make_plan(dataclasses.replace(self.spec, progress=self._progress.enabled), payloads)
+        spec = dataclasses.replace(self.spec, progress=self._progress.enabled)
+        return make_plan(spec, payloads, keep=self._keep_replanner)
+
+    def _keep_replanner(self, replanner: Replanner) -> None:
+        self._replanner = replanner
+
+    # -- re-planning at run time -----------------------------------------------------------------
+
+    def replan(self, deadline_s: float) -> None:
+        """Plan again for a new straggler deadline; switch at the first iteration boundary after.
+
+        Every rank calls it at the same iteration (the deadline is normally a job-wide
+        measurement, such as the slowest rank's iteration time). Rank 0 solves the new plan on
+        its planning thread from the frontier it kept, while training goes on with the current
+        plan; at each later :meth:`step` the ranks check (one small collective) whether it is
+        ready, and all switch before the same iteration. A deadline below the fastest plan
+        plans the fastest; a plan that would not pay is refused with one warning and the
+        current plan stays. :attr:`replans` records every switch.
+
+        Args:
+            deadline_s: The iteration time to plan for, in seconds.
+
+        Raises:
+            InvalidArgumentError: Outside the ``with`` block, a deadline that is not a positive
+                number, no plan made by this session being applied (``apply`` mode has no
+                frontier), or a re-plan still pending.
+        """
+        if not self._active:
+            self._refuse_outside("replan")
+        if not (
+            isinstance(deadline_s, (int, float)) and math.isfinite(deadline_s) and deadline_s > 0
+        ):
+            raise InvalidArgumentError(
+                f"replan: deadline_s must be a positive number, got {deadline_s!r}"
+            )
+        if self._applying is None or self.mode not in ("auto", "plan"):
+            raise InvalidArgumentError(
+                "replan: the session applies no plan it made itself (re-planning needs the "
+                "frontier of mode 'auto' or 'plan')"
+            )
+        if self._replanning is not None:
+            raise InvalidArgumentError(
+                f"replan: the re-plan for {self._replanning.deadline_s:g} s is still pending"
+            )
+        assert self._coordinator is not None
+        if self.rank == 0 and self._replanner is None:
+            raise InvalidArgumentError("replan: rank 0 kept no frontier to re-plan from")
+        if self.rank == 0 and self._planner_thread is None:
+            self._planner_thread = ThreadPoolExecutor(1, thread_name_prefix="powerlib-replan")
+        self._replanning = Replanning(
+            self._coordinator,
+            float(deadline_s),
+            self._replanner if self.rank == 0 else None,
+            self._planner_thread,
+        )
+        self._progress.say(
+            f"re-planning for a {deadline_s:g} s iteration (rank 0, in the background)"
+        )
+
+    def _switch_replanned(self) -> None:
+        """At an iteration boundary: switch to the re-plan if every rank has it now."""
+        assert self._replanning is not None and self.device is not None
+        assert self.controller is not None
+        deadline_s = self._replanning.deadline_s
+        try:
+            outcome = self._replanning.poll()
+        except PlanError as err:
+            self._replanning = None
+            logger.warning(
+                "powerlib: re-planning for %g s failed: %s; keeping the current plan",
+                deadline_s,
+                err,
+            )
+            return
+        if outcome is None:
+            return
+        self._replanning = None
+        plan = outcome.plan
+        if plan is None:
+            logger.warning(
+                "powerlib: the re-plan for %g s was refused: %s; keeping the current plan",
+                deadline_s,
+                outcome.baseline_reason,
+            )
+            return
+        try:
+            plan.check_frequencies(self.device.info.supported_sm_freqs_mhz, self.stage)
+        except PlanError as err:
+            logger.warning("powerlib: the re-plan for %g s cannot be applied: %s", deadline_s, err)
+            return
+        self.plan = plan
+        self.outcome = outcome
+        self._applying = ApplyPhase(
+            plan,
+            self.stage,
+            self.controller,
+            prefetch=self.apply_config.prefetch,
+            sync=self._sync,
+            on_mismatch=self._stopped,
+        )
+        self._phase = self._applying
+        saving = (outcome.summary or {}).get("realized", {}).get("saving_percent")
+        self.replans.append(
+            {
+                "iteration": self.iteration,
+                "deadline_s": deadline_s,
+                "policy": plan.policy,
+                "realized_saving_percent": saving,
+            }
+        )
+        self._progress.say(
+            f"switched to the plan for {deadline_s:g} s at iteration {self.iteration}"
+            + ("" if saving is None else f" (saves {saving:.2f} % replayed on the profile)")
+        )
 
     def _profile_only_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
         spec = dataclasses.replace(self.spec, progress=self._progress.enabled)
@@ -653,6 +788,7 @@ class Session:
             "measured_p_block_w": self.recorder.p_block_w,
             "frequency_changes": len(applied),
             "plan": None if self.plan is None else dict(self.plan.summary),
+            "replans": list(self.replans),
             "overlap": self.overlap.report() if self.overlap.schedule is not None else None,
         }
 

@@ -10,15 +10,22 @@ replayed on the measured profile by :mod:`powerlib.planning.perseus.replay`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from powerlib.errors import PlanError
 from powerlib.planning.perseus.cost_model import build_cost_model
+from powerlib.planning.perseus.direct import DirectSolver, direct_available
 from powerlib.planning.perseus.options import Option, frequency_for, prepare_options
-from powerlib.planning.perseus.replay import critical_path_s, layout_of, replay_options
+from powerlib.planning.perseus.replay import (
+    IncrementalReplay,
+    critical_path_s,
+    replay_options,
+)
 from powerlib.planning.perseus.solver import PhillipsDessouky
 from powerlib.planning.perseus.work import (
     DEFAULT_MAX_WORK,
@@ -34,10 +41,12 @@ from powerlib.planning.profile import Profile
 __all__ = [
     "DEFAULT_MAX_WORK",
     "POLICIES",
+    "SOLVERS",
     "WORK_HINT",
     "Baseline",
     "Frontier",
     "FrontierPoint",
+    "Wanted",
     "WorkEstimate",
     "check_quantum",
     "compute_frontier",
@@ -45,6 +54,26 @@ __all__ = [
 ]
 
 POLICIES = ("fastest", "deadline", "min-energy")
+SOLVERS = ("walk", "direct", "auto")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Wanted:
+    """Which frontier points a direct solve computes (``T_min`` always).
+
+    Attributes:
+        t_star: ``T*``, the minimum-energy point.
+        deadlines_s: Per deadline, the slowest point at or below it (the ``deadline`` policy).
+        argmin_deadlines_s: Per deadline, the minimum-energy point at or below it (``deadline``
+            with ``argmin``).
+        sweep: Evenly spaced points from the slowest to ``T_min`` for frontier outputs (CSV,
+            plot); 0: none.
+    """
+
+    t_star: bool = True
+    deadlines_s: tuple[float, ...] = ()
+    argmin_deadlines_s: tuple[float, ...] = ()
+    sweep: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +134,27 @@ class Frontier:
     reference_times: dict[tuple[int, str], float] | None = None
     """(stage, kind) -> the baseline's time per instruction, when the baseline is not the
     fastest option (Kareus: sequential execution at the maximum clock)."""
+    complete: bool = True
+    """Whether :attr:`points` holds every quantum from ``T_max - 1`` down to ``T_min`` (the
+    walk); a direct solve holds only the points asked for (:class:`Wanted`), each exact."""
+    t_star_quant: int | None = None
+    """For an incomplete frontier: ``T*``'s quant time, or ``None`` when it was not solved."""
+    argmin_quant: dict[int, int] = field(default_factory=dict)
+    """For an incomplete frontier: a deadline's quant time -> the quant time of the
+    minimum-energy point at or below it (``deadline`` with ``argmin``)."""
+    direct: Any = field(default=None, compare=False, repr=False)
+    """For an incomplete frontier: its solved model, from which :meth:`extend` adds points."""
+
+    def extend(self, wanted: Wanted) -> Frontier:
+        """This frontier with the points ``wanted`` asks for added (a complete one: itself).
+
+        Solved on the same model from its last basis: a new straggler deadline costs a
+        fraction of the first solve. Safe to call from another thread (one solve at a time).
+        """
+        if self.complete or self.direct is None:
+            return self
+        points, extra = self.direct.solve(wanted)
+        return dataclasses.replace(self, points=tuple(points), **extra)
 
     @property
     def num_stages(self) -> int:
@@ -118,8 +168,30 @@ class Frontier:
 
     @property
     def min_energy(self) -> FrontierPoint:
-        """``T*``: the point of minimum total energy (the slowest one on ties)."""
-        return min(self.points, key=lambda p: (p.energy_j, -p.time_s))
+        """``T*``: the point of minimum total energy (the slowest one on ties).
+
+        Raises:
+            PlanError: An incomplete frontier solved without ``T*``.
+        """
+        if self.complete:
+            return min(self.points, key=lambda p: (p.energy_j, -p.time_s))
+        if self.t_star_quant is None:
+            raise PlanError("this frontier was solved without T* (the minimum-energy point)")
+        return self._at_quant(self.t_star_quant)
+
+    @property
+    def has_t_star(self) -> bool:
+        """Whether :attr:`min_energy` is known."""
+        return self.complete or self.t_star_quant is not None
+
+    def _at_quant(self, quant: int) -> FrontierPoint:
+        for p in self.points:
+            if p.quant_time == quant:
+                return p
+        raise PlanError(
+            f"this frontier was solved without the point at {quant * self.unit_time_s:g} s; "
+            "plan again for it"
+        )
 
     def select(
         self, policy: str, deadline_s: float | None = None, *, argmin: bool = False
@@ -152,6 +224,18 @@ class Frontier:
             raise PlanError(
                 f"deadline {deadline_s:g} s is below the fastest plan's {self.fastest.time_s:g} s"
             )
+        if not self.complete:
+            quant = deadline_quant(
+                deadline_s, self.unit_time_s, self.fastest.quant_time, self.points[0].quant_time
+            )
+            if argmin:
+                if quant not in self.argmin_quant:
+                    raise PlanError(
+                        f"this frontier was solved without the minimum-energy point under "
+                        f"{deadline_s:g} s; plan again for it"
+                    )
+                return self._at_quant(self.argmin_quant[quant])
+            return self._at_quant(quant)
         if argmin:
             return min(fits, key=lambda p: (p.energy_j, -p.time_s))
         return fits[0]  # points run slowest first
@@ -225,29 +309,41 @@ class Frontier:
         chosen = self.planned_options(point)
         base = self.baseline_time_s if limit_s is None else limit_s
         limit = base * (1.0 + max_slowdown)
-        layout = layout_of(self.dag)
+        replay = IncrementalReplay(self, chosen, switch_latency_s)
+        steps: dict[tuple[tuple[int, str], Option], tuple[Option, float] | None] = {}
+
+        def next_faster(v: int) -> tuple[Option, float] | None:
+            """The next faster option of node v and its price (J per second bought)."""
+            ins = self.dag.instructions[v]
+            key = (ins.stage, ins.kind)
+            current = replay.chosen[v]
+            if (key, current) not in steps:
+                faster = [o for o in self.options[key] if o.time_s < current.time_s]
+                if not faster:
+                    steps[(key, current)] = None
+                else:
+                    step = max(faster, key=lambda o: o.time_s)
+                    price = (step.energy_j - current.energy_j) / (current.time_s - step.time_s)
+                    steps[(key, current)] = (step, price)
+            return steps[(key, current)]
+
         while True:
-            run = replay_options(self, chosen, switch_latency_s, layout)
+            run = replay.run(energy=False)
             if run.time_s <= limit:
-                return chosen
+                return replay.chosen
             candidates = set(run.path) | {
                 run.prev[v] for v in run.path if run.penalized[v] and run.prev[v] >= 0
             }
             best: tuple[float, int, Option] | None = None
             for v in sorted(candidates):
-                ins = self.dag.instructions[v]
-                faster = [
-                    o for o in self.options[(ins.stage, ins.kind)] if o.time_s < chosen[v].time_s
-                ]
-                if not faster:
+                got = next_faster(v)
+                if got is None:
                     continue
-                step = max(faster, key=lambda o: o.time_s)  # the next faster option
-                price = (step.energy_j - chosen[v].energy_j) / (chosen[v].time_s - step.time_s)
-                if best is None or price < best[0]:
-                    best = (price, v, step)
+                if best is None or got[1] < best[0]:
+                    best = (got[1], v, got[0])
             if best is None:
-                return chosen  # everything that matters already runs at maximum frequency
-            chosen[best[1]] = best[2]
+                return replay.chosen  # everything that matters already runs at maximum frequency
+            replay.set(best[1], best[2])
 
     def realized(self, chosen: Sequence[Option], switch_latency_s: float = 0.0) -> Baseline:
         """Realized time and energy of per-instruction options, from the measured profile.
@@ -361,6 +457,8 @@ def compute_frontier(
     candidates: Mapping[tuple[int, str], Sequence[tuple[Any, ...]]] | None = None,
     reference: Mapping[tuple[int, str], tuple[float, float]] | None = None,
     max_work: int | None = DEFAULT_MAX_WORK,
+    solver: str = "walk",
+    wanted: Wanted | None = None,
 ) -> Frontier:
     """Profile + schedule -> the exact frontier of the relaxed (fitted) problem.
 
@@ -385,12 +483,22 @@ def compute_frontier(
             the baseline the savings are measured against (Kareus: sequential execution at the
             maximum clock). Default: each pair's fastest option.
         max_work: Refuse a walk estimated past this many instruction-steps
-            (:class:`WorkEstimate`) before it starts; ``None``: no limit.
+            (:class:`WorkEstimate`) before it starts; ``None``: no limit. The direct solve is
+            not held to it.
+        solver: ``walk`` (every point, Phillips-Dessouky), ``direct`` (only the points of
+            ``wanted``, one linear program each; needs ``highspy``, extra ``fast``) or
+            ``auto`` (direct where highspy is installed).
+        wanted: For the direct solve: which points (default: ``T_min`` and ``T*``).
 
     Raises:
         PlanError: The profile does not cover the schedule, parameters are out of range, or
             the walk is past ``max_work``.
+        BackendUnavailableError: ``solver="direct"`` without highspy.
     """
+    if solver not in SOLVERS:
+        raise PlanError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if solver == "auto":
+        solver = "direct" if direct_available() else "walk"
     check_quantum(unit_time_s, p_block_w)
     dag = build_dag(schedule, placement)
     used = {(ins.stage, ins.kind) for ins in dag.instructions}
@@ -417,40 +525,13 @@ def compute_frontier(
             options[(stage, kind)] = opts
             models[(stage, kind)] = build_cost_model(opts, kind=cost_model, unit_time_s=unit_time_s)
     costs = [models[(ins.stage, ins.kind)] for ins in dag.instructions]
-    solver = PhillipsDessouky(len(dag.instructions), dag.edges, costs)
-    WorkEstimate(
-        num_instructions=len(dag.instructions),
-        time_steps=solver.makespan() - solver.fastest_makespan(),
-    ).check(max_work, hint=WORK_HINT)
+    solver_pd = PhillipsDessouky(len(dag.instructions), dag.edges, costs)
     n_block = dag.num_stages * p_block_w
-    points = []
-    for step in solver.run(progress):
-        time_s = step.quant_time * unit_time_s
-        points.append(
-            FrontierPoint(
-                iteration=step.iteration,
-                quant_time=step.quant_time,
-                time_s=time_s,
-                effective_energy_j=step.cost,
-                energy_j=step.cost + n_block * time_s,
-                cost_change_j=step.cost_change,
-                durations=step.durations,
-            )
-        )
-    if not points:
-        # Nothing can be sped up or slowed down: the frontier is the single starting point.
-        quant = solver.makespan()
-        points.append(
-            FrontierPoint(
-                iteration=0,
-                quant_time=quant,
-                time_s=quant * unit_time_s,
-                effective_energy_j=solver.total_cost(),
-                energy_j=solver.total_cost() + n_block * quant * unit_time_s,
-                cost_change_j=0.0,
-                durations=tuple(solver.durations),
-            )
-        )
+    extra: dict[str, Any] = {}
+    if solver == "direct":
+        points, extra = _direct_points(solver_pd, wanted or Wanted(), n_block, unit_time_s)
+    else:
+        points = _walk_points(solver_pd, max_work, n_block, unit_time_s, progress)
     busy: dict[int, tuple[float, float]] = {}
     for stage in range(dag.num_stages):
         t = e = 0.0
@@ -490,4 +571,179 @@ def compute_frontier(
         reference_times=(
             None if reference is None else {key: tr for key, (tr, _) in reference.items()}
         ),
+        **extra,
     )
+
+
+def _point(
+    quant: int,
+    cost: float,
+    change: float,
+    durations: tuple[int, ...],
+    *,
+    t_max: int,
+    n_block: float,
+    unit_time_s: float,
+) -> FrontierPoint:
+    time_s = quant * unit_time_s
+    return FrontierPoint(
+        iteration=t_max - quant,
+        quant_time=quant,
+        time_s=time_s,
+        effective_energy_j=cost,
+        energy_j=cost + n_block * time_s,
+        cost_change_j=change,
+        durations=durations,
+    )
+
+
+def _walk_points(
+    solver: PhillipsDessouky,
+    max_work: int | None,
+    n_block: float,
+    unit_time_s: float,
+    progress: Callable[[int, int], None] | None,
+) -> list[FrontierPoint]:
+    """Every point, slowest first: the Phillips-Dessouky walk."""
+    WorkEstimate(
+        num_instructions=solver.num_nodes,
+        time_steps=solver.makespan() - solver.fastest_makespan(),
+    ).check(max_work, hint=WORK_HINT)
+    t_max = solver.makespan()
+    points = [
+        _point(
+            step.quant_time,
+            step.cost,
+            step.cost_change,
+            step.durations,
+            t_max=t_max,
+            n_block=n_block,
+            unit_time_s=unit_time_s,
+        )
+        for step in solver.run(progress)
+    ]
+    if not points:
+        # Nothing can be sped up or slowed down: the frontier is the single starting point.
+        points.append(
+            _point(
+                t_max,
+                solver.total_cost(),
+                0.0,
+                tuple(solver.durations),
+                t_max=t_max,
+                n_block=n_block,
+                unit_time_s=unit_time_s,
+            )
+        )
+    return points
+
+
+class _DirectPoints:
+    """The points of a direct solve, kept with their model so that more can be added.
+
+    Always ``T_min`` and the walk's first point ``T_max - 1`` (one max-flow step: it gives the
+    slowest time the frontier reaches and the start's cost); ``T*`` if asked; each deadline's
+    point (the slowest at or below it) and, for ``argmin``, its minimum-energy point; and
+    ``wanted.sweep`` evenly spaced points for outputs. ``cost_change_j`` of a point is the
+    average per τ since the next slower point listed. Later solves (:meth:`Frontier.extend`,
+    a session's re-plan) start from the last basis; a lock keeps one solve at a time.
+    """
+
+    def __init__(self, solver: PhillipsDessouky, n_block: float, unit_time_s: float) -> None:
+        self.n_block, self.unit_time_s = n_block, unit_time_s
+        self.t_max = solver.makespan()
+        self.t_min = solver.fastest_makespan()
+        self.start_cost = solver.total_cost()
+        self.direct = DirectSolver(solver, time_cost_per_quantum=n_block * unit_time_s)
+        first = next(solver.run())  # T_max - 1, from the all-slowest start
+        self.t_first = first.quant_time
+        self.found: dict[int, tuple[float, tuple[int, ...]]] = {
+            self.t_first: (first.cost, first.durations)
+        }
+        self.t_star: int | None = None
+        self.argmin: dict[int, int] = {}
+        self.lock = threading.Lock()
+        self.at(self.t_min)
+
+    def at(self, quant: int) -> None:
+        if quant not in self.found:
+            got = self.direct.at(quant)
+            self.found[quant] = (got.cost, got.durations)
+
+    def cheapest(self, lo: int, hi: int) -> int:
+        got = self.direct.cheapest(lo, hi)
+        self.found.setdefault(got.quant_time, (got.cost, got.durations))
+        return got.quant_time
+
+    def solve(self, wanted: Wanted) -> tuple[list[FrontierPoint], dict[str, Any]]:
+        with self.lock:
+            t_min, t_first, tau = self.t_min, self.t_first, self.unit_time_s
+            if wanted.t_star and self.t_star is None:
+                self.t_star = self.cheapest(t_min, t_first)
+            for deadline_s in wanted.argmin_deadlines_s:
+                quant = deadline_quant(deadline_s, tau, t_min, t_first)
+                if quant is not None and quant not in self.argmin:
+                    self.argmin[quant] = self.cheapest(t_min, quant)
+            quants = [deadline_quant(d, tau, t_min, t_first) for d in wanted.deadlines_s]
+            if wanted.sweep > 0:
+                quants += sweep_quants(t_min, t_first, wanted.sweep)
+            for quant in sorted({q for q in quants if q is not None}):
+                self.at(quant)
+            points = []
+            prev_quant, prev_cost = self.t_max, self.start_cost
+            for quant in sorted(self.found, reverse=True):
+                cost, durations = self.found[quant]
+                change = (cost - prev_cost) / (prev_quant - quant)
+                points.append(
+                    _point(
+                        quant,
+                        cost,
+                        change,
+                        durations,
+                        t_max=self.t_max,
+                        n_block=self.n_block,
+                        unit_time_s=tau,
+                    )
+                )
+                prev_quant, prev_cost = quant, cost
+            extra = {
+                "complete": False,
+                "t_star_quant": self.t_star,
+                "argmin_quant": dict(self.argmin),
+                "direct": self,
+            }
+            return points, extra
+
+
+def _direct_points(
+    solver: PhillipsDessouky, wanted: Wanted, n_block: float, unit_time_s: float
+) -> tuple[list[FrontierPoint], dict[str, Any]]:
+    """The points ``wanted`` asks for, each by one linear program (docs/perseus.md §2.6)."""
+    if solver.makespan() == solver.fastest_makespan():
+        return _walk_points(solver, None, n_block, unit_time_s, None), {}
+    return _DirectPoints(solver, n_block, unit_time_s).solve(wanted)
+
+
+def sweep_quants(t_min: int, t_first: int, count: int) -> list[int]:
+    """``count`` quant times evenly spaced from ``t_first`` down to ``t_min``, both included.
+
+    The spacing is ``ceil((t_first - t_min) / (count - 1))`` quanta (every quantum when the
+    span is shorter).
+    """
+    if count <= 1 or t_first <= t_min:
+        return [t_min]
+    step = max(1, math.ceil((t_first - t_min) / (count - 1)))
+    return sorted({*range(t_first, t_min, -step), t_min})
+
+
+def deadline_quant(deadline_s: float, unit_time_s: float, t_min: int, t_first: int) -> int | None:
+    """The slowest frontier quant time with ``quant · τ <= deadline_s`` (the walk's rule).
+
+    ``None`` when the deadline is below ``T_min``.
+    """
+    if not math.isfinite(deadline_s):
+        return None
+    quant = min(t_first, max(t_min - 1, math.floor(deadline_s / unit_time_s) + 1))
+    while quant >= t_min and quant * unit_time_s > deadline_s + 1e-12:
+        quant -= 1
+    return quant if quant >= t_min else None

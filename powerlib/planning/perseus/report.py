@@ -24,7 +24,11 @@ FRONTIER_COLUMNS = ("iteration", "time_s", "energy_j", "effective_energy_j", "co
 
 
 def write_frontier_csv(frontier: Frontier, path: str | Path) -> None:
-    """One row per frontier point, slowest first (exactly one per solver step)."""
+    """One row per frontier point, slowest first.
+
+    The walk writes every quantum; a direct solve the points it solved (evenly spaced with
+    ``sweep``, plus T_min, T* and the chosen point), each exact.
+    """
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(FRONTIER_COLUMNS)
@@ -49,16 +53,18 @@ def summary(choice: Choice, *, solve_time_s: float) -> dict[str, Any]:
     baseline = frontier.baseline(chosen.time_s)
     realized = choice.realized
     own = frontier.baseline()
-    t_star = frontier.min_energy
+    t_star = frontier.min_energy if frontier.has_t_star else None
     first = frontier.points[0]
     return {
         "schema": "powerlib.plan-summary.v1",
+        "solver": "walk" if frontier.complete else "direct",
+        "complete_frontier": frontier.complete,
         "num_points": len(frontier.points),
         "t_min_s": frontier.fastest.time_s,
         "t_max_s": first.time_s
         + frontier.unit_time_s,  # the all-slowest start, which is not a point
-        "t_star_s": t_star.time_s,
-        "t_star_energy_j": t_star.energy_j,
+        "t_star_s": None if t_star is None else t_star.time_s,
+        "t_star_energy_j": None if t_star is None else t_star.energy_j,
         "chosen": {
             "policy": policy.name,
             "iteration": chosen.iteration,

@@ -122,6 +122,26 @@ class PhillipsDessouky:
         self.durations = [t.q_max for t in self._table]  # start from the slowest, cheapest plan
         self._makespan = 0
 
+    @property
+    def tables(self) -> list[_Table]:
+        """Per activity, its cost table on ``[q_min, q_max]`` (shared by equal cost models)."""
+        return self._table
+
+    @property
+    def predecessors(self) -> list[list[int]]:
+        """Per activity, its predecessors (each edge once)."""
+        return self._preds
+
+    @property
+    def successors(self) -> list[list[int]]:
+        """Per activity, its successors (each edge once)."""
+        return self._succs
+
+    @property
+    def order(self) -> list[int]:
+        """A topological order of the activities."""
+        return self._topo
+
     def _topological_order(self) -> list[int]:
         indegree = [len(p) for p in self._preds]
         ready = deque(v for v in range(self.num_nodes) if indegree[v] == 0)

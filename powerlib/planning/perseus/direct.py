@@ -1,0 +1,313 @@
+"""Frontier points solved directly: one linear program per point, no walk.
+
+The Phillips-Dessouky walk (:mod:`powerlib.planning.perseus.solver`) finds the minimum cost at
+*every* makespan from ``T_max`` down to ``T_min``, one max flow per time quantum; a plan needs one
+or two of those points. Each point is the optimum of a linear program over the same DAG and cost
+tables (docs/perseus.md §2.6):
+
+* one finish time ``F_v`` per activity and one makespan column ``T``;
+* each activity's convex cost as unit segments ``x_vk ∈ [0, 1]``: crashing ``v`` from ``q`` to
+  ``q - 1`` costs ``c_v(q - 1) - c_v(q)`` (non-decreasing as ``q`` falls, so the cheapest
+  segments fill first and ``d_v = q_max,v - Σ_k x_vk`` has cost ``c_v(d_v)``);
+* ``F_v - F_u + Σ_k x_vk ≥ q_max,v`` for every edge ``u -> v`` (``F_v + Σ_k x_vk ≥ q_max,v``
+  where ``v`` has no predecessor), and ``F_v ≤ T`` where ``v`` has no successor;
+* minimise ``Σ segment costs + w · T`` with ``T`` fixed (a deadline) or free in a range with ``w``
+  the blocking energy per quantum (``T*``, the minimum total energy).
+
+Every row has one ``+1`` and one ``-1`` on the time columns plus unit columns: the matrix is
+totally unimodular, so with integer bounds the simplex vertex HiGHS returns is integral. That is
+checked, never assumed: a solution farther than ``1e-6`` from an integer is an error, not rounded.
+The solved durations are then checked against the DAG (critical path ≤ ``T``, every duration in
+its range) and their cost is read from the cost tables, exactly as the walk reads it.
+
+Equal costs leave an LP free to crash an activity for nothing; afterwards every activity is
+lengthened into its slack while its cost does not rise (at a strictly decreasing cost that never
+changes an optimum), so a plan never runs a clock faster than its cost asks for.
+
+HiGHS comes from ``highspy`` (extra ``fast``). One model is built per DAG and re-solved from its
+last basis when only ``T`` moves (a sweep of nearby points costs a fraction of a cold solve).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from powerlib.errors import BackendUnavailableError, PlanError
+from powerlib.planning.perseus.solver import PhillipsDessouky
+
+__all__ = ["DirectSolution", "DirectSolver", "direct_available"]
+
+logger = logging.getLogger(__name__)
+
+_INTEGRAL_TOL = 1e-6
+_HIGHS: list[Any] = []
+
+
+def _highspy() -> Any | None:
+    """The ``highspy`` module (extra ``fast``), or None when it is not installed."""
+    if not _HIGHS:
+        try:
+            import highspy  # noqa: PLC0415 - optional extra
+
+            _HIGHS.append(highspy)
+        except ImportError:
+            _HIGHS.append(None)
+    return _HIGHS[0]
+
+
+def direct_available() -> bool:
+    """Whether the direct solve can run here (``highspy`` importable)."""
+    return _highspy() is not None
+
+
+@dataclass(frozen=True, slots=True)
+class DirectSolution:
+    """One solved point.
+
+    Attributes:
+        quant_time: The makespan bound ``T`` the point is for (time quanta).
+        durations: Every activity's duration, in node order.
+        cost: Σ activity cost at ``durations``, read from the cost tables.
+        simplex_iterations: What the solve took (0 when nothing had to move).
+    """
+
+    quant_time: int
+    durations: tuple[int, ...]
+    cost: float
+    simplex_iterations: int
+
+
+class DirectSolver:
+    """The linear program of a DAG of convex activities, solved at one makespan at a time.
+
+    Args:
+        walk: The Phillips-Dessouky solver of the same DAG and costs (its tables, order and
+            critical-path method are shared; it is not run).
+        time_cost_per_quantum: ``w``: the cost of one quantum of makespan in :meth:`cheapest`
+            (``N · P_block · τ`` for the minimum-energy point).
+
+    Raises:
+        BackendUnavailableError: ``highspy`` is not installed.
+    """
+
+    def __init__(self, walk: PhillipsDessouky, *, time_cost_per_quantum: float = 0.0) -> None:
+        highspy = _highspy()
+        if highspy is None:
+            raise BackendUnavailableError(
+                "the direct plan solve needs HiGHS: pip install 'powerlib[fast]' (highspy)"
+            )
+        if not (math.isfinite(time_cost_per_quantum) and time_cost_per_quantum >= 0):
+            raise PlanError(f"time cost must be >= 0, got {time_cost_per_quantum}")
+        self._walk = walk
+        self._w = float(time_cost_per_quantum)
+        self.t_min = walk.fastest_makespan()
+        self.t_max = walk.makespan([t.q_max for t in walk.tables])
+        self._build(highspy)
+
+    def _build(self, highspy: Any) -> None:
+        walk = self._walk
+        n = walk.num_nodes
+        tables = walk.tables
+        q_max = np.array([t.q_max for t in tables], dtype=float)
+        spans = np.array([t.q_max - t.q_min for t in tables], dtype=np.int64)
+        seg_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(spans, out=seg_start[1:])
+        n_seg = int(seg_start[-1])
+        seg_cost = np.empty(n_seg)
+        for v, t in enumerate(tables):
+            vals = t.values  # c(q_min) .. c(q_max)
+            # segment k of v: crash from q_max - k to q_max - k - 1
+            seg_cost[seg_start[v] : seg_start[v + 1]] = np.subtract(vals[-2::-1], vals[:0:-1])
+        np.maximum(seg_cost, 0.0, out=seg_cost)  # a non-increasing cost: round-off only
+        preds = walk.predecessors
+        succs = walk.successors
+        # Rows 0 .. R-1: one per edge u -> v (and one per source v), ">= q_max,v".
+        row_node: list[int] = []
+        row_pred: list[int] = []
+        for v in range(n):
+            if preds[v]:
+                for u in preds[v]:
+                    row_node.append(v)
+                    row_pred.append(u)
+            else:
+                row_node.append(v)
+                row_pred.append(-1)
+        sinks = [v for v in range(n) if not succs[v]]
+        rn = np.asarray(row_node, dtype=np.int64)
+        rp = np.asarray(row_pred, dtype=np.int64)
+        n_prec = len(rn)
+        t_col = n
+        seg_col0 = n + 1
+        # Column-wise triplets (row, col, value).
+        has_pred = rp >= 0
+        rows = [np.arange(n_prec), np.flatnonzero(has_pred)]
+        cols = [rn, rp[has_pred]]
+        vals = [np.ones(n_prec), -np.ones(int(has_pred.sum()))]
+        counts = spans[rn]
+        seg_rows = np.repeat(np.arange(n_prec), counts)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        seg_cols = seg_col0 + np.repeat(seg_start[rn], counts) + offsets
+        rows.append(seg_rows)
+        cols.append(seg_cols)
+        vals.append(np.ones(len(seg_rows)))
+        sink_rows = n_prec + np.arange(len(sinks))
+        rows += [sink_rows, sink_rows]
+        cols += [np.asarray(sinks, dtype=np.int64), np.full(len(sinks), t_col)]
+        vals += [np.ones(len(sinks)), -np.ones(len(sinks))]
+        r = np.concatenate(rows)
+        c = np.concatenate(cols)
+        a = np.concatenate(vals)
+        n_cols = seg_col0 + n_seg
+        n_rows = n_prec + len(sinks)
+        order = np.lexsort((r, c))
+        r, c, a = r[order], c[order], a[order]
+        start = np.zeros(n_cols + 1, dtype=np.int32)
+        np.cumsum(np.bincount(c, minlength=n_cols), out=start[1:])
+        lp = highspy.HighsLp()
+        lp.num_col_ = n_cols
+        lp.num_row_ = n_rows
+        inf = highspy.kHighsInf
+        lp.col_cost_ = np.concatenate([np.zeros(n), [self._w], seg_cost])
+        lp.col_lower_ = np.zeros(n_cols)
+        lp.col_upper_ = np.concatenate([np.full(n, inf), [float(self.t_max)], np.ones(n_seg)])
+        lp.row_lower_ = np.concatenate([q_max[rn], np.full(len(sinks), -inf)])
+        lp.row_upper_ = np.concatenate([np.full(n_prec, inf), np.zeros(len(sinks))])
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = start
+        lp.a_matrix_.index_ = r.astype(np.int32)
+        lp.a_matrix_.value_ = a
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("solver", "simplex")
+        status = h.passModel(lp)
+        if status == highspy.HighsStatus.kError:
+            raise PlanError("internal error: HiGHS refused the plan's linear program")
+        self._h = h
+        self._hs = highspy
+        self._t_col = t_col
+        self._seg_col0 = seg_col0
+        self._seg_start = seg_start
+        self._q_max = np.array([t.q_max for t in tables], dtype=np.int64)
+        self.num_columns = n_cols
+        self.num_rows = n_rows
+
+    # -- solves ----------------------------------------------------------------------------------
+
+    def at(self, quant_time: int) -> DirectSolution:
+        """The minimum-cost durations with makespan at most ``quant_time``.
+
+        Raises:
+            PlanError: ``quant_time`` below ``T_min``, or HiGHS failed or returned a fractional
+                solution.
+        """
+        t = int(quant_time)
+        if t < self.t_min:
+            raise PlanError(f"makespan {t} is below the fastest possible {self.t_min}")
+        return self._solve(t, t, cost=0.0)
+
+    def cheapest(self, lo: int, hi: int) -> DirectSolution:
+        """The point of minimum ``cost + w · T`` over makespans ``T`` in ``[lo, hi]``.
+
+        Raises:
+            PlanError: An empty range, or HiGHS failed or returned a fractional solution.
+        """
+        lo, hi = max(int(lo), self.t_min), int(hi)
+        if hi < lo:
+            raise PlanError(f"no makespan in [{lo}, {hi}] (the fastest possible is {self.t_min})")
+        return self._solve(lo, hi, cost=self._w)
+
+    def _solve(self, lo: int, hi: int, *, cost: float) -> DirectSolution:
+        h, hs = self._h, self._hs
+        h.changeColCost(self._t_col, cost)
+        h.changeColBounds(self._t_col, float(lo), float(hi))
+        h.run()
+        status = h.getModelStatus()
+        if status != hs.HighsModelStatus.kOptimal:
+            raise PlanError(
+                f"the direct plan solve failed at makespan [{lo}, {hi}]: HiGHS says "
+                f"{h.modelStatusToString(status)}"
+            )
+        x = np.asarray(h.getSolution().col_value)
+        seg = x[self._seg_col0 :]
+        t_val = float(x[self._t_col])
+        worst = float(np.max(np.abs(seg - np.round(seg)), initial=0.0))
+        worst = max(worst, abs(t_val - round(t_val)))
+        if worst > _INTEGRAL_TOL:
+            raise PlanError(
+                f"internal error: the direct plan solve returned a fractional solution "
+                f"(off an integer by {worst:.3g}); plan with --solver walk"
+            )
+        crashed = np.add.reduceat(np.round(seg), self._seg_start[:-1]) if len(seg) else None
+        spans = np.diff(self._seg_start)
+        if crashed is None:
+            crashed = np.zeros(len(spans))
+        crashed = np.where(spans > 0, crashed, 0.0)  # reduceat repeats a value on empty ranges
+        durations = (self._q_max - crashed.astype(np.int64)).tolist()
+        quant = lo if lo == hi else int(round(t_val))
+        durations = self._lengthen(durations, quant)
+        walk = self._walk
+        makespan = walk.makespan(durations)
+        tables = walk.tables
+        if makespan > quant or any(
+            not (t.q_min <= q <= t.q_max) for t, q in zip(tables, durations)
+        ):
+            raise PlanError(
+                f"internal error: the direct plan solve's durations take {makespan} quanta, "
+                f"past the bound {quant}, or leave a duration range; plan with --solver walk"
+            )
+        info = h.getInfo()
+        return DirectSolution(
+            quant_time=quant,
+            durations=tuple(durations),
+            cost=walk.total_cost(durations),
+            simplex_iterations=int(info.simplex_iteration_count),
+        )
+
+    def _lengthen(self, durations: list[int], quant: int) -> list[int]:
+        """Lengthen each activity into its slack while its cost does not rise.
+
+        Latest-first: an activity takes the room its successors (or ``quant``) leave after its
+        earliest start, as long as its cost table does not rise (later nodes keep their start).
+        """
+        walk = self._walk
+        n = walk.num_nodes
+        preds, succs, tables = walk.predecessors, walk.successors, walk.tables
+        order = walk.order
+        start = [0] * n
+        for v in order:
+            start[v] = max((start[u] + durations[u] for u in preds[v]), default=0)
+        for v in reversed(order):
+            finish_by = min((start[w] for w in succs[v]), default=quant)
+            t = tables[v]
+            q = durations[v]
+            room = min(t.q_max, finish_by - start[v])
+            while q < room and t.at(q + 1) <= t.at(q):
+                q += 1
+            durations[v] = q
+        return durations
+
+
+def solve_points(
+    walk: PhillipsDessouky,
+    *,
+    times: Sequence[int] = (),
+    cheapest: Sequence[tuple[int, int]] = (),
+    time_cost_per_quantum: float = 0.0,
+) -> tuple[dict[int, DirectSolution], dict[tuple[int, int], DirectSolution]]:
+    """Solve many points on one model, nearest first (each from the last basis).
+
+    Returns:
+        ``{T: solution}`` for ``times`` and ``{(lo, hi): solution}`` for ``cheapest``.
+    """
+    solver = DirectSolver(walk, time_cost_per_quantum=time_cost_per_quantum)
+    at: dict[int, DirectSolution] = {}
+    for t in sorted(set(times)):
+        at[t] = solver.at(t)
+    best = {rng: solver.cheapest(*rng) for rng in dict.fromkeys(cheapest)}
+    return at, best
