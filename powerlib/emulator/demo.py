@@ -22,6 +22,7 @@ from typing import Any
 from powerlib.control import ControlSession
 from powerlib.emulator.engine import Emulator, IterationResult
 from powerlib.errors import BackendUnavailableError, InvalidArgumentError
+from powerlib.planning.perseus.direct import direct_available
 from powerlib.planning.perseus.frontier import DEFAULT_MAX_WORK, estimate_pipeline_work
 from powerlib.planning.perseus.report import pyplot
 from powerlib.planning.pipeline import KIND_LETTERS, build_schedule
@@ -118,6 +119,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         num_microbatches=config.num_microbatches,
         num_chunks=config.num_chunks,
         unit_time_s=auto_unit_time_s(profile),
+        solver="direct" if direct_available() else "walk",  # what the sessions' make_plan uses
     ).check(DEFAULT_MAX_WORK, hint="use fewer --microbatches")
     schedule = build_schedule(
         config.schedule, num_stages, config.num_microbatches, config.num_chunks

@@ -112,15 +112,15 @@ def plan_from_profile(
         profile_or_path if isinstance(profile_or_path, Profile) else Profile.read(profile_or_path)
     )
     profile.validate_for(stages, ())  # a profile of 8 stages cannot plan 100000
-    if solver == "walk":
-        # Before the schedule is even built: M = 100000 or τ = 1e-7 s would run for hours.
-        estimate_pipeline_work(
-            profile.option_points(),
-            num_stages=stages,
-            num_microbatches=microbatches,
-            num_chunks=num_chunks,
-            unit_time_s=unit_time_s,
-        ).check(max_work, hint=WORK_HINT)
+    # Before the schedule is even built: M = 100000 or τ = 1e-7 s would run for hours.
+    estimate_pipeline_work(
+        profile.option_points(),
+        num_stages=stages,
+        num_microbatches=microbatches,
+        num_chunks=num_chunks,
+        unit_time_s=unit_time_s,
+        solver=solver,
+    ).check(max_work, hint=WORK_HINT)
     sched = build_schedule(schedule, stages, microbatches, num_chunks)
     started = time.perf_counter()
     frontier = compute_frontier(

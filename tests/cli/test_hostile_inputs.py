@@ -286,9 +286,14 @@ def test_work_too_large_is_refused_with_the_estimate_and_the_option(
     assert stdout == "" and not plan_out.exists()
 
 
-def test_max_work_is_the_limit_both_ways(tmp_path: Path) -> None:
+@pytest.mark.parametrize("solver", ["walk", "direct"])
+def test_max_work_is_the_limit_both_ways(tmp_path: Path, solver: str) -> None:
     estimate = estimate_pipeline_work(
-        Profile.read(GPT3).option_points(), num_stages=8, num_microbatches=12, unit_time_s=0.001
+        Profile.read(GPT3).option_points(),
+        num_stages=8,
+        num_microbatches=12,
+        unit_time_s=0.001,
+        solver=solver,
     )
     code, _, stderr = _invoke(
         [
@@ -297,6 +302,8 @@ def test_max_work_is_the_limit_both_ways(tmp_path: Path) -> None:
             *PLAN_ARGS,
             "--microbatches",
             "12",
+            "--solver",
+            solver,
             "--max-work",
             str(estimate.work - 1),
         ]
@@ -310,6 +317,8 @@ def test_max_work_is_the_limit_both_ways(tmp_path: Path) -> None:
             *PLAN_ARGS,
             "--microbatches",
             "12",
+            "--solver",
+            solver,
             "--max-work",
             str(2 * estimate.work),
             "--json",
@@ -336,6 +345,13 @@ def test_the_estimate_is_close_to_the_walk_it_predicts() -> None:
         )
         assert estimate.num_instructions == 8 * m * 2
         assert estimate.time_steps == pytest.approx(len(frontier.points), rel=0.05)
+        # The direct solve's unit segments: every instruction's quanta from fastest to slowest.
+        exact = sum(
+            max(opt.quant for opt in frontier.options[ins.stage, ins.kind])
+            - min(opt.quant for opt in frontier.options[ins.stage, ins.kind])
+            for ins in frontier.dag.instructions
+        )
+        assert estimate.unit_segments == pytest.approx(exact, rel=0.05)
 
 
 def test_compute_frontier_refuses_past_max_work_before_solving() -> None:
@@ -355,11 +371,42 @@ def test_compute_frontier_refuses_past_max_work_before_solving() -> None:
     assert steps == []  # refused before the first solver step
 
 
+def test_direct_solve_refuses_past_max_work_before_building_the_program(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from powerlib.planning.perseus import frontier as frontier_module  # noqa: PLC0415
+
+    if not frontier_module.direct_available():
+        pytest.skip("highspy is not installed")
+    built: list[object] = []
+    monkeypatch.setattr(
+        frontier_module, "DirectSolver", lambda *a, **k: built.append(a) or pytest.fail("built")
+    )
+    with pytest.raises(PlanError, match="linear program is too much work: 96 instructions [+] "):
+        compute_frontier(
+            Profile.read(GPT3),
+            build_schedule("1f1b", 8, 6),
+            schedule_name="1f1b",
+            num_microbatches=6,
+            p_block_w=83.64,
+            unit_time_s=0.001,
+            max_work=10,
+            solver="direct",
+        )
+    assert built == []
+
+
 def test_work_estimate_units() -> None:
     e = WorkEstimate(num_instructions=1000, time_steps=360_000)
     assert e.work == 360_000_000
     assert "1,000 instructions x 360,000 time steps" in e.describe()
     assert "1 h" in e.describe() and "3.6 GB" in e.describe()
+    d = WorkEstimate(num_instructions=8192, time_steps=1, unit_segments=141_000, solver="direct")
+    assert d.lp_columns == 149_193
+    assert 5 < d.time_s < 15  # 16 x 256 solved in 7.3 s (work.py's measured rate)
+    assert "8,192 instructions + 141,000 unit segments = 149,193 columns" in d.describe()
+    with pytest.raises(PlanError, match="unknown solver"):
+        WorkEstimate(num_instructions=1, time_steps=1, solver="simplex")
 
 
 # --- unknown backend ---------------------------------------------------------------------------

@@ -529,7 +529,9 @@ def compute_frontier(
     n_block = dag.num_stages * p_block_w
     extra: dict[str, Any] = {}
     if solver == "direct":
-        points, extra = _direct_points(solver_pd, wanted or Wanted(), n_block, unit_time_s)
+        points, extra = _direct_points(
+            solver_pd, wanted or Wanted(), n_block, unit_time_s, max_work
+        )
     else:
         points = _walk_points(solver_pd, max_work, n_block, unit_time_s, progress)
     busy: dict[int, tuple[float, float]] = {}
@@ -716,11 +718,21 @@ class _DirectPoints:
 
 
 def _direct_points(
-    solver: PhillipsDessouky, wanted: Wanted, n_block: float, unit_time_s: float
+    solver: PhillipsDessouky,
+    wanted: Wanted,
+    n_block: float,
+    unit_time_s: float,
+    max_work: int | None = DEFAULT_MAX_WORK,
 ) -> tuple[list[FrontierPoint], dict[str, Any]]:
     """The points ``wanted`` asks for, each by one linear program (docs/perseus.md §2.6)."""
     if solver.makespan() == solver.fastest_makespan():
         return _walk_points(solver, None, n_block, unit_time_s, None), {}
+    WorkEstimate(  # the exact program size, before it is built
+        num_instructions=solver.num_nodes,
+        time_steps=solver.makespan() - solver.fastest_makespan(),
+        unit_segments=sum(t.q_max - t.q_min for t in solver.tables),
+        solver="direct",
+    ).check(max_work, hint=WORK_HINT)
     return _DirectPoints(solver, n_block, unit_time_s).solve(wanted)
 
 

@@ -1,8 +1,12 @@
-"""How much work a frontier walk is, estimated before it starts, and the limit it is held to.
+"""How much work a plan solve is, estimated before it starts, and the limit it is held to.
 
 The walk (:func:`~powerlib.planning.perseus.frontier.compute_frontier`) takes one max-flow step
-per time quantum over every instruction; :func:`estimate_pipeline_work` predicts that product
-from the options alone (no DAG), and :class:`WorkEstimate` refuses a walk past the limit.
+per time quantum over every instruction; the direct solve (docs/perseus.md §2.6) is one linear
+program with a column per instruction and per unit segment of its cost. Both are held to one
+limit in *work units* of about 10 µs each on one core: for the walk a unit is one
+instruction-step; for the direct solve the units grow with the square of the program's columns
+(measured, below). :func:`estimate_pipeline_work` predicts either from the options alone (no
+DAG), and :class:`WorkEstimate` refuses a solve past the limit.
 """
 
 from __future__ import annotations
@@ -29,37 +33,69 @@ __all__ = [
 DEFAULT_MAX_WORK = 50_000_000
 _SECONDS_PER_UNIT = 1e-5
 _BYTES_PER_UNIT = 10.0
+#: The direct solve's measured cost on this project's 2-core CI-class machine (GPT-3 175B
+#: repeated to N stages, 1F1B, τ = 1 ms; benchmarks/planner_scale.py): HiGHS dual simplex took
+#: 2.1 s at 72k columns (16 x 128), 7.3 s at 144k (16 x 256) and 35 s at 288k (32 x 256),
+#: about the square of the columns (4e-10 s per column²), and about 1.4 kB of memory per column.
+_DIRECT_SECONDS_PER_COLUMN_SQ = 4e-10
+_DIRECT_BYTES_PER_COLUMN = 1400.0
+SOLVER_KINDS = ("walk", "direct")
 
 
 @dataclass(frozen=True, slots=True)
 class WorkEstimate:
-    """How much work a frontier walk is: one max-flow step per time quantum, over every node.
+    """How much work a solve is: the walk's max-flow steps or the direct solve's program.
 
     Attributes:
         num_instructions: Nodes of the instruction DAG.
         time_steps: Time quanta between the slowest plan's makespan and the fastest one's.
+        unit_segments: Unit segments of every instruction's cost (τ each between its fastest
+            and its slowest useful duration): the direct solve's columns besides one per node.
+        solver: ``walk`` or ``direct``: which solve the estimate is for.
     """
 
     num_instructions: int
     time_steps: int
+    unit_segments: int = 0
+    solver: str = "walk"
+
+    def __post_init__(self) -> None:
+        if self.solver not in SOLVER_KINDS:
+            raise PlanError(f"unknown solver {self.solver!r}; choose one of walk, direct")
+
+    @property
+    def lp_columns(self) -> int:
+        """The direct solve's columns: one finish time per node, the makespan, the segments."""
+        return self.num_instructions + 1 + self.unit_segments
 
     @property
     def work(self) -> int:
-        """Instruction-steps: what the limit is expressed in."""
+        """Work units (about 10 µs each): what the limit is expressed in."""
+        if self.solver == "direct":
+            units = _DIRECT_SECONDS_PER_COLUMN_SQ * float(self.lp_columns) ** 2 / _SECONDS_PER_UNIT
+            return max(1, math.ceil(min(units, 1e18)))
         return self.num_instructions * max(self.time_steps, 1)
 
     @property
     def time_s(self) -> float:
-        """Expected solve time on one core (measured rate, see :data:`DEFAULT_MAX_WORK`)."""
+        """Expected solve time on one core (measured rates, see the module's constants)."""
         return self.work * _SECONDS_PER_UNIT
 
     @property
     def memory_bytes(self) -> float:
-        """Expected memory of the frontier's points."""
+        """Expected memory of the frontier's points (walk) or the linear program (direct)."""
+        if self.solver == "direct":
+            return self.lp_columns * _DIRECT_BYTES_PER_COLUMN
         return self.work * _BYTES_PER_UNIT
 
     def describe(self) -> str:
         """One phrase: the counts, the product and the expected time and memory."""
+        if self.solver == "direct":
+            return (
+                f"{self.num_instructions:,} instructions + {self.unit_segments:,} unit segments "
+                f"= {self.lp_columns:,} columns = {self.work:.3g} work units (about "
+                f"{_duration(self.time_s)} and {_size(self.memory_bytes)})"
+            )
         return (
             f"{self.num_instructions:,} instructions x {self.time_steps:,} time steps = "
             f"{self.work:.3g} instruction-steps (about {_duration(self.time_s)} and "
@@ -74,8 +110,9 @@ class WorkEstimate:
                 shrink the problem).
         """
         if max_work is not None and self.work > max_work:
+            what = "the plan's linear program" if self.solver == "direct" else "the frontier"
             raise PlanError(
-                f"the frontier is too much work: {self.describe()}, over the limit of "
+                f"{what} is too much work: {self.describe()}, over the limit of "
                 f"{max_work:.3g}; {hint}"
             )
 
@@ -120,8 +157,9 @@ def estimate_pipeline_work(
     num_microbatches: int,
     num_chunks: int = 1,
     unit_time_s: float,
+    solver: str = "walk",
 ) -> WorkEstimate:
-    """Estimate the walk before any schedule is built (cheap: no DAG).
+    """Estimate the walk or the direct solve before any schedule is built (cheap: no DAG).
 
     The walk runs from every instruction at its slowest useful option (the one with the least
     energy: slower ones are dominated) to every one at its fastest. Each stage runs
@@ -137,6 +175,7 @@ def estimate_pipeline_work(
         num_microbatches: Microbatches M.
         num_chunks: Model chunks per stage.
         unit_time_s: The time quantum τ.
+        solver: ``walk`` or ``direct``.
 
     Raises:
         PlanError: ``unit_time_s`` is not a positive number.
@@ -155,5 +194,12 @@ def estimate_pipeline_work(
         fast_s.append(num_chunks * math.fsum(min(t for t, _ in p) for p in points))
         slow_s.append(num_chunks * math.fsum(min(p, key=lambda o: (o[1], o[0]))[0] for p in points))
     steps = (num_microbatches + num_stages - 1) * (max(slow_s) - max(fast_s)) / unit_time_s
+    # Each instruction's unit segments: τ each between its fastest and slowest useful duration.
+    segments = num_microbatches * math.fsum(s - f for s, f in zip(slow_s, fast_s)) / unit_time_s
     instructions = num_stages * num_microbatches * num_chunks * per_mb
-    return WorkEstimate(num_instructions=instructions, time_steps=int(min(max(steps, 0), 1e18)))
+    return WorkEstimate(
+        num_instructions=instructions,
+        time_steps=int(min(max(steps, 0), 1e18)),
+        unit_segments=int(min(max(segments, 0), 1e18)),
+        solver=solver,
+    )
