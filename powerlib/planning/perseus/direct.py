@@ -193,6 +193,7 @@ class DirectSolver:
         self._t_col = t_col
         self._seg_col0 = seg_col0
         self._seg_start = seg_start
+        self._seg_owner = np.repeat(np.arange(n), spans)
         self._q_max = np.array([t.q_max for t in tables], dtype=np.int64)
         self.num_columns = n_cols
         self.num_rows = n_rows
@@ -243,12 +244,8 @@ class DirectSolver:
                 f"internal error: the direct plan solve returned a fractional solution "
                 f"(off an integer by {worst:.3g}); plan with --solver walk"
             )
-        crashed = np.add.reduceat(np.round(seg), self._seg_start[:-1]) if len(seg) else None
-        spans = np.diff(self._seg_start)
-        if crashed is None:
-            crashed = np.zeros(len(spans))
-        crashed = np.where(spans > 0, crashed, 0.0)  # reduceat repeats a value on empty ranges
-        durations = (self._q_max - crashed.astype(np.int64)).tolist()
+        crashed = np.bincount(self._seg_owner, weights=np.round(seg), minlength=len(self._q_max))
+        durations = (self._q_max - np.rint(crashed).astype(np.int64)).tolist()
         quant = lo if lo == hi else int(round(t_val))
         durations = self._lengthen(durations, quant)
         walk = self._walk

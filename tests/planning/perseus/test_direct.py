@@ -1,0 +1,235 @@
+"""The direct solve (one LP per point) against the Phillips-Dessouky walk, and the fast guard."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from powerlib import PlanError
+from powerlib.planning.choice import Policy, choose
+from powerlib.planning.perseus.cost_model import TableCostModel
+from powerlib.planning.perseus.direct import DirectSolver
+from powerlib.planning.perseus.frontier import (
+    Wanted,
+    compute_frontier,
+    deadline_quant,
+    sweep_quants,
+)
+from powerlib.planning.perseus.replay import layout_of, replay_options
+from powerlib.planning.perseus.solver import PhillipsDessouky
+from powerlib.planning.pipeline import build_schedule
+from powerlib.planning.profile import Profile
+
+pytest.importorskip("highspy")
+
+SOSP = Path("/work/shared/perseus_validation/sosp24_emulation")
+REPO_PROFILES = Path(__file__).resolve().parents[2] / "data" / "lowtime_frontiers" / "profiles"
+
+
+def _profile(name: str) -> Profile:
+    for folder in (SOSP, REPO_PROFILES):
+        if (folder / name).exists():
+            return Profile.read(folder / name)
+    pytest.skip(f"{name} not available")
+
+
+def _random_case(rng: random.Random) -> tuple[int, list[tuple[int, int]], list[TableCostModel]]:
+    n = rng.randint(2, 14)
+    edges = [(u, v) for v in range(n) for u in range(v) if rng.random() < 0.3]
+    models = []
+    for _ in range(n):
+        q_min = rng.randint(1, 4)
+        q_max = q_min + rng.randint(0, 6)
+        # convex, non-increasing: decreasing positive slopes from q_min up
+        cost, table = rng.uniform(0, 5), {}
+        slopes = sorted((rng.uniform(0, 4) for _ in range(q_max - q_min)), reverse=True)
+        table[q_max] = cost
+        for q, slope in zip(range(q_max - 1, q_min - 1, -1), reversed(slopes)):
+            cost += slope
+            table[q] = cost
+        models.append(TableCostModel(table))
+    return n, edges, models
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_dags_give_the_walks_costs_at_every_makespan(seed: int) -> None:
+    n, edges, models = _random_case(random.Random(seed))
+    walk = PhillipsDessouky(n, edges, models)
+    steps = list(PhillipsDessouky(n, edges, models).run())
+    direct = DirectSolver(walk, time_cost_per_quantum=0.7)
+    for step in steps:
+        got = direct.at(step.quant_time)
+        assert got.cost == pytest.approx(step.cost, rel=1e-9, abs=1e-9)
+        assert walk.makespan(list(got.durations)) <= step.quant_time
+    if steps:
+        best = min(steps, key=lambda s: (s.cost + 0.7 * s.quant_time, -s.quant_time))
+        got = direct.cheapest(direct.t_min, steps[0].quant_time)
+        assert got.cost + 0.7 * got.quant_time == pytest.approx(
+            best.cost + 0.7 * best.quant_time, rel=1e-9, abs=1e-9
+        )
+
+
+def test_a_makespan_below_t_min_is_refused() -> None:
+    n, edges, models = _random_case(random.Random(3))
+    walk = PhillipsDessouky(n, edges, models)
+    with pytest.raises(PlanError, match="below the fastest"):
+        DirectSolver(walk).at(walk.fastest_makespan() - 1)
+
+
+def test_a_fractional_solution_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    n, edges, models = _random_case(random.Random(5))
+    direct = DirectSolver(PhillipsDessouky(n, edges, models))
+    real = direct._h.getSolution
+
+    class Fake:
+        def __init__(self) -> None:
+            values = list(real().col_value)
+            values[-1] = 0.5
+            self.col_value = values
+
+    monkeypatch.setattr(direct._h, "getSolution", Fake)
+    with pytest.raises(PlanError, match="fractional"):
+        direct.at(direct.t_min)
+
+
+SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)]
+
+
+@pytest.mark.parametrize(("schedule", "chunks"), SCHEDULES)
+def test_published_profile_direct_points_equal_the_walk(schedule: str, chunks: int) -> None:
+    profile = _profile("profile_gpt3-175b_a100_sxm.csv")
+    kw = dict(
+        schedule_name=schedule,
+        num_microbatches=8,
+        num_chunks=chunks,
+        p_block_w=83.64,
+        unit_time_s=2e-3,
+    )
+    sched = build_schedule(schedule, 8, 8, chunks)
+    walk = compute_frontier(profile, sched, **kw)
+    deadline = (walk.fastest.time_s + walk.points[0].time_s) / 2
+    direct = compute_frontier(
+        profile,
+        sched,
+        solver="direct",
+        wanted=Wanted(deadlines_s=(deadline,), argmin_deadlines_s=(deadline,), sweep=9),
+        **kw,
+    )
+    assert not direct.complete and walk.complete
+    by_quant = {p.quant_time: p for p in walk.points}
+    for p in direct.points:
+        ref = by_quant[p.quant_time]
+        assert p.energy_j == pytest.approx(ref.energy_j, rel=1e-9)
+        assert p.iteration == ref.iteration
+    for name, d, argmin in [
+        ("fastest", None, False),
+        ("deadline", deadline, False),
+        ("deadline", deadline, True),
+        ("min-energy", None, False),
+    ]:
+        a, b = walk.select(name, d, argmin=argmin), direct.select(name, d, argmin=argmin)
+        assert a.quant_time == b.quant_time
+        assert a.energy_j == pytest.approx(b.energy_j, rel=1e-9)
+        pa, pb = (
+            choose(walk, Policy(name=name, deadline_s=d, argmin=argmin)),
+            choose(direct, Policy(name=name, deadline_s=d, argmin=argmin)),
+        )
+        if a.durations == b.durations:  # equal-cost ties may pick other durations
+            assert pa.options == pb.options
+        assert pb.realized.time_s == pytest.approx(pa.realized.time_s, rel=1e-9)
+    # a point that was not solved is not made up
+    have = {p.quant_time for p in direct.points}
+    missing = next(q for q in range(walk.fastest.quant_time, 10**9) if q not in have)
+    other = (missing + 0.5) * 2e-3
+    with pytest.raises(PlanError, match="without the point"):
+        direct.select("deadline", other)
+    more = direct.extend(Wanted(deadlines_s=(other,)))
+    assert len(more.points) == len(direct.points) + 1
+    assert more.select("deadline", other).energy_j == pytest.approx(
+        by_quant[missing].energy_j, rel=1e-9
+    )
+
+
+def test_kareus_style_candidates_solve_directly() -> None:
+    rng = random.Random(7)
+    candidates = {}
+    for stage in range(3):
+        for kind in ("forward", "backward"):
+            base = 0.02 if kind == "forward" else 0.04
+            opts = []
+            for f in (1410, 1300, 1200, 1100, 1000, 900, 800):
+                t = base * 1410 / f * rng.uniform(0.98, 1.02)
+                opts.append((f, t, t * (80 + f / 10), None))
+            candidates[(stage, kind)] = opts
+    kw = dict(schedule_name="1f1b", num_microbatches=6, p_block_w=60.0, unit_time_s=1e-3)
+    sched = build_schedule("1f1b", 3, 6)
+    walk = compute_frontier(None, sched, candidates=candidates, **kw)
+    direct = compute_frontier(None, sched, candidates=candidates, solver="direct", **kw)
+    assert direct.fastest.energy_j == pytest.approx(walk.fastest.energy_j, rel=1e-9)
+    assert direct.min_energy.energy_j == pytest.approx(walk.min_energy.energy_j, rel=1e-9)
+
+
+def test_sweep_and_deadline_quants() -> None:
+    assert sweep_quants(10, 20, 3) == [10, 15, 20]
+    assert sweep_quants(10, 12, 50) == [10, 11, 12]
+    assert deadline_quant(0.0155, 1e-3, 10, 20) == 15
+    assert deadline_quant(0.5, 1e-3, 10, 20) == 20
+    assert deadline_quant(0.0099, 1e-3, 10, 20) is None
+
+
+# -- the guard: incremental replay, same result as one full replay per speed-up ----------------
+
+
+def _reference_guard(frontier, point, max_slowdown, switch_latency_s):
+    """The guard as it was: a full replay after every speed-up."""
+    chosen = frontier.planned_options(point)
+    limit = frontier.baseline_time_s * (1.0 + max_slowdown)
+    layout = layout_of(frontier.dag)
+    while True:
+        run = replay_options(frontier, chosen, switch_latency_s, layout)
+        if run.time_s <= limit:
+            return chosen
+        cands = set(run.path) | {
+            run.prev[v] for v in run.path if run.penalized[v] and run.prev[v] >= 0
+        }
+        best = None
+        for v in sorted(cands):
+            ins = frontier.dag.instructions[v]
+            faster = [
+                o for o in frontier.options[(ins.stage, ins.kind)] if o.time_s < chosen[v].time_s
+            ]
+            if not faster:
+                continue
+            step = max(faster, key=lambda o: o.time_s)
+            price = (step.energy_j - chosen[v].energy_j) / (chosen[v].time_s - step.time_s)
+            if best is None or price < best[0]:
+                best = (price, v, step)
+        if best is None:
+            return chosen
+        chosen[best[1]] = best[2]
+
+
+@pytest.mark.parametrize("latency", [0.0, 0.005, 0.02])
+@pytest.mark.parametrize(("schedule", "chunks"), SCHEDULES)
+def test_the_incremental_guard_equals_the_full_replay_guard(
+    schedule: str, chunks: int, latency: float
+) -> None:
+    frontier = compute_frontier(
+        _profile("profile_gpt3-175b_a100_sxm.csv"),
+        build_schedule(schedule, 8, 16, chunks),
+        schedule_name=schedule,
+        num_microbatches=16,
+        num_chunks=chunks,
+        p_block_w=83.64,
+        unit_time_s=1e-3,
+        solver="direct",
+    )
+    point = frontier.fastest
+    ours = frontier.within_slowdown(point, 0.0, switch_latency_s=latency)
+    ref = _reference_guard(frontier, point, 0.0, latency)
+    assert ours == ref
+    a, b = replay_options(frontier, ours, latency), replay_options(frontier, ref, latency)
+    assert (a.time_s, a.energy_j) == (b.time_s, b.energy_j)
+    assert sum(x != y for x, y in zip(frontier.planned_options(point), ours)) > 0
