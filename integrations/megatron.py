@@ -86,6 +86,7 @@ __all__ = [
     "main",
     "nanobatch_layer_spec",
     "options_from_env",
+    "replan",
     "patch_training",
     "tensor_parallel_ranks",
     "workload_from_args",
@@ -291,6 +292,23 @@ def tensor_parallel_ranks() -> list[list[int]]:
 def current_session() -> Any:
     """The session the innermost :func:`attach` drives, or ``None`` (what nanobatched layers follow)."""
     return _ATTACHED[-1] if _ATTACHED else None
+
+
+def replan(deadline_s: float) -> None:
+    """Re-plan the attached session for a new straggler deadline (call on every rank, same step).
+
+    Forwards to :meth:`Session.replan <powerlib.runtime.session.Session.replan>`: rank 0
+    solves in the background, every rank switches at the same later iteration boundary.
+
+    Raises:
+        InvalidArgumentError: No session is attached, or the session refuses (see there).
+    """
+    session = current_session()
+    if session is None:
+        from powerlib.errors import InvalidArgumentError  # noqa: PLC0415
+
+        raise InvalidArgumentError("replan: no powerlib session is attached to this training loop")
+    session.replan(deadline_s)
 
 
 def nanobatch_layer_spec(overlap: Any = None, **local_spec_kwargs: Any) -> Any:

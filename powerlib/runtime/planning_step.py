@@ -177,6 +177,8 @@ class PlanningOutcome:
     profile_only: bool = False
     p_block_w: float | None = None
     error: str | None = None
+    switch_iteration: int | None = None
+    """A re-plan: the iteration every rank starts it at (one past the latest rank's)."""
 
 
 def rows_to_payload(rows: list[ProfileRow]) -> list[list[Any]]:

@@ -623,6 +623,7 @@ class Session:
             float(deadline_s),
             self._replanner if self.rank == 0 else None,
             self._planner_thread,
+            lambda: self.iteration,
         )
         self._progress.say(
             f"re-planning for a {deadline_s:g} s iteration (rank 0, in the background)"
