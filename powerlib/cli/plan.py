@@ -88,7 +88,7 @@ __all__ = ["plan"]
 @click.option(
     "--frontier-points",
     type=click.IntRange(min=2),
-    default=64,
+    default=32,
     show_default=True,
     help="With the direct solve and --frontier-out/--plot: exact frontier points evenly spaced "
     "from the slowest to T_min (T* and the chosen point added).",

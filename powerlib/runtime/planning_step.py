@@ -61,8 +61,8 @@ logger = logging.getLogger(__name__)
 RECORDED = "recorded"
 """The schedule name that means: plan on the order the hooks recorded, there is no other."""
 
-_SUMMARY_POINTS = 64
-"""Exact frontier points a direct solve writes to ``frontier.csv`` (evenly spaced)."""
+_SUMMARY_POINTS = 32
+"""Exact frontier points a direct solve writes to ``frontier.csv`` (evenly spaced; as the CLI)."""
 
 MAX_ENERGY_ERROR = 0.05
 """The largest relative error (bound on the standard error, :func:`energy_error`) of a profiled

@@ -530,7 +530,7 @@ def compute_frontier(
     extra: dict[str, Any] = {}
     if solver == "direct":
         points, extra = _direct_points(
-            solver_pd, wanted or Wanted(), n_block, unit_time_s, max_work
+            solver_pd, wanted or Wanted(), n_block, unit_time_s, max_work, progress
         )
     else:
         points = _walk_points(solver_pd, max_work, n_block, unit_time_s, progress)
@@ -677,7 +677,10 @@ class _DirectPoints:
         self.found.setdefault(got.quant_time, (got.cost, got.durations))
         return got.quant_time
 
-    def solve(self, wanted: Wanted) -> tuple[list[FrontierPoint], dict[str, Any]]:
+    def solve(
+        self, wanted: Wanted, progress: Callable[[int, int], None] | None = None
+    ) -> tuple[list[FrontierPoint], dict[str, Any]]:
+        """Solve what ``wanted`` adds; ``progress(done, expected)`` after each point."""
         with self.lock:
             t_min, t_first, tau = self.t_min, self.t_first, self.unit_time_s
             if wanted.t_star and self.t_star is None:
@@ -689,8 +692,11 @@ class _DirectPoints:
             quants = [deadline_quant(d, tau, t_min, t_first) for d in wanted.deadlines_s]
             if wanted.sweep > 0:
                 quants += sweep_quants(t_min, t_first, wanted.sweep)
-            for quant in sorted({q for q in quants if q is not None}):
+            todo = sorted({q for q in quants if q is not None} - set(self.found))
+            for done, quant in enumerate(todo, 1):
                 self.at(quant)
+                if progress is not None:
+                    progress(done, len(todo))
             points = []
             prev_quant, prev_cost = self.t_max, self.start_cost
             for quant in sorted(self.found, reverse=True):
@@ -723,6 +729,7 @@ def _direct_points(
     n_block: float,
     unit_time_s: float,
     max_work: int | None = DEFAULT_MAX_WORK,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[FrontierPoint], dict[str, Any]]:
     """The points ``wanted`` asks for, each by one linear program (docs/perseus.md §2.6)."""
     if solver.makespan() == solver.fastest_makespan():
@@ -733,7 +740,7 @@ def _direct_points(
         unit_segments=sum(t.q_max - t.q_min for t in solver.tables),
         solver="direct",
     ).check(max_work, hint=WORK_HINT)
-    return _DirectPoints(solver, n_block, unit_time_s).solve(wanted)
+    return _DirectPoints(solver, n_block, unit_time_s).solve(wanted, progress)
 
 
 def sweep_quants(t_min: int, t_first: int, count: int) -> list[int]:

@@ -171,6 +171,28 @@ def test_kareus_style_candidates_solve_directly() -> None:
     assert direct.min_energy.energy_j == pytest.approx(walk.min_energy.energy_j, rel=1e-9)
 
 
+def test_the_sweep_reports_progress_per_point_and_lists_every_point() -> None:
+    profile = _profile("profile_gpt3-175b_a100_sxm.csv")
+    seen: list[tuple[int, int]] = []
+    frontier = compute_frontier(
+        profile,
+        build_schedule("1f1b", 8, 8),
+        schedule_name="1f1b",
+        num_microbatches=8,
+        p_block_w=83.64,
+        unit_time_s=2e-3,
+        solver="direct",
+        wanted=Wanted(sweep=12),
+        progress=lambda done, expected: seen.append((done, expected)),
+    )
+    expected = seen[-1][1]
+    assert seen == [(i, expected) for i in range(1, expected + 1)]
+    quants = {p.quant_time for p in frontier.points}
+    t_first = max(quants)
+    assert set(sweep_quants(frontier.fastest.quant_time, t_first, 12)) <= quants
+    assert 10 <= expected <= 12  # T_min, T_max - 1 and T* were solved before the sweep
+
+
 def test_sweep_and_deadline_quants() -> None:
     assert sweep_quants(10, 20, 3) == [10, 15, 20]
     assert sweep_quants(10, 12, 50) == [10, 11, 12]
