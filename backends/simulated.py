@@ -414,6 +414,15 @@ class SimulatedDevice(Device):
             "state_file": None if self._state_path is None else str(self._state_path),
         }
 
+    def exact_energy_j(self) -> float:
+        """Ground truth: the exact integral of power since the device's state began (tests).
+
+        The counter ``read_state`` reports is this value as the driver would publish it
+        (every ``energy_update_period_s``, whole millijoules).
+        """
+        with self._transaction() as state:
+            return state.energy_j
+
     # -- running simulated work ----------------------------------------------------------------
 
     def begin_work(self, work: WorkUnit) -> float:

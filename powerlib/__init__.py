@@ -38,6 +38,7 @@ from powerlib.errors import (
 from powerlib.registry import backend_names, open_backend, probe_backends
 
 if TYPE_CHECKING:  # loaded on first use (see __getattr__); typed and documented where defined
+    from powerlib.measurement import Measurement, MeasurementResult, measure
     from powerlib.runtime.session import Session, optimize
 
 __version__ = "0.1.0"
@@ -56,6 +57,8 @@ __all__ = [
     "DeviceLostError",
     "DeviceNotFoundError",
     "InvalidArgumentError",
+    "Measurement",
+    "MeasurementResult",
     "NotSupportedError",
     "PermissionDeniedError",
     "PlanError",
@@ -68,6 +71,7 @@ __all__ = [
     "Settings",
     "__version__",
     "backend_names",
+    "measure",
     "open_backend",
     "optimize",
     "probe_backends",
@@ -78,9 +82,13 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def __getattr__(name: str) -> object:
-    """``powerlib.optimize`` and ``powerlib.Session`` load the runtime (and numpy) on first use."""
+    """``optimize``, ``Session`` and ``measure`` load their modules (and numpy) on first use."""
     if name in ("optimize", "Session"):
         from powerlib import runtime  # noqa: PLC0415
 
         return getattr(runtime, name)
+    if name in ("measure", "Measurement", "MeasurementResult"):
+        from powerlib import measurement  # noqa: PLC0415
+
+        return getattr(measurement, name)
     raise AttributeError(f"module 'powerlib' has no attribute {name!r}")

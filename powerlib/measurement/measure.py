@@ -1,0 +1,698 @@
+"""``powerlib.measure``: energy per step, per token and per window of a training loop.
+
+::
+
+    with powerlib.measure() as m:
+        for batch in loader:
+            with m.step(tokens=batch.numel()):
+                train_step(batch)
+        with m.window("eval"):
+            evaluate()
+    print(m.result().summary())          # energy_j, time_s, average_power_w, J/step, J/token
+    m.result(reduce="world")             # every rank, each physical device once
+
+The training thread only records boundary times (a clock read and a list append: about a
+microsecond, ``benchmarks/measure_overhead.py``). A sampler thread reads every device's energy
+counter and power every ``sample_period_s``; energy is attributed to the windows afterwards by
+:mod:`powerlib.measurement.timeline`, which reads a counter's exact deltas between its updates
+and splits them at boundaries by the sampled power. No device call and no
+``torch.cuda.synchronize`` run on the training thread.
+
+On a GPU (``align="cuda"``, or ``"auto"`` once CUDA is initialised) each boundary also records a
+CUDA event on the current stream (asynchronous, a few µs) and a waiter thread stamps the moment
+the event completes: the window is the GPU's time for the step, not the host's, which runs ahead.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import math
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+import numpy as np
+
+from powerlib.device import Backend, Device
+from powerlib.errors import InvalidArgumentError, PowerlibError
+from powerlib.measurement.result import (
+    DeviceEnergy,
+    MeasurementResult,
+    WindowEnergy,
+    reduce_results,
+)
+from powerlib.measurement.timeline import EnergyTimeline, build_timeline
+
+__all__ = [
+    "EVENTS_ENV",
+    "Measurement",
+    "StreamMarker",
+    "Window",
+    "active_measurements",
+    "measure",
+    "read_events",
+]
+
+logger = logging.getLogger(__name__)
+
+EVENTS_ENV = "POWERLIB_MEASURE_EVENTS"
+"""When set (``powerlib measure`` sets it for its child), measurements append their windows to
+this file as JSON lines, so the parent can mark and attribute the child's steps."""
+
+_STREAM_TIMEOUT_S = 30.0
+"""How long the exit waits for the device stream to reach its last marker."""
+
+_ACTIVE: weakref.WeakSet[Measurement] = weakref.WeakSet()
+
+
+def active_measurements() -> list[Measurement]:
+    """The measurements running in this process (the in-process exporter publishes them)."""
+    return [m for m in list(_ACTIVE) if m.running]
+
+
+class StreamMarker(Protocol):
+    """Marks points on an accelerator stream and waits for them (the CUDA one: events)."""
+
+    def record(self) -> object:
+        """Enqueue a marker on the current stream; must not block."""
+        ...
+
+    def wait(self, token: object) -> None:
+        """Block (on the waiter thread) until the marker has been reached."""
+        ...
+
+
+class _CudaMarker:
+    def __init__(self, torch: Any) -> None:
+        self._event = torch.cuda.Event
+
+    def record(self) -> object:
+        event = self._event()
+        event.record()
+        return event
+
+    def wait(self, token: object) -> None:
+        token.synchronize()  # type: ignore[attr-defined]
+
+
+def _cuda_marker(align: str) -> StreamMarker | None:
+    if align == "host":
+        return None
+    torch = sys.modules.get("torch")  # never import torch for this: a CPU job does not have it
+    if align == "cuda":
+        if torch is None:
+            import torch  # noqa: PLC0415
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError("align='cuda' needs CUDA, and torch sees no GPU")
+        return _CudaMarker(torch)
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return _CudaMarker(torch)
+    return None
+
+
+class Window:
+    """One step or named window; a context manager (``with m.step(): ...``).
+
+    Attributes:
+        kind: ``step`` or ``window``.
+        name: Its name.
+        index: Its number among its kind and name, from 0.
+        tokens: Tokens processed (settable until it ends).
+        start_s: Start on the measurement's clock (the GPU's completion time once aligned).
+        end_s: End, or ``None`` while open.
+    """
+
+    __slots__ = ("_m", "end_s", "index", "kind", "name", "start_s", "tokens")
+
+    def __init__(self, m: Measurement, kind: str, name: str, tokens: float | None) -> None:
+        self._m = m
+        self.kind = kind
+        self.name = name
+        self.tokens = tokens
+        self.index = -1
+        self.start_s = math.nan
+        self.end_s: float | None = None
+
+    def __enter__(self) -> Window:
+        self._m._open(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._m._close_window(self)
+
+
+class _Track:
+    """One device's reads."""
+
+    __slots__ = ("counter", "device", "has_counter", "power", "times", "wrap_j")
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.has_counter = device.read_state().energy_j is not None
+        self.wrap_j: float | None = getattr(device, "energy_counter_wrap_j", None)
+        self.times: list[float] = []
+        self.counter: list[float | None] = []
+        self.power: list[float | None] = []
+
+
+class Measurement:
+    """Energy per device, step and window; see the module docstring. Make one with :func:`measure`.
+
+    Args:
+        devices: What to measure: ``Device`` objects, indexes or ids of ``backend``'s devices;
+            default every device of the backend (a shared device is counted once per world by
+            :meth:`result` with ``reduce="world"``).
+        backend: A :class:`Backend`, a backend name, or ``None`` (``POWERLIB_BACKEND``).
+        sample_period_s: How often the sampler thread reads each device (default 10 ms).
+        clock: Time source in seconds; default ``time.monotonic`` (the same in every process
+            on a host). Tests pass a simulated backend's virtual clock.
+        align: ``auto`` (CUDA events when CUDA is initialised), ``cuda`` or ``host``.
+        sampler: ``thread`` (default) or ``manual``: nothing samples unless :meth:`poll` is
+            called (deterministic tests on a virtual clock).
+        flush_timeout_s: At exit, how long to keep reading for each counter's next update, so
+            the last step's end is bracketed by counter values, not extrapolated.
+        events_path: Append windows as JSON lines here (default ``$POWERLIB_MEASURE_EVENTS``).
+        stream_marker: Overrides the CUDA marker (tests).
+
+    Raises:
+        InvalidArgumentError: A bad argument or an unknown device.
+    """
+
+    def __init__(
+        self,
+        devices: Iterable[Device | int | str] | None = None,
+        *,
+        backend: Backend | str | None = None,
+        sample_period_s: float = 0.01,
+        clock: Callable[[], float] | None = None,
+        align: str = "auto",
+        sampler: str = "thread",
+        flush_timeout_s: float = 1.0,
+        events_path: str | os.PathLike[str] | None = None,
+        stream_marker: StreamMarker | None = None,
+    ) -> None:
+        if not (math.isfinite(sample_period_s) and sample_period_s > 0):
+            raise InvalidArgumentError(
+                f"sample_period_s must be a positive number of seconds, got {sample_period_s!r}"
+            )
+        if align not in ("auto", "cuda", "host"):
+            raise InvalidArgumentError(f"align must be auto, cuda or host, got {align!r}")
+        if sampler not in ("thread", "manual"):
+            raise InvalidArgumentError(f"sampler must be thread or manual, got {sampler!r}")
+        self._device_spec = None if devices is None else list(devices)
+        self._backend_spec = backend
+        self.sample_period_s = float(sample_period_s)
+        self._clock = clock if clock is not None else time.monotonic
+        self._align = align
+        self._sampler_mode = sampler
+        self.flush_timeout_s = float(flush_timeout_s)
+        env_path = os.environ.get(EVENTS_ENV) or None
+        self._events_path = (
+            Path(events_path) if events_path else (Path(env_path) if env_path else None)
+        )
+        self._marker_override = stream_marker
+        self._backend: Backend | None = None
+        self._own_backend = False
+        self._tracks: list[_Track] = []
+        self.windows: list[Window] = []
+        """Closed windows, in the order they ended."""
+        self._counts: dict[tuple[str, str], int] = {}
+        self._open_steps: list[Window] = []
+        self._marker: StreamMarker | None = None
+        self._marks: queue.SimpleQueue[tuple[Window, bool, object] | None] = queue.SimpleQueue()
+        self._waiter: threading.Thread | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._events_written = 0
+        self.start_s = math.nan
+        self.end_s: float | None = None
+        self.start_unix_s = math.nan
+        self.running = False
+        self.rank = 0
+        self.hostname = socket.gethostname()
+        self._result: MeasurementResult | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def __enter__(self) -> Measurement:
+        if self.running or self.end_s is not None:
+            raise InvalidArgumentError("a measurement is entered once; make a new one")
+        try:
+            self._open_devices()
+        except BaseException:
+            self._close_backend()
+            raise
+        self._marker = (
+            self._marker_override
+            if self._marker_override is not None
+            else _cuda_marker(self._align)
+        )
+        self.rank = _rank()
+        self.start_unix_s = time.time()
+        self.poll()
+        self.start_s = self._clock()
+        self.running = True
+        _ACTIVE.add(self)
+        if self._marker is not None:
+            self._waiter = threading.Thread(
+                target=self._wait_marks, name="powerlib-measure-stream", daemon=True
+            )
+            self._waiter.start()
+        if self._sampler_mode == "thread":
+            self._thread = threading.Thread(
+                target=self._sample_loop, name="powerlib-measure", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the measurement: stop sampling (after the flush) and release what it opened.
+
+        Idempotent. Windows still open are closed at this moment.
+        """
+        if not self.running:
+            return
+        for w in reversed(self._open_steps):
+            self._close_window(w)
+        self.end_s = self._clock()
+        if self._marker is not None:
+            end_window = Window(self, "end", "end", None)
+            self._marks.put((end_window, True, self._marker.record()))
+            self._marks.put(None)
+            assert self._waiter is not None
+            self._waiter.join(timeout=_STREAM_TIMEOUT_S)
+            if self._waiter.is_alive():  # a hung stream must not hang the job's exit
+                logger.warning(
+                    "measure: the device stream did not reach the end marker within %.0f s; "
+                    "the newest windows keep their host times",
+                    _STREAM_TIMEOUT_S,
+                )
+            if end_window.end_s is not None:
+                self.end_s = max(self.end_s, end_window.end_s)
+        self.running = False
+        if self._thread is not None:
+            self._flush()
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        else:
+            self.poll()
+        self._write_events()
+        _ACTIVE.discard(self)
+        self._close_backend()
+
+    # -- windows ---------------------------------------------------------------------------------
+
+    def step(self, tokens: float | None = None) -> Window:
+        """A training step: ``with m.step(tokens=n): ...``."""
+        return Window(self, "step", "step", tokens)
+
+    def window(self, name: str, tokens: float | None = None) -> Window:
+        """A named window (``"eval"``, ``"checkpoint"``...): ``with m.window("eval"): ...``."""
+        return Window(self, "window", str(name), tokens)
+
+    def begin_step(self, tokens: float | None = None) -> Window:
+        """Start a step without a ``with`` block (trainer callbacks); :meth:`end_step` ends it."""
+        w = Window(self, "step", "step", tokens)
+        self._open(w)
+        self._open_steps.append(w)
+        return w
+
+    def end_step(self, tokens: float | None = None) -> Window | None:
+        """End the step :meth:`begin_step` started (``tokens`` given here win). ``None`` if none."""
+        if not self._open_steps:
+            return None
+        w = self._open_steps.pop()
+        if tokens is not None:
+            w.tokens = tokens
+        self._close_window(w)
+        return w
+
+    def _open(self, w: Window) -> None:
+        if not self.running:
+            raise InvalidArgumentError(
+                "the measurement is not running: use it inside its with block"
+            )
+        key = (w.kind, w.name)
+        w.index = self._counts.get(key, 0)
+        self._counts[key] = w.index + 1
+        w.start_s = self._clock()
+        if self._marker is not None:
+            self._marks.put((w, False, self._marker.record()))
+
+    def _close_window(self, w: Window) -> None:
+        if w.end_s is not None:
+            return
+        w.end_s = self._clock()
+        if self._marker is not None:
+            self._marks.put((w, True, self._marker.record()))
+        self.windows.append(w)
+
+    # -- sampling --------------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Read every device once (the sampler thread calls this; so do ``manual`` tests)."""
+        for track in self._tracks:
+            t0 = self._clock()
+            try:
+                state = track.device.read_state()
+            except PowerlibError as err:
+                logger.warning("reading %s failed: %s", track.device.device_id, err)
+                continue
+            t1 = self._clock()
+            track.times.append(0.5 * (t0 + t1))
+            track.counter.append(state.energy_j)
+            track.power.append(state.power_w)
+
+    def _sample_loop(self) -> None:
+        next_write = self._clock() + 0.5
+        while not self._stop.wait(self.sample_period_s):
+            self.poll()
+            if self._events_path is not None and self._clock() >= next_write:
+                self._write_events()
+                next_write = self._clock() + 0.5
+
+    def _flush(self) -> None:
+        """Read until every counter has published past the end, or the timeout."""
+        assert self.end_s is not None
+        end = self.end_s
+        deadline = time.monotonic() + self.flush_timeout_s
+        pending = [t for t in self._tracks if t.has_counter]
+        start_values = {}
+        for t in pending:  # the value the last read at or before the end saw
+            i = bisect.bisect_right(t.times, end) - 1
+            start_values[id(t)] = t.counter[i] if i >= 0 else None
+        while pending and time.monotonic() < deadline:
+            time.sleep(self.sample_period_s)
+            still = []
+            for t in pending:
+                if not (t.times and t.times[-1] > end and t.counter[-1] != start_values[id(t)]):
+                    still.append(t)
+            pending = still
+        if pending:
+            logger.debug("measure: %d counter(s) did not update within the flush", len(pending))
+
+    def _wait_marks(self) -> None:
+        assert self._marker is not None
+        while True:
+            item = self._marks.get()
+            if item is None:
+                return
+            w, is_end, token = item
+            try:
+                self._marker.wait(token)
+            except Exception as err:  # noqa: BLE001 - a stream error must not kill the waiter
+                logger.warning("measure: waiting for a stream marker failed: %s", err)
+                continue
+            now = self._clock()
+            if is_end:
+                w.end_s = now if w.end_s is None else max(w.end_s, now)
+            else:
+                w.start_s = max(w.start_s, now)
+
+    # -- results ---------------------------------------------------------------------------------
+
+    @property
+    def devices(self) -> list[Device]:
+        """The devices measured."""
+        return [t.device for t in self._tracks]
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Per device so far, from the raw reads: ``device_id``, ``energy_j``, ``power_w``, ``time_s``.
+
+        Cheap (no attribution): what ``powerlib measure --jsonl`` and the exporter publish.
+        """
+        out = []
+        for t in self._tracks:
+            n = min(len(t.times), len(t.counter), len(t.power))
+            if n == 0:
+                continue
+            if t.has_counter:
+                first = next((c for c in t.counter[:n] if c is not None), None)
+                last = next((c for c in reversed(t.counter[:n]) if c is not None), None)
+                energy = (last - first) if first is not None and last is not None else None
+                if energy is not None and energy < 0:
+                    energy = None  # a reset: result() accounts for it
+            else:
+                tl = build_timeline(t.times[:n], None, t.power[:n])
+                energy = float(tl.energy_at([t.times[n - 1]])[0])
+            out.append(
+                {
+                    "device_id": t.device.device_id,
+                    "index": t.device.index,
+                    "energy_j": energy,
+                    "power_w": t.power[n - 1],
+                    "time_s": t.times[n - 1] - t.times[0],
+                }
+            )
+        return out
+
+    def result(self, reduce: str = "local", *, tokens_reduce: str = "sum") -> MeasurementResult:
+        """Energy per device, per window and in total.
+
+        Args:
+            reduce: ``local`` (this process) or ``world``: gathered over ``torch.distributed``
+                (a collective: every rank must call it), each physical device counted once.
+            tokens_reduce: For ``world``: ``sum`` the ranks' tokens (each passed its own) or take
+                the ``max`` (each passed the global count).
+
+        While the measurement runs the result is ``provisional`` (the newest windows extend past
+        the last counter update, so their energy is extrapolated from power).
+
+        Raises:
+            InvalidArgumentError: Unknown ``reduce``, or ``world`` without an initialised
+                process group.
+        """
+        if reduce not in ("local", "world"):
+            raise InvalidArgumentError(f"reduce must be 'local' or 'world', got {reduce!r}")
+        if tokens_reduce not in ("sum", "max"):
+            raise InvalidArgumentError(
+                f"tokens_reduce must be 'sum' or 'max', got {tokens_reduce!r}"
+            )
+        if math.isnan(self.start_s):
+            raise InvalidArgumentError("the measurement has not started")
+        local = self._local_result()
+        if reduce == "local":
+            return local
+        dist = _dist()
+        if dist is None:
+            raise InvalidArgumentError(
+                "reduce='world' needs torch.distributed initialised (init_process_group) on every rank"
+            )
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local.to_json())
+        return reduce_results(
+            [MeasurementResult.from_json(g) for g in gathered], tokens_reduce=tokens_reduce
+        )
+
+    def _local_result(self) -> MeasurementResult:
+        if self._result is not None:
+            return self._result
+        provisional = self.running
+        end = self.end_s if self.end_s is not None else self._clock()
+        windows = sorted(
+            (w for w in list(self.windows) if w.end_s is not None), key=lambda w: w.start_s
+        )
+        bounds = np.array(
+            [self.start_s, end] + [b for w in windows for b in (w.start_s, w.end_s)], dtype=float
+        )
+        per_device: list[DeviceEnergy] = []
+        energies: list[np.ndarray] = []
+        for t in self._tracks:
+            tl = self._timeline(t)
+            e = tl.energy_at(bounds)
+            energies.append(e)
+            time_s = end - self.start_s
+            energy = float(e[1] - e[0])
+            per_device.append(
+                DeviceEnergy(
+                    device_id=t.device.device_id,
+                    index=t.device.index,
+                    name=t.device.info.name,
+                    backend=t.device.info.backend,
+                    hostname=self.hostname,
+                    rank=self.rank,
+                    energy_j=energy,
+                    time_s=time_s,
+                    average_power_w=energy / time_s if time_s > 0 else None,
+                    source=tl.source,
+                    estimated=tl.estimated,
+                    counter_resets=tl.resets,
+                    counter_wraps=tl.wraps,
+                    samples=tl.samples,
+                )
+            )
+        out_windows = []
+        for i, w in enumerate(windows):
+            assert w.end_s is not None
+            dev_e = {
+                t.device.device_id: float(e[3 + 2 * i] - e[2 + 2 * i])
+                for t, e in zip(self._tracks, energies)
+            }
+            out_windows.append(
+                WindowEnergy(
+                    kind=w.kind,
+                    name=w.name,
+                    index=w.index,
+                    rank=self.rank,
+                    start_s=w.start_s - self.start_s,
+                    time_s=w.end_s - w.start_s,
+                    energy_j=math.fsum(dev_e.values()),
+                    tokens=w.tokens,
+                    device_energy_j=dev_e,
+                )
+            )
+        result = MeasurementResult(
+            reduce="local",
+            ranks=1,
+            start_unix_s=self.start_unix_s,
+            time_s=end - self.start_s,
+            devices=tuple(per_device),
+            windows=tuple(out_windows),
+            provisional=provisional,
+        )
+        if not provisional:
+            self._result = result
+        return result
+
+    def _timeline(self, t: _Track) -> EnergyTimeline:
+        n = min(len(t.times), len(t.counter), len(t.power))
+        return build_timeline(
+            t.times[:n], t.counter[:n] if t.has_counter else None, t.power[:n], wrap_j=t.wrap_j
+        )
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _open_devices(self) -> None:
+        spec = self._backend_spec
+        if isinstance(spec, Backend):
+            backend = spec
+        elif self._device_spec and all(isinstance(d, Device) for d in self._device_spec):
+            backend = None
+        else:
+            from powerlib.registry import open_backend  # noqa: PLC0415
+
+            backend = open_backend(spec)
+            self._own_backend = True
+        self._backend = backend
+        devices: list[Device] = []
+        if self._device_spec is None:
+            assert backend is not None
+            devices = list(backend.devices())
+        else:
+            for d in self._device_spec:
+                if isinstance(d, Device):
+                    devices.append(d)
+                else:
+                    assert backend is not None
+                    devices.append(backend.device(d))
+        if not devices:
+            raise InvalidArgumentError("nothing to measure: the backend has no devices")
+        seen: set[str] = set()
+        for d in devices:
+            if d.device_id not in seen:
+                seen.add(d.device_id)
+                self._tracks.append(_Track(d))
+
+    def _close_backend(self) -> None:
+        if self._own_backend and self._backend is not None:
+            self._backend.close()
+        self._own_backend = False
+
+    def _write_events(self) -> None:
+        """Append the windows that ended since the last write to ``events_path`` as JSON lines."""
+        if self._events_path is None:
+            return
+        windows = self.windows[self._events_written :]
+        if not windows:
+            return
+        self._events_written += len(windows)
+        try:
+            with open(self._events_path, "a", encoding="utf-8") as f:
+                for w in windows:
+                    f.write(
+                        json.dumps(
+                            {
+                                "kind": w.kind,
+                                "name": w.name,
+                                "index": w.index,
+                                "rank": self.rank,
+                                "pid": os.getpid(),
+                                "start_s": w.start_s,
+                                "end_s": w.end_s,
+                                "tokens": w.tokens,
+                            }
+                        )
+                        + "\n"
+                    )
+        except OSError as err:
+            logger.warning("measure: cannot append windows to %s: %s", self._events_path, err)
+            self._events_path = None
+
+
+def measure(
+    devices: Iterable[Device | int | str] | None = None,
+    **options: Any,
+) -> Measurement:
+    """Measure energy around a block: ``with powerlib.measure() as m:`` (see :class:`Measurement`)."""
+    return Measurement(devices, **options)
+
+
+def _dist() -> Any:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
+
+
+def _rank() -> int:
+    dist = _dist()
+    if dist is not None:
+        return int(dist.get_rank())
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The windows a child appended to an events file (malformed lines are skipped)."""
+    out = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    item = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(item, dict) and isinstance(item.get("start_s"), (int, float)):
+                    out.append(item)
+    except FileNotFoundError:
+        return []
+    return out

@@ -1,0 +1,244 @@
+"""Energy at any instant of a run, from one device's samples: the attribution math of measure.
+
+The sampler thread of :mod:`powerlib.measurement.measure` reads each device every few
+milliseconds and keeps ``(time, counter, power)``. Steps and windows only record their boundary
+times. After the run (never on the training thread) this module turns the samples into a
+function ``E(t)``, the device's cumulative energy at any time, and a window's energy is
+``E(end) - E(start)``.
+
+How ``E(t)`` is built (docs/measurement.md):
+
+1. **Unwrap.** A counter that decreases either wrapped (the device declares its range and the
+   drop is more than half of it: the delta is ``new + range - old``) or was reset (driver reload,
+   GPU reset): the energy across a reset is the power integral over that interval, and the
+   result is marked estimated.
+2. **Knots.** A hardware counter publishes a new value every so often (NVML and the simulator:
+   about every 100 ms), not at every read. Where a read first shows a new value, the update
+   happened between that read and the previous one; that interval brackets a *knot* (an instant
+   whose cumulative energy is known exactly). Its time is estimated from the interval's midpoint
+   and, when the counter updates periodically, refined by a local least-squares fit of the
+   update times (a straight line through the neighbouring midpoints against their update index),
+   clipped back into the bracketing interval, so it is never worse than the midpoint.
+3. **Shape between knots.** Between two knots the counter's delta is exact; how much of it falls
+   before a boundary follows the integral of the sampled power, ``Q(t)`` (trapezoidal), so a
+   step change of power inside one update period is attributed where it happened. Before the
+   first knot and after the last one, ``E`` extends with ``Q`` scaled by the counter-to-power
+   ratio of the covered span.
+4. **No counter.** ``E(t) = Q(t)``, marked estimated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["EnergyTimeline", "build_timeline"]
+
+_FIT_HALF_WIDTH = 8
+"""Knots on each side of a knot in its local fit of update times."""
+
+
+@dataclass(frozen=True, slots=True)
+class EnergyTimeline:
+    """``E(t)`` of one device (see the module docstring).
+
+    Attributes:
+        source: ``"counter"`` (hardware energy counter) or ``"integrated"`` (power samples).
+        estimated: True when any part of ``E`` is not from the counter: integrated power, a
+            counter reset, or no counter update seen during the run.
+        resets: Counter resets seen (a decrease that is not a wrap).
+        wraps: Counter wraps seen.
+        samples: Reads that went into the timeline.
+        knot_times_s: Estimated counter-update instants (empty for ``integrated``).
+        knot_energy_j: Cumulative energy at each knot, unwrapped, from the first read.
+        covered: ``(first, last)`` knot times: where ``E`` comes straight from the counter.
+    """
+
+    source: str
+    estimated: bool
+    resets: int
+    wraps: int
+    samples: int
+    knot_times_s: np.ndarray
+    knot_energy_j: np.ndarray
+    covered: tuple[float, float] | None
+    _times_s: np.ndarray
+    _q_j: np.ndarray
+    _last_power_w: float
+    _scale: float
+
+    def power_integral_j(self, times_s: np.ndarray) -> np.ndarray:
+        """``Q(t)``: the trapezoidal integral of sampled power since the first read."""
+        t = self._times_s
+        if t.size == 0:
+            return np.zeros_like(times_s, dtype=float)
+        q = np.interp(times_s, t, self._q_j)
+        after = times_s > t[-1]
+        q[after] = self._q_j[-1] + self._last_power_w * (times_s[after] - t[-1])
+        return q  # before the first read np.interp holds Q at 0: nothing is known there
+
+    def energy_at(self, times_s: Sequence[float] | np.ndarray) -> np.ndarray:
+        """Cumulative energy (J, from the first read) at each time."""
+        x = np.asarray(times_s, dtype=float)
+        q = self.power_integral_j(x)
+        tau, e = self.knot_times_s, self.knot_energy_j
+        if tau.size == 0:
+            return q * self._scale
+        q_tau = self.power_integral_j(tau)
+        out = np.empty_like(x)
+        k = np.searchsorted(tau, x, side="right") - 1  # knot at or before x
+        before = k < 0
+        out[before] = e[0] - (q_tau[0] - q[before]) * self._scale
+        after = k >= tau.size - 1
+        out[after] = e[-1] + (q[after] - q_tau[-1]) * self._scale
+        mid = ~(before | after)
+        if np.any(mid):
+            km = k[mid]
+            dq = q_tau[km + 1] - q_tau[km]
+            dt = tau[km + 1] - tau[km]
+            by_power = np.divide(q[mid] - q_tau[km], dq, out=np.zeros_like(dq), where=dq > 1e-12)
+            by_time = np.divide(x[mid] - tau[km], dt, out=np.zeros_like(dt), where=dt > 0)
+            weight = np.clip(np.where(dq > 1e-12, by_power, by_time), 0.0, 1.0)
+            out[mid] = e[km] + (e[km + 1] - e[km]) * weight
+        return out
+
+
+def build_timeline(
+    times_s: Sequence[float],
+    counter_j: Sequence[float | None] | None,
+    power_w: Sequence[float | None],
+    *,
+    wrap_j: float | None = None,
+) -> EnergyTimeline:
+    """Build ``E(t)`` from one device's reads.
+
+    Args:
+        times_s: Read times, non-decreasing.
+        counter_j: The raw cumulative counter at each read (``None`` where a read failed), or
+            ``None`` for a device without a counter.
+        power_w: Power at each read (``None`` where unknown: the previous value holds).
+        wrap_j: The counter's range when it wraps below ``2**64`` (e.g. RAPL's
+            ``max_energy_range_uj``), else ``None``.
+    """
+    t = np.asarray(times_s, dtype=float)
+    p = _fill_power(power_w)
+    q = np.zeros_like(t)
+    if t.size > 1:
+        q[1:] = np.cumsum(0.5 * (p[1:] + p[:-1]) * np.diff(t))
+    last_w = float(p[-1]) if p.size else 0.0
+    empty = np.zeros(0)
+    if counter_j is None:
+        return EnergyTimeline(
+            source="integrated", estimated=True, resets=0, wraps=0, samples=int(t.size),
+            knot_times_s=empty, knot_energy_j=empty, covered=None,
+            _times_s=t, _q_j=q, _last_power_w=last_w, _scale=1.0,
+        )  # fmt: skip
+    cum, valid, is_knot, resets, wraps = _unwrap(t, counter_j, q, wrap_j)
+    lo, hi, values = [], [], []
+    prev = -1
+    for i in range(t.size):
+        if not valid[i]:
+            continue
+        if prev >= 0 and is_knot[i] and cum[i] != cum[prev]:
+            lo.append(t[prev])
+            hi.append(t[i])
+            values.append(cum[i])
+        prev = i
+    if not values:  # no update seen: the counter's first value is not tied to any instant
+        return EnergyTimeline(
+            source="counter", estimated=True, resets=resets, wraps=wraps, samples=int(t.size),
+            knot_times_s=empty, knot_energy_j=empty, covered=None,
+            _times_s=t, _q_j=q, _last_power_w=last_w, _scale=1.0,
+        )  # fmt: skip
+    tau = _knot_times(np.asarray(lo), np.asarray(hi))
+    e = np.asarray(values)
+    scale = 1.0
+    if tau.size >= 2:
+        q_span = float(np.interp(tau[-1], t, q) - np.interp(tau[0], t, q))
+        if q_span > 0 and e[-1] > e[0]:
+            scale = float((e[-1] - e[0]) / q_span)
+            if not (0.2 < scale < 5.0):  # power readings unrelated to the counter: do not trust
+                scale = 1.0
+    return EnergyTimeline(
+        source="counter", estimated=resets > 0, resets=resets, wraps=wraps, samples=int(t.size),
+        knot_times_s=tau, knot_energy_j=e, covered=(float(tau[0]), float(tau[-1])),
+        _times_s=t, _q_j=q, _last_power_w=last_w, _scale=scale,
+    )  # fmt: skip
+
+
+def _fill_power(power_w: Sequence[float | None]) -> np.ndarray:
+    out = np.zeros(len(power_w))
+    last = next((w for w in power_w if w is not None and math.isfinite(w)), 0.0)
+    for i, w in enumerate(power_w):
+        if w is not None and math.isfinite(w):
+            last = w
+        out[i] = last
+    return out
+
+
+def _unwrap(
+    t: np.ndarray, counter_j: Sequence[float | None], q: np.ndarray, wrap_j: float | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """Cumulative energy from the first valid read; which reads are valid and may be knots."""
+    n = t.size
+    cum = np.zeros(n)
+    valid = np.zeros(n, dtype=bool)
+    is_knot = np.ones(n, dtype=bool)
+    resets = wraps = 0
+    prev_raw: float | None = None
+    prev_i = -1
+    total = 0.0
+    for i, raw in enumerate(counter_j):
+        if raw is None or not math.isfinite(raw):
+            continue
+        if prev_raw is not None:
+            delta = raw - prev_raw
+            if delta < 0:
+                if wrap_j is not None and prev_raw - raw > 0.5 * wrap_j:
+                    delta = raw + wrap_j - prev_raw
+                    wraps += 1
+                else:  # reset: the counter restarted at an unknown instant in this interval
+                    delta = max(0.0, float(q[i] - q[prev_i]))
+                    resets += 1
+                    is_knot[i] = False
+            total += delta
+        cum[i] = total
+        valid[i] = True
+        prev_raw, prev_i = raw, i
+    return cum, valid, is_knot, resets, wraps
+
+
+def _knot_times(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Update instants from their bracketing intervals (midpoints, refined when periodic)."""
+    mid = 0.5 * (lo + hi)
+    if mid.size < 4:
+        return mid
+    gaps = np.diff(mid)
+    period = float(np.median(gaps))
+    if period <= 0 or float(np.max(hi - lo)) > 0.5 * period:
+        return mid  # reads too sparse to tell one update from two: keep the midpoints
+    steps = np.rint(gaps / period)
+    if np.any(steps < 1) or np.any(np.abs(gaps / period - steps) > 0.35):
+        return mid  # not periodic enough to fit
+    n = np.concatenate([[0.0], np.cumsum(steps)])
+    # Local least squares mid ~ a + b * n over knots j-W..j+W, with running sums.
+    w = _FIT_HALF_WIDTH
+    c = lambda v: np.concatenate([[0.0], np.cumsum(v)])  # noqa: E731
+    s1, sn, sm, snn, snm = c(np.ones_like(n)), c(n), c(mid), c(n * n), c(n * mid)
+    j = np.arange(mid.size)
+    a_idx = np.clip(j - w, 0, mid.size)
+    b_idx = np.clip(j + w + 1, 0, mid.size)
+    cnt = s1[b_idx] - s1[a_idx]
+    sum_n = sn[b_idx] - sn[a_idx]
+    sum_m = sm[b_idx] - sm[a_idx]
+    sum_nn = snn[b_idx] - snn[a_idx]
+    sum_nm = snm[b_idx] - snm[a_idx]
+    den = cnt * sum_nn - sum_n * sum_n
+    slope = np.divide(cnt * sum_nm - sum_n * sum_m, den, out=np.zeros_like(den), where=den > 0)
+    icpt = (sum_m - slope * sum_n) / cnt
+    fit = np.where(den > 0, icpt + slope * n, mid)
+    out = np.clip(fit, lo, hi)
+    return np.maximum.accumulate(out)  # update instants are ordered
