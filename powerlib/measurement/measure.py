@@ -69,6 +69,9 @@ EVENTS_ENV = "POWERLIB_MEASURE_EVENTS"
 """When set (``powerlib measure`` sets it for its child), measurements append their windows to
 this file as JSON lines, so the parent can mark and attribute the child's steps."""
 
+MAX_DUTY = 0.05
+"""Most of a core the sampler thread may keep busy; slower reads stretch its period."""
+
 _STREAM_TIMEOUT_S = 30.0
 """How long the exit waits for the device stream to reach its last marker."""
 
@@ -389,8 +392,14 @@ class Measurement:
 
     def _sample_loop(self) -> None:
         next_write = self._clock() + 0.5
-        while not self._stop.wait(self.sample_period_s):
+        wait_s = self.sample_period_s
+        while not self._stop.wait(wait_s):
+            t0 = time.perf_counter()
             self.poll()
+            busy_s = time.perf_counter() - t0
+            # Keep the sampler's share of a core (and of the GIL) under MAX_DUTY: slow reads
+            # (many devices, a slow driver) stretch the period instead of stealing the loop's time.
+            wait_s = max(self.sample_period_s, busy_s / MAX_DUTY - busy_s)
             if self._events_path is not None and self._clock() >= next_write:
                 self._write_events()
                 next_write = self._clock() + 0.5
