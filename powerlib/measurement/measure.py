@@ -189,7 +189,8 @@ class Measurement:
             called (deterministic tests on a virtual clock).
         flush_timeout_s: At exit, how long to keep reading for each counter's next update, so
             the last step's end is bracketed by counter values, not extrapolated.
-        events_path: Append windows as JSON lines here (default ``$POWERLIB_MEASURE_EVENTS``).
+        events_path: Append windows as JSON lines here (default ``$POWERLIB_MEASURE_EVENTS``;
+            ``False``: never).
         stream_marker: Overrides the CUDA marker (tests).
 
     Raises:
@@ -206,7 +207,7 @@ class Measurement:
         align: str = "auto",
         sampler: str = "thread",
         flush_timeout_s: float = 1.0,
-        events_path: str | os.PathLike[str] | None = None,
+        events_path: str | os.PathLike[str] | bool | None = None,
         stream_marker: StreamMarker | None = None,
     ) -> None:
         if not (math.isfinite(sample_period_s) and sample_period_s > 0):
@@ -225,9 +226,12 @@ class Measurement:
         self._sampler_mode = sampler
         self.flush_timeout_s = float(flush_timeout_s)
         env_path = os.environ.get(EVENTS_ENV) or None
-        self._events_path = (
-            Path(events_path) if events_path else (Path(env_path) if env_path else None)
-        )
+        if events_path is False:  # powerlib measure itself: it reads the file, never writes it
+            self._events_path: Path | None = None
+        elif events_path is None or events_path is True:
+            self._events_path = Path(env_path) if env_path else None
+        else:
+            self._events_path = Path(events_path)
         self._marker_override = stream_marker
         self._backend: Backend | None = None
         self._own_backend = False
@@ -353,6 +357,43 @@ class Measurement:
             w.tokens = tokens
         self._close_window(w)
         return w
+
+    def record(
+        self,
+        kind: str,
+        name: str,
+        start_s: float,
+        end_s: float,
+        *,
+        tokens: float | None = None,
+        index: int | None = None,
+    ) -> Window:
+        """Add a window timed elsewhere, on this measurement's clock (another process on this
+        host: ``time.monotonic`` is the same in every process). ``powerlib measure`` records the
+        steps its child reports.
+
+        Raises:
+            InvalidArgumentError: Unknown kind, or the end is before the start.
+        """
+        if kind not in ("step", "window"):
+            raise InvalidArgumentError(f"kind must be step or window, got {kind!r}")
+        if not (math.isfinite(start_s) and math.isfinite(end_s) and end_s >= start_s):
+            raise InvalidArgumentError(f"window end {end_s!r} is before its start {start_s!r}")
+        w = Window(self, kind, str(name), tokens)
+        key = (kind, w.name)
+        w.index = self._counts.get(key, 0) if index is None else int(index)
+        self._counts[key] = max(self._counts.get(key, 0), w.index + 1)
+        w.start_s, w.end_s = float(start_s), float(end_s)
+        self.windows.append(w)
+        self._result = None
+        return w
+
+    def power_series(self) -> dict[str, tuple[list[float], list[float | None]]]:
+        """Per device id: read times (s after the start) and power (W), for plots."""
+        return {
+            t.device.device_id: ([x - self.start_s for x in t.times], list(t.power))
+            for t in self._tracks
+        }
 
     def _open(self, w: Window) -> None:
         if not self.running:
