@@ -99,7 +99,7 @@ def measure(
     plot_path: str | None,
     command: tuple[str, ...],
 ) -> None:
-    """Run COMMAND unmodified and report the energy each device used while it ran.
+    r"""Run COMMAND unmodified and report the energy each device used while it ran.
 
     \b
     powerlib measure -- python train.py --epochs 1

@@ -368,9 +368,10 @@ class Measurement:
         tokens: float | None = None,
         index: int | None = None,
     ) -> Window:
-        """Add a window timed elsewhere, on this measurement's clock (another process on this
-        host: ``time.monotonic`` is the same in every process). ``powerlib measure`` records the
-        steps its child reports.
+        """Add a window timed elsewhere, on this measurement's clock.
+
+        Another process on this host shares the clock (``time.monotonic`` is the same in
+        every process): ``powerlib measure`` records the steps its child reports.
 
         Raises:
             InvalidArgumentError: Unknown kind, or the end is before the start.
