@@ -23,6 +23,7 @@ import click
 from powerlib import __version__
 from powerlib.cli.devices import devices, env, reset, set_, status, watch
 from powerlib.cli.emulate import demo, simulate
+from powerlib.cli.exporter import exporter
 from powerlib.cli.kareus import kareus, overlap
 from powerlib.cli.measure import measure
 from powerlib.cli.options import Options, settings_for
@@ -89,7 +90,9 @@ def cli(ctx: click.Context, backend: str | None, verbose: int) -> None:
     check_backend_name(settings_for(ctx.obj).backend)
 
 
-for _command in (env, devices, status, watch, measure, set_, reset, restore, plan, demo, simulate):
+for _command in (
+    env, devices, status, watch, measure, exporter, set_, reset, restore, plan, demo, simulate
+):
     cli.add_command(_command)
 cli.add_command(kareus)
 cli.add_command(overlap)

@@ -57,6 +57,7 @@ import logging
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -100,6 +101,13 @@ __all__ = ["MODES", "ApplyConfig", "ProfileConfig", "RunConfig", "Session", "opt
 logger = logging.getLogger(__name__)
 
 _LAYOUT = ("schedule", "num_chunks", "placement")
+
+_ACTIVE_SESSIONS: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+def active_sessions() -> list[Session]:
+    """The sessions inside their ``with`` block in this process (the exporter publishes them)."""
+    return list(_ACTIVE_SESSIONS)
 
 
 class Session:
@@ -359,6 +367,7 @@ class Session:
             self._close()
             raise
         self._active = True
+        _ACTIVE_SESSIONS.add(self)
         return self
 
     def __exit__(
@@ -424,6 +433,7 @@ class Session:
 
     def _close(self) -> None:
         self._active = False
+        _ACTIVE_SESSIONS.discard(self)
         if self._replanning is not None:
             self._replanning.cancel()
             self._replanning = None
