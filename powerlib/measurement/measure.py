@@ -26,6 +26,7 @@ the event completes: the window is the GPU's time for the step, not the host's, 
 from __future__ import annotations
 
 import bisect
+import collections
 import json
 import logging
 import math
@@ -96,16 +97,23 @@ class StreamMarker(Protocol):
 
 
 class _CudaMarker:
+    """CUDA events on the current stream; completed events are reused (no create per step)."""
+
     def __init__(self, torch: Any) -> None:
         self._event = torch.cuda.Event
+        self._free: collections.deque[Any] = collections.deque()
 
     def record(self) -> object:
-        event = self._event()
+        try:
+            event = self._free.pop()
+        except IndexError:
+            event = self._event()
         event.record()
         return event
 
     def wait(self, token: object) -> None:
         token.synchronize()  # type: ignore[attr-defined]
+        self._free.append(token)
 
 
 def _cuda_marker(align: str) -> StreamMarker | None:
