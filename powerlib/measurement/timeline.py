@@ -212,19 +212,52 @@ def _unwrap(
 
 
 def _knot_times(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Update instants from their bracketing intervals (midpoints, refined when periodic)."""
+    """Update instants from their bracketing intervals (refined when the counter is periodic).
+
+    A knot's value is the counter after the *last* update in its interval. Where reads came
+    often enough to see every update (an interval under half a period) that update is the only
+    one, estimated from the local fit of the update times, or the midpoint. Where the sampler
+    missed updates (it waited for the GIL), the last one is the fitted update just before the
+    read that saw it, or, without a fit, half a period before that read.
+    """
     mid = 0.5 * (lo + hi)
-    if mid.size < 4:
+    if mid.size < 2:
         return mid
+    period = float(np.median(np.diff(mid)))
+    if period <= 0:
+        return mid
+    wide = (hi - lo) > 0.5 * period
+    # Without a fit: a missed update's read saw the last update up to a period earlier.
+    out = np.where(wide, np.maximum(lo, hi - 0.5 * period), mid)
+    narrow = np.flatnonzero(~wide)
+    if narrow.size >= 4:
+        fitted = _periodic_fit(mid[narrow], period)
+        if fitted is not None:
+            at, slope, n = fitted
+            out[narrow] = at
+            for i in np.flatnonzero(wide):  # the last fitted update before the read at hi
+                j = narrow[np.argmin(np.abs(narrow - i))]
+                k = int(np.searchsorted(narrow, j))
+                a, b = at[k] - slope[k] * n[k], slope[k]  # update m happened at a + b*m
+                if b > 0:
+                    out[i] = a + b * math.floor((hi[i] - a) / b)
+    out = np.clip(out, lo, hi)
+    return np.maximum.accumulate(out)  # update instants are ordered
+
+
+def _periodic_fit(
+    mid: np.ndarray, period: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A local least-squares line ``mid ~ a + b * n`` at each knot, over its neighbours.
+
+    Returns per knot the line's value there (``a + b * n``), its slope ``b`` and the knot's
+    update index ``n``; ``None`` when the updates are not periodic.
+    """
     gaps = np.diff(mid)
-    period = float(np.median(gaps))
-    if period <= 0 or float(np.max(hi - lo)) > 0.5 * period:
-        return mid  # reads too sparse to tell one update from two: keep the midpoints
     steps = np.rint(gaps / period)
     if np.any(steps < 1) or np.any(np.abs(gaps / period - steps) > 0.35):
-        return mid  # not periodic enough to fit
+        return None  # not periodic enough to fit
     n = np.concatenate([[0.0], np.cumsum(steps)])
-    # Local least squares mid ~ a + b * n over knots j-W..j+W, with running sums.
     w = _FIT_HALF_WIDTH
     c = lambda v: np.concatenate([[0.0], np.cumsum(v)])  # noqa: E731
     s1, sn, sm, snn, snm = c(np.ones_like(n)), c(n), c(mid), c(n * n), c(n * mid)
@@ -239,6 +272,5 @@ def _knot_times(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     den = cnt * sum_nn - sum_n * sum_n
     slope = np.divide(cnt * sum_nm - sum_n * sum_m, den, out=np.zeros_like(den), where=den > 0)
     icpt = (sum_m - slope * sum_n) / cnt
-    fit = np.where(den > 0, icpt + slope * n, mid)
-    out = np.clip(fit, lo, hi)
-    return np.maximum.accumulate(out)  # update instants are ordered
+    at = np.where(den > 0, icpt + slope * n, mid)
+    return at, np.where(den > 0, slope, 0.0), n
