@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import queue
+import random
 import socket
 import sys
 import threading
@@ -170,15 +171,30 @@ class Window:
 class _Track:
     """One device's reads."""
 
-    __slots__ = ("counter", "device", "has_counter", "power", "times", "wrap_j")
+    __slots__ = ("counter", "device", "has_counter", "power", "read_s", "times", "wrap_j")
 
     def __init__(self, device: Device) -> None:
         self.device = device
         self.has_counter = device.read_state().energy_j is not None
         self.wrap_j: float | None = getattr(device, "energy_counter_wrap_j", None)
         self.times: list[float] = []
+        self.read_s: list[float] = []
+        """How long each read took: the device was read at some instant of it."""
         self.counter: list[float | None] = []
         self.power: list[float | None] = []
+
+
+def _updated_after(track: _Track, end_s: float) -> bool:
+    """Whether two reads that both began after ``end_s`` show different counter values."""
+    n = min(len(track.times), len(track.read_s), len(track.counter))
+    seen: set[float] = set()
+    for i in range(n - 1, -1, -1):  # newest first: the flush runs after a long measurement
+        if track.times[i] - 0.5 * track.read_s[i] < end_s:
+            break
+        value = track.counter[i]
+        if value is not None:
+            seen.add(value)
+    return len(seen) > 1
 
 
 class Measurement:
@@ -253,6 +269,8 @@ class Measurement:
         self._waiter: threading.Thread | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._flushing = False
         self._events_written = 0
         self.start_s = math.nan
         self.end_s: float | None = None
@@ -331,6 +349,7 @@ class Measurement:
         if self._thread is not None:
             self._flush()
             self._stop.set()
+            self._wake.set()
             self._thread.join()
             self._thread = None
         else:
@@ -437,40 +456,56 @@ class Measurement:
                 continue
             t1 = self._clock()
             track.times.append(0.5 * (t0 + t1))
+            track.read_s.append(t1 - t0)
             track.counter.append(state.energy_j)
             track.power.append(state.power_w)
 
     def _sample_loop(self) -> None:
         next_write = self._clock() + 0.5
         wait_s = self.sample_period_s
-        while not self._stop.wait(wait_s):
-            t0 = time.perf_counter()
+        # Dithered periods: reads at a fixed period keep the same phase against the counter's
+        # own update period, so every update is bracketed alike and the brackets' intersection
+        # (timeline._energy_consistent) stays as wide as one of them; random phases narrow it.
+        dither = random.Random()
+        while True:
+            if self._wake.wait(wait_s * dither.uniform(0.6, 1.4)):
+                self._wake.clear()
+            if self._stop.is_set():
+                return
+            # The sampler's own CPU time, not its wall time: a read that waited for the GIL
+            # (the training thread held it) stole nothing from the loop, and counting the wait
+            # stretched the period to hundreds of ms on a busy CPU loop.
+            t0 = time.thread_time()
             self.poll()
-            busy_s = time.perf_counter() - t0
-            # Keep the sampler's share of a core (and of the GIL) under MAX_DUTY: slow reads
-            # (many devices, a slow driver) stretch the period instead of stealing the loop's time.
-            wait_s = max(self.sample_period_s, busy_s / MAX_DUTY - busy_s)
+            busy_s = time.thread_time() - t0
+            # Keep the sampler's share of a core under MAX_DUTY: slow reads (many devices, a
+            # slow driver) stretch the period instead of stealing the loop's time. The flush
+            # after the end reads at the base period: the loop is no longer running.
+            wait_s = (
+                self.sample_period_s
+                if self._flushing
+                else max(self.sample_period_s, busy_s / MAX_DUTY - busy_s)
+            )
             if self._events_path is not None and self._clock() >= next_write:
                 self._write_events()
                 next_write = self._clock() + 0.5
 
     def _flush(self) -> None:
-        """Read until every counter has published past the end, or the timeout."""
+        """Read until every counter has published past the end, or the timeout.
+
+        Past the end means an update between two reads that both began after it (a read in
+        flight at the end may still show a value from before it), so the end lies before a
+        knot of :mod:`~powerlib.measurement.timeline` and is interpolated, not extrapolated.
+        """
         assert self.end_s is not None
         end = self.end_s
         deadline = time.monotonic() + self.flush_timeout_s
         pending = [t for t in self._tracks if t.has_counter]
-        start_values = {}
-        for t in pending:  # the value the last read at or before the end saw
-            i = bisect.bisect_right(t.times, end) - 1
-            start_values[id(t)] = t.counter[i] if i >= 0 else None
+        self._flushing = True
+        self._wake.set()  # a sampler stretched by slow reads reads again now
         while pending and time.monotonic() < deadline:
             time.sleep(self.sample_period_s)
-            still = []
-            for t in pending:
-                if not (t.times and t.times[-1] > end and t.counter[-1] != start_values[id(t)]):
-                    still.append(t)
-            pending = still
+            pending = [t for t in pending if not _updated_after(t, end)]
         if pending:
             logger.debug("measure: %d counter(s) did not update within the flush", len(pending))
 
@@ -638,9 +673,13 @@ class Measurement:
         return result
 
     def _timeline(self, t: _Track) -> EnergyTimeline:
-        n = min(len(t.times), len(t.counter), len(t.power))
+        n = min(len(t.times), len(t.read_s), len(t.counter), len(t.power))
         return build_timeline(
-            t.times[:n], t.counter[:n] if t.has_counter else None, t.power[:n], wrap_j=t.wrap_j
+            t.times[:n],
+            t.counter[:n] if t.has_counter else None,
+            t.power[:n],
+            wrap_j=t.wrap_j,
+            read_s=t.read_s[:n],
         )
 
     # -- plumbing --------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ __all__ = ["EnergyTimeline", "build_timeline"]
 _FIT_HALF_WIDTH = 8
 """Knots on each side of a knot in its local fit of update times."""
 
+_CONSISTENT_HALF_WIDTH = 20
+"""Knots on each side of a knot whose brackets bound its counter offset (see _energy_consistent)."""
+
 
 @dataclass(frozen=True, slots=True)
 class EnergyTimeline:
@@ -112,6 +115,7 @@ def build_timeline(
     power_w: Sequence[float | None],
     *,
     wrap_j: float | None = None,
+    read_s: Sequence[float] | None = None,
 ) -> EnergyTimeline:
     """Build ``E(t)`` from one device's reads.
 
@@ -122,6 +126,9 @@ def build_timeline(
         power_w: Power at each read (``None`` where unknown: the previous value holds).
         wrap_j: The counter's range when it wraps below ``2**64`` (e.g. RAPL's
             ``max_energy_range_uj``), else ``None``.
+        read_s: How long each read took (``times_s`` are their midpoints): the device was read
+            at an unknown instant of it, so an update's bracket runs from the start of the read
+            before it to the end of the read that saw it. Default: instantaneous reads.
     """
     t = np.asarray(times_s, dtype=float)
     p = _fill_power(power_w)
@@ -137,14 +144,15 @@ def build_timeline(
             _times_s=t, _q_j=q, _last_power_w=last_w, _scale=1.0,
         )  # fmt: skip
     cum, valid, is_knot, resets, wraps = _unwrap(t, counter_j, q, wrap_j)
+    half = np.zeros_like(t) if read_s is None else 0.5 * np.asarray(read_s, dtype=float)
     lo, hi, values = [], [], []
     prev = -1
     for i in range(t.size):
         if not valid[i]:
             continue
         if prev >= 0 and is_knot[i] and cum[i] != cum[prev]:
-            lo.append(t[prev])
-            hi.append(t[i])
+            lo.append(t[prev] - half[prev])
+            hi.append(t[i] + half[i])
             values.append(cum[i])
         prev = i
     if not values:  # no update seen: the counter's first value is not tied to any instant
@@ -153,20 +161,105 @@ def build_timeline(
             knot_times_s=empty, knot_energy_j=empty, covered=None,
             _times_s=t, _q_j=q, _last_power_w=last_w, _scale=1.0,
         )  # fmt: skip
-    tau = _knot_times(np.asarray(lo), np.asarray(hi))
+    lo_a, hi_a = np.asarray(lo), np.asarray(hi)
+    tau = _knot_times(lo_a, hi_a)
     e = np.asarray(values)
-    scale = 1.0
+    scale = _scale(tau, e, t, q)
     if tau.size >= 2:
-        q_span = float(np.interp(tau[-1], t, q) - np.interp(tau[0], t, q))
-        if q_span > 0 and e[-1] > e[0]:
-            scale = float((e[-1] - e[0]) / q_span)
-            if not (0.2 < scale < 5.0):  # power readings unrelated to the counter: do not trust
-                scale = 1.0
+        tau = _energy_consistent(tau, lo_a, hi_a, e, t, q, scale)
+        scale = _scale(tau, e, t, q)
     return EnergyTimeline(
         source="counter", estimated=resets > 0, resets=resets, wraps=wraps, samples=int(t.size),
         knot_times_s=tau, knot_energy_j=e, covered=(float(tau[0]), float(tau[-1])),
         _times_s=t, _q_j=q, _last_power_w=last_w, _scale=scale,
     )  # fmt: skip
+
+
+def _scale(tau: np.ndarray, e: np.ndarray, t: np.ndarray, q: np.ndarray) -> float:
+    """Counter energy per unit of power integral over the knots' span (1.0 when unknown)."""
+    if tau.size < 2:
+        return 1.0
+    q_span = float(np.interp(tau[-1], t, q) - np.interp(tau[0], t, q))
+    if q_span > 0 and e[-1] > e[0]:
+        scale = float((e[-1] - e[0]) / q_span)
+        if 0.2 < scale < 5.0:  # else power readings unrelated to the counter: do not trust
+            return scale
+    return 1.0
+
+
+def _energy_consistent(
+    tau: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    e: np.ndarray,
+    t: np.ndarray,
+    q: np.ndarray,
+    scale: float,
+) -> np.ndarray:
+    """Knot times placed where the counter's own values say, within their brackets.
+
+    Over a few update periods the counter is ``E = s * Q(t) + c`` (``s`` the counter-to-power
+    ratio, ``c`` an offset): every knot then lies at ``Q^-1((e - c) / s)``, and its bracket
+    ``[lo, hi]`` bounds the line: ``s * Q(lo) + c <= e <= s * Q(hi) + c``. Over a knot's
+    neighbours these inequalities leave a small feasible set of ``(s, c)``, far narrower than any
+    one bracket (reads that waited for the GIL leave brackets of tens of ms, but their edges fall
+    at different phases of the update period); its middle places the knot. Eliminating ``c``
+    bounds ``s`` by every pair ``i < j``: ``(e_j - e_i) / (Q(hi_j) - Q(lo_i)) <= s <= (e_j -
+    e_i) / (Q(lo_j) - Q(hi_i))``. Where the set is empty (power changed faster than it was
+    sampled), the knot keeps its time from :func:`_knot_times`.
+    """
+    q_lo = np.interp(lo, t, q)
+    q_hi = np.interp(hi, t, q)
+    increasing = np.concatenate([[True], np.diff(q) > 0])  # np.interp wants increasing x
+    if increasing.sum() < 2:
+        return tau
+    n, w = tau.size, _CONSISTENT_HALF_WIDTH
+    s_lo, s_hi = _window_scale_bounds(q_lo, q_hi, e, w)
+    ok = (s_lo <= s_hi) & (s_hi > 0.2) & (s_lo < 5.0)
+    # Few knots leave a wide range of ratios; its middle is no better than any other point of
+    # it. Power readings agree with the counter to within a few percent (docs/measurement.md
+    # §2), so the ratio nearest 1 is the likeliest; many knots narrow the range to the data's.
+    s = np.where(ok, np.clip(1.0, s_lo, s_hi), scale)
+    win = np.lib.stride_tricks.sliding_window_view
+    pad = np.full(w, np.nan)
+    e_w = win(np.concatenate([pad, e, pad]), 2 * w + 1)
+    lo_w = win(np.concatenate([pad, q_lo, pad]), 2 * w + 1)
+    hi_w = win(np.concatenate([pad, q_hi, pad]), 2 * w + 1)
+    c_min = np.nanmax(e_w - s[:, None] * hi_w, axis=1)
+    c_max = np.nanmin(e_w - s[:, None] * lo_w, axis=1)
+    feasible = c_min <= c_max
+    placed = np.interp((e - 0.5 * (c_min + c_max)) / s, q[increasing], t[increasing])
+    out = np.where(feasible, placed, tau)
+    out = np.clip(out, lo, hi)
+    return np.maximum.accumulate(out[:n])
+
+
+def _window_scale_bounds(
+    q_lo: np.ndarray, q_hi: np.ndarray, e: np.ndarray, w: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per knot, the range of ratios ``s`` that every pair of brackets in its window admits.
+
+    A pair ``(i, i + d)`` lies in the window of knot ``k`` (knots ``k - w .. k + w``) when
+    ``k - w <= i <= k + w - d``: for each distance ``d`` a sliding max (min) over ``i`` gives
+    every window's bound at once. An empty range comes back as ``lo > hi``.
+    """
+    n = e.size
+    lo = np.full(n, -np.inf)
+    hi = np.full(n, np.inf)
+    win = np.lib.stride_tricks.sliding_window_view
+    for d in range(1, min(2 * w, n - 1) + 1):
+        de = e[d:] - e[:-d]
+        wide = q_hi[d:] - q_lo[:-d]
+        narrow = q_lo[d:] - q_hi[:-d]
+        bad = (de <= 0) | (wide <= 0)
+        lower = np.where(bad, np.inf, de / np.where(wide > 0, wide, 1.0))
+        upper = np.where(narrow > 0, de / np.where(narrow > 0, narrow, 1.0), np.inf)
+        size = 2 * w - d + 1
+        lower_w = win(np.concatenate([np.full(w, -np.inf), lower, np.full(w, -np.inf)]), size)
+        upper_w = win(np.concatenate([np.full(w, np.inf), upper, np.full(w, np.inf)]), size)
+        lo = np.maximum(lo, lower_w.max(axis=1)[:n])
+        hi = np.minimum(hi, upper_w.min(axis=1)[:n])
+    return lo, hi
 
 
 def _fill_power(power_w: Sequence[float | None]) -> np.ndarray:
