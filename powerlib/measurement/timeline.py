@@ -246,7 +246,6 @@ def _window_scale_bounds(
     n = e.size
     lo = np.full(n, -np.inf)
     hi = np.full(n, np.inf)
-    win = np.lib.stride_tricks.sliding_window_view
     for d in range(1, min(2 * w, n - 1) + 1):
         de = e[d:] - e[:-d]
         wide = q_hi[d:] - q_lo[:-d]
@@ -255,11 +254,23 @@ def _window_scale_bounds(
         lower = np.where(bad, np.inf, de / np.where(wide > 0, wide, 1.0))
         upper = np.where(narrow > 0, de / np.where(narrow > 0, narrow, 1.0), np.inf)
         size = 2 * w - d + 1
-        lower_w = win(np.concatenate([np.full(w, -np.inf), lower, np.full(w, -np.inf)]), size)
-        upper_w = win(np.concatenate([np.full(w, np.inf), upper, np.full(w, np.inf)]), size)
-        lo = np.maximum(lo, lower_w.max(axis=1)[:n])
-        hi = np.minimum(hi, upper_w.min(axis=1)[:n])
+        pad_lo, pad_hi = np.full(w, -np.inf), np.full(w, np.inf)
+        lo = np.maximum(lo, _sliding_max(np.concatenate([pad_lo, lower, pad_lo]), size)[:n])
+        hi = np.minimum(hi, -_sliding_max(-np.concatenate([pad_hi, upper, pad_hi]), size)[:n])
     return lo, hi
+
+
+def _sliding_max(x: np.ndarray, size: int) -> np.ndarray:
+    """``max(x[i : i + size])`` for every full window, in O(len(x)) (van Herk / Gil-Werman)."""
+    n = x.size
+    blocks = -(-n // size)
+    padded = np.full(blocks * size, -np.inf)
+    padded[:n] = x
+    b = padded.reshape(blocks, size)
+    prefix = np.maximum.accumulate(b, axis=1).ravel()
+    suffix = np.maximum.accumulate(b[:, ::-1], axis=1)[:, ::-1].ravel()
+    count = n - size + 1
+    return np.maximum(suffix[:count], prefix[size - 1 : size - 1 + count])
 
 
 def _fill_power(power_w: Sequence[float | None]) -> np.ndarray:

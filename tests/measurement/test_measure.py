@@ -549,3 +549,14 @@ def test_the_flush_waits_for_an_update_after_the_end() -> None:
     assert not _updated_after(t, end)  # after the end, no change yet
     t.times.append(1.05), t.read_s.append(0.0), t.counter.append(7.0)
     assert _updated_after(t, end)
+
+
+def test_sliding_max_matches_the_naive_windows() -> None:
+    import numpy as np
+
+    from powerlib.measurement.timeline import _sliding_max
+
+    x = np.random.default_rng(0).normal(size=997)
+    for size in (1, 2, 7, 41, 997):
+        naive = np.lib.stride_tricks.sliding_window_view(x, size).max(axis=1)
+        assert np.array_equal(_sliding_max(x, size), naive)
