@@ -25,7 +25,6 @@ the event completes: the window is the GPU's time for the step, not the host's, 
 
 from __future__ import annotations
 
-import bisect
 import collections
 import json
 import logging
