@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = ("torch", "pynvml", "amdsmi", "megatron", "deepspeed")
 
@@ -159,3 +161,21 @@ def test_version_has_one_source() -> None:
     assert 'dynamic = ["version"]' in pyproject and 'attr = "powerlib.__version__"' in pyproject
     assert f'version = "{powerlib.__version__}"' not in pyproject
     assert (ROOT / "powerlib" / "py.typed").exists()
+
+
+def test_the_wheel_lists_every_package() -> None:
+    """setuptools installs only the packages pyproject.toml lists: a folder left out is missing
+    from a non-editable install (powerlib.cli was, so the `powerlib` command failed there)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    names = {"backends": "powerlib.backends", "integrations": "powerlib.integrations"}
+    found = set()
+    for init in sorted((*ROOT.glob("powerlib/**/__init__.py"), *ROOT.glob("*/__init__.py"))):
+        rel = init.parent.relative_to(ROOT).parts
+        if rel[0] in names:
+            found.add(".".join((names[rel[0]], *rel[1:])))
+        elif rel[0] == "powerlib":
+            found.add(".".join(rel))
+    assert found - listed == set()
