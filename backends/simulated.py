@@ -420,6 +420,7 @@ class SimulatedDevice(Device):
             "blocked_power_at_max_freq_w": round(m.power_w(m.max_freq_mhz), 3),
             "energy_update_period_s": m.energy_update_period_s,
             "state_file": None if self._state_path is None else str(self._state_path),
+            "pci_bus_id": f"00000000:{0x10 + self.index:02x}:00.0",  # made up, stable per index
         }
 
     def exact_energy_j(self) -> float:

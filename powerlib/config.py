@@ -21,6 +21,8 @@ Environment variables:
 ``POWERLIB_SIM_MODEL``    Simulated GPU model: ``a100`` (default), ``h100``, ``a40``.
 ``POWERLIB_SIM_CLOCK``    ``wall`` (default; state persists across processes) or ``virtual``
                           (time advances only when simulated work runs; nothing persists).
+``POWERLIB_AGENT_SOCKET`` The node agent's socket for ``POWERLIB_BACKEND=agent`` (default
+                          ``/run/powerlib/agent.sock``; docs/agent.md).
 ========================  =================================================================
 
 Also honoured, with their usual meaning: ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``
@@ -91,6 +93,7 @@ class Settings:
         local_rank: ``LOCAL_RANK`` (set by torchrun): the session's default device index.
         sim_energy_period_s: Update period of the simulated energy counter (``None``: the
             model's, 0.1 s like NVML).
+        agent_socket: The node agent's socket (``POWERLIB_AGENT_SOCKET``).
     """
 
     backend: str = "auto"
@@ -105,6 +108,7 @@ class Settings:
     rocr_visible_devices: str | None = None
     local_rank: int | None = None
     sim_energy_period_s: float | None = None
+    agent_socket: Path = Path("/run/powerlib/agent.sock")
 
     def __post_init__(self) -> None:
         if not self.backend or self.backend != self.backend.strip().lower():
@@ -143,6 +147,8 @@ class Settings:
             if env.get("POWERLIB_STATE_DIR")
             else default_state_dir(env)
         )
+        if env.get("POWERLIB_AGENT_SOCKET", "").strip():
+            kwargs["agent_socket"] = Path(env["POWERLIB_AGENT_SOCKET"].strip())
         if env.get("POWERLIB_SIM_GPUS"):
             raw = env["POWERLIB_SIM_GPUS"]
             try:

@@ -437,6 +437,9 @@ class Backend(ABC):
         install_hint: What to install or enable when the backend is unavailable.
         persistent: True when device settings outlive this process (real hardware; the simulator
             with persisted state). Only then are changes journaled and devices locked.
+        remote: True when another process makes the changes and journals and leases them (the
+            node agent, docs/agent.md): nothing is journaled here, but the first change still
+            claims the device.
     """
 
     name: ClassVar[str]
@@ -445,6 +448,7 @@ class Backend(ABC):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.persistent = True
+        self.remote = False
 
     @classmethod
     @abstractmethod

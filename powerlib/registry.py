@@ -12,10 +12,15 @@ vendor libraries). Third parties add backends through the ``powerlib.backends`` 
     mygpu = "mypkg.powerlib_backend:MyGpuBackend"
 
 The class must subclass :class:`powerlib.device.Backend`. Built-in names cannot be shadowed.
+
+``agent`` sends every change to the node agent (docs/agent.md) and reads through it too;
+``agent:NAME`` (``agent:nvidia``) sends changes to the agent and reads locally through ``NAME``,
+which needs no privilege.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from collections.abc import Iterable, Mapping
@@ -45,6 +50,7 @@ BUILTIN_BACKENDS: Mapping[str, str] = {
     "amd": "powerlib.backends.amd:AmdBackend",
     "sysfs": "powerlib.backends.sysfs:SysfsBackend",
     "simulated": "powerlib.backends.simulated:SimulatedBackend",
+    "agent": "powerlib.backends.agent:AgentBackend",
 }
 
 AUTO_ORDER: tuple[str, ...] = ("nvidia", "amd", "sysfs")
@@ -77,6 +83,12 @@ def check_backend_name(name: str) -> None:
     """
     if name == "auto" or name in BUILTIN_BACKENDS:
         return
+    if name.startswith("agent:"):  # the agent, reading locally through another backend
+        inner = name.partition(":")[2]
+        if inner in ("agent", "auto") or inner.startswith("agent:"):
+            raise ConfigError(f"backend {name!r}: agent:NAME reads through NAME, a device backend")
+        check_backend_name(inner)
+        return
     names = backend_names()
     if name not in names:
         valid = ", ".join(["auto", *names])
@@ -90,6 +102,9 @@ def load_backend_class(name: str) -> type[Backend]:
         ConfigError: No backend has that name (the message lists the valid names).
         BackendUnavailableError: A plug-in's module cannot be imported.
     """
+    if name.startswith("agent:"):
+        check_backend_name(name)
+        name = "agent"
     if name in BUILTIN_BACKENDS:
         target = BUILTIN_BACKENDS[name]
     else:
@@ -140,6 +155,8 @@ def open_backend(name: str | None = None, settings: Settings | None = None) -> B
     chosen = settings.backend if name is None else name
     if chosen != "auto":
         cls = load_backend_class(chosen)
+        if chosen != settings.backend:  # agent:NAME reads which backend from its settings
+            settings = dataclasses.replace(settings, backend=chosen)
         backend = cls(settings)
         logger.info("opened backend %s with %d device(s)", chosen, len(backend.devices()))
         return backend

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 import click
 
 from powerlib import __version__
+from powerlib.cli.agent import agent
 from powerlib.cli.devices import devices, env, reset, set_, status, watch
 from powerlib.cli.emulate import demo, simulate
 from powerlib.cli.exporter import exporter
@@ -94,6 +95,7 @@ for _command in (
     env, devices, status, watch, measure, exporter, set_, reset, restore, plan, demo, simulate
 ):
     cli.add_command(_command)
+cli.add_command(agent)
 cli.add_command(kareus)
 cli.add_command(overlap)
 

@@ -127,7 +127,7 @@ def claim_device(control: ControlSession, device: Device) -> None:
     Raises:
         DeviceBusyError: Another session, in this process or another, holds the device.
     """
-    if not control.backend.persistent:
+    if not (control.backend.persistent or getattr(control.backend, "remote", False)):
         return  # nothing is journaled or locked (the emulator)
     try:
         control.reset_sm_clocks(device)

@@ -1,0 +1,11 @@
+"""The node agent: a root daemon that owns the devices and leases them per job (docs/agent.md).
+
+:mod:`powerlib.agent.server` is the daemon (``powerlib agent serve``),
+:mod:`powerlib.agent.protocol` its wire format, :mod:`powerlib.agent.authz` who may control what,
+and :mod:`powerlib.agent.peer` who is on the other end of the socket. The client is the ``agent``
+backend (:mod:`powerlib.backends.agent`). Importing this package starts nothing.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,313 @@
+"""Who may touch which device: the agent's rules (docs/agent.md §3). Default deny.
+
+Two sources grant a uid (or a group) devices, each by any id form (index, UUID, PCI bus id):
+
+* **The allow list** (``--allow FILE``): an administrator's standing rules, read at start. The
+  file and its folder must be root's and writable by nobody else, else the agent refuses to
+  start: a rule that any user could edit would hand the node's GPUs to that user. ::
+
+      {"rules": [{"name": "ml-team", "group": "ml", "devices": ["*"]},
+                 {"name": "bench", "uid": 1001, "devices": ["0", "GPU-4f3c..."]}]}
+
+* **Job grants** (``--grants-dir``, default ``/run/powerlib/grants``): one file per job, written
+  by the Slurm prolog (``powerlib agent grant --job "$SLURM_JOB_ID" --uid "$SLURM_JOB_UID"
+  --devices "$SLURM_JOB_GPUS"``) and removed by the epilog (``powerlib agent revoke``). Read at
+  each check, so a grant takes effect at once; a grant file or folder that is not root's, is a
+  symlink, or is writable by group or others is ignored (and said in the refusal).
+
+Every refusal names the device, the uid and the rule that decided (or that none matched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import logging
+import os
+import pwd
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from powerlib.errors import ConfigError, UntrustedStateError
+from powerlib.ownership import check_trusted, show_path
+
+__all__ = ["Grant", "Rules", "load_allow_list", "read_grants", "remove_grant", "write_grant"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_FILE_BYTES = 1 << 20
+_MAX_RULES = 4096
+_JOB = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+ROOT_ONLY = frozenset({0})
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """One rule: who (a uid, or members of a gid) may control which devices.
+
+    Attributes:
+        rule: How a refusal or a lease names it (``allow:ml-team``, ``job:1234``).
+        uid: The uid it grants, or ``None``.
+        gid: The gid whose members it grants, or ``None``.
+        devices: Device selectors in any id form, or ``("*",)`` for every device.
+        job: The job id of a job grant.
+    """
+
+    rule: str
+    uid: int | None
+    gid: int | None
+    devices: tuple[str, ...]
+    job: str | None = None
+
+    def admits(self, uid: int, gids: Iterable[int]) -> bool:
+        """Whether this rule speaks for that client."""
+        return (self.uid is not None and self.uid == uid) or (
+            self.gid is not None and self.gid in set(gids)
+        )
+
+
+@dataclass
+class Rules:
+    """The allow list plus the job grants, and the check the agent makes for each request.
+
+    Args:
+        allow: The allow list's rules (read once at start).
+        grants_dir: Where job grants live, or ``None``.
+        resolve: Maps a selector in any id form to a device's canonical id (``None`` when no
+            device matches).
+    """
+
+    allow: tuple[Grant, ...] = ()
+    grants_dir: Path | None = None
+    resolve: Callable[[str], str | None] = lambda s: None
+    _cache: tuple[float, tuple[Grant, ...], tuple[str, ...]] | None = field(
+        default=None, repr=False
+    )
+
+    def grants(self) -> tuple[tuple[Grant, ...], tuple[str, ...]]:
+        """The job grants now, and a line per grant file that was ignored (cached ~0.5 s)."""
+        if self.grants_dir is None:
+            return (), ()
+        now = time.monotonic()
+        if self._cache is not None and now - self._cache[0] < 0.5:
+            return self._cache[1], self._cache[2]
+        found, ignored = read_grants(self.grants_dir)
+        self._cache = (now, tuple(found), tuple(ignored))
+        return self._cache[1], self._cache[2]
+
+    def invalidate(self) -> None:
+        """Forget the cached job grants (tests; the agent after ``grant``/``revoke``)."""
+        self._cache = None
+
+    def check(self, uid: int, gids: Iterable[int], device_id: str, shown: str) -> tuple[bool, str]:
+        """Whether ``uid`` (with ``gids``) may control ``device_id``; and why, in one phrase.
+
+        Root is always admitted (it could drive the device without the agent anyway).
+        """
+        gids = tuple(gids)
+        if uid == 0:
+            return True, "root"
+        job_grants, ignored = self.grants()
+        matched: list[Grant] = []
+        for grant in (*self.allow, *job_grants):
+            if not grant.admits(uid, gids):
+                continue
+            if "*" in grant.devices or any(self.resolve(s) == device_id for s in grant.devices):
+                return True, grant.rule
+            matched.append(grant)
+        if matched:
+            names = ", ".join(g.rule for g in matched)
+            why = f"{names} grant{'' if len(matched) > 1 else 's'} uid {uid} other devices only"
+        else:
+            why = f"no allow-list rule or job grant names uid {uid} (default deny)"
+        if ignored:
+            why += "; ignored: " + "; ".join(ignored)
+        return False, f"uid {uid} may not control device {shown}: {why}"
+
+
+# -- the allow list --------------------------------------------------------------------------------
+
+
+def load_allow_list(path: Path) -> tuple[Grant, ...]:
+    """Read the administrator's allow list, refusing one that is not root's alone.
+
+    Raises:
+        UntrustedStateError: The file or its folder is not root's, is a symlink, or is writable
+            by group or others.
+        ConfigError: The file is malformed (the message names the rule).
+    """
+    parent = path.parent
+    check_trusted(
+        parent, os.lstat(parent), what="allow list's folder", directory=True, trusted_uids=ROOT_ONLY
+    )
+    data = _read_trusted_json(path, "allow list")
+    if not isinstance(data, Mapping) or not isinstance(data.get("rules"), list):
+        raise ConfigError(f'allow list {show_path(path)}: expected {{"rules": [...]}}')
+    rules = data["rules"]
+    if len(rules) > _MAX_RULES:
+        raise ConfigError(f"allow list {show_path(path)}: more than {_MAX_RULES} rules")
+    out = []
+    for i, raw in enumerate(rules):
+        try:
+            out.append(_rule(raw, i))
+        except (TypeError, ValueError, KeyError) as err:
+            raise ConfigError(f"allow list {show_path(path)}: rule {i}: {err}") from None
+    return tuple(out)
+
+
+def _rule(raw: Any, i: int) -> Grant:
+    if not isinstance(raw, Mapping):
+        raise TypeError("not an object")
+    unknown = sorted(set(raw) - {"name", "uid", "user", "gid", "group", "devices"})
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)}")
+    name = str(raw.get("name", f"rule-{i}"))[:64]
+    uid = _id(raw, "uid", "user", lambda n: pwd.getpwnam(n).pw_uid)
+    gid = _id(raw, "gid", "group", lambda n: grp.getgrnam(n).gr_gid)
+    if (uid is None) == (gid is None):
+        raise ValueError("give exactly one of uid, user, gid, group")
+    return Grant(rule=f"allow:{name}", uid=uid, gid=gid, devices=_devices(raw.get("devices")))
+
+
+def _id(raw: Mapping[str, Any], num: str, name: str, lookup: Callable[[str], int]) -> int | None:
+    if num in raw and name in raw:
+        raise ValueError(f"give {num} or {name}, not both")
+    if num in raw:
+        value = raw[num]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{num} must be a non-negative integer")
+        return value
+    if name in raw:
+        try:
+            return lookup(str(raw[name]))
+        except KeyError:
+            raise ValueError(f"no such {name} {raw[name]!r}") from None
+    return None
+
+
+def _devices(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError("devices must be a non-empty list")
+    out = []
+    for d in value:
+        if isinstance(d, bool) or not isinstance(d, (str, int)):
+            raise ValueError(f"device {d!r} is not an index or an id")
+        text = str(d).strip()
+        if not (0 < len(text) <= 128):
+            raise ValueError(f"device {d!r} is empty or too long")
+        out.append(text)
+    return tuple(out)
+
+
+def _read_trusted_json(path: Path, what: str) -> Any:
+    """Open without following links, check the opened file itself, then parse (bounded)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as err:
+        if os.path.islink(path):
+            raise UntrustedStateError(
+                f"refusing the {what} {show_path(path)}: it is a symlink"
+            ) from None
+        raise ConfigError(f"cannot open the {what} {show_path(path)}: {err.strerror}") from None
+    try:
+        check_trusted(path, os.fstat(fd), what=what, directory=False, trusted_uids=ROOT_ONLY)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(_MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > _MAX_FILE_BYTES:
+        raise ConfigError(f"the {what} {show_path(path)} is larger than {_MAX_FILE_BYTES} bytes")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"the {what} {show_path(path)} is not JSON: {err}") from None
+
+
+# -- job grants ------------------------------------------------------------------------------------
+
+
+def read_grants(folder: Path) -> tuple[list[Grant], list[str]]:
+    """Every trusted job grant in ``folder``, and a line for each file that was ignored."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return [], []
+    try:
+        check_trusted(folder, st, what="grants folder", directory=True, trusted_uids=ROOT_ONLY)
+    except UntrustedStateError as err:
+        return [], [err.message]
+    found, ignored = [], []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if not entry.name.endswith(".json"):
+            continue
+        try:
+            data = _read_trusted_json(Path(entry.path), "job grant")
+            found.append(_grant(data))
+        except (UntrustedStateError, ConfigError) as err:
+            ignored.append(err.message)
+        except (TypeError, ValueError, KeyError) as err:
+            ignored.append(f"job grant {show_path(entry.path)} is malformed: {err}")
+    return found, ignored
+
+
+def _grant(data: Any) -> Grant:
+    if not isinstance(data, Mapping):
+        raise TypeError("not an object")
+    job = data["job"]
+    if not (isinstance(job, str) and _JOB.match(job)):
+        raise ValueError("job must be 1-64 of [A-Za-z0-9_.-]")
+    uid = data["uid"]
+    if isinstance(uid, bool) or not isinstance(uid, int) or uid < 0:
+        raise ValueError("uid must be a non-negative integer")
+    return Grant(rule=f"job:{job}", uid=uid, gid=None, devices=_devices(data["devices"]), job=job)
+
+
+def write_grant(folder: Path, job: str, uid: int, devices: Iterable[str]) -> Path:
+    """Write a job grant (root, in a Slurm prolog): ``folder/job-<job>.json``, 0644, atomically.
+
+    Raises:
+        ConfigError: A bad job id, uid or device list.
+        UntrustedStateError: The folder exists but is not root's alone.
+    """
+    if not _JOB.match(job):
+        raise ConfigError(f"job id {job!r} must be 1-64 of [A-Za-z0-9_.-]")
+    if uid < 0:
+        raise ConfigError(f"uid must be non-negative, got {uid}")
+    try:
+        devs = _devices([d for d in devices])
+    except ValueError as err:
+        raise ConfigError(f"devices: {err}") from None
+    folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+    check_trusted(
+        folder, os.lstat(folder), what="grants folder", directory=True, trusted_uids=ROOT_ONLY
+    )
+    target = folder / f"job-{job}.json"
+    tmp = folder / f".job-{job}.json.tmp"
+    body = json.dumps({"job": job, "uid": uid, "devices": list(devs), "created_s": time.time()})
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.fchmod(fd, 0o644)
+        os.write(fd, body.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, target)
+    return target
+
+
+def remove_grant(folder: Path, job: str) -> bool:
+    """Remove a job's grant (the epilog); False when there was none."""
+    if not _JOB.match(job):
+        raise ConfigError(f"job id {job!r} must be 1-64 of [A-Za-z0-9_.-]")
+    try:
+        os.unlink(folder / f"job-{job}.json")
+    except FileNotFoundError:
+        return False
+    return True

@@ -1,0 +1,669 @@
+"""``powerlib agent``: the node daemon that owns the devices and leases them per job.
+
+A training job does not run as root, and clocks and power limits need root. The agent does (one
+per node, under systemd); jobs ask it over a Unix socket (:mod:`powerlib.agent.protocol`), and it
+changes a device only for a client that a rule admits (:mod:`powerlib.agent.authz`), only while
+that client holds the device's lease, and puts the device back the moment the client goes
+(docs/agent.md):
+
+* **Lease = connection.** A client's first change of a device takes its lease (one owner per
+  device; another client gets ``DeviceBusyError`` naming the owner's uid, pid and job). Each
+  lease is a :class:`~powerlib.control.ControlSession` of the agent's, so every change is
+  journaled before it is made. When the connection closes, or the client process dies (a pidfd:
+  this catches a forked child that keeps the socket), each of its devices is restored to what it
+  was before the lease, compare-then-restore, one device at a time so one failure stops no other.
+* **Crash safety.** An agent that starts restores whatever journals a dead agent left before it
+  serves anyone; it holds a lock file so that two agents never serve one state folder.
+* **Hostile clients.** Lines are capped (:data:`~powerlib.agent.protocol.MAX_LINE_BYTES`), a
+  partial line must complete within ``line_timeout_s``, each connection is rate limited, each
+  uid may hold a bounded number of connections, and every connection is its own coroutine, so a
+  slow or flooding client delays only itself. Device calls run on a thread pool, never on the
+  event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import fcntl
+import grp
+import itertools
+import logging
+import os
+import re
+import resource
+import signal
+import socket
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from powerlib.agent import protocol
+from powerlib.agent.authz import Rules
+from powerlib.agent.peer import Peer, peer_of, pidfd_of
+from powerlib.control import ControlSession
+from powerlib.device import Backend, Device
+from powerlib.errors import (
+    ConfigError,
+    DeviceBusyError,
+    DeviceNotFoundError,
+    PermissionDeniedError,
+    PowerlibError,
+)
+from powerlib.ownership import show_path
+from powerlib.restore import restore_journals
+
+__all__ = ["Agent", "AgentEvent", "sd_notify"]
+
+logger = logging.getLogger(__name__)
+
+SD_LISTEN_FDS_START = 3
+_OFFLOAD_CALLS = 100
+"""After a slow call, how many of that device's calls go to the thread pool before one is tried
+inline again."""
+_PCI = re.compile(r"^(?:([0-9a-f]{1,8}):)?([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$")
+
+
+@dataclass
+class AgentEvent:
+    """A lease that ended, with its timing (monotonic seconds): what the benchmark reads."""
+
+    device_id: str
+    pid: int
+    uid: int
+    reason: str
+    detected_s: float
+    restore_started_s: float = float("nan")
+    restore_done_s: float = float("nan")
+    ok: bool = False
+
+
+@dataclass
+class _Client:
+    id: int
+    peer: Peer
+    writer: asyncio.StreamWriter
+    pidfd: int | None = None
+    leases: dict[str, _Lease] = field(default_factory=dict)
+    ended: bool = False
+    tokens: float = 0.0
+    refilled_s: float = 0.0
+
+
+@dataclass
+class _Lease:
+    device: Device
+    client: _Client
+    rule: str
+    session: ControlSession
+    since_s: float
+
+
+def sd_notify(message: str) -> bool:
+    """Tell systemd (``NOTIFY_SOCKET``) something, e.g. ``READY=1``; False when not under it."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return False
+    address = "\0" + path[1:] if path.startswith("@") else path
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        try:
+            s.sendto(message.encode(), address)
+        except OSError as err:
+            logger.warning("sd_notify(%s) failed: %s", message, err)
+            return False
+    return True
+
+
+def normalize_pci(text: str) -> str | None:
+    """``00000000:3b:00.0`` for any of ``0000:3B:00.0``, ``3b:00.0`` ...; None if not a bus id."""
+    m = _PCI.match(text.strip().lower())
+    if m is None:
+        return None
+    domain = int(m.group(1) or "0", 16)
+    return f"{domain:08x}:{m.group(2)}:{m.group(3)}.{m.group(4)}"
+
+
+class Agent:
+    """The daemon. Build it over an open backend, then :meth:`run` (or ``await serve()``).
+
+    Args:
+        backend: The real backend (or the simulated one); the agent owns it.
+        socket_path: Where to listen (ignored under systemd socket activation).
+        rules: Who may control what.
+        group: Group owning the socket (gid or name); ``None`` keeps root's.
+        socket_mode: The socket's mode (default 0660: root and the group).
+        max_connections: Connections held at once, all clients together.
+        max_per_uid: Connections one uid may hold (root is not limited).
+        line_timeout_s: How long a partial request line may stay incomplete.
+        rate_per_s: Requests a connection may make per second (a burst of a quarter of it).
+        workers: Threads for device calls that are slow.
+        inline_below_s: A device whose calls take less runs them on the event loop (see
+            :meth:`_call`); 0 sends every call to the thread pool.
+        listen_fd: An inherited listening socket (systemd); default from ``LISTEN_FDS``.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        socket_path: Path,
+        rules: Rules,
+        group: int | str | None = None,
+        socket_mode: int = 0o660,
+        max_connections: int = 4096,
+        max_per_uid: int = 1024,
+        line_timeout_s: float = 10.0,
+        rate_per_s: float = 2000.0,
+        workers: int = 8,
+        inline_below_s: float = 0.002,
+        listen_fd: int | None = None,
+    ) -> None:
+        self.backend = backend
+        self.socket_path = Path(socket_path)
+        self.rules = rules
+        self.gid = _gid(group)
+        self.socket_mode = socket_mode
+        self.max_connections = max_connections
+        self.max_per_uid = max_per_uid
+        self.line_timeout_s = line_timeout_s
+        self.rate_per_s = rate_per_s
+        self.listen_fd = listen_fd if listen_fd is not None else _systemd_fd()
+        self.inline_below_s = inline_below_s
+        self._offload: dict[str, int] = {}
+        self._slow: dict[str, int] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix="powerlib-agent"
+        )
+        self._ids = itertools.count(1)
+        self._clients: dict[int, _Client] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._by_form: dict[str, Device] = {}
+        self._wire_devices: list[dict[str, Any]] = []
+        self.events: list[AgentEvent] = []
+        self._server: asyncio.base_events.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._lock_fd: int | None = None
+        self.ready = False
+        self.recovered: list[Any] = []
+        rules.resolve = self._resolve_id
+
+    # -- start and stop --------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Take the state folder's agent lock, restore what a dead agent left, index devices.
+
+        Raises:
+            ConfigError: Another agent serves this state folder.
+        """
+        state = Path(self.backend.settings.state_dir)
+        state.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(
+            state / "agent.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"another powerlib agent serves the state folder {show_path(state)}"
+            ) from None
+        self._lock_fd = fd
+        # A dead agent's leases: its journals name it as the owner, and it is gone.
+        self.recovered = restore_journals(self.backend.settings)
+        for outcome in self.recovered:
+            (logger.info if outcome.ok else logger.error)("start-up restore: %s", outcome)
+        for dev in self.backend.devices():
+            details = dict(dev.details())
+            self._wire_devices.append(protocol.info_to_wire(dev.info, details))
+            self._by_form[str(dev.index)] = dev
+            self._by_form[dev.device_id] = dev
+            self._by_form[dev.device_id.lower()] = dev
+            pci = details.get("pci_bus_id")
+            if isinstance(pci, str) and normalize_pci(pci):
+                self._by_form[normalize_pci(pci)] = dev  # type: ignore[index]
+
+    async def serve(self, *, started: Callable[[], None] | None = None) -> None:
+        """Serve until :meth:`stop` (or SIGTERM/SIGINT under :meth:`run`); restores on the way out."""
+        if self._lock_fd is None:
+            self.prepare()
+        _raise_nofile_limit()
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        if self.listen_fd is not None:
+            sock = socket.socket(fileno=self.listen_fd)
+            if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+                raise ConfigError("the inherited socket (LISTEN_FDS) is not a Unix stream socket")
+            self._server = await asyncio.start_unix_server(
+                self._serve_client, sock=sock, limit=protocol.MAX_LINE_BYTES, backlog=1024
+            )
+        else:
+            _clear_stale_socket(self.socket_path)
+            self.socket_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            self._server = await asyncio.start_unix_server(
+                self._serve_client, path=str(self.socket_path), limit=protocol.MAX_LINE_BYTES,
+                backlog=1024,
+            )  # fmt: skip
+            os.chmod(self.socket_path, self.socket_mode)
+            if self.gid is not None:
+                os.chown(self.socket_path, -1, self.gid)
+        self.ready = True
+        sd_notify("READY=1\nSTATUS=serving " + str(len(self._wire_devices)) + " device(s)")
+        logger.info(
+            "powerlib agent ready on %s (%d devices)", self.socket_path, len(self._wire_devices)
+        )
+        if started is not None:
+            started()
+        try:
+            await self._stopping.wait()
+        finally:
+            sd_notify("STOPPING=1")
+            self._server.close()
+            for client in list(self._clients.values()):
+                await self._end(client, "agent stopping")
+            await self._server.wait_closed()
+            if self.listen_fd is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.socket_path)
+            self.ready = False
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return (thread-safe)."""
+        if self._loop is not None and self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+
+    def run(self) -> None:
+        """Serve in this thread until SIGTERM or SIGINT; restore every lease; release the lock."""
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, self.stop)
+            await self.serve()
+
+        try:
+            asyncio.run(main())
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release the thread pool and the agent lock (leases were restored by :meth:`serve`)."""
+        self._pool.shutdown(wait=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- one client ------------------------------------------------------------------------------
+
+    async def _serve_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        sock = writer.get_extra_info("socket")
+        try:
+            peer = peer_of(sock)
+        except OSError:
+            writer.close()
+            return
+        client = _Client(id=next(self._ids), peer=peer, writer=writer)
+        client.tokens, client.refilled_s = self.rate_per_s / 4, time.monotonic()
+        refusal = self._admit(peer)
+        if refusal is not None:
+            await self._reply_and_close(writer, None, PermissionDeniedError(refusal))
+            return
+        client.pidfd = pidfd_of(peer)
+        if client.pidfd is None:  # gone already (or its pid reused): nothing to serve
+            writer.close()
+            return
+        self._clients[client.id] = client
+        assert self._loop is not None
+        self._loop.add_reader(client.pidfd, self._on_exit, client)
+        try:
+            await self._read_loop(client, reader)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            await self._end(client, "connection closed")
+
+    def _admit(self, peer: Peer) -> str | None:
+        if len(self._clients) >= self.max_connections:
+            return f"the agent holds {len(self._clients)} connections, its limit; try again later"
+        if peer.uid != 0:
+            held = sum(1 for c in self._clients.values() if c.peer.uid == peer.uid)
+            if held >= self.max_per_uid:
+                return f"uid {peer.uid} holds {held} connections, the limit per uid"
+        return None
+
+    async def _read_loop(self, client: _Client, reader: asyncio.StreamReader) -> None:
+        buf = bytearray()
+        while not client.ended:
+            timeout = self.line_timeout_s if buf else None
+            try:
+                chunk = await asyncio.wait_for(reader.read(protocol.MAX_LINE_BYTES), timeout)
+            except asyncio.TimeoutError:
+                await self._refuse(client, protocol.ProtocolError(
+                    f"a request line stayed incomplete for {self.line_timeout_s:g} s"
+                ))  # fmt: skip
+                return
+            if not chunk:
+                return
+            buf += chunk
+            while True:
+                nl = buf.find(b"\n")
+                if nl < 0:
+                    if len(buf) > protocol.MAX_LINE_BYTES:
+                        await self._refuse(client, protocol.ProtocolError(
+                            f"a request line is longer than {protocol.MAX_LINE_BYTES} bytes"
+                        ))  # fmt: skip
+                        return
+                    break
+                line, buf = bytes(buf[:nl]), buf[nl + 1 :]
+                if len(line) > protocol.MAX_LINE_BYTES:
+                    await self._refuse(client, protocol.ProtocolError(
+                        f"a request line is longer than {protocol.MAX_LINE_BYTES} bytes"
+                    ))  # fmt: skip
+                    return
+                if not line.strip():
+                    continue
+                await self._throttle(client)
+                if not await self._handle(client, line):
+                    return
+                if client.ended:
+                    return
+
+    async def _throttle(self, client: _Client) -> None:
+        """A token bucket per connection: a flood waits on its own coroutine, nobody else's."""
+        now = time.monotonic()
+        burst = self.rate_per_s / 4
+        client.tokens = min(burst, client.tokens + (now - client.refilled_s) * self.rate_per_s)
+        client.refilled_s = now
+        if client.tokens < 1:
+            await asyncio.sleep((1 - client.tokens) / self.rate_per_s)
+            client.tokens = 1
+        client.tokens -= 1
+
+    async def _handle(self, client: _Client, line: bytes) -> bool:
+        """Answer one line; False when the connection must close (a protocol error)."""
+        try:
+            msg = protocol.decode_request(line)
+        except protocol.ProtocolError as err:
+            await self._refuse(client, err)
+            return False
+        rid = msg.get("id")
+        try:
+            result = await self._dispatch(client, msg)
+        except PowerlibError as err:
+            return await self._send(
+                client, {"v": 1, "id": rid, "ok": False, "error": protocol.error_to_wire(err)}
+            )
+        except Exception as err:  # noqa: BLE001 - a driver bug must not kill the agent
+            logger.exception("agent: %s failed for %s", msg.get("op"), client.peer.describe())
+            return await self._send(
+                client, {"v": 1, "id": rid, "ok": False, "error": protocol.error_to_wire(err)}
+            )
+        return await self._send(client, {"v": 1, "id": rid, "ok": True, "result": result})
+
+    async def _send(self, client: _Client, message: dict[str, Any]) -> bool:
+        if client.ended:
+            return False
+        try:
+            client.writer.write(protocol.encode(message))
+            await client.writer.drain()
+        except (ConnectionError, RuntimeError):
+            return False
+        return True
+
+    async def _refuse(self, client: _Client, err: PowerlibError) -> None:
+        logger.warning("agent: closing %s: %s", client.peer.describe(), err.message)
+        await self._send(
+            client, {"v": 1, "id": None, "ok": False, "error": protocol.error_to_wire(err)}
+        )
+
+    async def _reply_and_close(
+        self, writer: asyncio.StreamWriter, rid: Any, err: PowerlibError
+    ) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            writer.write(
+                protocol.encode(
+                    {"v": 1, "id": rid, "ok": False, "error": protocol.error_to_wire(err)}
+                )
+            )
+            await writer.drain()
+        writer.close()
+
+    # -- operations ------------------------------------------------------------------------------
+
+    async def _dispatch(self, client: _Client, msg: dict[str, Any]) -> Any:
+        op = msg["op"]
+        peer = client.peer
+        if op == "ping":
+            return None
+        if op == "hello":
+            return {
+                "protocol": protocol.PROTOCOL,
+                "version": protocol.VERSION,
+                "backend": self.backend.name,
+                "uid": peer.uid,
+                "pid": peer.pid,
+                "agent_pid": os.getpid(),
+            }
+        if op == "devices":
+            return self._wire_devices
+        if op == "leases":
+            return [
+                {"device_id": k, "uid": v.client.peer.uid, "pid": v.client.peer.pid, "rule": v.rule,
+                 "since_s": v.since_s}
+                for k, v in self._leases.items()
+                if peer.uid == 0 or v.client is client
+            ]  # fmt: skip
+        dev = self._resolve(msg["device"])
+        allowed, why = self.rules.check(
+            peer.uid, peer.gids, dev.device_id, _shown(msg["device"], dev)
+        )
+        if not allowed:
+            logger.warning("agent: refused %s %s: %s", op, peer.describe(), why)
+            raise PermissionDeniedError(why, device=dev.device_id, operation=op)
+        if op == "read":
+            state = await self._call(dev.read_state, device=dev.device_id)
+            return protocol.state_to_wire(state)
+        if op == "release":
+            lease = client.leases.get(dev.device_id)
+            if lease is not None:
+                await self._restore(lease, "released")
+            return None
+        lease = self._lease(client, dev, why)
+        if op == "lock_sm_clocks":
+            lo, hi = await self._call(
+                lease.session.lock_sm_clocks,
+                dev,
+                msg["min_mhz"],
+                msg.get("max_mhz"),
+                device=dev.device_id,
+            )
+            return [lo, hi]
+        if op == "reset_sm_clocks":
+            await self._call(lease.session.reset_sm_clocks, dev, device=dev.device_id)
+            return None
+        if op == "set_power_limit":
+            return await self._call(
+                lease.session.set_power_limit, dev, msg["power_limit_w"], device=dev.device_id
+            )
+        if op == "reset_power_limit":
+            await self._call(lease.session.reset_power_limit, dev, device=dev.device_id)
+            return None
+        raise protocol.ProtocolError(f"unknown operation {op!r}")  # decode_request stops these
+
+    def _resolve(self, selector: str | int) -> Device:
+        dev = self._lookup(selector)
+        if dev is None:
+            raise DeviceNotFoundError(
+                f"no device {selector!r} on this node (an index, UUID or PCI bus id; "
+                f"{len(self._wire_devices)} device(s))"
+            )
+        return dev
+
+    def _lookup(self, selector: str | int) -> Device | None:
+        text = str(selector).strip()
+        dev = self._by_form.get(text) or self._by_form.get(text.lower())
+        if dev is None:
+            pci = normalize_pci(text)
+            dev = self._by_form.get(pci) if pci else None
+        return dev
+
+    def _resolve_id(self, selector: str) -> str | None:
+        dev = self._lookup(selector)
+        return None if dev is None else dev.device_id
+
+    def _lease(self, client: _Client, dev: Device, rule: str) -> _Lease:
+        lease = self._leases.get(dev.device_id)
+        if lease is not None and lease.client is not client:
+            owner = lease.client.peer
+            raise DeviceBusyError(
+                f"leased by uid {owner.uid} pid {owner.pid} ({lease.rule}) since "
+                f"{time.strftime('%H:%M:%S', time.localtime(lease.since_s))}",
+                device=dev.device_id,
+            )
+        if lease is None:
+            session = ControlSession(self.backend, handle_signals=False)
+            lease = _Lease(
+                device=dev, client=client, rule=rule, session=session, since_s=time.time()
+            )
+            self._leases[dev.device_id] = lease
+            client.leases[dev.device_id] = lease
+            logger.info("agent: %s leases %s (%s)", client.peer.describe(), dev.device_id, rule)
+        return lease
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, device: str | None = None) -> Any:
+        """Run a device call: inline while the device answers fast, else on the thread pool.
+
+        Handing a call to a thread and back costs ~0.1 ms on a loaded 2-core node, as much as a
+        fast driver call itself. A device's calls run on the event loop until two in a row take
+        longer than ``inline_below_s`` (one slow call is normal: a lease's first change writes
+        and fsyncs its journal); then the next :data:`_OFFLOAD_CALLS` calls of that device go
+        to the pool, so a device that stalls delays only its own clients.
+        """
+        assert self._loop is not None
+        inline = device is not None and self._offload.get(device, 0) <= 0
+        t0 = time.perf_counter()
+        try:
+            if inline:
+                return fn(*args)
+            return await self._loop.run_in_executor(self._pool, fn, *args)
+        finally:
+            if device is not None:
+                slow = time.perf_counter() - t0 > self.inline_below_s
+                if inline:
+                    streak = self._slow.get(device, 0) + 1 if slow else 0
+                    self._slow[device] = streak
+                    if streak >= 2:
+                        self._offload[device] = _OFFLOAD_CALLS
+                else:
+                    self._offload[device] = _OFFLOAD_CALLS if slow else self._offload[device] - 1
+
+    # -- the end of a client ---------------------------------------------------------------------
+
+    def _on_exit(self, client: _Client) -> None:
+        """The pidfd became readable: the client process exited (its socket may live on)."""
+        if client.pidfd is not None and self._loop is not None:
+            self._loop.remove_reader(client.pidfd)
+        self._loop.create_task(self._end(client, "process exited"))  # type: ignore[union-attr]
+
+    async def _end(self, client: _Client, reason: str) -> None:
+        if client.ended:
+            return
+        client.ended = True
+        detected = time.monotonic()
+        self._clients.pop(client.id, None)
+        if client.pidfd is not None:
+            assert self._loop is not None
+            self._loop.remove_reader(client.pidfd)
+            os.close(client.pidfd)
+            client.pidfd = None
+        with contextlib.suppress(Exception):
+            client.writer.close()
+        leases = list(client.leases.values())
+        if leases:
+            logger.info(
+                "agent: %s: %s; restoring %d device(s)", client.peer.describe(), reason, len(leases)
+            )
+        # each device on its own: one that fails does not stop the others
+        await asyncio.gather(*(self._restore(lease, reason, detected) for lease in leases))
+
+    async def _restore(self, lease: _Lease, reason: str, detected_s: float | None = None) -> None:
+        dev_id = lease.device.device_id
+        if self._leases.get(dev_id) is not lease:
+            return
+        event = AgentEvent(
+            device_id=dev_id, pid=lease.client.peer.pid, uid=lease.client.peer.uid, reason=reason,
+            detected_s=time.monotonic() if detected_s is None else detected_s,
+        )  # fmt: skip
+        self.events.append(event)
+
+        def restore() -> list[Any]:
+            event.restore_started_s = time.monotonic()
+            return lease.session.close()
+
+        try:
+            outcomes = await self._call(restore)
+            event.ok = all(o.ok for o in outcomes)
+            for o in outcomes:
+                (logger.info if o.ok else logger.error)("agent: restore %s: %s", dev_id, o)
+        except Exception:  # noqa: BLE001 - ControlSession.close never raises; belt and braces
+            logger.exception("agent: restoring %s failed", dev_id)
+        finally:
+            event.restore_done_s = time.monotonic()
+            self._leases.pop(dev_id, None)
+            lease.client.leases.pop(dev_id, None)
+
+
+def _shown(selector: str | int, dev: Device) -> str:
+    text = str(selector)
+    return text if text == dev.device_id else f"{text} ({dev.device_id})"
+
+
+def _gid(group: int | str | None) -> int | None:
+    if group is None or isinstance(group, int):
+        return group
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"no such group {group!r} for the agent's socket") from None
+
+
+def _systemd_fd() -> int | None:
+    """The first socket systemd passed (socket activation), or ``None``."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return None
+    try:
+        count = int(os.environ.get("LISTEN_FDS", "0"))
+    except ValueError:
+        return None
+    if count < 1:
+        return None
+    for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(var, None)  # not inherited by anything we start
+    return SD_LISTEN_FDS_START
+
+
+def _clear_stale_socket(path: Path) -> None:
+    """Remove a socket a dead agent left; refuse to remove anything else."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"{show_path(path)} exists and is not a socket; refusing to replace it")
+    os.unlink(path)
+
+
+def _raise_nofile_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 65536
+    if soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))

@@ -1,0 +1,616 @@
+"""``powerlib agent``: a real agent process on a temporary socket, clients as other uids.
+
+The agent runs as root (this suite runs as root, as CI does) in a subprocess, on simulated GPUs
+whose state persists in its state folder, so the test reads the ground truth of every device
+from that folder. Unprivileged clients are forked children that ``os.setuid`` to ``nobody``
+(65534) or to a uid without any grant (65533): the interpreter lives under ``/root``, which
+``nobody`` cannot enter, so the children are forks with everything imported, not new processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import powerlib
+from powerlib.agent import protocol
+from powerlib.agent.client import AgentConnection
+from powerlib.backends.agent import AgentBackend
+from powerlib.backends.simulated import SimulatedBackend
+from powerlib.config import Settings
+from powerlib.control import ControlSession
+from powerlib.errors import (
+    DeviceBusyError,
+    DeviceLostError,
+    PowerlibError,
+    UntrustedStateError,
+)
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "pidfd_open") or os.geteuid() != 0 or sys.platform != "linux",
+    reason="the agent is Linux-only (SO_PEERCRED, pidfd) and these tests start it as root",
+)
+
+NOBODY, NOGROUP = 65534, 65534
+STRANGER = 65533  # a uid no rule names
+GPUS = 3
+
+
+class Node:
+    """A running agent process and what it serves."""
+
+    def __init__(self, root: Path, allow: dict | None, extra: tuple[str, ...] = ()) -> None:
+        self.root = root
+        self.sock = root / "run" / "agent.sock"
+        self.state = root / "state"
+        self.grants = root / "grants"
+        self.allow = root / "etc" / "allow.json"
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("POWERLIB_")},
+            "POWERLIB_BACKEND": "simulated",
+            "POWERLIB_SIM_GPUS": str(GPUS),
+            "POWERLIB_STATE_DIR": str(self.state),
+        }
+        args = [
+            sys.executable, "-m", "powerlib", "agent", "serve", "--socket", str(self.sock),
+            "--group", str(NOGROUP), "--grants-dir", str(self.grants), "--line-timeout-s", "1",
+            *extra,
+        ]  # fmt: skip
+        if allow is not None:
+            self.allow.parent.mkdir(mode=0o755, exist_ok=True)
+            self.allow.write_text(json.dumps(allow))
+            self.allow.chmod(0o644)
+            args += ["--allow", str(self.allow)]
+        self.args = args
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, wait: bool = True) -> Node:
+        self.proc = subprocess.Popen(
+            self.args, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"the agent exited {self.proc.returncode}: {self.proc.stdout.read()}"
+                )
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(self.sock))
+                return
+            time.sleep(0.05)
+        raise AssertionError("the agent did not start")
+
+    def stop(self, sig: int = signal.SIGTERM) -> str:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        out, _ = self.proc.communicate(timeout=30)
+        return out
+
+    def exited(self) -> tuple[int, str]:
+        """Wait for an agent that must exit by itself: its status and output."""
+        assert self.proc is not None
+        out, _ = self.proc.communicate(timeout=60)
+        return self.proc.returncode, out
+
+    def truth(self) -> list[tuple[Any, float | None]]:
+        """(locked clocks, power limit) of every device, read from the agent's state folder."""
+        backend = SimulatedBackend(
+            Settings(backend="simulated", sim_gpus=GPUS, state_dir=self.state)
+        )
+        try:
+            return [
+                (s.locked_sm_freqs_mhz, s.power_limit_w)
+                for s in (d.read_state() for d in backend.devices())
+            ]
+        finally:
+            backend.close()
+
+    def client_settings(self, backend: str = "agent") -> Settings:
+        return Settings(backend=backend, agent_socket=self.sock, state_dir=self.root / "client")
+
+
+DEFAULT = [(None, 400.0)] * GPUS  # A100 40GB simulated: unlocked, 400 W
+
+
+@pytest.fixture
+def root_dir() -> Iterator[Path]:
+    """A folder nobody can traverse to the socket (pytest's tmp_path is root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="powerlib-agent-test-"))
+    path.chmod(0o755)
+    (path / "run").mkdir(mode=0o755)
+    yield path
+    subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+@pytest.fixture
+def node(root_dir: Path) -> Iterator[Node]:
+    allow = {"rules": [{"name": "nobody-gpu0", "uid": NOBODY, "devices": ["0"]}]}
+    n = Node(root_dir, allow).start()
+    yield n
+    n.stop()
+
+
+def as_uid(uid: int, fn: Callable[[], Any], *, timeout_s: float = 60.0) -> Any:
+    """Run ``fn`` in a forked child that dropped to ``uid`` (gid nogroup); its JSON result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop privileges for good, run, report, leave without cleanup
+        code = 0
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOGROUP)
+            os.setuid(uid)
+            out = json.dumps({"ok": True, "value": fn()})
+        except BaseException as err:  # noqa: BLE001
+            out = json.dumps({"ok": False, "type": type(err).__name__, "message": str(err)})
+            code = 1
+        with contextlib.suppress(BaseException):
+            os.write(w, out.encode())
+        os._exit(code)
+    os.close(w)
+    data = _read_all(r, timeout_s)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def _read_all(fd: int, timeout_s: float) -> bytes:
+    import select
+
+    chunks = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise AssertionError("the child did not answer in time")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+
+
+def _try(fn: Callable[[], Any]) -> str:
+    """``"ok"`` or the error class's name."""
+    try:
+        fn()
+    except PowerlibError as err:
+        return type(err).__name__ + ": " + err.message
+    return "ok"
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+# -- the issue's end-to-end test --------------------------------------------------------------------
+
+
+def test_unprivileged_session_killed_mid_run_is_restored_and_a_stranger_is_refused(
+    node: Node,
+) -> None:
+    """nobody runs a session through the agent backend on GPU 0, is SIGKILLed mid-run, and the
+    agent puts GPU 0 back; a uid without a grant is refused, naming device, uid and rule."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOGROUP)
+            os.setuid(NOBODY)
+            backend = powerlib.open_backend(settings=node.client_settings())
+            session = ControlSession(backend, handle_signals=False).start()
+            session.lock_sm_clocks(0, 1005)
+            session.set_power_limit(0, 250.0)
+            os.write(w, b"changed\n")
+            freqs = backend.device(0).info.supported_sm_freqs_mhz
+            i = 0
+            while True:  # the training loop: one clock per instruction
+                session.apply_sm_clocks(0, freqs[i % len(freqs)])
+                i += 1
+                time.sleep(0.002)
+        finally:
+            os._exit(1)
+    os.close(w)
+    assert _read_all_line(r) == b"changed\n"
+    mid = node.truth()
+    assert mid[0][0] is not None and mid[0][1] == 250.0  # GPU 0 changed, mid-run
+    assert mid[1:] == DEFAULT[1:]
+    time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert _wait(lambda: node.truth() == DEFAULT), node.truth()
+
+    res = as_uid(
+        STRANGER,
+        lambda: _try(lambda: AgentBackend(node.client_settings()).device(0).lock_sm_clocks(1005)),
+    )
+    assert res["ok"]
+    assert res["value"].startswith("PermissionDeniedError: uid 65533 may not control device")
+    assert "default deny" in res["value"]
+    assert node.truth() == DEFAULT
+
+
+def _read_all_line(fd: int) -> bytes:
+    import select
+
+    assert select.select([fd], [], [], 60)[0], "the client did not start"
+    data = os.read(fd, 64)
+    os.close(fd)
+    return data
+
+
+# -- who may touch what -----------------------------------------------------------------------------
+
+
+def test_no_id_form_reaches_a_device_outside_the_grant(node: Node) -> None:
+    """Granted GPU 0 only: GPU 1 by index (int, text), UUID (any case), PCI bus id (long, short,
+    upper case) is refused; GPU 0 by each form is allowed."""
+    backend = SimulatedBackend(Settings(backend="simulated", sim_gpus=GPUS, state_dir=node.state))
+    forms = {}
+    for d in backend.devices():
+        pci = d.details()["pci_bus_id"]
+        forms[d.index] = [
+            d.index,
+            str(d.index),
+            d.device_id,
+            d.device_id.upper(),
+            pci,
+            pci[4:].upper(),
+            pci[9:],
+        ]
+    backend.close()
+
+    def attempt() -> dict[str, list[str]]:
+        conn = AgentConnection(node.sock)
+        out: dict[str, list[str]] = {"0": [], "1": []}
+        for index in (0, 1):
+            for form in forms[index]:
+                out[str(index)].append(
+                    _try(lambda f=form: conn.call("set_power_limit", device=f, power_limit_w=300.0))
+                )
+        conn.close()
+        return out
+
+    res = as_uid(NOBODY, attempt)
+    assert res["ok"], res
+    assert res["value"]["0"] == ["ok"] * len(forms[0])
+    for outcome in res["value"]["1"]:
+        assert outcome.startswith("PermissionDeniedError: uid 65534 may not control device")
+        assert "allow:nobody-gpu0 grants uid 65534 other devices only" in outcome
+    assert _wait(lambda: node.truth() == DEFAULT)  # the connection closed: GPU 0 restored
+
+
+def test_job_grants_from_the_prolog_and_epilog(node: Node) -> None:
+    """`powerlib agent grant` (a Slurm prolog) admits the job's uid on its GPUs at once; revoke
+    (the epilog) ends it; a grant file anyone can write is ignored and the refusal says so."""
+    env = node.env
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "powerlib", "agent", *a, "--grants-dir", str(node.grants)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+    def lock() -> str:  # in the child; its exit closes the connection
+        return _try(
+            lambda: AgentConnection(node.sock).call("lock_sm_clocks", device="2", min_mhz=1005)
+        )
+
+    assert as_uid(STRANGER, lock)["value"].startswith("PermissionDeniedError")
+    done = run("grant", "--job", "4242", "--uid", str(STRANGER), "--devices", "2")
+    assert done.returncode == 0, done.stderr
+    grant = node.grants / "job-4242.json"
+    assert stat.S_IMODE(grant.stat().st_mode) == 0o644 and grant.stat().st_uid == 0
+    time.sleep(0.6)  # the agent caches grants for 0.5 s
+    assert as_uid(STRANGER, lock)["value"] == "ok"
+    assert _wait(lambda: node.truth() == DEFAULT)
+    grant.chmod(0o666)  # tampered with: writable by anyone
+    time.sleep(0.6)
+    refused = as_uid(STRANGER, lock)["value"]
+    assert (
+        refused.startswith("PermissionDeniedError") and "ignored: refusing the job grant" in refused
+    )
+    grant.chmod(0o644)
+    assert run("revoke", "--job", "4242").returncode == 0
+    assert not grant.exists()
+    time.sleep(0.6)
+    assert as_uid(STRANGER, lock)["value"].startswith("PermissionDeniedError")
+    assert run("grant", "--job", "../x", "--uid", "1", "--devices", "0").returncode != 0
+
+
+def test_an_allow_list_anyone_could_edit_stops_the_agent_at_start(root_dir: Path) -> None:
+    n = Node(root_dir, {"rules": [{"uid": NOBODY, "devices": ["*"]}]})
+    n.allow.chmod(0o666)
+    n.start(wait=False)
+    code, out = n.exited()
+    assert code == UntrustedStateError.exit_code
+    assert "refusing the allow list" in out and "writable by group and others" in out
+    assert not n.sock.exists()
+
+
+# -- leases -----------------------------------------------------------------------------------------
+
+
+def test_a_leased_device_is_busy_for_everyone_else_naming_the_owner(node: Node) -> None:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOGROUP)
+            os.setuid(NOBODY)
+            conn = AgentConnection(node.sock)
+            conn.call("lock_sm_clocks", device=0, min_mhz=1005)
+            os.write(w, b"leased\n")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert _read_all_line(r) == b"leased\n"
+        conn = AgentConnection(node.sock)  # root: admitted by every rule, not past a lease
+        with pytest.raises(
+            DeviceBusyError, match=rf"leased by uid {NOBODY} pid {pid} \(allow:nobody-gpu0\)"
+        ):
+            conn.call("reset_sm_clocks", device=0)
+        assert conn.call("leases")[0]["pid"] == pid
+        conn.call("lock_sm_clocks", device=1, min_mhz=1005)  # another device: fine
+        conn.close()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert _wait(lambda: node.truth() == DEFAULT)
+
+
+def test_a_forked_child_that_keeps_the_socket_does_not_keep_the_lease(node: Node) -> None:
+    """The client dies, its forked child holds the socket open: the pidfd still ends the lease."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOGROUP)
+            os.setuid(NOBODY)
+            conn = AgentConnection(node.sock)
+            conn.call("set_power_limit", device=0, power_limit_w=222.0)
+            child = os.fork()
+            if child == 0:
+                time.sleep(30)  # holds the inherited socket
+                os._exit(0)
+            os.write(w, f"{child}\n".encode())
+        finally:
+            os._exit(0)  # the client exits; its child lives on with the socket
+    os.close(w)
+    grandchild = int(_read_all_line(r).strip())
+    os.waitpid(pid, 0)
+    try:
+        assert _wait(lambda: node.truth() == DEFAULT)
+        assert os.path.exists(f"/proc/{grandchild}")  # the socket's holder still runs
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(grandchild, signal.SIGKILL)
+
+
+def test_a_restarted_agent_restores_what_a_crashed_one_left_before_serving(root_dir: Path) -> None:
+    n = Node(root_dir, None).start()
+    conn = AgentConnection(n.sock)
+    conn.call("lock_sm_clocks", device=1, min_mhz=1005)
+    conn.call("set_power_limit", device=2, power_limit_w=300.0)
+    n.stop(signal.SIGKILL)  # the agent crashes: its journals stay
+    assert n.truth()[1][0] is not None and n.truth()[2][1] == 300.0
+    second = Node(root_dir, None)
+    second.start()
+    try:
+        assert second.truth() == DEFAULT  # restored before its socket answered
+        with pytest.raises(DeviceLostError):
+            conn.call("ping")  # the old connection is gone
+        conn.close()
+        code, out = Node(root_dir, None).start(wait=False).exited()
+        assert code != 0 and "another powerlib agent serves the state folder" in out
+    finally:
+        second.stop()
+
+
+def test_a_stopped_agent_restores_every_lease(node: Node) -> None:
+    conn = AgentConnection(node.sock)
+    conn.call("lock_sm_clocks", device=0, min_mhz=1005)
+    out = node.stop()
+    conn.close()
+    assert node.truth() == DEFAULT, out
+    node.start()  # the fixture stops it again
+
+
+def test_a_lost_agent_warns_once_and_training_goes_on(root_dir: Path) -> None:
+    n = Node(root_dir, None).start()
+    backend = powerlib.open_backend(settings=n.client_settings("agent"))
+    session = ControlSession(backend, handle_signals=False)
+    session.lock_sm_clocks(0, 1005)
+    n.stop(signal.SIGKILL)
+    with pytest.warns(RuntimeWarning, match="agent connection was lost"):
+        session.apply_sm_clocks(0, 1200)  # no exception: training goes on
+        session.apply_sm_clocks(0, 1005)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        session.lock_sm_clocks(0, 1200)  # the one warning was given: silent now
+        session.close()
+    backend.close()
+
+
+# -- hostile clients --------------------------------------------------------------------------------
+
+
+def _raw(node: Node) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(node.sock))
+    return s
+
+
+def _reply(s: socket.socket) -> dict:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return json.loads(data) if data else {}
+
+
+@pytest.mark.parametrize(
+    ("line", "expect"),
+    [
+        (b"not json\n", "not a JSON line"),
+        (b"[1, 2]\n", "not a JSON object"),
+        (b'{"v": 2, "op": "ping"}\n', "protocol version 2"),
+        (b'{"v": 1, "op": "format_disk"}\n', "unknown operation"),
+        (b'{"v": 1, "op": "lock_sm_clocks", "device": 0, "min_mhz": "fast"}\n', "wrong type"),
+        (b'{"v": 1, "op": "lock_sm_clocks", "device": 0, "min_mhz": NaN}\n', "not a JSON line"),
+        (b'{"v": 1, "op": "read", "device": true}\n', "wrong type"),
+        (b'{"v": 1, "op": "read", "device": 0, "extra": 1}\n', "unexpected argument"),
+        (b"\xff\xfe\n", "not a JSON line"),
+    ],
+)
+def test_malformed_requests_get_one_error_and_the_connection_closes(
+    node: Node, line: bytes, expect: str
+) -> None:
+    s = _raw(node)
+    s.sendall(line)
+    reply = _reply(s)
+    assert reply["ok"] is False and expect in reply["error"]["message"]
+    assert s.recv(1) == b""  # closed
+    s.close()
+    with AgentConnection(node.sock) as conn:
+        assert conn.call("ping") is None  # the agent serves on
+
+
+def test_oversized_and_slow_loris_lines_do_not_stall_others(node: Node) -> None:
+    big = _raw(node)
+    big.sendall(b'{"v": 1, "op": "ping", "pad": "' + b"x" * (protocol.MAX_LINE_BYTES + 10))
+    assert "longer than" in _reply(big)["error"]["message"]
+    big.close()
+    loris = _raw(node)
+    loris.sendall(b'{"v": 1, "op": "pi')  # and never the rest
+    other = AgentConnection(node.sock)
+    for _ in range(20):
+        assert other.call("ping") is None  # served while the partial line waits
+    assert "stayed incomplete" in _reply(loris)["error"]["message"]  # --line-timeout-s 1
+    assert loris.recv(1) == b""
+    loris.close()
+    other.close()
+
+
+def test_a_flooding_client_does_not_starve_another(node: Node) -> None:
+    flood = _raw(node)
+    flood.setblocking(False)
+    line = protocol.encode({"v": 1, "op": "ping"})
+    sent = 0
+    with contextlib.suppress(BlockingIOError):
+        for _ in range(20000):  # never reads its replies: the agent's writes back up
+            sent += flood.send(line * 50)
+    other = AgentConnection(node.sock)
+    for _ in range(50):
+        assert other.call("ping") is None
+    assert sent > 0
+    flood.close()
+    other.close()
+
+
+def test_connections_per_uid_are_capped_and_hundreds_are_held(root_dir: Path) -> None:
+    n = Node(root_dir, None, ("--max-per-uid", "4")).start()
+    try:
+
+        def open_five() -> list[str]:
+            conns, out = [], []
+            for _ in range(5):
+                try:
+                    c = AgentConnection(n.sock)
+                    c.call("ping")
+                    conns.append(c)
+                    out.append("ok")
+                except PowerlibError as err:
+                    out.append(type(err).__name__ + ": " + err.message)
+            return out
+
+        res = as_uid(NOBODY, open_five)["value"]
+        assert res[:4] == ["ok"] * 4
+        assert res[4].startswith("PermissionDeniedError: uid 65534 holds 4 connections")
+        many = [AgentConnection(n.sock) for _ in range(600)]  # root is not capped
+        assert all(c.call("ping") is None for c in many)
+        for c in many:
+            c.close()
+    finally:
+        n.stop()
+
+
+def test_systemd_socket_activation_and_readiness(root_dir: Path) -> None:
+    """Under systemd the agent serves the socket it inherits as fd 3 (LISTEN_FDS) and says
+    READY=1, then STOPPING=1, on NOTIFY_SOCKET."""
+    path = root_dir / "run" / "activated.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen()
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(root_dir / "run" / "notify"))
+    notify.settimeout(30)
+    code = (
+        "import os, sys; os.environ['LISTEN_PID'] = str(os.getpid()); "
+        "os.environ['LISTEN_FDS'] = '1'; from powerlib.cli import main; "
+        "main(['agent', 'serve', '--socket', '/nonexistent/not-used.sock'])"
+    )
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("POWERLIB_")},
+        "POWERLIB_BACKEND": "simulated",
+        "POWERLIB_SIM_GPUS": "1",
+        "POWERLIB_STATE_DIR": str(root_dir / "state"),
+        "NOTIFY_SOCKET": str(root_dir / "run" / "notify"),
+    }
+    fd = listener.fileno()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, close_fds=False, preexec_fn=lambda: os.dup2(fd, 3),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert notify.recv(4096).startswith(b"READY=1")
+        listener.close()  # the agent has its own copy
+        with AgentConnection(path) as conn:
+            assert conn.call("hello")["protocol"] == protocol.PROTOCOL
+            assert len(conn.call("devices")) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert notify.recv(4096) == b"STOPPING=1"
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        notify.close()
