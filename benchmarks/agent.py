@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -43,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,26 +121,35 @@ def _load(sock: Path, seconds: float, aligned: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _in_memory_load(root: Path, seconds: float) -> dict[str, Any]:
+@contextlib.contextmanager
+def _serving(backend: Any, sock: Path) -> Iterator[Any]:
+    """An agent over ``backend`` on ``sock``, served from a thread of this process."""
     from powerlib.agent.authz import Rules
     from powerlib.agent.server import Agent
-    from powerlib.backends.simulated import SimulatedBackend
-    from powerlib.config import Settings
 
-    sock = root / "memory.sock"
-    settings = Settings(backend="simulated", sim_gpus=8, state_dir=root / "memory-state")
-    backend = SimulatedBackend(settings, persist=False)
     agent = Agent(backend, socket_path=sock, rules=Rules())
     thread = threading.Thread(target=lambda: asyncio.run(agent.serve()), daemon=True)
     thread.start()
     while not agent.ready:
         time.sleep(0.01)
     try:
-        return {**_load(sock, seconds, aligned=False), "devices": "simulated, in memory"}
+        yield agent
     finally:
         agent.stop()
         thread.join(timeout=30)
         agent.close()
+
+
+def _in_memory_load(root: Path, seconds: float) -> dict[str, Any]:
+    from powerlib.backends.simulated import SimulatedBackend
+    from powerlib.config import Settings
+
+    settings = Settings(backend="simulated", sim_gpus=8, state_dir=root / "memory-state")
+    with _serving(SimulatedBackend(settings, persist=False), root / "memory.sock"):
+        return {
+            **_load(root / "memory.sock", seconds, aligned=False),
+            "devices": "simulated, in memory",
+        }
 
 
 def main() -> int:
@@ -166,9 +177,7 @@ def main() -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
 
-    from powerlib.agent.authz import Rules
     from powerlib.agent.client import AgentConnection
-    from powerlib.agent.server import Agent
     from powerlib.backends.agent import AgentBackend
     from powerlib.backends.simulated import SimulatedBackend
     from powerlib.config import Settings
@@ -186,12 +195,7 @@ def main() -> int:
         sock = root / "agent.sock"
         settings = Settings(backend="simulated", sim_gpus=8, state_dir=root / "agent-state")
         backend = SimulatedBackend(settings)
-        agent = Agent(backend, socket_path=sock, rules=Rules())
-        thread = threading.Thread(target=lambda: asyncio.run(agent.serve()), daemon=True)
-        thread.start()
-        while not agent.ready:
-            time.sleep(0.01)
-        try:
+        with _serving(backend, sock) as agent:
             # 1. round trip
             with AgentConnection(sock) as conn:
                 for _ in range(200):
@@ -270,11 +274,7 @@ def main() -> int:
                 "direct_median": medians["direct"], "agent_median": medians["agent"],
                 "overhead": medians["agent"] - medians["direct"], "n": args.changes,
             }  # fmt: skip
-        finally:
-            agent.stop()
-            thread.join(timeout=30)
-            agent.close()
-            backend.close()
+        backend.close()
 
     checks = {
         "round_trip_p50_ms": out["round_trip_ms"]["p50"] <= TARGETS["round_trip_p50_ms"],

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from powerlib.control import ensure_not_controlled
 from powerlib.device import Backend, Device, PowerState
-from powerlib.errors import PowerlibError
+from powerlib.errors import NotSupportedError, PowerlibError
 from powerlib.inspection import select_devices
 
 __all__ = ["ResetOutcome", "ResetResult", "SetResult", "reset_devices", "set_device"]
@@ -65,7 +65,14 @@ def set_device(
     Raises:
         DeviceBusyError: A session controls the device.
         InvalidSettingError: A clock or limit the device does not support (nothing changed).
+        NotSupportedError: The backend is the node agent (a change would end with this process).
     """
+    if getattr(backend, "remote", False):
+        raise NotSupportedError(
+            "through the powerlib agent a change lasts only while the process that made it runs "
+            "(a lease), so `powerlib set` would be undone as it exits: change clocks from the job "
+            "(powerlib.optimize, a ControlSession), or run `powerlib set` as root on the node"
+        )
     dev = backend.device(selector)
     ensure_not_controlled(backend, dev)
     if sm_clocks_mhz is not None:

@@ -36,6 +36,7 @@ from powerlib.control import ControlSession
 from powerlib.errors import (
     DeviceBusyError,
     DeviceLostError,
+    NotSupportedError,
     PowerlibError,
     UntrustedStateError,
 )
@@ -151,25 +152,37 @@ def node(root_dir: Path) -> Iterator[Node]:
     n.stop()
 
 
-def as_uid(uid: int, fn: Callable[[], Any], *, timeout_s: float = 60.0) -> Any:
-    """Run ``fn`` in a forked child that dropped to ``uid`` (gid nogroup); its JSON result."""
+def spawn_as(uid: int, body: Callable[[int], None]) -> tuple[int, int]:
+    """Fork a child that drops to ``uid`` (gid nogroup) for good and runs ``body(write_fd)``;
+    it never returns into pytest. Returns its pid and the read end of its pipe."""
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: drop privileges for good, run, report, leave without cleanup
-        code = 0
+    if pid == 0:
+        code = 1
         try:
             os.close(r)
             os.setgroups([])
             os.setgid(NOGROUP)
             os.setuid(uid)
+            body(w)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+def as_uid(uid: int, fn: Callable[[], Any], *, timeout_s: float = 60.0) -> Any:
+    """Run ``fn`` in a forked child that dropped to ``uid`` (gid nogroup); its JSON result."""
+
+    def body(w: int) -> None:
+        try:
             out = json.dumps({"ok": True, "value": fn()})
         except BaseException as err:  # noqa: BLE001
             out = json.dumps({"ok": False, "type": type(err).__name__, "message": str(err)})
-            code = 1
-        with contextlib.suppress(BaseException):
-            os.write(w, out.encode())
-        os._exit(code)
-    os.close(w)
+        os.write(w, out.encode())
+
+    pid, r = spawn_as(uid, body)
     data = _read_all(r, timeout_s)
     os.waitpid(pid, 0)
     return json.loads(data)
@@ -219,28 +232,21 @@ def test_unprivileged_session_killed_mid_run_is_restored_and_a_stranger_is_refus
 ) -> None:
     """nobody runs a session through the agent backend on GPU 0, is SIGKILLed mid-run, and the
     agent puts GPU 0 back; a uid without a grant is refused, naming device, uid and rule."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOGROUP)
-            os.setuid(NOBODY)
-            backend = powerlib.open_backend(settings=node.client_settings())
-            session = ControlSession(backend, handle_signals=False).start()
-            session.lock_sm_clocks(0, 1005)
-            session.set_power_limit(0, 250.0)
-            os.write(w, b"changed\n")
-            freqs = backend.device(0).info.supported_sm_freqs_mhz
-            i = 0
-            while True:  # the training loop: one clock per instruction
-                session.apply_sm_clocks(0, freqs[i % len(freqs)])
-                i += 1
-                time.sleep(0.002)
-        finally:
-            os._exit(1)
-    os.close(w)
+
+    def train(w: int) -> None:
+        backend = powerlib.open_backend(settings=node.client_settings())
+        session = ControlSession(backend, handle_signals=False).start()
+        session.lock_sm_clocks(0, 1005)
+        session.set_power_limit(0, 250.0)
+        os.write(w, b"changed\n")
+        freqs = backend.device(0).info.supported_sm_freqs_mhz
+        i = 0
+        while True:  # the training loop: one clock per instruction
+            session.apply_sm_clocks(0, freqs[i % len(freqs)])
+            i += 1
+            time.sleep(0.002)
+
+    pid, r = spawn_as(NOBODY, train)
     assert _read_all_line(r) == b"changed\n"
     mid = node.truth()
     assert mid[0][0] is not None and mid[0][1] == 250.0  # GPU 0 changed, mid-run
@@ -360,21 +366,13 @@ def test_an_allow_list_anyone_could_edit_stops_the_agent_at_start(root_dir: Path
 
 
 def test_a_leased_device_is_busy_for_everyone_else_naming_the_owner(node: Node) -> None:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOGROUP)
-            os.setuid(NOBODY)
-            conn = AgentConnection(node.sock)
-            conn.call("lock_sm_clocks", device=0, min_mhz=1005)
-            os.write(w, b"leased\n")
-            time.sleep(60)
-        finally:
-            os._exit(0)
-    os.close(w)
+    def lease(w: int) -> None:
+        conn = AgentConnection(node.sock)
+        conn.call("lock_sm_clocks", device=0, min_mhz=1005)
+        os.write(w, b"leased\n")
+        time.sleep(60)
+
+    pid, r = spawn_as(NOBODY, lease)
     try:
         assert _read_all_line(r) == b"leased\n"
         conn = AgentConnection(node.sock)  # root: admitted by every rule, not past a lease
@@ -393,24 +391,17 @@ def test_a_leased_device_is_busy_for_everyone_else_naming_the_owner(node: Node) 
 
 def test_a_forked_child_that_keeps_the_socket_does_not_keep_the_lease(node: Node) -> None:
     """The client dies, its forked child holds the socket open: the pidfd still ends the lease."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOGROUP)
-            os.setuid(NOBODY)
-            conn = AgentConnection(node.sock)
-            conn.call("set_power_limit", device=0, power_limit_w=222.0)
-            child = os.fork()
-            if child == 0:
-                time.sleep(30)  # holds the inherited socket
-                os._exit(0)
-            os.write(w, f"{child}\n".encode())
-        finally:
-            os._exit(0)  # the client exits; its child lives on with the socket
-    os.close(w)
+
+    def lease_and_fork(w: int) -> None:
+        conn = AgentConnection(node.sock)
+        conn.call("set_power_limit", device=0, power_limit_w=222.0)
+        child = os.fork()
+        if child == 0:
+            time.sleep(30)  # holds the inherited socket
+            os._exit(0)
+        os.write(w, f"{child}\n".encode())  # then the client exits; its child lives on
+
+    pid, r = spawn_as(NOBODY, lease_and_fork)
     grandchild = int(_read_all_line(r).strip())
     os.waitpid(pid, 0)
     try:
@@ -614,3 +605,104 @@ def test_systemd_socket_activation_and_readiness(root_dir: Path) -> None:
             proc.kill()
             proc.communicate()
         notify.close()
+
+
+def test_optimize_and_attach_module_run_unchanged_through_the_agent(
+    root_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's code is the same with POWERLIB_BACKEND=agent: profile, plan and apply through the
+    agent's leases, and the device is back as the session closes."""
+    torch = pytest.importorskip("torch")
+    from powerlib.integrations.torch_distributed import attach_module
+
+    n = Node(root_dir, None)
+    n.env["POWERLIB_SIM_ENERGY_PERIOD_S"] = "0.001"  # per-instruction energy for the profile
+    n.start()
+    monkeypatch.setenv("POWERLIB_BACKEND", "agent")
+    monkeypatch.setenv("POWERLIB_AGENT_SOCKET", str(n.sock))
+    reader = powerlib.open_backend()
+    gpu = reader.device(0)
+
+    class Clocked(torch.autograd.Function):  # sleeps for the clock the agent locked on GPU 0
+        @staticmethod
+        def sleep() -> None:
+            locked = gpu.read_state().locked_sm_freqs_mhz
+            time.sleep(0.01 * 1410.0 / (locked[1] if locked else 1410.0))
+
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            Clocked.sleep()
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001, ANN205
+            Clocked.sleep()
+            return grad
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return Clocked.apply(self.linear(x))
+
+    model = Block()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    locked_mid_run = []
+    try:
+        with (
+            powerlib.optimize(
+                num_stages=1, num_microbatches=2, stage=0, freqs_mhz=[1410.0, 1200.0, 1005.0],
+                warmup_iterations=1, settle_iterations=0, iterations_per_freq=1,
+                out_dir=tmp_path / "out", progress=False, max_slowdown=0.1,
+            ) as session,
+            attach_module(session, model, opt),
+        ):  # fmt: skip
+            for _ in range(9):
+                for _ in range(2):
+                    model(torch.randn(4, 8)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                locked_mid_run.append(n.truth()[0][0])
+        assert session.plan is not None and session.apply_started_iteration is not None
+        assert session.report()["profiled_freqs_mhz"] == [1410.0, 1200.0, 1005.0]
+        assert any(lock is not None for lock in locked_mid_run)  # the agent locked GPU 0
+        assert _wait(lambda: n.truth() == DEFAULT)
+    finally:
+        reader.close()
+        n.stop()
+
+
+def test_powerlib_set_through_the_agent_is_refused_not_silently_undone(node: Node) -> None:
+    """A lease ends with its process: `powerlib set` through the agent would undo itself."""
+    env = {**node.env, "POWERLIB_BACKEND": "agent", "POWERLIB_AGENT_SOCKET": str(node.sock)}
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "powerlib", *a], env=env, capture_output=True, text=True, timeout=60
+    )
+    done = run("set", "--device", "0", "--power-limit-w", "300")
+    assert done.returncode == NotSupportedError.exit_code
+    assert done.stderr.count("\n") == 1 and "lasts only while the process" in done.stderr
+    assert node.truth() == DEFAULT
+    listed = run("devices", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert len(json.loads(listed.stdout)) == GPUS  # reading through the agent works
+
+
+def test_the_benchmark_runs_and_reports_every_figure(tmp_path: Path) -> None:
+    """benchmarks/agent.py in a tiny configuration: every figure present (its timings on a shared
+    CI core mean nothing and are not checked; benchmarks/results/agent.json has the real run)."""
+    script = Path(__file__).parents[2] / "benchmarks" / "agent.py"
+    out = tmp_path / "agent.json"
+    args = ["--round-trips", "20", "--load-s", "0.2", "--kills", "2", "--connections", "16"]
+    done = subprocess.run(
+        [sys.executable, str(script), *args, "--changes", "10", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stderr  # 1: a target missed on this run
+    data = json.loads(out.read_text())
+    assert data["connections"] == {"held": 16, "answered": 16}
+    assert data["restore_start_ms"]["n"] == 2
+    assert set(data["met"]) == set(data["targets"])
+    for key in ("load_ms", "load_persisted_ms", "load_aligned_ms"):
+        assert data[key]["n"] > 0
