@@ -50,6 +50,7 @@ from powerlib.device import Backend, Device
 from powerlib.errors import (
     ConfigError,
     DeviceBusyError,
+    DeviceLostError,
     DeviceNotFoundError,
     PermissionDeniedError,
     PowerlibError,
@@ -101,6 +102,9 @@ class _Lease:
     rule: str
     session: ControlSession
     since_s: float
+    busy: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held by a change in flight and by the restore: a restore never runs under a change that
+    a worker thread is still making (which would land after it, unjournaled)."""
 
 
 def sd_notify(message: str) -> bool:
@@ -475,6 +479,13 @@ class Agent:
                 await self._restore(lease, "released")
             return None
         lease = self._lease(client, dev, why)
+        async with lease.busy:
+            if self._leases.get(dev.device_id) is not lease:  # restored while this waited
+                raise DeviceLostError("the lease ended (the client is gone)", device=dev.device_id)
+            return await self._change(op, lease, msg)
+
+    async def _change(self, op: str, lease: _Lease, msg: dict[str, Any]) -> Any:
+        dev = lease.device
         if op == "lock_sm_clocks":
             lo, hi = await self._call(
                 lease.session.lock_sm_clocks,
@@ -518,6 +529,8 @@ class Agent:
         return None if dev is None else dev.device_id
 
     def _lease(self, client: _Client, dev: Device, rule: str) -> _Lease:
+        if client.ended:  # its process exited while this request waited: no new lease
+            raise DeviceLostError("the client is gone", device=dev.device_id)
         lease = self._leases.get(dev.device_id)
         if lease is not None and lease.client is not client:
             owner = lease.client.peer
@@ -546,7 +559,9 @@ class Agent:
         to the pool, so a device that stalls delays only its own clients.
         """
         assert self._loop is not None
-        inline = device is not None and self._offload.get(device, 0) <= 0
+        inline = (
+            self.inline_below_s > 0 and device is not None and self._offload.get(device, 0) <= 0
+        )
         t0 = time.perf_counter()
         try:
             if inline:
@@ -594,29 +609,31 @@ class Agent:
 
     async def _restore(self, lease: _Lease, reason: str, detected_s: float | None = None) -> None:
         dev_id = lease.device.device_id
-        if self._leases.get(dev_id) is not lease:
-            return
-        event = AgentEvent(
-            device_id=dev_id, pid=lease.client.peer.pid, uid=lease.client.peer.uid, reason=reason,
-            detected_s=time.monotonic() if detected_s is None else detected_s,
-        )  # fmt: skip
-        self.events.append(event)
+        detected = time.monotonic() if detected_s is None else detected_s
+        async with lease.busy:  # after a change in flight, never under it
+            if self._leases.get(dev_id) is not lease:
+                return  # already restored (a release and the client's end can both ask)
+            event = AgentEvent(
+                device_id=dev_id, pid=lease.client.peer.pid, uid=lease.client.peer.uid,
+                reason=reason, detected_s=detected,
+            )  # fmt: skip
+            self.events.append(event)
 
-        def restore() -> list[Any]:
-            event.restore_started_s = time.monotonic()
-            return lease.session.close()
+            def restore() -> list[Any]:
+                event.restore_started_s = time.monotonic()
+                return lease.session.close()
 
-        try:
-            outcomes = await self._call(restore)
-            event.ok = all(o.ok for o in outcomes)
-            for o in outcomes:
-                (logger.info if o.ok else logger.error)("agent: restore %s: %s", dev_id, o)
-        except Exception:  # noqa: BLE001 - ControlSession.close never raises; belt and braces
-            logger.exception("agent: restoring %s failed", dev_id)
-        finally:
-            event.restore_done_s = time.monotonic()
-            self._leases.pop(dev_id, None)
-            lease.client.leases.pop(dev_id, None)
+            try:
+                outcomes = await self._call(restore)
+                event.ok = all(o.ok for o in outcomes)
+                for o in outcomes:
+                    (logger.info if o.ok else logger.error)("agent: restore %s: %s", dev_id, o)
+            except Exception:  # noqa: BLE001 - ControlSession.close never raises; belt and braces
+                logger.exception("agent: restoring %s failed", dev_id)
+            finally:
+                event.restore_done_s = time.monotonic()
+                self._leases.pop(dev_id, None)
+                lease.client.leases.pop(dev_id, None)
 
 
 def _shown(selector: str | int, dev: Device) -> str:

@@ -706,3 +706,61 @@ def test_the_benchmark_runs_and_reports_every_figure(tmp_path: Path) -> None:
     assert set(data["met"]) == set(data["targets"])
     for key in ("load_ms", "load_persisted_ms", "load_aligned_ms"):
         assert data[key]["n"] > 0
+
+
+def test_a_client_killed_during_a_slow_change_is_restored_after_the_change_lands(
+    tmp_path: Path, root_dir: Path
+) -> None:
+    """A device call on the thread pool is still running when its client dies: the restore waits
+    for it, then undoes it (a restore under it would be overtaken by the late change)."""
+    import asyncio
+    import threading
+
+    from powerlib.agent.authz import Rules
+    from powerlib.agent.server import Agent
+
+    backend = SimulatedBackend(Settings(backend="simulated", sim_gpus=1, state_dir=tmp_path / "s"))
+    dev = backend.devices()[0]
+    slow_lock = dev._lock_sm_clocks
+
+    def lock_slowly(lo: float, hi: float) -> None:
+        time.sleep(0.5)
+        slow_lock(lo, hi)
+
+    dev._lock_sm_clocks = lock_slowly  # type: ignore[method-assign]
+    sock = root_dir / "run" / "slow.sock"
+    agent = Agent(backend, socket_path=sock, rules=Rules(), inline_below_s=0.0)  # every call pooled
+    thread = threading.Thread(target=lambda: asyncio.run(agent.serve()), daemon=True)
+    thread.start()
+    assert _wait(lambda: agent.ready)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the client: asks for a lock and is killed while the device works on it
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(str(sock))
+                s.sendall(
+                    protocol.encode({"v": 1, "op": "lock_sm_clocks", "device": 0, "min_mhz": 1005})
+                )
+                time.sleep(60)
+            finally:
+                os._exit(0)
+        assert _wait(lambda: bool(agent._leases))  # the change is in flight
+        time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        assert _wait(
+            lambda: (
+                bool(agent.events)
+                and agent.events[0].restore_done_s == agent.events[0].restore_done_s
+            )
+        )
+        event = agent.events[0]
+        assert event.ok and event.reason in ("process exited", "connection closed")
+        time.sleep(0.6)  # past the end of the slow call, whichever order things ran in
+        assert dev.read_state().locked_sm_freqs_mhz is None  # the late lock was undone
+    finally:
+        agent.stop()
+        thread.join(timeout=30)
+        agent.close()
+        backend.close()
