@@ -85,6 +85,8 @@ class Rules:
     allow: tuple[Grant, ...] = ()
     grants_dir: Path | None = None
     resolve: Callable[[str], str | None] = lambda s: None
+    kubernetes: Any = None
+    """A :class:`~powerlib.agent.kubernetes.KubernetesGrants`, or None (not on Kubernetes)."""
     _cache: tuple[float, tuple[Grant, ...], tuple[str, ...]] | None = field(
         default=None, repr=False
     )
@@ -104,13 +106,22 @@ class Rules:
         """Forget the cached job grants (tests; the agent after ``grant``/``revoke``)."""
         self._cache = None
 
-    def check(self, uid: int, gids: Iterable[int], device_id: str, shown: str) -> tuple[bool, str]:
-        """Whether ``uid`` (with ``gids``) may control ``device_id``; and why, in one phrase.
+    def check(
+        self, uid: int, gids: Iterable[int], device_id: str, shown: str, pid: int | None = None
+    ) -> tuple[bool, str]:
+        """Whether ``uid`` (with ``gids``; process ``pid``) may control ``device_id``, and why.
 
-        Root is always admitted (it could drive the device without the agent anyway).
+        Root is admitted (it could drive the device without the agent anyway), except a process
+        in a Kubernetes pod: a container's uid 0 is the host's without user namespaces. A pod's
+        process may control the devices the kubelet allocated to its container.
         """
         gids = tuple(gids)
-        if uid == 0:
+        pod = None
+        if self.kubernetes is not None and pid is not None and self.kubernetes.in_pod(pid):
+            pod = self.kubernetes.devices_of(pid)
+            if pod is not None and any(self.resolve(d) == device_id for d in pod.devices):
+                return True, pod.rule
+        elif uid == 0:
             return True, "root"
         job_grants, ignored = self.grants()
         matched: list[Grant] = []
@@ -120,7 +131,10 @@ class Rules:
             if "*" in grant.devices or any(self.resolve(s) == device_id for s in grant.devices):
                 return True, grant.rule
             matched.append(grant)
-        if matched:
+        if pod is not None:
+            given = ", ".join(pod.devices) or "no GPUs"
+            why = f"{pod.rule} was allocated {given} by the kubelet"
+        elif matched:
             names = ", ".join(g.rule for g in matched)
             why = f"{names} grant{'' if len(matched) > 1 else 's'} uid {uid} other devices only"
         else:

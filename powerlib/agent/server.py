@@ -93,6 +93,7 @@ class _Client:
     ended: bool = False
     tokens: float = 0.0
     refilled_s: float = 0.0
+    admitted: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -269,6 +270,10 @@ class Agent:
             self._server.close()
             for client in list(self._clients.values()):
                 await self._end(client, "agent stopping")
+            # a client that left just before has its restore in flight: wait for it (a restore
+            # holds its lease's lock), and restore anything still leased
+            for lease in list(self._leases.values()):
+                await self._restore(lease, "agent stopping")
             await self._server.wait_closed()
             if self.listen_fd is None:
                 with contextlib.suppress(FileNotFoundError):
@@ -464,9 +469,7 @@ class Agent:
                 if peer.uid == 0 or v.client is client
             ]  # fmt: skip
         dev = self._resolve(msg["device"])
-        allowed, why = self.rules.check(
-            peer.uid, peer.gids, dev.device_id, _shown(msg["device"], dev)
-        )
+        allowed, why = await self._authorize(client, dev, _shown(msg["device"], dev))
         if not allowed:
             logger.warning("agent: refused %s %s: %s", op, peer.describe(), why)
             raise PermissionDeniedError(why, device=dev.device_id, operation=op)
@@ -506,6 +509,32 @@ class Agent:
             await self._call(lease.session.reset_power_limit, dev, device=dev.device_id)
             return None
         raise protocol.ProtocolError(f"unknown operation {op!r}")  # decode_request stops these
+
+    async def _authorize(self, client: _Client, dev: Device, shown: str) -> tuple[bool, str]:
+        """The rules' verdict for this client and device.
+
+        On Kubernetes it is asked on the pool (it may call the kubelet and the runtime), and a
+        pod's admission is kept for the connection (a container's devices do not change while it
+        runs).
+        """
+        peer = client.peer
+        if self.rules.kubernetes is None:
+            return self.rules.check(peer.uid, peer.gids, dev.device_id, shown, peer.pid)
+        rule = client.admitted.get(dev.device_id)
+        if rule is not None:
+            return True, rule
+        try:
+            allowed, why = await self._call(
+                self.rules.check, peer.uid, peer.gids, dev.device_id, shown, peer.pid
+            )
+        except PowerlibError as err:
+            raise PermissionDeniedError(
+                f"uid {peer.uid} pid {peer.pid}: cannot tell which pod it runs in: {err.message}",
+                device=dev.device_id,
+            ) from None
+        if allowed and why.startswith("pod:"):
+            client.admitted[dev.device_id] = why
+        return allowed, why
 
     def _resolve(self, selector: str | int) -> Device:
         dev = self._lookup(selector)

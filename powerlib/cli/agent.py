@@ -73,6 +73,26 @@ def agent() -> None:
     show_default=True,
     help="Connections one uid may hold at once.",
 )
+@click.option(
+    "--kubernetes",
+    is_flag=True,
+    help="Also admit pods on the GPUs the kubelet allocated to them (pod-resources API + CRI; "
+    "needs the kubernetes extra).",
+)
+@click.option(
+    "--pod-resources-socket",
+    type=click.Path(path_type=Path),
+    default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
+    show_default=True,
+    help="With --kubernetes: the kubelet's pod-resources socket.",
+)
+@click.option(
+    "--cri-socket",
+    type=click.Path(path_type=Path),
+    default=Path("/run/containerd/containerd.sock"),
+    show_default=True,
+    help="With --kubernetes: the container runtime's CRI socket (CRI-O: /var/run/crio/crio.sock).",
+)
 @click.option("--allow-non-root", is_flag=True, hidden=True, help="Tests: serve without root.")
 @click.pass_obj
 def serve(
@@ -84,12 +104,16 @@ def serve(
     grants_dir: Path,
     line_timeout_s: float,
     max_per_uid: int,
+    kubernetes: bool,
+    pod_resources_socket: Path,
+    cri_socket: Path,
     allow_non_root: bool,
 ) -> None:
     r"""Serve this node's devices to unprivileged jobs (run as root, one per node).
 
     \b
     powerlib agent serve --group powerlib --allow /etc/powerlib/agent-allow.json
+    powerlib agent serve --kubernetes      # a DaemonSet: pods get the GPUs the kubelet gave them
     """
     from powerlib.agent.authz import Rules, load_allow_list  # noqa: PLC0415
     from powerlib.agent.server import Agent  # noqa: PLC0415
@@ -110,12 +134,17 @@ def serve(
         )
     settings = settings_for(opts)
     allow = load_allow_list(allow_path) if allow_path is not None else ()
+    pods = None
+    if kubernetes:
+        from powerlib.agent.kubernetes import KubernetesGrants  # noqa: PLC0415
+
+        pods = KubernetesGrants(pod_resources_socket, cri_socket)
     backend = open_backend_for(opts)
     try:
         server = Agent(
             backend,
             socket_path=socket_path or settings.agent_socket,
-            rules=Rules(allow=allow, grants_dir=grants_dir),
+            rules=Rules(allow=allow, grants_dir=grants_dir, kubernetes=pods),
             group=group,
             socket_mode=mode,
             line_timeout_s=line_timeout_s,
