@@ -43,6 +43,7 @@ class AgentDevice(Device):
         super().__init__(info)
         self._backend = backend
         self._local = local
+        self._last: PowerState | None = None
 
     def details(self) -> dict[str, object]:
         """Where changes go and where reads come from."""
@@ -54,9 +55,23 @@ class AgentDevice(Device):
     def _read_state(self) -> PowerState:
         if self._local is not None:
             return self._local.read_state()
-        return protocol.state_from_wire(
-            self._backend.connection.call("read", device=self.device_id)
-        )
+        conn = self._backend.connection
+        try:
+            if not conn.lost:
+                self._last = protocol.state_from_wire(conn.call("read", device=self.device_id))
+                return self._last
+        except DeviceLostError:
+            if not conn.lost:
+                raise  # the device itself is lost (the agent said so), not the connection
+        # the agent is gone: training goes on; the last state read stands (its energy counter
+        # stops, which a profile notices and a measurement marks)
+        self._backend.warn_lost()
+        if self._last is None:
+            raise DeviceLostError(
+                "the powerlib agent connection was lost before the device was read",
+                device=self.device_id,
+            )
+        return self._last
 
     def _change(self, op: str, **args: Any) -> Any:
         conn = self._backend.connection
@@ -66,6 +81,8 @@ class AgentDevice(Device):
         try:
             return conn.call(op, device=self.device_id, **args)
         except DeviceLostError:
+            if not conn.lost:
+                raise  # the device itself is lost (the agent said so), not the connection
             self._backend.warn_lost()
             return None
 

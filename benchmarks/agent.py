@@ -219,7 +219,6 @@ def main() -> int:
             for k in range(args.kills):
                 p = _spawn(sock, "lease", k % 8)
                 assert p.stdout is not None and p.stdout.readline().strip() == "leased"
-                seen = len(agent.events)
                 time.sleep(0.02)
                 t_kill = time.monotonic()
                 os.kill(p.pid, signal.SIGKILL)
@@ -228,7 +227,7 @@ def main() -> int:
                 while time.monotonic() < deadline:
                     done = [
                         e
-                        for e in agent.events[seen:]
+                        for e in list(agent.events)
                         if e.pid == p.pid and e.restore_started_s == e.restore_started_s
                     ]
                     if done:

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_FILE_BYTES = 1 << 20
 _MAX_RULES = 4096
-_JOB = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_JOB = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # fullmatch: a trailing newline is refused
 ROOT_ONLY = frozenset({0})
 
 
@@ -273,7 +273,7 @@ def _grant(data: Any) -> Grant:
     if not isinstance(data, Mapping):
         raise TypeError("not an object")
     job = data["job"]
-    if not (isinstance(job, str) and _JOB.match(job)):
+    if not (isinstance(job, str) and _JOB.fullmatch(job)):
         raise ValueError("job must be 1-64 of [A-Za-z0-9_.-]")
     uid = data["uid"]
     if isinstance(uid, bool) or not isinstance(uid, int) or uid < 0:
@@ -288,7 +288,7 @@ def write_grant(folder: Path, job: str, uid: int, devices: Iterable[str]) -> Pat
         ConfigError: A bad job id, uid or device list.
         UntrustedStateError: The folder exists but is not root's alone.
     """
-    if not _JOB.match(job):
+    if not _JOB.fullmatch(job):
         raise ConfigError(f"job id {job!r} must be 1-64 of [A-Za-z0-9_.-]")
     if uid < 0:
         raise ConfigError(f"uid must be non-negative, got {uid}")
@@ -318,7 +318,7 @@ def write_grant(folder: Path, job: str, uid: int, devices: Iterable[str]) -> Pat
 
 def remove_grant(folder: Path, job: str) -> bool:
     """Remove a job's grant (the epilog); False when there was none."""
-    if not _JOB.match(job):
+    if not _JOB.fullmatch(job):
         raise ConfigError(f"job id {job!r} must be 1-64 of [A-Za-z0-9_.-]")
     try:
         os.unlink(folder / f"job-{job}.json")

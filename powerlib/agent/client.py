@@ -70,15 +70,22 @@ class AgentConnection:
                 raise DeviceLostError(
                     f"the connection to the powerlib agent was lost: {err}"
                 ) from None
+            except BaseException:
+                # interrupted between the request and its reply (Ctrl-C, a signal handler's
+                # exception): the next reply would answer this request, so the stream is
+                # unusable; the agent restores this connection's leases when it closes
+                self._lose()
+                raise
             if not line:
                 self._lose()
                 raise DeviceLostError("the powerlib agent closed the connection")
-        try:
-            reply = json.loads(line)
-        except ValueError:
-            raise DeviceLostError("the powerlib agent sent a malformed reply") from None
-        if not isinstance(reply, dict) or reply.get("id") not in (rid, None):
-            raise DeviceLostError("the powerlib agent's reply does not match the request")
+            try:
+                reply = json.loads(line)
+            except ValueError:
+                reply = None
+            if not isinstance(reply, dict) or reply.get("id") not in (rid, None):
+                self._lose()  # out of step with the agent: nothing after this can be trusted
+                raise DeviceLostError("the powerlib agent's reply does not match the request")
         if not reply.get("ok"):
             raise protocol.error_from_wire(reply.get("error"))
         return reply.get("result")

@@ -68,18 +68,27 @@ class PodDevices:
 
 
 def container_of_cgroup(text: str) -> tuple[str, str] | None:
-    """``(pod UID, container id)`` from ``/proc/<pid>/cgroup``'s text, or None outside a pod."""
+    """``(pod UID, container id)`` from ``/proc/<pid>/cgroup``'s text, or None if none is named.
+
+    The container's component may be followed by cgroups of its own (systemd inside a container:
+    ``.../cri-containerd-<id>.scope/init.scope``); the nearest one below the pod is taken.
+    """
     for line in text.splitlines():
         path = line.split(":", 2)[-1]
         pod = _POD.search(path)
         if pod is None:
             continue
-        last = path.rstrip("/").rsplit("/", 1)[-1]
-        container = _CONTAINER.match(last)
-        if container is None:
-            continue  # the pod's own slice (a pause process) or something else
-        return pod.group(1).replace("_", "-"), container.group(1)
+        below = path[pod.end() :].split("/")
+        for part in below:
+            container = _CONTAINER.match(part)
+            if container is not None:
+                return pod.group(1).replace("_", "-"), container.group(1)
     return None
+
+
+def _kubepods(text: str) -> bool:
+    """Whether the cgroup lies under Kubernetes' pods (or cannot be read: then assume so)."""
+    return not text.strip() or "kubepods" in text
 
 
 def _read_cgroup(pid: int) -> str:
@@ -125,8 +134,12 @@ class KubernetesGrants:
         self._labels_cache: dict[str, dict[str, str]] = {}
 
     def in_pod(self, pid: int) -> bool:
-        """Whether the process runs in a pod's container (then it is never admitted as root)."""
-        return container_of_cgroup(self._cgroup_of(pid)) is not None
+        """Whether the process may run in a pod (then it is never admitted as root).
+
+        Fails closed: a cgroup under ``kubepods`` in any layout, or one that cannot be read,
+        counts as a pod, so an unrecognised layout is refused rather than admitted as root.
+        """
+        return _kubepods(self._cgroup_of(pid))
 
     def devices_of(self, pid: int) -> PodDevices | None:
         """The devices the kubelet allocated to this process's container (None: not in a pod).
@@ -135,8 +148,11 @@ class KubernetesGrants:
             ConfigError: The runtime does not know the container, or its pod UID differs from the
                 cgroup's, or a service cannot be reached (the message says which).
         """
-        found = container_of_cgroup(self._cgroup_of(pid))
+        text = self._cgroup_of(pid)
+        found = container_of_cgroup(text)
         if found is None:
+            if _kubepods(text):
+                raise ConfigError(f"pid {pid}'s cgroup names no pod and container this agent knows")
             return None
         pod_uid, container_id = found
         labels = self._labels(container_id)

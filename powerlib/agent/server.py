@@ -24,6 +24,7 @@ that client holds the device's lease, and puts the device back the moment the cl
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import fcntl
@@ -55,7 +56,7 @@ from powerlib.errors import (
     PermissionDeniedError,
     PowerlibError,
 )
-from powerlib.ownership import show_path
+from powerlib.ownership import check_trusted, show_path
 from powerlib.restore import restore_journals
 
 __all__ = ["Agent", "AgentEvent", "sd_notify"]
@@ -103,6 +104,8 @@ class _Lease:
     rule: str
     session: ControlSession
     since_s: float
+    journaled: bool = False
+    """Whether a change was made: the first writes and fsyncs the journal, on the pool."""
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Held by a change in flight and by the restore: a restore never runs under a change that
     a worker thread is still making (which would land after it, unjournaled)."""
@@ -160,7 +163,7 @@ class Agent:
         group: int | str | None = None,
         socket_mode: int = 0o660,
         max_connections: int = 4096,
-        max_per_uid: int = 1024,
+        max_per_uid: int = 128,
         line_timeout_s: float = 10.0,
         rate_per_s: float = 2000.0,
         workers: int = 8,
@@ -188,7 +191,9 @@ class Agent:
         self._leases: dict[str, _Lease] = {}
         self._by_form: dict[str, Device] = {}
         self._wire_devices: list[dict[str, Any]] = []
-        self.events: list[AgentEvent] = []
+        self.events: collections.deque[AgentEvent] = collections.deque(maxlen=10_000)
+        """The latest ended leases (bounded: a client looping change/release cannot grow it)."""
+        self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.base_events.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
@@ -247,8 +252,14 @@ class Agent:
                 self._serve_client, sock=sock, limit=protocol.MAX_LINE_BYTES, backlog=1024
             )
         else:
-            _clear_stale_socket(self.socket_path)
             self.socket_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            # chmod and chown below act on the path: nobody else may write its folder
+            folder = self.socket_path.parent
+            check_trusted(
+                folder, os.lstat(folder), what="agent socket's folder", directory=True,
+                trusted_uids={0, os.geteuid()},
+            )  # fmt: skip
+            _clear_stale_socket(self.socket_path)
             self._server = await asyncio.start_unix_server(
                 self._serve_client, path=str(self.socket_path), limit=protocol.MAX_LINE_BYTES,
                 backlog=1024,
@@ -312,20 +323,25 @@ class Agent:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         sock = writer.get_extra_info("socket")
+        if self._stopping is not None and self._stopping.is_set():
+            writer.transport.abort()  # accepted as the agent stopped: no new leases now
+            return
         try:
             peer = peer_of(sock)
         except OSError:
-            writer.close()
+            writer.transport.abort()
             return
         client = _Client(id=next(self._ids), peer=peer, writer=writer)
         client.tokens, client.refilled_s = self.rate_per_s / 4, time.monotonic()
         refusal = self._admit(peer)
         if refusal is not None:
+            if peer.pidfd is not None:
+                os.close(peer.pidfd)
             await self._reply_and_close(writer, None, PermissionDeniedError(refusal))
             return
         client.pidfd = pidfd_of(peer)
         if client.pidfd is None:  # gone already (or its pid reused): nothing to serve
-            writer.close()
+            writer.transport.abort()
             return
         self._clients[client.id] = client
         assert self._loop is not None
@@ -348,6 +364,9 @@ class Agent:
 
     async def _read_loop(self, client: _Client, reader: asyncio.StreamReader) -> None:
         buf = bytearray()
+        too_long = protocol.ProtocolError(
+            f"a request line is longer than {protocol.MAX_LINE_BYTES} bytes"
+        )
         while not client.ended:
             timeout = self.line_timeout_s if buf else None
             try:
@@ -360,28 +379,26 @@ class Agent:
             if not chunk:
                 return
             buf += chunk
+            start = 0
             while True:
-                nl = buf.find(b"\n")
+                nl = buf.find(b"\n", start)
                 if nl < 0:
-                    if len(buf) > protocol.MAX_LINE_BYTES:
-                        await self._refuse(client, protocol.ProtocolError(
-                            f"a request line is longer than {protocol.MAX_LINE_BYTES} bytes"
-                        ))  # fmt: skip
-                        return
                     break
-                line, buf = bytes(buf[:nl]), buf[nl + 1 :]
+                line = bytes(buf[start:nl])
+                start = nl + 1
                 if len(line) > protocol.MAX_LINE_BYTES:
-                    await self._refuse(client, protocol.ProtocolError(
-                        f"a request line is longer than {protocol.MAX_LINE_BYTES} bytes"
-                    ))  # fmt: skip
+                    await self._refuse(client, too_long)
                     return
-                if not line.strip():
-                    continue
+                # every line counts against the rate, blank ones too: none can spin the loop
                 await self._throttle(client)
-                if not await self._handle(client, line):
+                if line.strip() and not await self._handle(client, line):
                     return
                 if client.ended:
                     return
+            del buf[:start]  # one copy per chunk, not one per line
+            if len(buf) > protocol.MAX_LINE_BYTES:
+                await self._refuse(client, too_long)
+                return
 
     async def _throttle(self, client: _Client) -> None:
         """A token bucket per connection: a flood waits on its own coroutine, nobody else's."""
@@ -392,6 +409,8 @@ class Agent:
         if client.tokens < 1:
             await asyncio.sleep((1 - client.tokens) / self.rate_per_s)
             client.tokens = 1
+        else:
+            await asyncio.sleep(0)  # let the other clients' lines in between
         client.tokens -= 1
 
     async def _handle(self, client: _Client, line: bytes) -> bool:
@@ -434,14 +453,15 @@ class Agent:
     async def _reply_and_close(
         self, writer: asyncio.StreamWriter, rid: Any, err: PowerlibError
     ) -> None:
-        with contextlib.suppress(ConnectionError, RuntimeError):
+        with contextlib.suppress(ConnectionError, RuntimeError, asyncio.TimeoutError):
             writer.write(
                 protocol.encode(
                     {"v": 1, "id": rid, "ok": False, "error": protocol.error_to_wire(err)}
                 )
             )
-            await writer.drain()
-        writer.close()
+            await asyncio.wait_for(writer.drain(), 1.0)  # a peer that never reads: dropped
+        with contextlib.suppress(Exception):
+            writer.transport.abort()
 
     # -- operations ------------------------------------------------------------------------------
 
@@ -489,24 +509,27 @@ class Agent:
 
     async def _change(self, op: str, lease: _Lease, msg: dict[str, Any]) -> Any:
         dev = lease.device
+        # the lease's first change journals (write + fsync): never on the event loop
+        where = dev.device_id if lease.journaled else None
+        lease.journaled = True
         if op == "lock_sm_clocks":
             lo, hi = await self._call(
                 lease.session.lock_sm_clocks,
                 dev,
                 msg["min_mhz"],
                 msg.get("max_mhz"),
-                device=dev.device_id,
+                device=where,
             )
             return [lo, hi]
         if op == "reset_sm_clocks":
-            await self._call(lease.session.reset_sm_clocks, dev, device=dev.device_id)
+            await self._call(lease.session.reset_sm_clocks, dev, device=where)
             return None
         if op == "set_power_limit":
             return await self._call(
-                lease.session.set_power_limit, dev, msg["power_limit_w"], device=dev.device_id
+                lease.session.set_power_limit, dev, msg["power_limit_w"], device=where
             )
         if op == "reset_power_limit":
-            await self._call(lease.session.reset_power_limit, dev, device=dev.device_id)
+            await self._call(lease.session.reset_power_limit, dev, device=where)
             return None
         raise protocol.ProtocolError(f"unknown operation {op!r}")  # decode_request stops these
 
@@ -613,7 +636,9 @@ class Agent:
         """The pidfd became readable: the client process exited (its socket may live on)."""
         if client.pidfd is not None and self._loop is not None:
             self._loop.remove_reader(client.pidfd)
-        self._loop.create_task(self._end(client, "process exited"))  # type: ignore[union-attr]
+        task = self._loop.create_task(self._end(client, "process exited"))  # type: ignore[union-attr]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _end(self, client: _Client, reason: str) -> None:
         if client.ended:
@@ -627,7 +652,9 @@ class Agent:
             os.close(client.pidfd)
             client.pidfd = None
         with contextlib.suppress(Exception):
-            client.writer.close()
+            # abort, not close: a peer that stopped reading (or a child that keeps its socket)
+            # must not keep the socket and its buffers alive past the client's end
+            client.writer.transport.abort()
         leases = list(client.leases.values())
         if leases:
             logger.info(

@@ -69,9 +69,9 @@ def agent() -> None:
 @click.option(
     "--max-per-uid",
     type=click.IntRange(1, 1_000_000),
-    default=1024,
+    default=128,
     show_default=True,
-    help="Connections one uid may hold at once.",
+    help="Connections one uid may hold at once (root is not limited).",
 )
 @click.option(
     "--kubernetes",

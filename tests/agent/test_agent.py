@@ -764,3 +764,50 @@ def test_a_client_killed_during_a_slow_change_is_restored_after_the_change_lands
         thread.join(timeout=30)
         agent.close()
         backend.close()
+
+
+def test_a_reply_out_of_step_ends_the_connection_for_good(root_dir: Path) -> None:
+    """A malformed or mismatched reply leaves the client one reply behind: it must not read the
+    next request's answer as this one's, so the connection counts as lost."""
+    import threading
+
+    path = root_dir / "run" / "garbled.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen()
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b'{"v": 1, "id": 999, "ok": true, "result": null}\n')  # another id
+            time.sleep(1)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    conn = AgentConnection(path)
+    with pytest.raises(DeviceLostError, match="does not match"):
+        conn.call("ping")
+    assert conn.lost
+    with pytest.raises(DeviceLostError):
+        conn.call("ping")
+    conn.close()
+    t.join()
+    server.close()
+
+
+def test_reads_through_a_lost_agent_keep_the_last_state_with_one_warning(root_dir: Path) -> None:
+    n = Node(root_dir, None).start()
+    backend = AgentBackend(n.client_settings("agent"))
+    dev = backend.device(0)
+    before = dev.read_state()
+    n.stop(signal.SIGKILL)
+    with pytest.warns(RuntimeWarning, match="agent connection was lost"):
+        assert dev.read_state() == before  # training goes on: the last state stands
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backend.device(1).read_state is not None
+        dev.lock_sm_clocks(1005)  # dropped, silently now
+    with pytest.raises(DeviceLostError, match="before the device was read"):
+        backend.device(1).read_state()  # never read: nothing to stand in
+    backend.close()

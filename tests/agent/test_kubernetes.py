@@ -230,6 +230,7 @@ def test_an_unreachable_runtime_refuses_with_the_reason(kube) -> None:
             f"0::/kubepods.slice/kubepods-pod{POD_UID.replace('-', '_')}.slice/cri-containerd-{CID}.scope\n",
             (POD_UID, CID),
         ),
+        (cgroup_v2(POD_UID, CID).rstrip() + "/init.scope\n", (POD_UID, CID)),  # systemd inside
         ("0::/user.slice/user-1000.slice/session-3.scope\n", None),  # a host process
         (
             f"0::/kubepods.slice/kubepods-pod{POD_UID.replace('-', '_')}.slice\n",
@@ -255,3 +256,13 @@ def test_malformed_replies_are_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="the kubelet's pod-resources API"):
         KubernetesGrants(tmp_path / "none.sock", tmp_path / "c.sock")._allocations()
     assert time.monotonic() - started < 30  # bounded by the call's own timeout
+
+
+def test_an_unrecognised_pod_cgroup_or_an_unreadable_one_fails_closed(kube) -> None:
+    """A uid 0 process the agent cannot place is refused, never admitted as the host's root."""
+    slice_uid = POD_UID.replace("-", "_")
+    odd = f"0::/kubepods.slice/kubepods-pod{slice_uid}.slice/something-else\n"
+    refused = _in_pod(kube, 0, odd, 0)
+    assert refused.startswith("PermissionDeniedError") and "names no pod and container" in refused
+    refused = _in_pod(kube, 0, "", 0)  # /proc/<pid>/cgroup unreadable
+    assert refused.startswith("PermissionDeniedError")
