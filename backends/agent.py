@@ -52,39 +52,39 @@ class AgentDevice(Device):
             "reads": "local" if self._local is not None else "agent",
         }
 
+    def _ask(self, op: str, **args: Any) -> tuple[bool, Any]:
+        """``(True, result)``, or ``(False, None)`` once the connection is lost.
+
+        The loss is warned of once. A device the agent reports lost still raises: that is the
+        device, not the connection.
+        """
+        conn = self._backend.connection
+        if not conn.lost:
+            try:
+                return True, conn.call(op, device=self.device_id, **args)
+            except DeviceLostError:
+                if not conn.lost:
+                    raise
+        self._backend.warn_lost()
+        return False, None
+
     def _read_state(self) -> PowerState:
         if self._local is not None:
             return self._local.read_state()
-        conn = self._backend.connection
-        try:
-            if not conn.lost:
-                self._last = protocol.state_from_wire(conn.call("read", device=self.device_id))
-                return self._last
-        except DeviceLostError:
-            if not conn.lost:
-                raise  # the device itself is lost (the agent said so), not the connection
-        # the agent is gone: training goes on; the last state read stands (its energy counter
-        # stops, which a profile notices and a measurement marks)
-        self._backend.warn_lost()
-        if self._last is None:
+        answered, data = self._ask("read")
+        if answered:
+            self._last = protocol.state_from_wire(data)
+        elif self._last is None:
             raise DeviceLostError(
                 "the powerlib agent connection was lost before the device was read",
                 device=self.device_id,
             )
+        # with the agent gone the last state read stands (its energy counter stops, which a
+        # profile notices and a measurement marks): training goes on
         return self._last
 
     def _change(self, op: str, **args: Any) -> Any:
-        conn = self._backend.connection
-        if conn.lost:
-            self._backend.warn_lost()
-            return None
-        try:
-            return conn.call(op, device=self.device_id, **args)
-        except DeviceLostError:
-            if not conn.lost:
-                raise  # the device itself is lost (the agent said so), not the connection
-            self._backend.warn_lost()
-            return None
+        return self._ask(op, **args)[1]
 
     def _lock_sm_clocks(self, min_mhz: float, max_mhz: float) -> None:
         self._change("lock_sm_clocks", min_mhz=min_mhz, max_mhz=max_mhz)

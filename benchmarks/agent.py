@@ -30,8 +30,6 @@ Prints one JSON object; exits 1 if a target is missed.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
 import platform
@@ -42,9 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,31 +117,15 @@ def _load(sock: Path, seconds: float, aligned: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
-@contextlib.contextmanager
-def _serving(backend: Any, sock: Path) -> Iterator[Any]:
-    """An agent over ``backend`` on ``sock``, served from a thread of this process."""
+def _in_memory_load(root: Path, seconds: float) -> dict[str, Any]:
     from powerlib.agent.authz import Rules
     from powerlib.agent.server import Agent
-
-    agent = Agent(backend, socket_path=sock, rules=Rules())
-    thread = threading.Thread(target=lambda: asyncio.run(agent.serve()), daemon=True)
-    thread.start()
-    while not agent.ready:
-        time.sleep(0.01)
-    try:
-        yield agent
-    finally:
-        agent.stop()
-        thread.join(timeout=30)
-        agent.close()
-
-
-def _in_memory_load(root: Path, seconds: float) -> dict[str, Any]:
     from powerlib.backends.simulated import SimulatedBackend
     from powerlib.config import Settings
 
     settings = Settings(backend="simulated", sim_gpus=8, state_dir=root / "memory-state")
-    with _serving(SimulatedBackend(settings, persist=False), root / "memory.sock"):
+    backend = SimulatedBackend(settings, persist=False)
+    with Agent(backend, socket_path=root / "memory.sock", rules=Rules()).in_thread():
         return {
             **_load(root / "memory.sock", seconds, aligned=False),
             "devices": "simulated, in memory",
@@ -177,7 +157,9 @@ def main() -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
 
+    from powerlib.agent.authz import Rules
     from powerlib.agent.client import AgentConnection
+    from powerlib.agent.server import Agent
     from powerlib.backends.agent import AgentBackend
     from powerlib.backends.simulated import SimulatedBackend
     from powerlib.config import Settings
@@ -195,7 +177,7 @@ def main() -> int:
         sock = root / "agent.sock"
         settings = Settings(backend="simulated", sim_gpus=8, state_dir=root / "agent-state")
         backend = SimulatedBackend(settings)
-        with _serving(backend, sock) as agent:
+        with Agent(backend, socket_path=sock, rules=Rules()).in_thread() as agent:
             # 1. round trip
             with AgentConnection(sock) as conn:
                 for _ in range(200):

@@ -6,15 +6,114 @@ build their callback classes on it, and both log the same keys.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from types import TracebackType
 from typing import Any
 
 from powerlib.errors import InvalidArgumentError
 
 RESERVED = ("num_stages", "num_microbatches")
 """Session options a callback sets itself (one stage; the gradient accumulation steps)."""
+
+
+class MeasuredRun:
+    """What both callbacks are: one measurement (and perhaps a session) from start to end.
+
+    The framework's own ``Callback`` follows this class in the made class's bases
+    (:func:`lazy_class`), so ``super().__init__()`` reaches it. Subclasses say what a run is
+    (their hooks), drop their per-run state in :meth:`_forget`, and hook a session into the
+    stack in the ``attach`` they pass to :meth:`_start`.
+    """
+
+    def __init__(
+        self,
+        *,
+        devices: Any,
+        backend: Any,
+        sample_period_s: Any,
+        reduce: str,
+        optimize: bool | Mapping[str, Any] | None,
+        accumulation: str,
+        measure_options: Mapping[str, Any] | None,
+    ) -> None:
+        super().__init__()
+        self.sample_period_s = check_common(devices, reduce, sample_period_s)
+        self.devices = devices
+        self.backend = backend
+        self.reduce = reduce
+        self._optimize = optimize_options(optimize, accumulation)
+        self._measure_options = dict(measure_options or {})
+        self.measurement: Any = None
+        self.session: Any = None
+        self.result: Any = None
+        self._stack: contextlib.ExitStack | None = None
+        self._interval = Interval()
+
+    @property
+    def running(self) -> bool:
+        """Whether a measurement is open (between the run's start and its end)."""
+        return self._stack is not None
+
+    def close(self) -> None:
+        """Close what the run's start opened (hooks, session, measurement), without logging.
+
+        Idempotent. For the exception path where the framework has no hook for it.
+        """
+        stack, self._stack = self._stack, None
+        self._forget()
+        if stack is not None:
+            stack.close()
+
+    def __enter__(self) -> MeasuredRun:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _forget(self) -> None:
+        """Drop the per-run state the hooks keep (the measurement's stack is closing)."""
+
+    def _start(self, devices: Any, attach: Callable[[contextlib.ExitStack], None]) -> None:
+        """Open a run: close one a failure left, then open the measurement.
+
+        With ``optimize``, ``attach`` enters the session (and its hooks) into the run's stack.
+        """
+        import powerlib  # noqa: PLC0415
+
+        self.close()
+        self.result = None
+        self._interval = Interval()
+        stack = contextlib.ExitStack()
+        try:
+            options = {"backend": self.backend, "sample_period_s": self.sample_period_s}
+            options.update(self._measure_options)
+            self.measurement = stack.enter_context(powerlib.measure(devices, **options))
+            self.session = None
+            if self._optimize is not None:
+                attach(stack)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+
+    def _now(self) -> Any:
+        """The running measurement's result so far (``reduce`` over the world: a collective)."""
+        return self.measurement.result(self.reduce)
+
+    def _finish(self) -> dict[str, float]:
+        """Close the run; keep its result and return its totals for the trainer's logs."""
+        measurement = self.measurement
+        self.close()
+        self.result = measurement.result(self.reduce)
+        return totals(self.result)
 
 
 class Interval:

@@ -33,19 +33,10 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from powerlib.errors import NotSupportedError
-from powerlib.integrations._callbacks import (
-    Interval,
-    check_common,
-    check_tokens,
-    lazy_class,
-    optimize_options,
-    totals,
-    window_energy,
-)
+from powerlib.integrations._callbacks import MeasuredRun, check_tokens, lazy_class, window_energy
 
 if TYPE_CHECKING:
     import torch
@@ -113,7 +104,7 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 # -- the callback ----------------------------------------------------------------------------------
 
 
-class _PowerlibCallbackImpl:
+class _PowerlibCallbackImpl(MeasuredRun):
     """Energy per step in the Trainer's logs; optionally ``powerlib.optimize`` around training.
 
     Args:
@@ -160,50 +151,21 @@ class _PowerlibCallbackImpl:
         optimize: bool | Mapping[str, Any] = False,
         measure_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.sample_period_s = check_common(devices, reduce, sample_period_s)
+        super().__init__(
+            devices=devices, backend=backend, sample_period_s=sample_period_s, reduce=reduce,
+            optimize=optimize, accumulation="gradient accumulation steps",
+            measure_options=measure_options,
+        )  # fmt: skip
         check_tokens(tokens_per_step, "tokens_per_step")
-        self.devices = devices
-        self.backend = backend
         self.tokens_per_step = tokens_per_step
-        self.reduce = reduce
-        self._optimize = optimize_options(optimize, "gradient accumulation steps")
-        self._measure_options = dict(measure_options or {})
-        self.measurement: Any = None
-        self.session: Any = None
-        self.result: Any = None
-        self._stack: contextlib.ExitStack | None = None
-        self._interval = Interval()
         self._tokens_at_begin = 0
         self._eval_window: Any = None
         self._final_logs: dict[str, Any] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    @property
-    def running(self) -> bool:
-        """Whether a measurement is open (between train begin and train end)."""
-        return self._stack is not None
-
-    def close(self) -> None:
-        """Close what train begin opened (hooks, session, measurement), without logging.
-
-        Idempotent. For the exception path, which the Trainer has no hook for.
-        """
-        stack, self._stack = self._stack, None
+    def _forget(self) -> None:
         self._eval_window = None
-        if stack is not None:
-            stack.close()
-
-    def __enter__(self) -> _PowerlibCallbackImpl:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def install(self, trainer: Any) -> _PowerlibCallbackImpl:
         """Put this callback right after the Trainer's ``DefaultFlowCallback``.
@@ -230,22 +192,6 @@ class _PowerlibCallbackImpl:
         if args.world_size > 1:
             return [args.local_process_index]
         return None
-
-    def _start(self, args: TrainingArguments, model: Any, optimizer: Any) -> None:
-        import powerlib  # noqa: PLC0415
-
-        stack = contextlib.ExitStack()
-        try:
-            options = {"backend": self.backend, "sample_period_s": self.sample_period_s}
-            options.update(self._measure_options)
-            self.measurement = stack.enter_context(powerlib.measure(self._devices(args), **options))
-            self.session = None
-            if self._optimize is not None:
-                self._attach(stack, args, model, optimizer)
-        except BaseException:
-            stack.close()
-            raise
-        self._stack = stack
 
     def _attach(
         self, stack: contextlib.ExitStack, args: TrainingArguments, model: Any, optimizer: Any
@@ -281,9 +227,6 @@ class _PowerlibCallbackImpl:
             attach_module(self.session, _TrainingForwards(model), _torch_optimizer(optimizer))
         )
 
-    def _now(self) -> Any:
-        return self.measurement.result(self.reduce)
-
     def _step_tokens(self, args: TrainingArguments, state: TrainerState) -> float | None:
         spec = self.tokens_per_step
         if spec is None:
@@ -313,11 +256,8 @@ class _PowerlibCallbackImpl:
         **kwargs: Any,
     ) -> None:
         """Start the measurement (and the session); a run a failed ``train()`` left is closed."""
-        self.close()
-        self.result = None
-        self._interval = Interval()
         self._final_logs = None
-        self._start(args, model, optimizer)
+        self._start(self._devices(args), lambda stack: self._attach(stack, args, model, optimizer))
         if args.eval_on_start:
             self._open_eval()
 
@@ -409,10 +349,7 @@ class _PowerlibCallbackImpl:
         """Close everything; the totals go into the final summary (``TrainOutput.metrics``)."""
         if not self.running:
             return
-        measurement = self.measurement
-        self.close()
-        self.result = measurement.result(self.reduce)
-        values = totals(self.result)
+        values = self._finish()
         entry = state.log_history[-1] if state.log_history else None
         final = self._final_logs
         if final is not None and entry is not None and all(k in entry for k in final):

@@ -32,22 +32,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from powerlib.errors import InvalidArgumentError, NotSupportedError
-from powerlib.integrations._callbacks import (
-    Interval,
-    check_common,
-    check_tokens,
-    lazy_class,
-    optimize_options,
-    totals,
-    window_energy,
-)
+from powerlib.integrations._callbacks import MeasuredRun, check_tokens, lazy_class, window_energy
 
 __all__ = ["PLPowerlibCallback", "PowerlibCallback"]  # noqa: F822 (module __getattr__)
 
 # -- the callback ----------------------------------------------------------------------------------
 
 
-class _PowerlibCallbackImpl:
+class _PowerlibCallbackImpl(MeasuredRun):
     """Energy per step in Lightning's logs; optionally ``powerlib.optimize`` around ``fit``.
 
     Args:
@@ -95,8 +87,11 @@ class _PowerlibCallbackImpl:
         prog_bar: bool = False,
         measure_options: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__()
-        self.sample_period_s = check_common(devices, reduce, sample_period_s)
+        super().__init__(
+            devices=devices, backend=backend, sample_period_s=sample_period_s, reduce=reduce,
+            optimize=optimize, accumulation="accumulate_grad_batches",
+            measure_options=measure_options,
+        )  # fmt: skip
         check_tokens(tokens_per_batch, "tokens_per_batch")
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool)
@@ -106,19 +101,9 @@ class _PowerlibCallbackImpl:
             raise InvalidArgumentError(
                 f"log_every_n_steps must be a positive integer or None, got {log_every_n_steps!r}"
             )
-        self.devices = devices
-        self.backend = backend
         self.tokens_per_batch = tokens_per_batch
-        self.reduce = reduce
         self.log_every_n_steps = log_every_n_steps
         self.prog_bar = bool(prog_bar)
-        self._optimize = optimize_options(optimize, "accumulate_grad_batches")
-        self._measure_options = dict(measure_options or {})
-        self.measurement: Any = None
-        self.session: Any = None
-        self.result: Any = None
-        self._stack: contextlib.ExitStack | None = None
-        self._interval = Interval()
         self._step: Any = None
         self._step_global = 0
         self._step_tokens: float | None = None
@@ -128,53 +113,33 @@ class _PowerlibCallbackImpl:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    @property
-    def running(self) -> bool:
-        """Whether a measurement is open (between fit start and train end)."""
-        return self._stack is not None
-
-    def close(self) -> None:
-        """Close what fit start opened (session, measurement), without logging. Idempotent."""
-        stack, self._stack = self._stack, None
+    def _forget(self) -> None:
         self._step = self._window = self._instruction = None
-        if stack is not None:
-            stack.close()
 
-    def _start(self, trainer: Any, pl_module: Any) -> None:
+    def _devices(self, trainer: Any) -> Any:
+        if self.devices != "auto":
+            return self.devices
+        return [trainer.local_rank] if trainer.world_size > 1 else None
+
+    def _attach(self, stack: contextlib.ExitStack, trainer: Any, pl_module: Any) -> None:
         import powerlib  # noqa: PLC0415
 
-        devices = self.devices
-        if devices == "auto":
-            devices = [trainer.local_rank] if trainer.world_size > 1 else None
-        stack = contextlib.ExitStack()
-        try:
-            options = {"backend": self.backend, "sample_period_s": self.sample_period_s}
-            options.update(self._measure_options)
-            self.measurement = stack.enter_context(powerlib.measure(devices, **options))
-            self.session = None
-            if self._optimize is not None:
-                if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:
-                    raise NotSupportedError(
-                        "optimize=True drives automatic optimization with one optimizer; this "
-                        f"module has automatic_optimization={pl_module.automatic_optimization} "
-                        f"and {len(trainer.optimizers)} optimizer(s)"
-                    )
-                options = {"out_dir": f"{trainer.default_root_dir}/powerlib"}
-                options.update(self._optimize)
-                self.session = stack.enter_context(
-                    powerlib.optimize(
-                        num_stages=1,
-                        num_microbatches=trainer.accumulate_grad_batches,
-                        **options,
-                    )
-                )
-        except BaseException:
-            stack.close()
-            raise
-        self._stack = stack
-
-    def _now(self) -> Any:
-        return self.measurement.result(self.reduce)
+        assert self._optimize is not None
+        if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:
+            raise NotSupportedError(
+                "optimize=True drives automatic optimization with one optimizer; this "
+                f"module has automatic_optimization={pl_module.automatic_optimization} "
+                f"and {len(trainer.optimizers)} optimizer(s)"
+            )
+        options = {"out_dir": f"{trainer.default_root_dir}/powerlib"}
+        options.update(self._optimize)
+        self.session = stack.enter_context(
+            powerlib.optimize(
+                num_stages=1,
+                num_microbatches=trainer.accumulate_grad_batches,
+                **options,
+            )
+        )
 
     def _batch_tokens(self, batch: Any) -> float | None:
         spec = self.tokens_per_batch
@@ -206,11 +171,8 @@ class _PowerlibCallbackImpl:
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Start the measurement (and the session)."""
-        self.close()
-        self.result = None
-        self._interval = Interval()
         self._microbatch = 0
-        self._start(trainer, pl_module)
+        self._start(self._devices(trainer), lambda stack: self._attach(stack, trainer, pl_module))
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
@@ -292,10 +254,7 @@ class _PowerlibCallbackImpl:
         """Close everything and send the totals to the loggers."""
         if not self.running:
             return
-        measurement = self.measurement
-        self.close()
-        self.result = measurement.result(self.reduce)
-        values = totals(self.result)
+        values = self._finish()
         for logger in trainer.loggers:
             logger.log_metrics(values, step=trainer.global_step)
 

@@ -102,10 +102,6 @@ class Rules:
         self._cache = (now, tuple(found), tuple(ignored))
         return self._cache[1], self._cache[2]
 
-    def invalidate(self) -> None:
-        """Forget the cached job grants (tests; the agent after ``grant``/``revoke``)."""
-        self._cache = None
-
     def check(
         self, uid: int, gids: Iterable[int], device_id: str, shown: str, pid: int | None = None
     ) -> tuple[bool, str]:

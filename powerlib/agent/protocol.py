@@ -34,9 +34,11 @@ __all__ = [
     "decode_request",
     "encode",
     "error_from_wire",
+    "error_reply",
     "error_to_wire",
     "info_from_wire",
     "info_to_wire",
+    "reply",
     "state_from_wire",
     "state_to_wire",
 ]
@@ -129,6 +131,16 @@ def _no_constant(name: str) -> None:
 
 
 # -- errors ----------------------------------------------------------------------------------------
+
+
+def reply(rid: Any, result: Any) -> dict[str, Any]:
+    """A success response to request ``rid``."""
+    return {"v": VERSION, "id": rid, "ok": True, "result": result}
+
+
+def error_reply(rid: Any, err: BaseException) -> dict[str, Any]:
+    """An error response to request ``rid`` (``None``: the line could not be read)."""
+    return {"v": VERSION, "id": rid, "ok": False, "error": error_to_wire(err)}
 
 
 def error_to_wire(err: BaseException) -> dict[str, Any]:

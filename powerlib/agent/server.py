@@ -37,8 +37,9 @@ import resource
 import signal
 import socket
 import stat
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,8 +235,9 @@ class Agent:
             self._by_form[dev.device_id] = dev
             self._by_form[dev.device_id.lower()] = dev
             pci = details.get("pci_bus_id")
-            if isinstance(pci, str) and normalize_pci(pci):
-                self._by_form[normalize_pci(pci)] = dev  # type: ignore[index]
+            bus_id = normalize_pci(pci) if isinstance(pci, str) else None
+            if bus_id is not None:
+                self._by_form[bus_id] = dev
 
     async def serve(self, *, started: Callable[[], None] | None = None) -> None:
         """Serve until :meth:`stop` (or SIGTERM/SIGINT under :meth:`run`); restores on the way out."""
@@ -308,6 +310,39 @@ class Agent:
         try:
             asyncio.run(main())
         finally:
+            self.close()
+
+    @contextlib.contextmanager
+    def in_thread(self, timeout_s: float = 30.0) -> Iterator[Agent]:
+        """Serve from a thread of this process for the ``with`` block (tests, benchmarks).
+
+        Returns once the socket answers; on exit it stops the agent (every lease restored),
+        joins the thread and closes the agent.
+
+        Raises:
+            PowerlibError: What :meth:`serve` raised while starting (e.g. another agent's lock).
+        """
+        ready = threading.Event()
+        failed: list[BaseException] = []
+
+        def main() -> None:
+            try:
+                asyncio.run(self.serve(started=ready.set))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+                failed.append(err)
+                ready.set()
+
+        thread = threading.Thread(target=main, name="powerlib-agent-loop", daemon=True)
+        thread.start()
+        try:
+            if not ready.wait(timeout_s):
+                raise ConfigError(f"the agent did not start within {timeout_s:g} s")
+            if failed:
+                raise failed[0]
+            yield self
+        finally:
+            self.stop()
+            thread.join(timeout=timeout_s)
             self.close()
 
     def close(self) -> None:
@@ -424,15 +459,11 @@ class Agent:
         try:
             result = await self._dispatch(client, msg)
         except PowerlibError as err:
-            return await self._send(
-                client, {"v": 1, "id": rid, "ok": False, "error": protocol.error_to_wire(err)}
-            )
+            return await self._send(client, protocol.error_reply(rid, err))
         except Exception as err:  # noqa: BLE001 - a driver bug must not kill the agent
             logger.exception("agent: %s failed for %s", msg.get("op"), client.peer.describe())
-            return await self._send(
-                client, {"v": 1, "id": rid, "ok": False, "error": protocol.error_to_wire(err)}
-            )
-        return await self._send(client, {"v": 1, "id": rid, "ok": True, "result": result})
+            return await self._send(client, protocol.error_reply(rid, err))
+        return await self._send(client, protocol.reply(rid, result))
 
     async def _send(self, client: _Client, message: dict[str, Any]) -> bool:
         if client.ended:
@@ -446,19 +477,13 @@ class Agent:
 
     async def _refuse(self, client: _Client, err: PowerlibError) -> None:
         logger.warning("agent: closing %s: %s", client.peer.describe(), err.message)
-        await self._send(
-            client, {"v": 1, "id": None, "ok": False, "error": protocol.error_to_wire(err)}
-        )
+        await self._send(client, protocol.error_reply(None, err))
 
     async def _reply_and_close(
         self, writer: asyncio.StreamWriter, rid: Any, err: PowerlibError
     ) -> None:
         with contextlib.suppress(ConnectionError, RuntimeError, asyncio.TimeoutError):
-            writer.write(
-                protocol.encode(
-                    {"v": 1, "id": rid, "ok": False, "error": protocol.error_to_wire(err)}
-                )
-            )
+            writer.write(protocol.encode(protocol.error_reply(rid, err)))
             await asyncio.wait_for(writer.drain(), 1.0)  # a peer that never reads: dropped
         with contextlib.suppress(Exception):
             writer.transport.abort()

@@ -613,6 +613,9 @@ def test_optimize_and_attach_module_run_unchanged_through_the_agent(
     """A job's code is the same with POWERLIB_BACKEND=agent: profile, plan and apply through the
     agent's leases, and the device is back as the session closes."""
     torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "integrations"))  # the clocked blocks
+    from clocked import FREQS, SWEEP, Block, Delay  # noqa: PLC0415
+
     from powerlib.integrations.torch_distributed import attach_module
 
     n = Node(root_dir, None)
@@ -621,41 +624,15 @@ def test_optimize_and_attach_module_run_unchanged_through_the_agent(
     monkeypatch.setenv("POWERLIB_BACKEND", "agent")
     monkeypatch.setenv("POWERLIB_AGENT_SOCKET", str(n.sock))
     reader = powerlib.open_backend()
-    gpu = reader.device(0)
-
-    class Clocked(torch.autograd.Function):  # sleeps for the clock the agent locked on GPU 0
-        @staticmethod
-        def sleep() -> None:
-            locked = gpu.read_state().locked_sm_freqs_mhz
-            time.sleep(0.01 * 1410.0 / (locked[1] if locked else 1410.0))
-
-        @staticmethod
-        def forward(ctx, x):  # noqa: ANN001, ANN205
-            Clocked.sleep()
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):  # noqa: ANN001, ANN205
-            Clocked.sleep()
-            return grad
-
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = torch.nn.Linear(8, 8)
-
-        def forward(self, x):  # noqa: ANN001, ANN201
-            return Clocked.apply(self.linear(x))
-
-    model = Block()
+    monkeypatch.setattr(Delay, "device", reader.device(0), raising=False)  # sleeps for its clock
+    model = Block(8)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     locked_mid_run = []
     try:
         with (
             powerlib.optimize(
-                num_stages=1, num_microbatches=2, stage=0, freqs_mhz=[1410.0, 1200.0, 1005.0],
-                warmup_iterations=1, settle_iterations=0, iterations_per_freq=1,
-                out_dir=tmp_path / "out", progress=False, max_slowdown=0.1,
+                num_stages=1, num_microbatches=2, stage=0, out_dir=tmp_path / "out",
+                progress=False, **SWEEP,
             ) as session,
             attach_module(session, model, opt),
         ):  # fmt: skip
@@ -666,7 +643,7 @@ def test_optimize_and_attach_module_run_unchanged_through_the_agent(
                 opt.zero_grad()
                 locked_mid_run.append(n.truth()[0][0])
         assert session.plan is not None and session.apply_started_iteration is not None
-        assert session.report()["profiled_freqs_mhz"] == [1410.0, 1200.0, 1005.0]
+        assert session.report()["profiled_freqs_mhz"] == FREQS
         assert any(lock is not None for lock in locked_mid_run)  # the agent locked GPU 0
         assert _wait(lambda: n.truth() == DEFAULT)
     finally:
@@ -713,9 +690,6 @@ def test_a_client_killed_during_a_slow_change_is_restored_after_the_change_lands
 ) -> None:
     """A device call on the thread pool is still running when its client dies: the restore waits
     for it, then undoes it (a restore under it would be overtaken by the late change)."""
-    import asyncio
-    import threading
-
     from powerlib.agent.authz import Rules
     from powerlib.agent.server import Agent
 
@@ -730,39 +704,33 @@ def test_a_client_killed_during_a_slow_change_is_restored_after_the_change_lands
     dev._lock_sm_clocks = lock_slowly  # type: ignore[method-assign]
     sock = root_dir / "run" / "slow.sock"
     agent = Agent(backend, socket_path=sock, rules=Rules(), inline_below_s=0.0)  # every call pooled
-    thread = threading.Thread(target=lambda: asyncio.run(agent.serve()), daemon=True)
-    thread.start()
-    assert _wait(lambda: agent.ready)
     try:
-        pid = os.fork()
-        if pid == 0:  # the client: asks for a lock and is killed while the device works on it
-            try:
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.connect(str(sock))
-                s.sendall(
-                    protocol.encode({"v": 1, "op": "lock_sm_clocks", "device": 0, "min_mhz": 1005})
+        with agent.in_thread():
+            pid = os.fork()
+            if pid == 0:  # the client: asks for a lock and is killed while the device works on it
+                try:
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.connect(str(sock))
+                    request = {"v": 1, "op": "lock_sm_clocks", "device": 0, "min_mhz": 1005}
+                    s.sendall(protocol.encode(request))
+                    time.sleep(60)
+                finally:
+                    os._exit(0)
+            assert _wait(lambda: bool(agent._leases))  # the change is in flight
+            time.sleep(0.1)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            assert _wait(
+                lambda: (
+                    bool(agent.events)
+                    and agent.events[0].restore_done_s == agent.events[0].restore_done_s
                 )
-                time.sleep(60)
-            finally:
-                os._exit(0)
-        assert _wait(lambda: bool(agent._leases))  # the change is in flight
-        time.sleep(0.1)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        assert _wait(
-            lambda: (
-                bool(agent.events)
-                and agent.events[0].restore_done_s == agent.events[0].restore_done_s
             )
-        )
-        event = agent.events[0]
-        assert event.ok and event.reason in ("process exited", "connection closed")
-        time.sleep(0.6)  # past the end of the slow call, whichever order things ran in
-        assert dev.read_state().locked_sm_freqs_mhz is None  # the late lock was undone
+            event = agent.events[0]
+            assert event.ok and event.reason in ("process exited", "connection closed")
+            time.sleep(0.6)  # past the end of the slow call, whichever order things ran in
+            assert dev.read_state().locked_sm_freqs_mhz is None  # the late lock was undone
     finally:
-        agent.stop()
-        thread.join(timeout=30)
-        agent.close()
         backend.close()
 
 

@@ -8,16 +8,14 @@ decoder under test, from the field numbers of kubelet's pod-resources v1 and CRI
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
 import pytest
-from test_agent import NOBODY, _try, _wait, spawn_as
+from test_agent import NOBODY, _try, spawn_as
 from test_agent import root_dir as root_dir  # the fixture, shared
 
 from powerlib.agent.authz import Rules
@@ -139,13 +137,8 @@ def kube(root_dir: Path) -> Iterator[tuple[FakeNode, Agent, dict[int, str], list
     )
     sock = root_dir / "run" / "agent.sock"
     agent = Agent(backend, socket_path=sock, rules=Rules(kubernetes=grants), group=65534)
-    thread = threading.Thread(target=lambda: asyncio.run(agent.serve()), daemon=True)
-    thread.start()
-    assert _wait(lambda: agent.ready)
-    yield node, agent, cgroups, uuids
-    agent.stop()
-    thread.join(timeout=30)
-    agent.close()
+    with agent.in_thread():
+        yield node, agent, cgroups, uuids
     backend.close()
     node.stop()
 
