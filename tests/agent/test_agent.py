@@ -779,3 +779,14 @@ def test_reads_through_a_lost_agent_keep_the_last_state_with_one_warning(root_di
     with pytest.raises(DeviceLostError, match="before the device was read"):
         backend.device(1).read_state()  # never read: nothing to stand in
     backend.close()
+
+
+def test_a_socket_folder_others_can_write_stops_the_agent_at_start(root_dir: Path) -> None:
+    """The agent chmods and chowns its socket by path: in a folder anyone can write, a symlink
+    swapped in between would aim those at another file, so it refuses to start there."""
+    (root_dir / "run").chmod(0o777)
+    n = Node(root_dir, None).start(wait=False)
+    code, out = n.exited()
+    assert code == UntrustedStateError.exit_code
+    assert "refusing the agent socket's folder" in out and "writable by group and others" in out
+    assert not n.sock.exists()
