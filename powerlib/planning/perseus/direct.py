@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -182,8 +184,7 @@ class DirectSolver:
         lp.a_matrix_.start_ = start
         lp.a_matrix_.index_ = r.astype(np.int32)
         lp.a_matrix_.value_ = a
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+        h = new_highs(highspy)
         h.setOptionValue("solver", "simplex")
         status = h.passModel(lp)
         if status == highspy.HighsStatus.kError:
@@ -308,3 +309,31 @@ def solve_points(
         at[t] = solver.at(t)
     best = {rng: solver.cheapest(*rng) for rng in dict.fromkeys(cheapest)}
     return at, best
+
+
+def new_highs(highspy: Any) -> Any:
+    """A silent ``highspy.Highs()`` whose start-up banner stays off stdout.
+
+    HiGHS 1.16 prints a banner from the constructor, before any option can be set, straight to
+    file descriptor 1: that is where ``powerlib plan --json`` writes its JSON (the newest-versions
+    check caught it). The constructor runs with fd 1 pointed at stderr, then output is switched
+    off.
+    """
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout at all: nothing to protect
+        saved = None
+    try:
+        if saved is not None:
+            try:
+                os.dup2(2, 1)
+            except OSError:  # no stderr either: the banner goes where it goes
+                pass
+        h = highspy.Highs()
+    finally:
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+    h.setOptionValue("output_flag", False)
+    return h

@@ -255,3 +255,31 @@ def test_the_incremental_guard_equals_the_full_replay_guard(
     a, b = replay_options(frontier, ours, latency), replay_options(frontier, ref, latency)
     assert (a.time_s, a.energy_j) == (b.time_s, b.energy_j)
     assert sum(x != y for x, y in zip(frontier.planned_options(point), ours)) > 0
+
+
+def test_the_highs_banner_never_reaches_stdout(capfd: pytest.CaptureFixture[str]) -> None:
+    """HiGHS 1.16 writes a banner to fd 1 from its constructor, before options can silence it;
+    `powerlib plan --json` writes JSON there, so the constructor runs with fd 1 on stderr."""
+    import os
+
+    from powerlib.planning.perseus.direct import new_highs
+
+    class Highs:
+        def __init__(self) -> None:
+            os.write(1, b"Running HiGHS 9.9.9\n")
+            self.options: dict[str, object] = {}
+
+        def setOptionValue(self, name: str, value: object) -> None:  # noqa: N802 - highspy's name
+            self.options[name] = value
+
+    class FakeHighspy:
+        pass
+
+    FakeHighspy.Highs = Highs
+    print("before", flush=True)
+    h = new_highs(FakeHighspy)
+    print("after", flush=True)
+    out, err = capfd.readouterr()
+    assert out == "before\nafter\n"
+    assert "Running HiGHS" in err
+    assert h.options == {"output_flag": False}
