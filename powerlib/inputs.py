@@ -78,6 +78,7 @@ def read_bytes(
     max_bytes: int | None = None,
     follow_symlinks: bool = True,
     check: Callable[[os.stat_result], None] | None = None,
+    dir_fd: int | None = None,
 ) -> bytes:
     """Read at most ``max_bytes`` of a regular file, refusing anything larger.
 
@@ -91,6 +92,9 @@ def read_bytes(
             file checked is the file read: no race with a rename); it raises to refuse the file
             (journals: owner and mode). It runs before the regular-file test, so it sees fifos
             and devices too.
+        dir_fd: Open ``path``'s last component relative to this folder descriptor (root reading
+            a user's folder: a folder swapped for a symlink after it was checked is never
+            followed); ``path`` still names the file in messages.
 
     Raises:
         error: The file is missing, unreadable, not a regular file, or larger than the cap.
@@ -98,7 +102,10 @@ def read_bytes(
     cap = default_max_bytes() if max_bytes is None else max_bytes
     flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, flags | os.O_NONBLOCK)
+        if dir_fd is None:
+            fd = os.open(path, flags | os.O_NONBLOCK)
+        else:
+            fd = os.open(Path(path).name, flags | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError as err:
         reason = (
             "it is a symlink" if not follow_symlinks and err.errno == errno.ELOOP else err.strerror

@@ -277,11 +277,18 @@ def _backend_settings(saved: Mapping[str, Any]) -> dict[str, Any]:
 class StateDir:
     """The state directory: validated once, then journals and locks live under it.
 
+    Every file operation goes through folder descriptors (:meth:`folder`): the state folder is
+    opened with ``O_DIRECTORY | O_NOFOLLOW`` and checked with ``fstat``, and ``journal/`` and
+    ``locks/`` are opened relative to it the same way, so a folder that its owner swaps for a
+    symlink between a check and a use is never followed (``openat``, ``unlinkat``,
+    ``renameat``; docs/agent.md §4). Only the state folder's own path is resolved by name, and
+    its parent must not let others replace it (:meth:`_check_parent`).
+
     Args:
         root: ``Settings.state_dir``.
-        trusted_uids: Owners trusted besides the euid and root (``powerlib restore
-            --trust-owner``); only ever widens who may own the folders and journals, never
-            the mode and type rules.
+        trusted_uids: Owners trusted besides the euid and root (a restore acting for a user);
+            only ever widens who may own the folders and journals, never the mode and type
+            rules.
     """
 
     def __init__(self, root: Path, trusted_uids: Iterable[int] = ()) -> None:
@@ -301,43 +308,136 @@ class StateDir:
             UntrustedStateError: A directory is a symlink, not a directory, owned by someone
                 untrusted, or writable by group or others, or its parent lets others replace it.
         """
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as err:
+            raise self._cannot_create(self.root, err) from err
+        self._check_parent()  # a journal restore would refuse protects nothing
+        with self.folder() as root_fd:
+            for path in (self.journal_dir, self.lock_dir):
+                try:
+                    os.mkdir(path.name, 0o700, dir_fd=root_fd)
+                except FileExistsError:
+                    pass
+                except OSError as err:
+                    raise self._cannot_create(path, err) from err
         for path in (self.root, self.journal_dir, self.lock_dir):
-            try:
-                path.mkdir(mode=0o700, parents=path is self.root, exist_ok=True)
-            except OSError as err:
-                raise PermissionDeniedError(
-                    f"cannot create the state directory {show_path(path)} ({err.strerror}); "
-                    "powerlib will not change a device it cannot journal: set POWERLIB_STATE_DIR "
-                    "to a writable local directory"
-                ) from err
-            self._check_folder(path)
-            if path is self.root:
-                self._check_parent()  # a journal restore would refuse protects nothing
-            if not os.access(path, os.W_OK | os.X_OK):
-                raise PermissionDeniedError(
-                    f"the state directory {show_path(path)} is not writable; powerlib will not "
-                    "change a device it cannot journal: set POWERLIB_STATE_DIR to a writable "
-                    "local directory"
-                )
+            with self.folder(None if path is self.root else path.name) as fd:
+                self._check_access(path, fd)
         return self
 
-    def _check_folder(self, path: Path) -> bool:
-        """Check one state folder; False if it does not exist."""
+    @staticmethod
+    def _cannot_create(path: Path, err: OSError) -> PermissionDeniedError:
+        return PermissionDeniedError(
+            f"cannot create the state directory {show_path(path)} ({err.strerror}); "
+            "powerlib will not change a device it cannot journal: set POWERLIB_STATE_DIR "
+            "to a writable local directory"
+        )
+
+    @staticmethod
+    def _check_access(path: Path, fd: int) -> None:
+        # access(2) through /proc/self/fd would follow the descriptor; the folder is checked
+        # by name here, after its descriptor passed the trust checks
+        if not os.access(path, os.W_OK | os.X_OK, follow_symlinks=False):
+            raise PermissionDeniedError(
+                f"the state directory {show_path(path)} is not writable; powerlib will not "
+                "change a device it cannot journal: set POWERLIB_STATE_DIR to a writable "
+                "local directory"
+            )
+
+    @contextlib.contextmanager
+    def folder(self, sub: str | None = None) -> Iterator[int]:
+        """A descriptor of the state folder (``sub=None``) or of ``journal``/``locks`` in it.
+
+        Each is opened ``O_DIRECTORY | O_NOFOLLOW`` (the sub-folder relative to the state
+        folder's descriptor) and checked with ``fstat`` (:func:`check_trusted`) before it is
+        yielded; the descriptor is closed afterwards.
+
+        Raises:
+            FileNotFoundError: The folder does not exist.
+            UntrustedStateError: A symlink, not a folder, an untrusted owner or a writable mode.
+            ConfigError: A part of the state path is a file.
+            PermissionDeniedError: The folder cannot be opened.
+        """
+        path = self.root if sub is None else self.root / sub
+        root_fd = self._open_dir(self.root, None)
         try:
-            st = os.lstat(path)
+            if sub is None:
+                yield root_fd
+                return
+            fd = self._open_dir(path, root_fd)
+            try:
+                yield fd
+            finally:
+                os.close(fd)
+        finally:
+            os.close(root_fd)
+
+    def _open_dir(self, path: Path, parent_fd: int | None) -> int:
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = (
+                os.open(path, flags)
+                if parent_fd is None
+                else os.open(path.name, flags, dir_fd=parent_fd)
+            )
         except FileNotFoundError:
-            return False
+            raise
         except OSError as err:
-            if err.errno == errno.ENOTDIR:
+            try:  # say what is there instead: a symlink, a file, a fifo ...
+                st = (
+                    os.lstat(path.name, dir_fd=parent_fd)
+                    if parent_fd is not None
+                    else os.lstat(path)
+                )
+            except OSError:
+                st = None  # a part of the path above it is not a folder
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                check_trusted(
+                    path, st, what="state folder", directory=True, trusted_uids=self.trusted_uids
+                )
+            if err.errno == errno.ENOTDIR and st is None:
                 raise ConfigError(
-                    f"the state folder {show_path(path)} cannot exist: a part of its path is a "
-                    "file, not a folder; set POWERLIB_STATE_DIR to a local folder"
+                    f"the state folder {show_path(path)} cannot exist: a part of its path is "
+                    "a file, not a folder; set POWERLIB_STATE_DIR to a local folder"
                 ) from err
             raise PermissionDeniedError(
-                f"cannot inspect the state folder {show_path(path)} ({err.strerror})"
+                f"cannot open the state folder {show_path(path)} ({err.strerror})"
             ) from err
-        check_trusted(path, st, what="state folder", directory=True, trusted_uids=self.trusted_uids)
-        return True
+        try:
+            check_trusted(
+                path, os.fstat(fd), what="state folder", directory=True,
+                trusted_uids=self.trusted_uids,
+            )  # fmt: skip
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _check_folder(self, path: Path) -> bool:
+        """Check one state folder; False if it is missing.
+
+        A sub-folder is checked by ``lstat`` relative to the state folder's checked descriptor:
+        checking needs no permission to list it.
+        """
+        try:
+            with self.folder() as root_fd:
+                if path == self.root:
+                    return True
+                try:
+                    st = os.lstat(path.name, dir_fd=root_fd)
+                except FileNotFoundError:
+                    return False
+                except OSError as err:
+                    raise PermissionDeniedError(
+                        f"cannot inspect the state folder {show_path(path)} ({err.strerror})"
+                    ) from err
+                check_trusted(
+                    path, st, what="state folder", directory=True, trusted_uids=self.trusted_uids
+                )
+                return True
+        except FileNotFoundError:
+            return False
 
     def inspect(self) -> bool:
         """Check, without creating anything, that the state is one a restore may act on.
@@ -404,27 +504,36 @@ class StateDir:
         """Where the journal of device ``key`` lives."""
         return self.journal_dir / f"{key}.json"
 
+    def has_journal(self, key: str) -> bool:
+        """Whether ``journal/<key>.json`` exists (as anything: a symlink is reported too)."""
+        try:
+            with self.folder("journal") as fd:
+                os.stat(f"{key}.json", dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
     def write_journal(self, entry: JournalEntry) -> Path:
         """Write ``entry`` atomically and durably (temporary file, fsync, rename, fsync dir)."""
         path = self.journal_path(entry.key)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = f".{path.name}.{os.getpid()}.tmp"
         data = json.dumps(entry.to_json(), indent=1).encode()
         try:
-            fd = create_new(tmp)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-            dir_fd = os.open(self.journal_dir, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            with self.folder("journal") as dir_fd:
+                try:
+                    fd = create_new(tmp, dir_fd=dir_fd)
+                    try:
+                        os.write(fd, data)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                    os.fsync(dir_fd)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=dir_fd)
+                    raise
         except OSError as err:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             raise PermissionDeniedError(
                 f"cannot write the journal {path} ({err.strerror}); the device was not changed"
             ) from err
@@ -433,10 +542,11 @@ class StateDir:
     def read_journal(self, path: Path) -> JournalEntry:
         """Read one journal, refusing it unless it is trusted, bounded and well-formed.
 
-        The file is opened with ``O_NOFOLLOW`` and its owner, mode and type are checked with
-        ``fstat`` on that descriptor (what is checked is what is read); at most
-        :data:`JOURNAL_MAX_BYTES` are read, as UTF-8 JSON nested at most
-        :data:`JOURNAL_MAX_DEPTH` deep. A journal must be filed under its own device's key.
+        The file is opened with ``O_NOFOLLOW`` relative to the checked descriptor of
+        ``journal/`` and its owner, mode and type are checked with ``fstat`` on that
+        descriptor (what is checked is what is read); at most :data:`JOURNAL_MAX_BYTES` are
+        read, as UTF-8 JSON nested at most :data:`JOURNAL_MAX_DEPTH` deep. A journal must be
+        filed under its own device's key.
 
         Raises:
             UntrustedStateError: A symlink, fifo or other non-regular file, a file owned by an
@@ -444,6 +554,7 @@ class StateDir:
             JournalError: Unreadable, too large, not UTF-8, not JSON, too deep, malformed, or
                 filed under another device's name.
         """
+        path = self.journal_dir / Path(path).name
         shown = show_path(path)
         if not _JOURNAL_NAME.fullmatch(path.name):
             raise JournalError(
@@ -455,24 +566,30 @@ class StateDir:
             check_trusted(path, st, what="journal", directory=False, trusted_uids=self.trusted_uids)
 
         try:
-            trusted(os.lstat(path))  # symlinks and fifos are refused before any open
-        except OSError as err:
-            raise JournalError(f"journal {shown} cannot be read ({err.strerror})") from err
-        try:
-            raw = read_bytes(
-                path,
-                what="journal",
-                error=JournalError,
-                max_bytes=JOURNAL_MAX_BYTES,
-                follow_symlinks=False,
-                check=trusted,
-            )
-            text = decode_text(raw, path=shown, what="journal", error=JournalError)
-            data = parse_json(
-                text, path=shown, what="journal", error=JournalError, max_depth=JOURNAL_MAX_DEPTH
-            )
-        except JournalError as err:
-            raise JournalError(f"{err}; the journal is left in place") from err.__cause__
+            with self.folder("journal") as dir_fd:
+                try:
+                    trusted(os.lstat(path.name, dir_fd=dir_fd))  # symlinks, fifos: never opened
+                except OSError as err:
+                    raise JournalError(f"journal {shown} cannot be read ({err.strerror})") from err
+                try:
+                    raw = read_bytes(
+                        path,
+                        what="journal",
+                        error=JournalError,
+                        max_bytes=JOURNAL_MAX_BYTES,
+                        follow_symlinks=False,
+                        check=trusted,
+                        dir_fd=dir_fd,
+                    )
+                    text = decode_text(raw, path=shown, what="journal", error=JournalError)
+                    data = parse_json(
+                        text, path=shown, what="journal", error=JournalError,
+                        max_depth=JOURNAL_MAX_DEPTH,
+                    )  # fmt: skip
+                except JournalError as err:
+                    raise JournalError(f"{err}; the journal is left in place") from err.__cause__
+        except FileNotFoundError as err:
+            raise JournalError(f"journal {shown} cannot be read (its folder is gone)") from err
         entry = JournalEntry.from_json(data, str(path))
         if path.name != f"{entry.key}.json":
             raise JournalError(
@@ -486,32 +603,42 @@ class StateDir:
 
         Raises:
             PermissionDeniedError: ``journal/`` exists but cannot be listed.
+            UntrustedStateError: ``journal/`` is untrusted (or was swapped for a symlink).
         """
-        try:
-            with os.scandir(self.journal_dir) as it:
-                names = [e.name for e in it if e.name.endswith(".json")]
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        except OSError as err:
-            raise PermissionDeniedError(
-                f"cannot list the journals in {show_path(self.journal_dir)} ({err.strerror}); "
-                "nothing was restored"
-            ) from err
         found = []
-        for name in names:
-            if name.startswith("."):
-                continue  # a temporary file of a journal being written
-            path = self.journal_dir / name
-            try:
-                found.append((os.lstat(path).st_mtime, name, path))
-            except FileNotFoundError:
-                continue  # restored and removed meanwhile
+        try:
+            with self.folder("journal") as fd:
+                try:
+                    with os.scandir(fd) as it:
+                        names = [e.name for e in it if e.name.endswith(".json")]
+                except OSError as err:
+                    raise PermissionDeniedError(
+                        f"cannot list the journals in {show_path(self.journal_dir)} "
+                        f"({err.strerror}); nothing was restored"
+                    ) from err
+                for name in names:
+                    if name.startswith("."):
+                        continue  # a temporary file of a journal being written
+                    try:
+                        mtime = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime
+                    except FileNotFoundError:
+                        continue  # restored and removed meanwhile
+                    found.append((mtime, name, self.journal_dir / name))
+        except (FileNotFoundError, ConfigError):
+            return []
+        except PermissionDeniedError as err:
+            if isinstance(err.__cause__, PermissionError):
+                raise PermissionDeniedError(
+                    f"cannot list the journals in {show_path(self.journal_dir)} "
+                    f"({err.__cause__.strerror}); nothing was restored"
+                ) from err
+            raise
         return [path for _, _, path in sorted(found)]
 
     def remove_journal(self, path: Path) -> None:
-        """Delete a journal once its device is restored."""
-        with contextlib.suppress(OSError):
-            path.unlink()
+        """Delete a journal once its device is restored (``unlinkat`` in ``journal/``)."""
+        with contextlib.suppress(OSError, PowerlibError), self.folder("journal") as fd:
+            os.unlink(Path(path).name, dir_fd=fd)
 
 
 def iter_entries(state: StateDir) -> Iterator[tuple[Path, JournalEntry | PowerlibError]]:

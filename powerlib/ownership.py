@@ -39,7 +39,6 @@ import sys
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -133,7 +132,10 @@ def check_trusted(
         hint = "remove it"
     elif st.st_uid not in trusted:
         problem = f"it is not owned by {_trusted_owners(trusted)}"
-        hint = f"if that user is trusted, `powerlib restore --trust-owner {st.st_uid}` acts on it"
+        hint = (
+            f"a restore for that user's job is `powerlib restore --for-user {st.st_uid} --job "
+            "JOB`, which resets the job's devices to their defaults"
+        )
     elif mode & (stat.S_IWGRP | stat.S_IWOTH):
         writers = " and ".join(
             who for bit, who in ((stat.S_IWGRP, "group"), (stat.S_IWOTH, "others")) if mode & bit
@@ -288,9 +290,13 @@ class DeviceLock:
                     device=self.key,
                 )
             try:
-                fd = os.open(
-                    self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-                )
+                with self.state.folder("locks") as dir_fd:
+                    fd = os.open(
+                        self.path.name,
+                        os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                        0o600,
+                        dir_fd=dir_fd,
+                    )
             except OSError as err:
                 raise PermissionDeniedError(
                     f"cannot open the lock file {self.path} ({err.strerror})"
@@ -338,37 +344,40 @@ class DeviceLock:
         with _HELD_GUARD:
             if self._fd is None:
                 return
-            with contextlib.suppress(OSError):
-                self.owner_path.unlink()
+            with contextlib.suppress(OSError, PowerlibError), self.state.folder("locks") as d:
+                os.unlink(self.owner_path.name, dir_fd=d)
             os.close(self._fd)  # closing the only descriptor releases the record lock
             self._fd = None
             _HELD.pop(str(self.path), None)
 
     def _write_owner(self, owner: Owner) -> None:
-        tmp = self.owner_path.with_name(f".{self.owner_path.name}.{os.getpid()}.tmp")
+        tmp = f".{self.owner_path.name}.{os.getpid()}.tmp"
         try:
-            fd = create_new(tmp)
-            with os.fdopen(fd, "w") as f:
-                json.dump(owner.to_json(), f)
-            os.replace(tmp, self.owner_path)
-        except OSError as err:  # only used for messages: never fatal
+            with self.state.folder("locks") as dir_fd:
+                fd = create_new(tmp, dir_fd=dir_fd)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(owner.to_json(), f)
+                os.replace(tmp, self.owner_path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except (OSError, PowerlibError) as err:  # only used for messages: never fatal
             logger.debug("cannot write %s: %s", self.owner_path, err)
 
     def read_owner(self) -> Owner | None:
         """Who holds the lock, as recorded beside it (``None`` if unknown)."""
         try:
-            raw = read_bytes(
-                self.owner_path,
-                what="lock owner",
-                error=_OwnerFileError,
-                max_bytes=64 * 1024,
-                follow_symlinks=False,
-            )
+            with self.state.folder("locks") as dir_fd:
+                raw = read_bytes(
+                    self.owner_path,
+                    what="lock owner",
+                    error=_OwnerFileError,
+                    max_bytes=64 * 1024,
+                    follow_symlinks=False,
+                    dir_fd=dir_fd,
+                )
             text = decode_text(raw, path=self.owner_path, what="lock owner", error=_OwnerFileError)
             return Owner.from_json(
                 parse_json(text, path=self.owner_path, what="lock owner", error=_OwnerFileError)
             )
-        except (_OwnerFileError, ValueError, KeyError, TypeError):
+        except (PowerlibError, OSError, ValueError, KeyError, TypeError):
             return None
 
     @classmethod
@@ -382,7 +391,7 @@ class DeviceLock:
         with _HELD_GUARD:
             if str(lock.path) in _HELD:
                 return False
-        if not lock.path.exists():
+        if not os.path.lexists(lock.path):
             return True
         try:
             lock.acquire(Owner.current())
@@ -392,12 +401,18 @@ class DeviceLock:
         return True
 
 
-def create_new(path: Path) -> int:
+def create_new(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
     """Create ``path`` afresh (0600) for writing: whatever had that name is unlinked first.
 
     ``O_EXCL`` never opens an existing file, so a planted symlink or hard link at a temporary
-    name cannot make this process truncate or write another file.
+    name cannot make this process truncate or write another file. With ``dir_fd``, ``path`` is
+    a name in that folder (``unlinkat``/``openat``).
     """
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.unlink(path, dir_fd=dir_fd)
+    return os.open(
+        path,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=dir_fd,
+    )
