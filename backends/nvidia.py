@@ -365,11 +365,13 @@ class NvidiaDevice(Device):
         pci = self._optional(nvml.nvmlDeviceGetPciInfo, handle)
         enforced_mw = self._optional(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
         reasons = self._optional(nvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
+        minor = self._optional(nvml.nvmlDeviceGetMinorNumber, handle)
         return {
             "architecture": _ARCH_NAMES.get(self._arch, str(self._arch))
             if self._arch is not None
             else None,
             "pci_bus_id": None if pci is None else _text(pci.busId),
+            "minor_number": None if minor is None else int(minor),  # /dev/nvidia<N>: Slurm's
             "max_mem_freq_mhz": self._max_mem_mhz,
             "enforced_power_limit_w": None if enforced_mw is None else from_mw(enforced_mw),
             "persistence_mode": None if self._persistence is None else bool(self._persistence),

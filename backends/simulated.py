@@ -421,6 +421,7 @@ class SimulatedDevice(Device):
             "energy_update_period_s": m.energy_update_period_s,
             "state_file": None if self._state_path is None else str(self._state_path),
             "pci_bus_id": f"00000000:{0x10 + self.index:02x}:00.0",  # made up, stable per index
+            "minor_number": self.index,
         }
 
     def exact_energy_j(self) -> float:

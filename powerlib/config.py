@@ -14,15 +14,18 @@ Environment variables:
 ``POWERLIB_SYSFS_ROOT``   Where sysfs is mounted (default ``/sys``). Point it at a bind mount
                           (containers mask powercap) or a fake tree (tests).
 ``POWERLIB_STATE_DIR``    Locks, journals and simulated-device state. Default: ``/run/powerlib``
-                          when writable (root), else ``$XDG_RUNTIME_DIR/powerlib`` (when it
-                          is the user's own), else ``$TMPDIR/powerlib-<uid>``. Must be a local
-                          file system, owned by the user (or root) and writable by nobody else.
+                          when writable (root); else ``/run/powerlib/users/<uid>`` when a Slurm
+                          prolog made it for this user (``powerlib agent grant``); else
+                          ``$XDG_RUNTIME_DIR/powerlib`` (when it is the user's own); else
+                          ``$TMPDIR/powerlib-<uid>``. Must be a local file system, owned by
+                          the user (or root) and writable by nobody else.
 ``POWERLIB_SIM_GPUS``     Number of simulated GPUs (default 4).
 ``POWERLIB_SIM_MODEL``    Simulated GPU model: ``a100`` (default), ``h100``, ``a40``.
 ``POWERLIB_SIM_CLOCK``    ``wall`` (default; state persists across processes) or ``virtual``
                           (time advances only when simulated work runs; nothing persists).
 ``POWERLIB_AGENT_SOCKET`` The node agent's socket for ``POWERLIB_BACKEND=agent`` (default
-                          ``/run/powerlib/agent.sock``; docs/agent.md).
+                          ``/run/powerlib/agent/agent.sock``, in a folder of its own that pods
+                          mount read-only; docs/agent.md).
 ========================  =================================================================
 
 Also honoured, with their usual meaning: ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``
@@ -42,15 +45,31 @@ from pathlib import Path
 
 from powerlib.errors import ConfigError
 
-__all__ = ["SIM_CLOCKS", "Settings", "default_state_dir"]
+__all__ = [
+    "DEFAULT_AGENT_SOCKET",
+    "NODE_STATE_DIR",
+    "SIM_CLOCKS",
+    "Settings",
+    "default_state_dir",
+    "user_state_dirs",
+]
 
 SIM_CLOCKS = ("wall", "virtual")
+
+NODE_STATE_DIR = Path("/run/powerlib")
+"""Root's state folder on a node: its journals and device locks, the agent's job grants
+(``grants/``), and the per-user state folders a prolog creates (``users/<uid>``)."""
+
+DEFAULT_AGENT_SOCKET = NODE_STATE_DIR / "agent" / "agent.sock"
+"""The agent's socket, alone in its folder: the one folder a pod mounts (read-only)."""
 
 
 def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
     """The state directory used when ``POWERLIB_STATE_DIR`` is not set.
 
-    ``/run/powerlib`` for root; else ``$XDG_RUNTIME_DIR/powerlib`` when that is a directory of
+    ``/run/powerlib`` for root; else ``/run/powerlib/users/<uid>`` when a prolog created it for
+    this user (the user's, 0700, in root's ``users/``: nobody can plant it, unlike a folder in
+    ``/tmp``); else ``$XDG_RUNTIME_DIR/powerlib`` when that is a directory of
     this user that nobody else can write (``sudo`` may carry another user's); else
     ``$TMPDIR/powerlib-<uid>`` (normally ``/tmp/powerlib-<uid>``). ``/run`` is cleared at boot,
     exactly when device settings revert too, so a journal there never outlives the state it
@@ -59,11 +78,37 @@ def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
     """
     env = os.environ if environ is None else environ
     if os.geteuid() == 0 and os.access("/run", os.W_OK):
-        return Path("/run/powerlib")
+        return NODE_STATE_DIR
+    prepared = NODE_STATE_DIR / "users" / str(os.geteuid())
+    if _is_private_dir(str(prepared)) and _is_root_dir(prepared.parent):
+        return prepared
     runtime = env.get("XDG_RUNTIME_DIR")
     if runtime and _is_private_dir(runtime) and os.access(runtime, os.W_OK):
         return Path(runtime) / "powerlib"
     return Path(tempfile.gettempdir()) / f"powerlib-{os.geteuid()}"
+
+
+def user_state_dirs(uid: int, node_state_dir: Path = NODE_STATE_DIR) -> tuple[Path, ...]:
+    """Where uid's sessions keep their state by default, for a restore acting for that user.
+
+    The folder a prolog made (``<node>/users/<uid>``), the user's runtime folder
+    (``/run/user/<uid>/powerlib``) and ``$TMPDIR/powerlib-<uid>``, in the order
+    :func:`default_state_dir` prefers them.
+    """
+    return (
+        node_state_dir / "users" / str(uid),
+        Path("/run/user") / str(uid) / "powerlib",
+        Path(tempfile.gettempdir()) / f"powerlib-{uid}",
+    )
+
+
+def _is_root_dir(path: Path) -> bool:
+    """True for a real directory of root's that nobody else can write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o022
 
 
 def _is_private_dir(path: str) -> bool:
@@ -108,7 +153,7 @@ class Settings:
     rocr_visible_devices: str | None = None
     local_rank: int | None = None
     sim_energy_period_s: float | None = None
-    agent_socket: Path = Path("/run/powerlib/agent.sock")
+    agent_socket: Path = DEFAULT_AGENT_SOCKET
 
     def __post_init__(self) -> None:
         if not self.backend or self.backend != self.backend.strip().lower():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import enum
 import math
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -42,6 +43,8 @@ __all__ = [
     "DeviceKind",
     "PowerState",
     "ProbeResult",
+    "match_device",
+    "normalize_pci",
     "snap_freq_range_mhz",
 ]
 
@@ -505,3 +508,39 @@ class Backend(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+_PCI = re.compile(r"^(?:([0-9a-f]{1,8}):)?([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$")
+
+
+def normalize_pci(text: str) -> str | None:
+    """``00000000:3b:00.0`` for any of ``0000:3B:00.0``, ``3b:00.0`` ...; None if not a bus id."""
+    m = _PCI.match(text.strip().lower())
+    if m is None:
+        return None
+    domain = int(m.group(1) or "0", 16)
+    return f"{domain:08x}:{m.group(2)}:{m.group(3)}.{m.group(4)}"
+
+
+def match_device(devices: Sequence[Device], selector: int | str) -> Device | None:
+    """The device ``selector`` names exactly: an index, a stable id (any case) or a PCI bus id.
+
+    Never a prefix: code acting for someone else (the agent, a restore for a job) must not let
+    a short or ambiguous selector pick another device. ``None`` when nothing matches.
+    """
+    text = str(selector).strip()
+    if text.isdigit():
+        index = int(text)
+        return next((d for d in devices if d.index == index), None)
+    folded = text.lower()
+    exact = next((d for d in devices if d.device_id.lower() == folded), None)
+    if exact is not None:
+        return exact
+    bus_id = normalize_pci(text)
+    if bus_id is None:
+        return None
+    for dev in devices:
+        pci = dev.details().get("pci_bus_id")
+        if isinstance(pci, str) and normalize_pci(pci) == bus_id:
+            return dev
+    return None

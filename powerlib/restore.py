@@ -12,7 +12,10 @@ one (a :class:`RestoreOutcome` per item); a journal whose restore failed stays i
 
 A restore may run as root on a shared node, so it trusts nothing a journal says about where to
 write: the state folder and the sysfs root are always the invoking ones (:func:`_settings_for`),
-and the state folder and each journal must pass the checks of :mod:`powerlib.ownership`.
+and the state folder and each journal must pass the checks of :mod:`powerlib.ownership`
+(owned by the invoking user or root). For another user's state (a Slurm epilog acting for the
+job's user) there is :func:`restore_for_user`, which only ever resets that job's devices to the
+driver's defaults: root never writes a value a user's file supplies (docs/agent.md §4).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from powerlib.config import Settings
-from powerlib.device import Backend, Device
+from powerlib.config import Settings, user_state_dirs
+from powerlib.device import Backend, Device, match_device
 from powerlib.errors import (
+    DeviceBusyError,
     DeviceNotFoundError,
     PermissionDeniedError,
     PowerlibError,
@@ -41,7 +45,7 @@ from powerlib.journal import (
     StateDir,
     iter_entries,
 )
-from powerlib.ownership import show_path
+from powerlib.ownership import describe_owner, device_key, show_path
 from powerlib.registry import open_backend
 
 __all__ = [
@@ -49,6 +53,7 @@ __all__ = [
     "restore_and_discard",
     "restore_device",
     "restore_failure",
+    "restore_for_user",
     "restore_journals",
 ]
 
@@ -74,6 +79,13 @@ class RestoreOutcome:
         error_code: When not ok, the CLI exit code of the failure (the README's table): the
             driver's error (4, 5, 9, 10...), 11 for an unreadable journal, 12 for an untrusted
             one, 1 for a device that still reads modified after the restore.
+        skipped: Nothing was done, deliberately: state a restore acting for a user must not
+            trust, or a device outside that user's job, or one another process controls. Not a
+            failure (``ok`` stays True): a user's own files must not make an epilog fail and
+            drain the node. The action says why; ``powerlib restore`` logs it.
+        found: For a power limit left alone because it reads a value this restore did not set:
+            that value (the session's ``ok`` is then False where the caller needs to know, e.g.
+            the agent's lease).
     """
 
     device_id: str
@@ -84,6 +96,8 @@ class RestoreOutcome:
     journal: str | None = None
     owner_pid: int | None = None
     error_code: int | None = None
+    skipped: bool = False
+    found: Any = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON form."""
@@ -96,6 +110,7 @@ class RestoreOutcome:
             "journal": self.journal,
             "owner_pid": self.owner_pid,
             "error_code": self.error_code,
+            "skipped": self.skipped,
         }
 
 
@@ -118,6 +133,7 @@ def restore_device(
     expected: dict[int, Any] = {}  # outcome index -> the value the item must read back as
     for change in reversed(changes):
         original = change.original
+        found = None
         try:
             if change.item == "sm_clocks":
                 action = (
@@ -138,10 +154,11 @@ def restore_device(
                 if not dry_run:
                     device.reset_memory_clocks()
             else:
-                action = _restore_power_limit(device, change, dry_run)
-                if not dry_run and not action.startswith("left"):
+                action, found = _restore_power_limit(device, change, dry_run)
+                if not dry_run and found is None:
                     expected[len(outcomes)] = float(original)
-            done = action if dry_run or action.startswith("left") else f"{action}: done"
+            left = change.item == "power_limit" and found is not None
+            done = action if dry_run or left else f"{action}: done"
             outcomes.append(
                 RestoreOutcome(
                     device_id=device.device_id,
@@ -149,6 +166,7 @@ def restore_device(
                     action=done,
                     ok=True,
                     target=original,
+                    found=found if left else None,
                 )
             )
         except PowerlibError as err:
@@ -268,11 +286,12 @@ def _verify(device: Device, outcomes: list[RestoreOutcome], expected: dict[int, 
             )
 
 
-def _restore_power_limit(device: Device, change: Change, dry_run: bool) -> str:
+def _restore_power_limit(device: Device, change: Change, dry_run: bool) -> tuple[str, Any]:
+    """The action, and the value found when it was left alone (someone else's), else None."""
     original_w = float(change.original)
     current_w = device.read_state().power_limit_w
     if current_w is not None and abs(current_w - original_w) <= _POWER_TOLERANCE_W:
-        return f"power limit already at {original_w:g} W"
+        return f"power limit already at {original_w:g} W", None
     ours = [float(t) for t in (change.target, change.previous_target) if t is not None]
     if (
         current_w is not None
@@ -281,11 +300,12 @@ def _restore_power_limit(device: Device, change: Change, dry_run: bool) -> str:
     ):
         return (
             f"left the power limit at {current_w:g} W: changed by someone else after powerlib set "
-            f"{ours[0]:g} W"
+            f"{ours[0]:g} W",
+            current_w,
         )
     if not dry_run:
         device.set_power_limit(original_w)
-    return f"set power limit back to {original_w:g} W"
+    return f"set power limit back to {original_w:g} W", None
 
 
 #: Built-in backends that never read ``Settings.sysfs_root``: a journal's recorded sysfs root
@@ -339,7 +359,6 @@ def restore_journals(
     include_live: bool = False,
     dry_run: bool = False,
     owner: Owner | None = None,
-    trusted_uids: Iterable[int] = (),
 ) -> list[RestoreOutcome]:
     """Restore devices from the journals in ``settings.state_dir``.
 
@@ -356,7 +375,6 @@ def restore_journals(
         include_live: Also restore journals whose owner still runs (``powerlib restore --all``).
         dry_run: Report what would be done; change nothing, delete nothing.
         owner: Only journals of this owner (the guardian).
-        trusted_uids: Owners of state folders and journals to trust besides the euid and root.
 
     Returns:
         One outcome per item, plus journal-level outcomes (unreadable, refused, skipped). Empty
@@ -367,7 +385,7 @@ def restore_journals(
         ConfigError: The state path cannot be a folder.
         PermissionDeniedError: The state folder cannot be listed.
     """
-    state = StateDir(settings.state_dir, trusted_uids=trusted_uids)
+    state = StateDir(settings.state_dir)  # another user's: restore_for_user, never their values
     if not state.inspect():
         return []
     paths = state.journals()
@@ -489,3 +507,240 @@ def _restore_entry(
         ]
     finally:
         lock.release()
+
+
+# -- a restore acting for a user (root, in a Slurm epilog) ------------------------------------------
+
+_ITEMS_BY_CAPABILITY = (
+    ("sm_clocks", "can_lock_sm_clocks"),
+    ("memory_clocks", "can_lock_memory_clocks"),
+    ("power_limit", "can_set_power_limit"),
+)
+
+
+def restore_for_user(
+    settings: Settings,
+    uid: int,
+    devices: Iterable[str],
+    *,
+    user_dirs: Sequence[Path] | None = None,
+    include_live: bool = False,
+    dry_run: bool = False,
+) -> list[RestoreOutcome]:
+    """Put back what ``uid``'s dead sessions left on that user's job's devices (root, an epilog).
+
+    The trust rules for acting on someone else's behalf (docs/agent.md §4):
+
+    * **Only the job's devices.** ``devices`` (any id form, resolved exactly on this restore's
+      own backend) come from root: ``--devices`` or the job's grant. A journal naming any other
+      device is skipped and said.
+    * **No value from the user's files.** A journal only says which items of which device were
+      changed; each is reset to the driver's default (clocks unlocked, the default power
+      limit) and read back. A journal that cannot be read or trusted, filed under one of the
+      job's devices' names, resets every settable item of that device.
+    * **Root's own lock.** The device's lock is taken in root's state folder
+      (``settings.state_dir``), the one the agent's leases hold: a device leased by a live
+      process is left to its lease and skipped.
+    * **The user's folders are hostile.** Each is opened through descriptors (never following a
+      symlink; :class:`StateDir`), nothing is created in it, and a journal is removed with
+      ``unlinkat`` once its device is reset. A folder that is untrusted, planted by someone else,
+      missing or unreadable is skipped and said: it never fails the restore, so no user can make
+      an epilog exit non-zero and drain a node. Only a device of the job that could not be reset
+      is a failure.
+
+    Args:
+        settings: Root's settings: its backend (``auto`` finds the node's devices), sysfs root,
+            and state folder, where device locks are taken.
+        uid: The user acted for.
+        devices: The job's devices.
+        user_dirs: The user's state folders (default :func:`~powerlib.config.user_state_dirs`).
+        include_live: Also journals whose owner still runs.
+        dry_run: Say what would be done; change and delete nothing.
+
+    Raises:
+        DeviceNotFoundError: A device selector names no device of this node.
+        BackendUnavailableError: The backend cannot be opened.
+    """
+    settings = settings.replace(
+        cuda_visible_devices=None, hip_visible_devices=None, rocr_visible_devices=None
+    )
+    folders = list(user_state_dirs(uid, settings.state_dir) if user_dirs is None else user_dirs)
+    backend = open_backend(settings=settings)
+    try:
+        all_devices = backend.devices()
+        job: dict[str, Device] = {}
+        for selector in devices:
+            dev = match_device(all_devices, selector)
+            if dev is None:
+                raise DeviceNotFoundError(
+                    f"no {backend.name} device {show_path(str(selector))} on this node (an "
+                    "index, UUID or PCI bus id)"
+                )
+            job[dev.device_id] = dev
+        by_name = {f"{device_key(backend.name, d.device_id)}.json": d for d in job.values()}
+        root_state = StateDir(settings.state_dir)
+        outcomes: list[RestoreOutcome] = []
+        for folder in dict.fromkeys(Path(f) for f in folders):
+            outcomes.extend(
+                _restore_user_folder(
+                    folder, uid, backend.name, job, by_name, root_state, include_live, dry_run
+                )
+            )
+        return outcomes
+    finally:
+        backend.close()
+
+
+def _skip(path: Path | str, action: str, entry: JournalEntry | None = None) -> RestoreOutcome:
+    logger.warning("%s: %s", show_path(path), action)
+    return RestoreOutcome(
+        device_id="?" if entry is None else entry.device_id,
+        item="journal",
+        action=action,
+        ok=True,
+        journal=str(path),
+        owner_pid=None if entry is None else entry.owner.pid,
+        skipped=True,
+    )
+
+
+def _restore_user_folder(
+    folder: Path,
+    uid: int,
+    backend_name: str,
+    job: dict[str, Device],
+    by_name: dict[str, Device],
+    root_state: StateDir,
+    include_live: bool,
+    dry_run: bool,
+) -> list[RestoreOutcome]:
+    state = StateDir(folder, trusted_uids=(uid,))
+    try:
+        if not state.inspect():
+            return []
+        paths = state.journals()
+    except PowerlibError as err:
+        return [_skip(folder, f"skipped the state folder of {describe_owner(uid)}: {err}")]
+    outcomes: list[RestoreOutcome] = []
+    for path in paths:
+        try:
+            entry: JournalEntry | None = state.read_journal(path)
+        except PowerlibError as err:
+            entry = None
+            dev = by_name.get(path.name)
+            if dev is None:
+                outcomes.append(_skip(path, f"skipped: {err}"))
+                continue
+            reason = f"the journal is not trusted ({err})"
+            items = [
+                item
+                for item, capability in _ITEMS_BY_CAPABILITY
+                if getattr(dev.info.capabilities, capability)
+            ]
+        else:
+            assert entry is not None
+            dev = job.get(entry.device_id) if entry.backend == backend_name else None
+            if dev is None:
+                outcomes.append(
+                    _skip(
+                        path,
+                        f"skipped: {entry.backend} device {show_path(entry.device_id)} is not one "
+                        f"of the job's devices ({', '.join(job) or 'none'}); a restore for "
+                        f"{describe_owner(uid)} acts on nothing else",
+                        entry,
+                    )
+                )
+                continue
+            if not include_live and entry.owner.is_alive():
+                outcomes.append(
+                    _skip(
+                        path,
+                        f"skipped: its owner (pid {entry.owner.pid}) is still running; use --all "
+                        "to force",
+                        entry,
+                    )
+                )
+                continue
+            reason = "the journal's values are never used for another user"
+            items = [c.item for c in entry.changes]
+        outcomes.extend(
+            _reset_to_defaults(dev, items, reason, root_state, state, path, entry, dry_run)
+        )
+    return outcomes
+
+
+def _reset_to_defaults(
+    dev: Device,
+    items: Sequence[str],
+    reason: str,
+    root_state: StateDir,
+    user_state: StateDir,
+    journal: Path,
+    entry: JournalEntry | None,
+    dry_run: bool,
+) -> list[RestoreOutcome]:
+    """Reset ``items`` of ``dev`` to the driver's defaults under root's lock, and read back."""
+    owner_pid = None if entry is None else entry.owner.pid
+    changes: list[Change] = []
+    failed: list[RestoreOutcome] = []
+    for item in items:
+        if item != "power_limit":
+            changes.append(Change(item=item, original=None))
+            continue
+        default_w = dev.info.default_power_limit_w
+        if default_w is None:
+            failed.append(
+                RestoreOutcome(
+                    device_id=dev.device_id,
+                    item=item,
+                    action="failed: the driver reports no default power limit to reset to, and "
+                    "a value from another user's journal is never written; left as it is",
+                    ok=False,
+                    journal=str(journal),
+                    owner_pid=owner_pid,
+                    error_code=1,
+                )
+            )
+            continue
+        changes.append(Change(item=item, original=float(default_w)))
+    lock = DeviceLock(root_state, device_key(dev.info.backend, dev.device_id))
+    if not dry_run:
+        try:
+            root_state.prepare()
+            lock.acquire(Owner.current())
+        except DeviceBusyError as err:
+            return [
+                _skip(
+                    journal,
+                    f"left {dev.device_id} alone: {err.message} (its lease puts it back)",
+                    entry,
+                )
+            ]
+        except PowerlibError as err:
+            return [
+                RestoreOutcome(
+                    device_id=dev.device_id,
+                    item="journal",
+                    action=f"failed: not reset, root's device lock cannot be taken: {err}",
+                    ok=False,
+                    journal=str(journal),
+                    owner_pid=owner_pid,
+                    error_code=err.exit_code,
+                )
+            ]
+    try:
+        done = restore_device(dev, changes, dry_run=dry_run)
+    finally:
+        lock.release()
+    outcomes = [
+        dataclasses.replace(
+            o,
+            action=f"reset to the driver default ({reason}): {o.action}",
+            journal=str(journal),
+            owner_pid=owner_pid,
+        )
+        for o in done
+    ] + failed
+    if not dry_run and all(o.ok for o in outcomes):
+        user_state.remove_journal(journal)
+    return outcomes

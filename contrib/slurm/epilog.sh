@@ -1,4 +1,16 @@
 #!/bin/sh
-# Slurm Epilog: runs as root on each node after the job ends. The agent has already restored the
-# job's GPUs (each lease ends with its client's connection or process); this removes the grant.
-exec /usr/local/bin/powerlib agent revoke --job "$SLURM_JOB_ID"
+# Slurm Epilog: runs as root on each node after the job ends; a non-zero exit drains the node.
+# 1. What the job's own sessions left in the user's state folders is reset to the driver
+#    defaults, on the job's GPUs only (from its grant), under root's device lock; a GPU still
+#    leased is left to its lease. What a user planted is skipped and logged, never a failure.
+# 2. The grant goes, and the agent ends and restores every lease it admitted (a process the user
+#    started outside the job included) before revoke returns.
+# 3. Root's own state: journals a dead root session left.
+[ -n "$SLURM_JOB_GPUS" ] || exit 0
+POWERLIB=${POWERLIB:-/usr/local/bin/powerlib}   # where powerlib is installed
+LOG=${POWERLIB_LOG:-/var/log/powerlib-restore.log}
+rc=0
+"$POWERLIB" restore --for-user "$SLURM_JOB_UID" --job "$SLURM_JOB_ID" --json >>"$LOG" || rc=$?
+"$POWERLIB" agent revoke --job "$SLURM_JOB_ID" >>"$LOG" 2>&1 || rc=$?
+"$POWERLIB" restore --json >>"$LOG" || rc=$?
+exit "$rc"

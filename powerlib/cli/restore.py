@@ -6,26 +6,30 @@ One call to :func:`powerlib.control.restore_journals`; this module only formats 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import click
 
-from powerlib.cli.options import Options, emit_json
-from powerlib.config import Settings
+from powerlib.cli.options import Options, emit_json, settings_for
+from powerlib.config import NODE_STATE_DIR, Settings, user_state_dirs
 from powerlib.control import RestoreOutcome, restore_failure, restore_journals
-from powerlib.errors import PowerlibError
+from powerlib.errors import ConfigError, PowerlibError
 from powerlib.inspection import SCHEMA_VERSION
+from powerlib.restore import restore_for_user
 
 __all__ = ["restore"]
 
 
 def _trust_owner_uids(
-    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...] | str | None
 ) -> tuple[int, ...]:
-    """``--trust-owner`` values (uids or user names) as uids."""
+    """``--for-user`` / ``--trust-owner`` values (uids or user names) as uids."""
     import pwd
 
+    if values is None:
+        return ()
     uids = []
-    for value in values:
+    for value in (values,) if isinstance(values, str) else values:
         if value.isdigit():
             uids.append(int(value))
             continue
@@ -65,47 +69,119 @@ def _still_modified(outcome: RestoreOutcome) -> dict[str, object]:
 )
 @click.option("--dry-run", is_flag=True, help="Show what would be restored; change nothing.")
 @click.option(
+    "--for-user",
+    "for_user",
+    metavar="UID",
+    default=None,
+    callback=_trust_owner_uids,
+    help=(
+        'Act for this user (uid or name; a Slurm epilog: "$SLURM_JOB_UID"): restore what '
+        "their dead sessions left on their job's devices (--job or --devices), from their state "
+        "folders (/run/powerlib/users/UID, /run/user/UID/powerlib, $TMPDIR/powerlib-UID, or "
+        "--user-state-dir). Each device is reset to the driver default and read back; no value "
+        "from the user's files is ever written. What cannot be trusted is skipped and logged, "
+        "not an error."
+    ),
+)
+@click.option(
     "--trust-owner",
     "trusted_uids",
     metavar="UID",
     multiple=True,
     callback=_trust_owner_uids,
-    help=(
-        "Also act on a state folder and journals owned by this user (uid or name), e.g. the "
-        'Slurm job\'s: --trust-owner "$SLURM_JOB_UID". Repeatable. Only the owner rule is '
-        "relaxed: group/world-writable files, symlinks and fifos are still refused."
-    ),
+    hidden=True,
+    help="Earlier releases' form of --for-user (one user; needs --job or --devices).",
+)
+@click.option(
+    "--job",
+    default=None,
+    help="With --for-user: the job whose grant (powerlib agent grant) names the devices.",
+)
+@click.option(
+    "--devices",
+    "device_list",
+    default=None,
+    metavar="IDS",
+    help="With --for-user: the job's devices, comma-separated UUIDs, PCI bus ids or indexes.",
+)
+@click.option(
+    "--user-state-dir",
+    "user_dirs",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="With --for-user: a state folder of the user's to restore from instead of the default "
+    "ones (repeatable; e.g. a job's own POWERLIB_STATE_DIR).",
+)
+@click.option(
+    "--grants-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="With --job: where the agent's job grants live (default: grants/ in root's state "
+    f"folder, POWERLIB_STATE_DIR, normally {NODE_STATE_DIR / 'grants'}).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_obj
 def restore(
-    opts: Options, mode: str, dry_run: bool, trusted_uids: tuple[int, ...], as_json: bool
+    opts: Options,
+    mode: str,
+    dry_run: bool,
+    for_user: tuple[int, ...],
+    trusted_uids: tuple[int, ...],
+    job: str | None,
+    device_list: str | None,
+    user_dirs: tuple[Path, ...],
+    grants_dir: Path | None,
+    as_json: bool,
 ) -> None:
     """Put devices back from the journals that sessions left in the state directory.
 
     A session journals each device's original settings before changing it and deletes the
     journal once it has restored them; a journal left behind means its owner was killed
     (SIGKILL, OOM, crash). Run this from a Slurm epilog or a systemd unit to clean up a node.
-    Each journal reopens the backend it was written with; --backend is ignored here.
+    Each journal reopens the backend it was written with; --backend is ignored here, except
+    with --for-user, which opens the node's devices with --backend (default auto).
 
-    Only trusted state is acted on: folders and journals owned by you or root (or a
-    --trust-owner), not writable by group or others, real folders and regular files. Anything
-    else is refused with one line naming its path, owner and mode (exit 12). After restoring,
-    each device is read back; whatever is still modified is listed and the exit code is
-    non-zero.
+    Only trusted state is acted on: folders and journals owned by you or root, not writable by
+    group or others, real folders and regular files. Anything else is refused with one line
+    naming its path, owner and mode (exit 12). After restoring, each device is read back;
+    whatever is still modified is listed and the exit code is non-zero.
+
+    With --for-user (root in an epilog), the user's state folders are read as hostile input:
+    only the job's devices are touched, each reset to the driver default under root's own
+    device lock (a device another process has leased is left to that lease), and what cannot
+    be trusted is skipped and logged; the exit code is non-zero only when a job device could
+    not be reset.
     """
+    acting_for = (*for_user, *trusted_uids)
+    if len(set(acting_for)) > 1:
+        raise ConfigError("a restore acts for one user at a time: give --for-user once")
+    if not acting_for and (job or device_list or user_dirs):
+        raise ConfigError("--job, --devices and --user-state-dir go with --for-user UID")
     settings = Settings.from_env()
     report: dict[str, object] = {
         "schema": f"powerlib.restore.v{SCHEMA_VERSION}",
         "state_dir": str(settings.state_dir),
         "mode": mode,
         "dry_run": dry_run,
-        "trusted_uids": sorted({os.geteuid(), 0, *trusted_uids}),
+        "trusted_uids": sorted({os.geteuid(), 0, *acting_for}),
     }
     try:
-        outcomes = restore_journals(
-            settings, include_live=mode == "all", dry_run=dry_run, trusted_uids=trusted_uids
-        )
+        if acting_for:
+            uid = acting_for[0]
+            grants = grants_dir if grants_dir is not None else settings.state_dir / "grants"
+            devices = _job_devices(uid, job, device_list, grants)
+            folders = list(user_dirs) or list(user_state_dirs(uid, settings.state_dir))
+            report.update(for_user=uid, devices=devices, user_state_dirs=[str(f) for f in folders])
+            outcomes = restore_for_user(
+                settings_for(opts),
+                uid,
+                devices,
+                user_dirs=folders,
+                include_live=mode == "all",
+                dry_run=dry_run,
+            )
+        else:
+            outcomes = restore_journals(settings, include_live=mode == "all", dry_run=dry_run)
     except PowerlibError as err:  # the state folder itself: nothing was done
         if as_json:
             report.update(
@@ -141,6 +217,33 @@ def restore(
         for o in outcomes:
             owner = f" (journal of pid {o.owner_pid})" if o.owner_pid is not None else ""
             line = f"{o.device_id} {o.item}: {o.action}{owner}"
-            click.echo(click.style(line, fg=None if o.ok else "red"))
+            color = "red" if not o.ok else ("yellow" if o.skipped else None)
+            click.echo(click.style(line, fg=color))
     if failure is not None:
         raise failure
+
+
+def _job_devices(uid: int, job: str | None, device_list: str | None, grants_dir: Path) -> list[str]:
+    """The job's devices, from ``--devices`` or the job's grant (whose uid must be ``uid``)."""
+    if (job is None) == (device_list is None):
+        raise ConfigError(
+            "a restore for another user acts only on that user's job's devices: give --job JOB "
+            "(its grant names them) or --devices IDS"
+        )
+    if device_list is not None:
+        names = [d.strip() for d in device_list.split(",") if d.strip()]
+        if not names:
+            raise ConfigError("--devices names no device")
+        return names
+    from powerlib.agent.authz import read_grants  # noqa: PLC0415 - the agent's grants format
+
+    grants, _ = read_grants(grants_dir)
+    grant = next((g for g in grants if g.job == job), None)
+    if grant is None:
+        raise ConfigError(
+            f"no trusted grant for job {job!r} in {grants_dir} (powerlib agent grant writes it); "
+            "give --devices instead"
+        )
+    if grant.uid != uid:
+        raise ConfigError(f"job {job!r}'s grant is for uid {grant.uid}, not uid {uid}")
+    return list(grant.devices)

@@ -101,6 +101,7 @@ class _Gpu:
     energy_mj: float = 0.0
     busy: bool = False
     ignores_power_limit: bool = False  # models a setter that reports success but does nothing
+    minor: int = 0  # /dev/nvidia<minor>; tests may make it differ from the PCI order
 
     def sm_clock_mhz(self) -> int:
         if self.locked_mhz is not None:
@@ -149,6 +150,7 @@ class FakeNvml(types.ModuleType):
                 uuid=f"GPU-{i:08x}-fake-4e0d-9c2a-{0xA1000 + i:012x}",
                 bus_id=f"00000000:{0x10 + i:02X}:00.0",
                 power_limit_mw=s.default_power_limit_mw,
+                minor=i,
             )
             for i, s in enumerate(specs)
         ]
@@ -218,6 +220,9 @@ class FakeNvml(types.ModuleType):
 
     def nvmlDeviceGetUUID(self, handle: _Handle) -> str:
         return self._gpu("nvmlDeviceGetUUID", handle).uuid
+
+    def nvmlDeviceGetMinorNumber(self, handle: _Handle) -> int:
+        return self._gpu("nvmlDeviceGetMinorNumber", handle).minor
 
     def nvmlDeviceGetName(self, handle: _Handle) -> str:
         return self._gpu("nvmlDeviceGetName", handle).spec.name

@@ -169,27 +169,17 @@ def test_an_untrusted_state_folder_is_refused_and_the_device_left_alone(
     assert _device_state(state) == MODIFIED and journal.exists()
 
 
-def test_another_users_folder_is_restored_only_with_trust_owner(tmp_path: Path) -> None:
+def test_another_users_folder_is_never_restored_with_that_users_values(tmp_path: Path) -> None:
+    """The epilog line before 0.31 (`--trust-owner UID` over the user's folder) applied the
+    user's journal values as root; it is now refused in one line and changes nothing."""
     state = tmp_path / "state"
     journal = _crashed_session(state)
     _chown_tree(state, OTHER_UID)
     assert _restore(state).exit_code == 12 and _device_state(state) == MODIFIED
     result = _restore(state, "--trust-owner", str(OTHER_UID), "--json")
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
-    assert data["ok"] is True and data["still_modified"] == []
-    assert data["trusted_uids"] == [0, OTHER_UID]
-    assert _device_state(state) == ORIGINAL and not journal.exists()
-
-
-def test_trust_owner_never_relaxes_the_mode_rule(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    _crashed_session(state)
-    _chown_tree(state, OTHER_UID)
-    state.chmod(0o777)
-    result = _restore(state, "--trust-owner", str(OTHER_UID))
-    assert result.exit_code == 12 and "writable by group and others" in _one_error_line(result)
-    assert _device_state(state) == MODIFIED
+    assert result.exit_code == 7, result.output
+    assert "acts only on that user's job's devices" in _one_error_line(result)
+    assert _device_state(state) == MODIFIED and journal.exists()
 
 
 def test_a_symlinked_state_folder_is_refused(tmp_path: Path) -> None:
@@ -325,16 +315,6 @@ def test_an_untrusted_journal_is_refused_with_one_line_and_left(
         (str(journal), "unknown", 12)
     ]
     assert _device_state(state) == MODIFIED and os.path.lexists(journal)
-
-
-def test_trust_owner_restores_a_journal_of_that_user(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    journal = _crashed_session(state)
-    os.chown(journal, OTHER_UID, OTHER_UID)
-    assert _restore(state).exit_code == 12
-    result = _restore(state, "--trust-owner", str(OTHER_UID))
-    assert result.exit_code == 0, result.output
-    assert _device_state(state) == ORIGINAL and not journal.exists()
 
 
 def _deep(path: Path) -> None:

@@ -1,0 +1,126 @@
+"""The node's layout for jobs without root: per-user state folders and Slurm's GPU numbers.
+
+Root's state folder (``/run/powerlib``, :data:`~powerlib.config.NODE_STATE_DIR`) holds, besides
+root's journals and locks, the agent's job grants (``grants/``), the socket's own folder
+(``agent/``) and one state folder per user (``users/<uid>``), made by the Slurm prolog
+(``powerlib agent grant``). A user's sessions journal there by default
+(:func:`~powerlib.config.default_state_dir`), never in ``/tmp``, where anyone could plant a
+folder of that name first (docs/agent.md §4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from powerlib.device import Backend
+from powerlib.errors import ConfigError, DeviceNotFoundError, UntrustedStateError
+from powerlib.ownership import check_trusted, describe_owner, show_path
+
+__all__ = ["make_user_state_dir", "uuids_of_minors"]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_root_dir(path: Path, parent_fd: int | None, mode: int) -> int:
+    """Create (``mode``) if missing and open a folder of root's, checked through its descriptor."""
+    name: str | Path = path if parent_fd is None else path.name
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, mode, dir_fd=parent_fd)
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        check_trusted(path, os.fstat(fd), what="state folder", directory=True, trusted_uids={0})
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def make_user_state_dir(node_state_dir: Path, uid: int) -> Path:
+    """Create ``<node>/users/<uid>`` (0700, owned by ``uid``) for that user's sessions.
+
+    ``<node>`` and ``users/`` are root's and reachable (``x``) by everyone; every step goes
+    through folder descriptors opened without following links. An existing folder is kept if
+    it is ``uid``'s own and private.
+
+    Raises:
+        UntrustedStateError: A folder on the way is not root's, is a symlink or is writable by
+            others, or the user's folder exists but is not theirs alone.
+    """
+    node = Path(node_state_dir)
+    node.parent.mkdir(parents=True, exist_ok=True)
+    root_fd = _open_root_dir(node, None, 0o755)
+    try:
+        st = os.fstat(root_fd)
+        if st.st_mode & 0o011 != 0o011:  # users must reach users/<uid> (and agent/agent.sock)
+            os.fchmod(root_fd, stat.S_IMODE(st.st_mode) | 0o011)
+        users_fd = _open_root_dir(node / "users", root_fd, 0o755)
+        try:
+            name = str(uid)
+            created = True
+            try:
+                os.mkdir(name, 0o700, dir_fd=users_fd)
+            except FileExistsError:
+                created = False
+            fd = os.open(name, _DIR_FLAGS, dir_fd=users_fd)
+            try:
+                if created:
+                    try:
+                        gid = pwd.getpwuid(uid).pw_gid
+                    except KeyError:
+                        gid = uid
+                    os.fchown(fd, uid, gid)
+                    os.fchmod(fd, 0o700)
+                st = os.fstat(fd)
+                if st.st_uid != uid or st.st_mode & 0o077:
+                    raise UntrustedStateError(
+                        f"refusing the user state folder {show_path(node / 'users' / name)} "
+                        f"(owner {describe_owner(st.st_uid)}, mode "
+                        f"{stat.S_IMODE(st.st_mode):04o}): it must be {describe_owner(uid)}'s "
+                        "alone (0700); remove it and run the prolog again"
+                    )
+            finally:
+                os.close(fd)
+        finally:
+            os.close(users_fd)
+    finally:
+        os.close(root_fd)
+    return node / "users" / str(uid)
+
+
+def uuids_of_minors(backend: Backend, minors: Sequence[str]) -> list[str]:
+    """The stable ids of the devices with these minor numbers (``/dev/nvidia<N>``).
+
+    Slurm's ``SLURM_JOB_GPUS`` lists GPUs by the numbers in ``gres.conf``'s ``File=``, which
+    need not follow the PCI (NVML) order the agent indexes by; a grant names UUIDs instead.
+
+    Raises:
+        ConfigError: A number is not a non-negative integer.
+        DeviceNotFoundError: No device has that minor number, or the backend reports none.
+    """
+    by_minor: dict[int, str] = {}
+    for dev in backend.devices():
+        minor = dev.details().get("minor_number")
+        if isinstance(minor, int) and not isinstance(minor, bool):
+            by_minor[minor] = dev.device_id
+    out = []
+    for text in minors:
+        if not text.isdigit():
+            raise ConfigError(f"--slurm-gpus: {text!r} is not a device minor number")
+        if not by_minor:
+            raise DeviceNotFoundError(
+                f"the {backend.name} backend reports no device minor numbers; grant by UUID "
+                "with --devices"
+            )
+        uuid = by_minor.get(int(text))
+        if uuid is None:
+            raise DeviceNotFoundError(
+                f"no {backend.name} device has minor number {int(text)} (this node has "
+                f"{', '.join(str(m) for m in sorted(by_minor)) or 'none'})"
+            )
+        out.append(uuid)
+    return out
