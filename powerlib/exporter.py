@@ -1,7 +1,9 @@
 """Prometheus metrics of every device, and of the sessions and measurements in this process.
 
-``powerlib exporter --port 9464`` serves them over HTTP; ``--textfile PATH`` writes them for
-node_exporter's textfile collector instead. In a training process::
+``powerlib exporter --port 9464`` serves them over HTTP, on ``127.0.0.1`` unless ``--addr``
+opens it to other hosts, with a fixed pool of threads and a timeout on every request
+(docs/measurement.md §7); ``--textfile PATH`` writes them for node_exporter's textfile
+collector instead. In a training process::
 
     from powerlib.exporter import Exporter
     with Exporter(port=9464):             # also publishes powerlib.measure / optimize series
@@ -46,8 +48,14 @@ metric                                             type     meaning
 
 from __future__ import annotations
 
+import errno
+import http.server
+import io
+import logging
 import math
 import os
+import queue
+import selectors
 import socket
 import threading
 import time
@@ -60,10 +68,31 @@ from typing import Any
 from powerlib.device import Backend, Device, PowerState
 from powerlib.errors import BackendUnavailableError, InvalidArgumentError, PowerlibError
 
-__all__ = ["DEFAULT_PORT", "DeviceSampler", "Exporter", "make_registry"]
+__all__ = [
+    "DEFAULT_ADDR",
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_PORT",
+    "DEFAULT_TIMEOUT_S",
+    "DEFAULT_WORKERS",
+    "DeviceSampler",
+    "Exporter",
+    "make_registry",
+]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 9464
 """The port the exporter listens on by default (OpenTelemetry's Prometheus exporter default)."""
+DEFAULT_ADDR = "127.0.0.1"
+"""The address it listens on by default: this host only (docs/measurement.md §7 opens it)."""
+DEFAULT_TIMEOUT_S = 5.0
+"""Seconds a client has to send its whole request (and the server to send the answer)."""
+DEFAULT_WORKERS = 8
+"""Threads that answer complete requests: a fixed pool, never a thread per connection."""
+DEFAULT_MAX_CONNECTIONS = 256
+"""Connections held at once; one more closes the oldest that is still sending its request."""
+_MAX_REQUEST_BYTES = 8192  # a scrape's request line and headers are a few hundred bytes
+_BACKLOG = 64  # the listening socket's accept queue
 
 _MHZ = 1e6
 
@@ -331,6 +360,303 @@ def make_registry(
     return registry
 
 
+class _SocketWriter:
+    """The handler's ``wfile``: each write is one ``sendall`` (the socket carries the timeout)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def write(self, data: bytes) -> int:
+        self._sock.sendall(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+class _MetricsHandler(http.server.BaseHTTPRequestHandler):
+    """Answers one request that :class:`_MetricsServer` has already read whole.
+
+    ``GET`` and ``HEAD`` of ``/metrics`` (a query string is ignored) return the registry in the
+    format the ``Accept`` header asks for (Prometheus text, or OpenMetrics); any other path is
+    404 and any other method 501. Nothing a request says changes anything.
+    """
+
+    server: _MetricsServer  # type: ignore[assignment]
+    server_version = "powerlib-exporter"
+    sys_version = ""
+
+    def setup(self) -> None:
+        sock, data = self.request
+        self.connection = sock
+        self.rfile = io.BytesIO(data)
+        self.wfile = _SocketWriter(sock)  # type: ignore[assignment]
+
+    def finish(self) -> None:
+        pass  # the server closes the socket
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._metrics(body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802 - http.server's naming
+        self._metrics(body=False)
+
+    def _metrics(self, *, body: bool) -> None:
+        if self.path.split("?", 1)[0] != "/metrics":
+            self.send_error(404, "only /metrics is served")
+            return
+        exposition = _prometheus().exposition
+        encoder, content_type = exposition.choose_encoder(self.headers.get("Accept") or "")
+        try:
+            output = encoder(self.server.registry)
+        except Exception:  # a collector bug: answer, log once per scrape
+            logger.exception("exporter: rendering the metrics failed")
+            self.send_error(500)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(output)))
+        self.end_headers()
+        if body:
+            self.wfile.write(output)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
+        pass  # a scrape every 15 s is not news; a bad request gets its answer
+
+
+class _Pending:
+    """A connection still sending its request: its bytes so far and when it must be whole."""
+
+    __slots__ = ("addr", "buf", "deadline", "sock")
+
+    def __init__(self, sock: socket.socket, addr: Any, deadline: float) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.buf = bytearray()
+        self.deadline = deadline
+
+
+_LISTEN = object()
+_WAKE = object()
+_RESUME_ACCEPT_S = 0.1  # out of descriptors with nothing to close: try accept again after this
+
+
+class _MetricsServer:
+    """An HTTP server for ``/metrics`` whose threads and connections are bounded.
+
+    One thread accepts connections and reads requests through a selector, without blocking;
+    a request must arrive whole (request line and headers, at most 8 KiB) within ``timeout_s``
+    of the connection's accept, or the connection is closed. A complete request goes to a fixed
+    pool of ``workers`` threads, which render and send the answer (the socket's timeout,
+    ``timeout_s``, bounds the send). At most ``max_connections`` are open at once: one more
+    closes the oldest connection still sending its request, or is itself closed when every
+    connection is being answered. A client that opens connections and sends nothing thus holds
+    descriptors for ``timeout_s`` at most and never a thread (docs/measurement.md §7).
+
+    Args:
+        addr: Address to listen on (a name is resolved; IPv6 works).
+        port: Port (``0``: any free port, see :attr:`server_port`).
+        registry: What ``/metrics`` renders.
+        timeout_s: Seconds for a request to arrive whole, and for the answer to be sent.
+        workers: Threads that answer.
+        max_connections: Connections held at once.
+
+    Raises:
+        OSError: The address cannot be resolved or listened on.
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        port: int,
+        registry: Any,
+        *,
+        timeout_s: float,
+        workers: int,
+        max_connections: int,
+    ) -> None:
+        self.registry = registry
+        self.timeout_s = timeout_s
+        self._max_connections = max_connections
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        self._listener = socket.create_server(sockaddr, family=family, backlog=_BACKLOG)
+        self._listener.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, _LISTEN)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._pending: dict[socket.socket, _Pending] = {}  # insertion order: deadline order
+        self._open = 0  # pending + queued + being answered
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[socket.socket, bytes, Any] | None]
+        self._queue = queue.SimpleQueue()
+        self._resume_accept_at: float | None = None
+        self._stopping = False
+        self._workers = [
+            threading.Thread(target=self._work, name=f"powerlib-exporter-http-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        self._thread = threading.Thread(
+            target=self._serve, name="powerlib-exporter-http", daemon=True
+        )
+        for t in self._workers:
+            t.start()
+        self._thread.start()
+
+    @property
+    def server_port(self) -> int:
+        """The port listened on."""
+        return int(self._listener.getsockname()[1])
+
+    @property
+    def server_address(self) -> tuple[Any, ...]:
+        """The address listened on (``host, port``)."""
+        return tuple(self._listener.getsockname())
+
+    def close(self) -> None:
+        """Stop accepting, close every connection, and stop the threads. Idempotent."""
+        self._stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join()
+        for t in self._workers:
+            t.join()
+        self._wake_w.close()
+
+    # -- the selector thread ----------------------------------------------------------------
+
+    def _serve(self) -> None:
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                first = next(iter(self._pending.values()), None)
+                waits = [] if first is None else [first.deadline - now]
+                if self._resume_accept_at is not None:
+                    waits.append(self._resume_accept_at - now)
+                timeout = max(0.0, min(waits)) if waits else None
+                for key, _ in self._selector.select(timeout):
+                    if key.data is _LISTEN:
+                        self._accept()
+                    elif key.data is _WAKE:
+                        while True:
+                            try:
+                                if not self._wake_r.recv(64):
+                                    break
+                            except OSError:
+                                break
+                    elif key.data.sock in self._pending:
+                        self._read(key.data)
+                self._expire(time.monotonic())
+        finally:
+            for p in list(self._pending.values()):
+                self._drop(p)
+            self._selector.close()
+            self._listener.close()
+            self._wake_r.close()
+            for _ in self._workers:
+                self._queue.put(None)
+
+    def _expire(self, now: float) -> None:
+        while self._pending:
+            p = next(iter(self._pending.values()))
+            if p.deadline > now:
+                break
+            self._drop(p)
+        if self._resume_accept_at is not None and now >= self._resume_accept_at:
+            self._resume_accept_at = None
+            self._selector.register(self._listener, selectors.EVENT_READ, _LISTEN)
+
+    def _accept(self) -> None:
+        for _ in range(_BACKLOG):
+            try:
+                sock, addr = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as err:
+                if err.errno == errno.ECONNABORTED:
+                    continue
+                if self._pending:  # out of descriptors (EMFILE): the oldest request goes
+                    self._drop(next(iter(self._pending.values())))
+                    continue
+                self._selector.unregister(self._listener)
+                self._resume_accept_at = time.monotonic() + _RESUME_ACCEPT_S
+                logger.warning("exporter: cannot accept connections: %s", err.strerror)
+                return
+            with self._lock:
+                full = self._open >= self._max_connections
+            if full:
+                if not self._pending:  # every connection is being answered: no room
+                    sock.close()
+                    continue
+                self._drop(next(iter(self._pending.values())))
+            sock.setblocking(False)
+            pending = _Pending(sock, addr, time.monotonic() + self.timeout_s)
+            self._pending[sock] = pending
+            self._selector.register(sock, selectors.EVENT_READ, pending)
+            with self._lock:
+                self._open += 1
+
+    def _read(self, p: _Pending) -> None:
+        try:
+            chunk = p.sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._drop(p)
+            return
+        if not chunk:
+            self._drop(p)
+            return
+        start = max(0, len(p.buf) - 3)
+        p.buf += chunk
+        if len(p.buf) > _MAX_REQUEST_BYTES:
+            try:
+                p.sock.send(b"HTTP/1.0 431 Request Header Fields Too Large\r\n\r\n")
+            except OSError:
+                pass
+            self._drop(p)
+            return
+        tail = p.buf[start:]
+        if b"\r\n\r\n" not in tail and b"\n\n" not in tail:
+            return
+        self._selector.unregister(p.sock)
+        del self._pending[p.sock]
+        p.sock.setblocking(True)
+        p.sock.settimeout(self.timeout_s)
+        self._queue.put((p.sock, bytes(p.buf), p.addr))
+
+    def _drop(self, p: _Pending) -> None:
+        self._selector.unregister(p.sock)
+        del self._pending[p.sock]
+        p.sock.close()
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+    # -- the workers ------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            sock, data, addr = item
+            try:
+                _MetricsHandler((sock, data), addr, self)  # type: ignore[arg-type]
+            except OSError as err:  # the client left, or did not read within timeout_s
+                logger.debug("exporter: answering %s failed: %s", addr, err)
+            except Exception:  # a worker that died would shrink the pool for good
+                logger.exception("exporter: answering %s failed", addr)
+            finally:
+                sock.close()
+                self._release()
+
+
 class Exporter:
     """Sampler + registry + HTTP server (or textfile writer); a context manager.
 
@@ -339,11 +665,18 @@ class Exporter:
             only sessions and measurements.
         backend: A :class:`Backend`, a backend name, or ``None`` (``POWERLIB_BACKEND``).
         port: HTTP port (``0``: any free port, see :attr:`port`); ``None`` serves nothing.
-        addr: Address to listen on (default all interfaces, as node exporters do).
+        addr: Address to listen on. The default, ``127.0.0.1``, serves this host only; for
+            Prometheus on other hosts give the node's IP, or ``0.0.0.0`` for every interface
+            (the metrics are read-only, but anyone who reaches the port reads them).
         interval_s: Seconds between device reads.
         textfile: Write the metrics here every ``interval_s`` (atomically) instead of, or as
             well as, serving them.
         sessions: Also publish this process's measurements and sessions.
+        timeout_s: Seconds a client has to send its whole request (and to take the answer);
+            then the connection is closed.
+        workers: Threads that answer requests (a fixed pool; connections never get their own).
+        max_connections: Connections held at once; one more closes the oldest one that is
+            still sending its request (docs/measurement.md §7).
     """
 
     def __init__(
@@ -352,14 +685,26 @@ class Exporter:
         *,
         backend: Backend | str | None = None,
         port: int | None = DEFAULT_PORT,
-        addr: str = "0.0.0.0",  # noqa: S104 - an exporter is scraped from other hosts
+        addr: str = DEFAULT_ADDR,
         interval_s: float = 1.0,
         textfile: str | os.PathLike[str] | None = None,
         sessions: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        workers: int = DEFAULT_WORKERS,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         _prometheus()
         if port is not None and not 0 <= port <= 65535:
             raise InvalidArgumentError(f"port must be 0-65535, got {port}")
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise InvalidArgumentError(f"timeout_s must be positive, got {timeout_s!r}")
+        if not 1 <= workers <= 256:
+            raise InvalidArgumentError(f"workers must be 1-256, got {workers!r}")
+        if not 1 <= max_connections <= 65536:
+            raise InvalidArgumentError(f"max_connections must be 1-65536, got {max_connections!r}")
+        self.timeout_s = float(timeout_s)
+        self._workers = int(workers)
+        self._max_connections = int(max_connections)
         self._devices_spec = None if devices is None else list(devices)
         self._backend_spec = backend
         self._port = port
@@ -371,8 +716,7 @@ class Exporter:
         self._own_backend = False
         self.sampler: DeviceSampler | None = None
         self.registry: Any = None
-        self._server: Any = None
-        self._server_thread: threading.Thread | None = None
+        self._server: _MetricsServer | None = None
         self._writer: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -381,9 +725,13 @@ class Exporter:
         """The port served (the one chosen when ``port=0``)."""
         return None if self._server is None else int(self._server.server_port)
 
+    @property
+    def address(self) -> tuple[Any, ...] | None:
+        """The address served, ``(host, port)`` as bound (``None`` when not serving)."""
+        return None if self._server is None else self._server.server_address
+
     def start(self) -> Exporter:
         """Open the devices, start sampling and serving. Returns ``self``."""
-        prom = _prometheus()
         devices = self._open_devices()
         self.sampler = DeviceSampler(devices, self.interval_s) if devices else None
         self.registry = make_registry(self.sampler, sessions=self._sessions)
@@ -391,13 +739,18 @@ class Exporter:
             self.sampler.start()
         if self._port is not None:
             try:
-                self._server, self._server_thread = prom.start_http_server(
-                    self._port, addr=self._addr, registry=self.registry
+                self._server = _MetricsServer(
+                    self._addr,
+                    self._port,
+                    self.registry,
+                    timeout_s=self.timeout_s,
+                    workers=self._workers,
+                    max_connections=self._max_connections,
                 )
             except OSError as err:
                 self.close()
                 raise InvalidArgumentError(
-                    f"cannot listen on {self._addr}:{self._port}: {err.strerror}"
+                    f"cannot listen on {self._addr}:{self._port}: {err.strerror or err}"
                 ) from err
         if self.textfile is not None:
             self.write_textfile()
@@ -430,8 +783,7 @@ class Exporter:
             self._writer.join()
             self._writer = None
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
         if self.sampler is not None:
             self.sampler.stop()

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
+import resource
+import selectors
+import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 import powerlib  # noqa: E402
 from powerlib.backends.simulated import SimulatedBackend  # noqa: E402
 from powerlib.config import Settings  # noqa: E402
-from powerlib.exporter import Exporter  # noqa: E402
+from powerlib.exporter import DEFAULT_WORKERS, Exporter  # noqa: E402
 
 
 def _scrape(port: int) -> dict[str, list]:
@@ -187,3 +193,156 @@ def test_a_taken_port_is_one_clear_error(settings: Settings) -> None:
             powerlib.InvalidArgumentError, match=f"cannot listen on 127.0.0.1:{port}"
         ):
             Exporter(backend=backend, port=port, addr="127.0.0.1").start()
+
+
+# -- the HTTP server: bound, timed out, this host by default (issue 31, point 8) ---------------
+
+
+def test_the_default_address_is_this_host_only(settings: Settings) -> None:
+    from powerlib.cli.exporter import exporter
+
+    backend = SimulatedBackend(Settings(state_dir=settings.state_dir, sim_gpus=1))
+    with Exporter(backend=backend, port=0) as exp:
+        assert exp.address == ("127.0.0.1", exp.port)
+        assert len(_scrape(exp.port)["powerlib_device_info"]) == 1
+    assert {p.name: p.default for p in exporter.params}["addr"] == "127.0.0.1"
+
+
+@pytest.fixture
+def many_fds() -> Iterator[None]:
+    """Room for 400 connections at both ends (some systems default to 1,024 descriptors)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4096 if hard == resource.RLIM_INFINITY else min(4096, hard)
+    if want < 2048:
+        pytest.skip(f"needs 2,048 file descriptors, the hard limit is {hard}")
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _stall(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that each send half a request line and then nothing.
+
+    A scrape every 32 lets the server's thread, which shares this process's GIL, empty its
+    accept queue (64): a full queue drops connections for a second (a SYN retry).
+    """
+    out = []
+    try:
+        for i in range(n):
+            if i and i % 32 == 0:
+                _scrape(port)
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            out.append(s)
+            s.sendall(b"GET /metr")
+    except BaseException:
+        for s in out:
+            s.close()
+        raise
+    return out
+
+
+def _is_open(s: socket.socket) -> bool:
+    """The server has neither closed nor answered ``s`` (nothing to read, no EOF)."""
+    s.setblocking(False)
+    try:
+        s.recv(1)  # EOF, or an answer: either way not waiting any more
+        return False
+    except BlockingIOError:
+        return True
+    except ConnectionResetError:
+        return False
+    finally:
+        s.setblocking(True)
+
+
+def _closed_by_server(socks: list[socket.socket], within_s: float) -> int:
+    """How many of ``socks`` the server closes (EOF, no byte sent) within ``within_s``."""
+    sel = selectors.DefaultSelector()
+    for s in socks:
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ)
+    closed = 0
+    deadline = time.monotonic() + within_s
+    while sel.get_map() and time.monotonic() < deadline:
+        for key, _ in sel.select(max(0.0, deadline - time.monotonic())):
+            sel.unregister(key.fileobj)
+            try:
+                data = key.fileobj.recv(1)
+            except ConnectionResetError:  # closed before it read the half line: also closed
+                data = b""
+            closed += data == b""
+    sel.close()
+    return closed
+
+
+def test_half_sent_requests_hold_no_thread_and_are_closed_after_the_timeout(
+    settings: Settings, many_fds: None
+) -> None:
+    backend = SimulatedBackend(Settings(state_dir=settings.state_dir, sim_gpus=1))
+    threads_before = threading.active_count()
+    with Exporter(
+        backend=backend, port=0, interval_s=3600, timeout_s=2.0, max_connections=512
+    ) as exp:
+        stalled = _stall(exp.port, 400)
+        try:
+            # Connections are accepted in order: when this scrape is answered, all 400 were.
+            assert len(_scrape(exp.port)["powerlib_device_info"]) == 1
+            # The old server: a thread per connection, blocked in readline for ever (403).
+            threads = threading.active_count()
+            assert threads <= threads_before + DEFAULT_WORKERS + 3, threads
+            # Answered while the 400 still waited for their timeout, not after it.
+            assert sum(_is_open(s) for s in stalled) == 400
+            assert _closed_by_server(stalled, within_s=30) == 400
+        finally:
+            for s in stalled:
+                s.close()
+
+
+def test_a_full_server_closes_the_oldest_half_sent_request(settings: Settings) -> None:
+    backend = SimulatedBackend(Settings(state_dir=settings.state_dir, sim_gpus=1))
+    with Exporter(backend=backend, port=0, interval_s=3600, timeout_s=60, max_connections=4) as exp:
+        stalled = _stall(exp.port, 4)
+        try:
+            assert len(_scrape(exp.port)["powerlib_device_info"]) == 1  # the fifth connection
+            assert _closed_by_server(stalled[:1], within_s=30) == 1  # long before its 60 s
+            assert [_is_open(s) for s in stalled[1:]] == [True, True, True]
+        finally:
+            for s in stalled:
+                s.close()
+
+
+def _raw(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_only_get_and_head_of_metrics_are_served(settings: Settings) -> None:
+    with Exporter([], port=0) as exp:
+        url = f"http://127.0.0.1:{exp.port}"
+        for path in ("/", "/metricsx", "/favicon.ico"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(url + path, timeout=10)
+            err.value.close()
+            assert err.value.code == 404
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(url + "/metrics", data=b"x"), timeout=10)
+        err.value.close()
+        assert err.value.code == 501
+        head = _raw(exp.port, b"HEAD /metrics HTTP/1.0\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 200 ") and head.endswith(b"\r\n\r\n")
+        assert b"text/plain; version=" in head
+        req = urllib.request.Request(
+            url + "/metrics?x=1", headers={"Accept": "application/openmetrics-text"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+            assert resp.read().endswith(b"# EOF\n")
+        huge = _raw(exp.port, b"GET /metrics HTTP/1.0\r\nX: " + b"a" * 9000)
+        assert huge.startswith(b"HTTP/1.0 431 ")

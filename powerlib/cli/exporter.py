@@ -21,7 +21,22 @@ __all__ = ["exporter"]
     show_default=True,
     help="HTTP port to serve /metrics on (0: any free port, printed).",
 )
-@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--addr",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on. The default serves this host only; to let Prometheus on other "
+    "hosts scrape, give this node's IP, or 0.0.0.0 for every interface (firewall the port). "
+    "The metrics are read-only: no request changes anything.",
+)
+@click.option(
+    "--timeout-s",
+    type=Number(min=0.1, max=300.0),
+    default=5.0,
+    show_default=True,
+    help="Seconds a client has to send its whole request; then it is closed. Requests are "
+    "answered by 8 threads, never a thread per connection.",
+)
 @click.option(
     "--interval-s",
     type=Number(min=0.05, max=3600.0),
@@ -48,6 +63,7 @@ def exporter(
     opts: Options,
     port: int,
     addr: str,
+    timeout_s: float,
     interval_s: float,
     textfile: str | None,
     once: bool,
@@ -74,6 +90,7 @@ def exporter(
             interval_s=interval_s,
             textfile=textfile,
             sessions=False,
+            timeout_s=timeout_s,
         )
         if once:
             exp.start()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -127,17 +128,17 @@ def measure(
             with m:
                 env = dict(os.environ) | {EVENTS_ENV: str(events)}
                 status = _run(argv, env, m, jsonl_path, jsonl_interval_s)
-            _record_child_windows(m, read_events(events))
+            _record_child_windows(m, read_events(events, warn=_warn))
             result = m.result()
     finally:
         backend.close()
     doc = result.to_json() | {"command": argv, "exit_status": status}
     if out_path is not None:
-        Path(out_path).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        Path(out_path).write_text(finite_json(doc, indent=2) + "\n", encoding="utf-8")
     if plot_path is not None:
         plot_power(m.power_series(), result, plot_path, title=" ".join(argv))
     if as_json:
-        click.echo(json.dumps(doc))
+        click.echo(finite_json(doc))
     else:
         _table(doc)
     code = status if status >= 0 else 128 - status
@@ -170,7 +171,7 @@ def _run(
                 if jsonl is not None:
                     now = time.time()
                     for row in m.snapshot():
-                        jsonl.write(json.dumps({"time_unix_s": round(now, 3)} | row) + "\n")
+                        jsonl.write(finite_json({"time_unix_s": round(now, 3)} | row) + "\n")
                     jsonl.flush()
                     next_line += jsonl_interval_s
         finally:
@@ -228,26 +229,65 @@ def _set_foreground(fd: int, pgid: int) -> None:
         signal.signal(signal.SIGTTOU, old)
 
 
+def _warn(message: str) -> None:
+    click.echo(f"powerlib: warning: {message}", err=True)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN and infinity, however deep, replaced by ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def finite_json(value: Any, **kwargs: Any) -> str:
+    """``json.dumps`` of ``value`` with non-finite numbers as ``null``: never ``Infinity``/``NaN``.
+
+    JSON has no such numbers (strict parsers, ``jq`` and the schema refuse them);
+    ``allow_nan=False`` makes a missed one an error here rather than a broken document.
+    """
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)
+
+
+def _number(value: Any) -> float | None:
+    """A finite float from a child's JSON number, else ``None`` (``1e999``, a 400-digit int)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _record_child_windows(m: Any, events: list[dict[str, Any]]) -> None:
-    """The steps and windows the child reported: the lowest reporting rank's, on our clock."""
+    """The steps and windows the child reported: the lowest reporting rank's, on our clock.
+
+    The child's numbers are checked: a window without finite start and end is dropped, and
+    tokens that are not a finite number count as unreported (docs/measurement.md §6).
+    """
     ranks = [e.get("rank", 0) for e in events if isinstance(e.get("rank", 0), int)]
     if not ranks:
         return
     first = min(ranks)
     for e in events:
-        if e.get("rank", 0) != first or not isinstance(e.get("end_s"), (int, float)):
+        start_s, end_s = _number(e.get("start_s")), _number(e.get("end_s"))
+        if e.get("rank", 0) != first or start_s is None or end_s is None:
             continue
         kind = e.get("kind")
         if kind not in ("step", "window"):
             continue
-        tokens = e.get("tokens")
         with contextlib.suppress(InvalidArgumentError):
             m.record(
                 kind,
                 str(e.get("name", kind)),
-                float(e["start_s"]),
-                float(e["end_s"]),
-                tokens=float(tokens) if isinstance(tokens, (int, float)) else None,
+                start_s,
+                end_s,
+                tokens=_number(e.get("tokens")),
                 index=e.get("index") if isinstance(e.get("index"), int) else None,
             )
 

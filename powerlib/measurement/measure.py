@@ -46,6 +46,7 @@ import numpy as np
 
 from powerlib.device import Backend, Device
 from powerlib.errors import InvalidArgumentError, PowerlibError
+from powerlib.inputs import json_depth
 from powerlib.measurement.result import (
     DeviceEnergy,
     MeasurementResult,
@@ -778,18 +779,50 @@ def _rank() -> int:
         return 0
 
 
-def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The windows a child appended to an events file (malformed lines are skipped)."""
+#: An events line is one flat object; deeper JSON is refused before the recursive decoder.
+EVENTS_MAX_DEPTH = 8
+
+
+def read_events(
+    path: str | os.PathLike[str], *, warn: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
+    """The windows a child appended to an events file.
+
+    A malformed line (not JSON, not UTF-8, nested deeper than :data:`EVENTS_MAX_DEPTH`, a
+    number out of range) is skipped, and one warning says how many were and why the first was:
+    the child's bad line never costs the measurement (docs/measurement.md §6).
+
+    Args:
+        path: The events file (missing: no windows).
+        warn: Called with that one warning line instead of logging it.
+    """
     out = []
+    skipped = 0
+    first = ""
     try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
                 try:
+                    if (
+                        line.count("{") + line.count("[") > EVENTS_MAX_DEPTH
+                        and json_depth(line, EVENTS_MAX_DEPTH) > EVENTS_MAX_DEPTH
+                    ):
+                        raise ValueError(f"JSON nested more than {EVENTS_MAX_DEPTH} levels deep")
                     item = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError) as err:
+                    skipped += 1
+                    first = first or f"line {number}: {str(err)[:200]}"
                     continue
                 if isinstance(item, dict) and isinstance(item.get("start_s"), (int, float)):
                     out.append(item)
     except FileNotFoundError:
         return []
+    if skipped:
+        message = f"skipped {skipped} malformed line(s) of the events file {path} (first: {first})"
+        if warn is not None:
+            warn(message)
+        else:
+            logger.warning("measure: %s", message)
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -158,6 +159,69 @@ def test_steps_the_child_measures_are_attributed_and_plotted(tmp_path: Path) -> 
     assert {"time_unix_s", "device_id", "energy_j", "power_w", "time_s"} <= lines[0].keys()
     energies = [ln["energy_j"] for ln in lines if ln["index"] == 0]
     assert energies == sorted(energies)
+
+
+def _strict(text: str) -> dict:
+    """JSON as strict parsers read it: ``NaN`` and ``Infinity`` are not JSON."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+CHILD_WITH_INFINITE_TOKENS = """
+import os, time
+start = time.monotonic()
+time.sleep(0.1)
+with open(os.environ["POWERLIB_MEASURE_EVENTS"], "a") as f:
+    f.write('{"kind": "step", "name": "step", "rank": 0, "start_s": %r, "end_s": %r, '
+            '"tokens": 1e999}\\n' % (start, time.monotonic()))
+"""
+
+
+def test_json_output_never_contains_infinity(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    run = _measure(tmp_path, "--json", "--out", str(out), code=CHILD_WITH_INFINITE_TOKENS)
+    assert run.returncode == 0, run.stderr
+    doc = _strict(run.stdout.strip().splitlines()[-1])
+    assert _strict(out.read_text()) == doc
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["steps"] == 1 and doc["windows"][0]["tokens"] is None  # 1e999: not a count
+    assert doc["tokens"] is None and doc["energy_per_token_j"] is None
+
+
+def test_finite_json_writes_null_for_every_non_finite_number() -> None:
+    from powerlib.cli.measure import finite_json
+
+    text = finite_json({"a": [math.inf, {"b": math.nan}], "c": (-math.inf, 1.5), "d": "NaN"})
+    assert _strict(text) == {"a": [None, {"b": None}], "c": [None, 1.5], "d": "NaN"}
+
+
+CHILD_WITH_BAD_EVENTS = """
+import os, time, powerlib
+with powerlib.measure() as m:
+    with m.step(tokens=64):
+        time.sleep(0.1)
+start = time.monotonic()
+time.sleep(0.1)
+with open(os.environ["POWERLIB_MEASURE_EVENTS"], "a") as f:
+    f.write("[" * 100000 + "]" * 100000 + "\\n")
+    f.write('{"kind": "step", "name": "step", "rank": 0, "start_s": %r, "end_s": %r, '
+            '"tokens": 1%s}\\n' % (start, time.monotonic(), "0" * 400))
+"""
+
+
+def test_a_bad_events_line_costs_one_warning_not_the_result(tmp_path: Path) -> None:
+    run = _measure(tmp_path, "--json", code=CHILD_WITH_BAD_EVENTS)
+    assert run.returncode == 0, run.stderr
+    doc = _doc(run.stdout)
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["steps"] == 2 and doc["tokens"] == 64  # 400 digits of tokens: unreported
+    warnings = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1, run.stderr
+    assert warnings[0].startswith("powerlib: warning: skipped 1 malformed line(s)")
+    assert "line 2: JSON nested more than 8 levels deep" in warnings[0]
 
 
 def test_bad_use_gets_one_clear_line(tmp_path: Path) -> None:

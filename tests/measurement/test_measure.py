@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import threading
@@ -462,6 +463,29 @@ def test_events_file_gets_the_windows(settings: Settings, tmp_path: Path) -> Non
     assert [e["index"] for e in events] == [0, 1, 2]
     assert all(e["kind"] == "step" and e["tokens"] == 7 for e in events)
     assert events[0]["end_s"] - events[0]["start_s"] == pytest.approx(0.1)
+
+
+def test_a_bad_events_line_is_skipped_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = {"kind": "step", "name": "step", "rank": 0, "start_s": 1.0, "end_s": 2.0}
+    path = tmp_path / "events.jsonl"
+    with path.open("wb") as f:
+        f.write(json.dumps(good).encode() + b"\n")
+        f.write(b"[" * 100_000 + b"]" * 100_000 + b"\n")  # the decoder's RecursionError
+        f.write(b'{"a": ' * 50 + b"1" + b"}" * 50 + b"\n")  # deep, but within the recursion limit
+        f.write(b'{"start_s": 1' + b"0" * 5000 + b"}\n")  # an integer past Python's digit limit
+        f.write(b'{"start_s": 5.0, "end_s": 6.0, "name": "\xff"}\n')  # not UTF-8: kept, replaced
+        f.write(json.dumps(good | {"start_s": 3.0, "end_s": 4.0}).encode() + b"\n")
+        f.write(b"\n")  # a blank line is no problem
+    with caplog.at_level(logging.WARNING, logger="powerlib"):
+        events = read_events(path)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert [e["start_s"] for e in events] == [1.0, 5.0, 3.0]
+    assert events[1]["name"] == "\ufffd"
+    assert len(warnings) == 1
+    assert "skipped 3 malformed line(s)" in warnings[0]
+    assert "line 2: JSON nested more than 8 levels deep" in warnings[0]
 
 
 def test_thread_sampler_on_wall_clock_matches_ground_truth(settings: Settings) -> None:
