@@ -3,27 +3,39 @@
 The chain of trust, each link from something the client cannot forge (docs/agent.md §3):
 
 1. **Which container.** The client's pid comes from the kernel (``SO_PEERCRED``); its cgroup
-   (``/proc/<pid>/cgroup``, kernel-kept, and a process cannot move itself into another pod's
-   cgroup) names the pod's UID and the container's id, in every layout kubelet and the runtimes
-   use: systemd (``kubepods-burstable-pod<uid>.slice/cri-containerd-<id>.scope``, ``crio-``,
-   ``docker-``) and cgroupfs (``/kubepods/burstable/pod<uid>/<id>``).
-2. **Which pod.** The container runtime (CRI ``RuntimeService.ListContainers``, filtered by that
-   id) gives the container's labels: pod name, namespace, UID and container name. The UID must
-   match the cgroup's.
+   (``/proc/<pid>/cgroup``, kernel-kept) names the pod's UID and the container's id. Only the
+   kubelet's own layouts count, anchored at the cgroup root: systemd
+   (``/kubepods.slice/[kubepods-<qos>.slice/]kubepods[-<qos>]-pod<uid>.slice/<runtime>-<id>.scope``,
+   runtime ``cri-containerd``, ``crio``, ``docker``) and cgroupfs
+   (``/kubepods/[<qos>/]pod<uid>/<id>``). A path that only mentions a pod deeper down (a user's
+   systemd-delegated ``user@UID.service/…/kubepods-…-pod<uid>.slice``) is a host process's. Every
+   line under ``kubepods`` (cgroup v1 has one per hierarchy) must name the same container, and the
+   pod's and the container's cgroup folders must be root's alone, checked on the cgroup
+   filesystem: nobody but root can then have put the process there.
+2. **Which pod, and is it that container's process.** The container runtime (CRI
+   ``RuntimeService.ContainerStatus``, verbose) gives the container's labels (pod name,
+   namespace, UID, container name; the UID must match the cgroup's), its state (it must be
+   running) and its init's host pid: the client must share that process's pid namespace, and a
+   container in the host's pid namespace (``hostPID``) must have its init in the same container
+   cgroup as the client.
 3. **Which devices.** The kubelet's pod-resources API (``PodResourcesLister.List``) gives the
    device ids each container was allocated (``nvidia.com/gpu``: GPU UUIDs; AMD: PCI bus ids),
    which the agent resolves like any other id form.
 
 A client outside every pod (a host process) gets nothing from here; one inside a pod gets only
 its container's devices, even as uid 0 (a container's root is the host's root without user
-namespaces, so the agent does not admit it as root). Both services are gRPC on Unix sockets;
-``grpcio`` (the ``kubernetes`` extra) carries the calls and this module reads and writes the few
-protobuf fields it needs itself.
+namespaces, so the agent does not admit it as root). A cgroup that cannot be read or placed
+(malformed, lines that disagree, an unknown layout under ``kubepods``) counts as a pod and is
+refused. Both services are gRPC on Unix sockets; ``grpcio`` (the ``kubernetes`` extra) carries
+the calls and this module reads and writes the few protobuf fields it needs itself.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +50,7 @@ __all__ = [
     "GPU_RESOURCES",
     "KubernetesGrants",
     "PodDevices",
+    "cgroup_mount",
     "container_of_cgroup",
 ]
 
@@ -45,11 +58,21 @@ DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock
 DEFAULT_CRI_SOCKET = Path("/run/containerd/containerd.sock")
 GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
 _LIST_PODS = "/v1.PodResourcesLister/List"
-_LIST_CONTAINERS = "/runtime.v1.RuntimeService/ListContainers"
-_POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
-_CONTAINER = re.compile(
-    r"^(?:cri-containerd-|crio-|docker-|containerd-)?([0-9a-f]{64})(?:\.scope)?$"
+_CONTAINER_STATUS = "/runtime.v1.RuntimeService/ContainerStatus"
+_CONTAINER_RUNNING = 1  # CRI ContainerState.CONTAINER_RUNNING
+# A pod's UID in its cgroup: a UUID (``_`` for ``-`` in systemd's unit names), or the 32 hex
+# digits of a static pod's.
+_UID_SYSTEMD = r"[0-9a-f]{8}_[0-9a-f]{4}_[0-9a-f]{4}_[0-9a-f]{4}_[0-9a-f]{12}|[0-9a-f]{32}"
+_UID_CGROUPFS = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32}"
+_SYSTEMD_LAYOUT = re.compile(
+    r"/kubepods\.slice/(?:kubepods-(?P<qos>burstable|besteffort)\.slice/kubepods-(?P=qos)-"
+    rf"|kubepods-)pod(?P<pod>{_UID_SYSTEMD})\.slice"
+    r"/(?:cri-containerd|crio|docker|containerd)-(?P<cid>[0-9a-f]{64})\.scope"
 )
+_CGROUPFS_LAYOUT = re.compile(
+    rf"/kubepods/(?:(?:burstable|besteffort)/)?pod(?P<pod>{_UID_CGROUPFS})/(?P<cid>[0-9a-f]{{64}})"
+)
+_LINE = re.compile(r"(?P<id>[0-9]+):(?P<controllers>[^:]*):(?P<path>/.*)")
 _TIMEOUT_S = 5.0
 _CACHE_S = 5.0
 
@@ -67,28 +90,115 @@ class PodDevices:
     devices: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _Placement:
+    """Where ``/proc/<pid>/cgroup`` puts a process (docs/agent.md §3, Kubernetes, link 1).
+
+    A host process has neither ``pod_uid`` nor ``problem``; a pod's process has ``pod_uid``,
+    ``container_id`` and, per line under ``kubepods``, ``(controllers, the container's cgroup
+    folder)``; one that cannot be placed has ``problem`` (and is refused: it fails closed).
+    """
+
+    pod_uid: str | None = None
+    container_id: str | None = None
+    folders: tuple[tuple[str, str], ...] = ()
+    problem: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Status:
+    """The fields of a CRI ``ContainerStatusResponse`` the check needs."""
+
+    container_id: str
+    state: int
+    labels: dict[str, str]
+    pid: int | None
+
+
+def _place(text: str) -> _Placement:
+    """Place a process by its ``/proc/<pid>/cgroup`` text (docs/agent.md §3, Kubernetes).
+
+    Only the kubelet's layouts anchored at the cgroup root count; every line anchored under
+    ``kubepods`` must name the same pod and container. Text that cannot be read, a malformed line,
+    a hierarchy listed twice, a path outside this process's cgroup namespace (``/..``) or an
+    unknown layout under ``kubepods`` cannot be placed.
+    """
+    if not text.strip():
+        return _Placement(problem="could not be read")
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    seen: set[str] = set()
+    found: set[tuple[str, str]] = set()
+    folders: list[tuple[str, str]] = []
+    for line in lines:
+        m = _LINE.fullmatch(line)
+        if m is None:
+            return _Placement(problem="has a line that is not `id:controllers:/path`")
+        if m["id"] in seen:
+            return _Placement(problem=f"lists hierarchy {m['id']} twice")
+        seen.add(m["id"])
+        path = m["path"]
+        parts = path.split("/")[1:]
+        if ".." in parts or "." in parts:
+            return _Placement(problem="lies outside the agent's cgroup namespace")
+        if parts[0] not in ("kubepods.slice", "kubepods"):
+            continue  # the host's (a user's delegated cgroups included), whatever it mentions
+        layout = _SYSTEMD_LAYOUT if parts[0] == "kubepods.slice" else _CGROUPFS_LAYOUT
+        pod = layout.match(path)
+        if pod is None or pod.end() < len(path) and path[pod.end()] != "/" or "//" in path:
+            return _Placement(problem="names no pod and container this agent knows")
+        found.add((pod["pod"].replace("_", "-"), pod["cid"]))
+        folders.append((m["controllers"], path[: pod.end()]))
+    if len(found) > 1:
+        return _Placement(problem="names different pods or containers in different hierarchies")
+    if not found:
+        return _Placement()
+    pod_uid, container_id = found.pop()
+    return _Placement(pod_uid, container_id, tuple(folders))
+
+
 def container_of_cgroup(text: str) -> tuple[str, str] | None:
     """``(pod UID, container id)`` from ``/proc/<pid>/cgroup``'s text, or None if none is named.
 
-    The container's component may be followed by cgroups of its own (systemd inside a container:
-    ``.../cri-containerd-<id>.scope/init.scope``); the nearest one below the pod is taken.
+    Only the kubelet's layouts anchored at the cgroup root count (docs/agent.md §3); the
+    container's folder may hold cgroups of its own (systemd inside a container:
+    ``…/cri-containerd-<id>.scope/init.scope``). None also for text that cannot be placed.
     """
-    for line in text.splitlines():
-        path = line.split(":", 2)[-1]
-        pod = _POD.search(path)
-        if pod is None:
-            continue
-        below = path[pod.end() :].split("/")
-        for part in below:
-            container = _CONTAINER.match(part)
-            if container is not None:
-                return pod.group(1).replace("_", "-"), container.group(1)
+    placed = _place(text)
+    if placed.problem is not None or placed.pod_uid is None or placed.container_id is None:
+        return None
+    return placed.pod_uid, placed.container_id
+
+
+def cgroup_mount(controllers: str, mountinfo: str | None = None) -> Path | None:
+    """Where this process sees the cgroup hierarchy of a ``/proc/<pid>/cgroup`` line mounted.
+
+    Args:
+        controllers: The line's middle field: ``""`` for cgroup v2 (``0::``), the v1 hierarchy's
+            controllers otherwise (``cpu,cpuacct``, ``name=systemd``).
+        mountinfo: ``/proc/self/mountinfo``'s text (default: read it).
+
+    Returns:
+        The mount point of that hierarchy's root, or None if it is not mounted (or
+        ``/proc/self/mountinfo`` cannot be read).
+    """
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+    wanted = set(controllers.split(",")) if controllers else None
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(" "), right.split(" ")
+        if not sep or len(fields) < 5 or len(tail) < 3 or fields[3] != "/":
+            continue  # a bind mount of a subfolder is not the hierarchy's root
+        if (wanted is None and tail[0] == "cgroup2") or (
+            wanted is not None and tail[0] == "cgroup" and wanted <= set(tail[2].split(","))
+        ):
+            return Path(re.sub(r"\\([0-7]{3})", lambda o: chr(int(o[1], 8)), fields[4]))
     return None
-
-
-def _kubepods(text: str) -> bool:
-    """Whether the cgroup lies under Kubernetes' pods (or cannot be read: then assume so)."""
-    return not text.strip() or "kubepods" in text
 
 
 def _read_cgroup(pid: int) -> str:
@@ -98,14 +208,32 @@ def _read_cgroup(pid: int) -> str:
         return ""
 
 
+def _pid_namespace(pid: int | str) -> tuple[int, int]:
+    """``(st_dev, st_ino)`` of ``/proc/<pid>/ns/pid``: equal for processes in one pid namespace."""
+    try:
+        st = os.stat(f"/proc/{pid}/ns/pid")
+    except OSError as err:
+        raise ConfigError(f"pid {pid}'s pid namespace cannot be read: {err.strerror}") from None
+    return st.st_dev, st.st_ino
+
+
+def _under(root: Path) -> Callable[[str], Path]:
+    """A fixed cgroup filesystem: v2 at ``root``, each v1 hierarchy at ``root/<controllers>``."""
+    return lambda controllers: root / controllers.replace("name=", "") if controllers else root
+
+
 class KubernetesGrants:
-    """The pod-resources grant source (see the module docstring).
+    """The pod-resources grant source (see the module docstring and docs/agent.md §3).
 
     Args:
         pod_resources_socket: The kubelet's pod-resources socket.
         cri_socket: The container runtime's CRI socket (containerd, CRI-O).
         resources: Which extended resources are devices for the agent.
         cgroup_of: ``pid -> /proc/<pid>/cgroup text`` (tests give their own).
+        cgroup_fs: Where the cgroup hierarchies are mounted, to check who owns a pod's folders:
+            ``controllers -> mount point`` (``""`` for cgroup v2; default: read from
+            ``/proc/self/mountinfo``), or a folder holding v2 at itself and each v1 hierarchy at
+            ``<folder>/<controllers>`` (tests).
 
     Raises:
         BackendUnavailableError: ``grpcio`` is not installed (the ``kubernetes`` extra).
@@ -118,6 +246,7 @@ class KubernetesGrants:
         *,
         resources: tuple[str, ...] = GPU_RESOURCES,
         cgroup_of: Callable[[int], str] = _read_cgroup,
+        cgroup_fs: Callable[[str], Path | None] | Path | str = cgroup_mount,
     ) -> None:
         try:
             import grpc  # noqa: PLC0415 - an optional extra, imported only when asked for
@@ -130,45 +259,135 @@ class KubernetesGrants:
         self.cri_socket = Path(cri_socket)
         self.resources = tuple(resources)
         self._cgroup_of = cgroup_of
+        self._cgroup_fs = (
+            _under(Path(cgroup_fs)) if isinstance(cgroup_fs, str | Path) else cgroup_fs
+        )
         self._pods: tuple[float, dict[tuple[str, str, str], tuple[str, ...]]] | None = None
-        self._labels_cache: dict[str, dict[str, str]] = {}
 
     def in_pod(self, pid: int) -> bool:
-        """Whether the process may run in a pod (then it is never admitted as root).
+        """Whether the process runs in a pod (then only the pod's verdict counts for it).
 
-        Fails closed: a cgroup under ``kubepods`` in any layout, or one that cannot be read,
-        counts as a pod, so an unrecognised layout is refused rather than admitted as root.
+        True for a cgroup in one of the kubelet's layouts anchored at the cgroup root, and, to
+        fail closed, for one that cannot be read or placed (see :func:`_place`). A path that
+        merely mentions ``kubepods`` deeper down is a host process's.
         """
-        return _kubepods(self._cgroup_of(pid))
+        placed = _place(self._cgroup_of(pid))
+        return placed.problem is not None or placed.pod_uid is not None
+
+    def is_host_process(self, pid: int) -> bool:
+        """Whether ``pid`` runs in the agent's own pid namespace (fails closed: False when unread).
+
+        A uid 0 process is admitted as the host's root only then: a container whose cgroup is
+        not where this agent looks (a kubelet with a ``--cgroup-root`` of its own, another
+        runtime) still runs in a pid namespace of its own, and its root is not the host's.
+        """
+        try:
+            return _pid_namespace(pid) == _pid_namespace("self")
+        except ConfigError:
+            return False
+
+    def pod_of(self, pid: int) -> str | None:
+        """The pod UID of the process's cgroup, ``"?"`` if it cannot be placed, None for the host.
+
+        Cheap (no call to the runtime or the kubelet), for limits per pod; it does not admit.
+        """
+        placed = _place(self._cgroup_of(pid))
+        return "?" if placed.problem is not None else placed.pod_uid
 
     def devices_of(self, pid: int) -> PodDevices | None:
         """The devices the kubelet allocated to this process's container (None: not in a pod).
 
         Raises:
-            ConfigError: The runtime does not know the container, or its pod UID differs from the
-                cgroup's, or a service cannot be reached (the message says which).
+            ConfigError: The process cannot be placed: its cgroup cannot be read or names no known
+                layout or several containers, a cgroup folder is not root's alone, the runtime
+                does not know the container as a running one of that pod, the process is not in
+                the container's pid namespace, or a service cannot be reached (the message says
+                which).
         """
-        text = self._cgroup_of(pid)
-        found = container_of_cgroup(text)
-        if found is None:
-            if _kubepods(text):
-                raise ConfigError(f"pid {pid}'s cgroup names no pod and container this agent knows")
+        placed = _place(self._cgroup_of(pid))
+        if placed.problem is not None:
+            raise ConfigError(f"pid {pid}'s cgroup {placed.problem}")
+        if placed.pod_uid is None or placed.container_id is None:
             return None
-        pod_uid, container_id = found
-        labels = self._labels(container_id)
+        pod_uid, container_id = placed.pod_uid, placed.container_id
+        self._check_folders(placed)
+        status = self._status(container_id)
+        short = container_id[:12]
+        if status.container_id != container_id:
+            raise ConfigError(f"the container runtime answered for another container than {short}")
+        if status.state != _CONTAINER_RUNNING:
+            raise ConfigError(f"the container runtime reports container {short} is not running")
+        labels = status.labels
         name = labels.get("io.kubernetes.pod.name")
         namespace = labels.get("io.kubernetes.pod.namespace")
         container = labels.get("io.kubernetes.container.name")
         if not (name and namespace and container):
-            raise ConfigError(
-                f"the container runtime has no pod labels for container {container_id[:12]}"
-            )
+            raise ConfigError(f"the container runtime has no pod labels for container {short}")
         if labels.get("io.kubernetes.pod.uid") != pod_uid:
             raise ConfigError(
-                f"container {container_id[:12]}: the runtime's pod UID does not match its cgroup's"
+                f"container {short}: the runtime's pod UID does not match its cgroup's"
             )
+        self._check_peer(pid, placed, status)
         devices = self._allocations().get((namespace, name, container), ())
         return PodDevices(rule=f"pod:{namespace}/{name}/{container}", devices=devices)
+
+    # -- the checks -------------------------------------------------------------------------------
+
+    def _check_folders(self, placed: _Placement) -> None:
+        """Every cgroup folder from ``kubepods`` down to the container's is root's alone.
+
+        Only root (the kubelet, the runtime) can then have made them or put a process there; a
+        folder a user was delegated, or one made writable, is not the kubelet's.
+        """
+        for controllers, folder in placed.folders:
+            mount = self._cgroup_fs(controllers)
+            hierarchy = f"cgroup v1 {controllers}" if controllers else "cgroup v2"
+            if mount is None:
+                raise ConfigError(f"{hierarchy} is not mounted here, so {folder} cannot be checked")
+            where = Path(mount)
+            for part in folder.strip("/").split("/"):
+                where = where / part
+                try:
+                    st = os.lstat(where)
+                except OSError as err:
+                    raise ConfigError(
+                        f"cgroup folder {where} cannot be checked: {err.strerror}"
+                    ) from None
+                if not stat.S_ISDIR(st.st_mode):
+                    raise ConfigError(f"cgroup folder {where} is not a folder (a link?)")
+                if st.st_uid != 0 or st.st_mode & 0o022:
+                    raise ConfigError(
+                        f"cgroup folder {where} is owned by uid {st.st_uid} with mode "
+                        f"{stat.S_IMODE(st.st_mode):04o}: the kubelet's are root's alone"
+                    )
+
+    def _check_peer(self, pid: int, placed: _Placement, status: _Status) -> None:
+        """The client is that container's process (docs/agent.md §3, Kubernetes, link 2).
+
+        It must share the pid namespace of the container's init as the runtime reports it; in the
+        host's pid namespace (``hostPID``) the init must also be in the client's container cgroup.
+        """
+        short = status.container_id[:12]
+        if status.pid is None:
+            raise ConfigError(f"the container runtime gives no pid for container {short}")
+        container_ns = _pid_namespace(status.pid)
+        if _pid_namespace(pid) != container_ns:
+            raise ConfigError(
+                f"pid {pid} is not in container {short}'s pid namespace (its init: pid "
+                f"{status.pid})"
+            )
+        if container_ns != _pid_namespace("self"):
+            return
+        init = _place(self._cgroup_of(status.pid))
+        if (init.problem, init.pod_uid, init.container_id) != (
+            None,
+            placed.pod_uid,
+            placed.container_id,
+        ):
+            raise ConfigError(
+                f"container {short} shares the host's pid namespace and its init (pid "
+                f"{status.pid}) is not in its cgroup"
+            )
 
     # -- the two services ------------------------------------------------------------------------
 
@@ -185,30 +404,32 @@ class KubernetesGrants:
                 f"{what} at {socket_path}: {err.code().name} {err.details()}"
             ) from None
 
-    def _labels(self, container_id: str) -> dict[str, str]:
-        cached = self._labels_cache.get(container_id)
-        if cached is not None:
-            return cached
-        # ListContainersRequest{filter: ContainerFilter{id}} -> ListContainersResponse{containers}
-        request = _field(1, _field(1, container_id.encode()))
+    def _status(self, container_id: str) -> _Status:
+        """The runtime's verbose ``ContainerStatus`` (asked each time: state and pid change)."""
+        # ContainerStatusRequest{container_id = 1, verbose = 2}
+        request = _field(1, container_id.encode()) + _varint(2 << 3) + _varint(1)
         reply = self._call(
-            self.cri_socket, _LIST_CONTAINERS, request, "the container runtime (CRI)"
+            self.cri_socket, _CONTAINER_STATUS, request, "the container runtime (CRI)"
         )
-        for num, value in _fields(reply):
-            if num != 1 or not isinstance(value, bytes):
-                continue
-            if _text(value, 1) != container_id:  # Container.id
-                continue
-            labels: dict[str, str] = {}
-            for n, entry in _fields(value):
-                if n == 8 and isinstance(entry, bytes):  # Container.labels (map entries)
-                    key, text = _map_entry(entry)
-                    labels[key] = text
-            if len(self._labels_cache) > 4096:
-                self._labels_cache.clear()
-            self._labels_cache[container_id] = labels  # a container's labels never change
-            return labels
-        raise ConfigError(f"the container runtime does not know container {container_id[:12]}")
+        status: bytes | None = None
+        info: dict[str, str] = {}
+        for num, value in _fields(reply):  # ContainerStatusResponse
+            if num == 1 and isinstance(value, bytes):  # status
+                status = value
+            elif num == 2 and isinstance(value, bytes):  # info (map entries)
+                key, text = _map_entry(value)
+                info[key] = text
+        if status is None:
+            raise ConfigError(f"the container runtime does not know container {container_id[:12]}")
+        state = 0  # CONTAINER_CREATED, the default a message leaves out
+        labels: dict[str, str] = {}
+        for num, value in _fields(status):  # ContainerStatus
+            if num == 3 and isinstance(value, int):  # state
+                state = value
+            elif num == 12 and isinstance(value, bytes):  # labels (map entries)
+                key, text = _map_entry(value)
+                labels[key] = text
+        return _Status(_text(status, 1), state, labels, _info_pid(info.get("info", "")))
 
     def _allocations(self) -> dict[tuple[str, str, str], tuple[str, ...]]:
         """``(namespace, pod, container) -> device ids`` from the kubelet (cached a few seconds)."""
@@ -310,3 +531,16 @@ def _text(data: bytes, num: int) -> str:
 
 def _map_entry(entry: bytes) -> tuple[str, str]:
     return _text(entry, 1), _text(entry, 2)
+
+
+def _info_pid(text: str) -> int | None:
+    """The container init's host pid from a verbose ``ContainerStatus``'s info, or None.
+
+    containerd and CRI-O both put it under ``"pid"`` in the JSON of the info key ``"info"``.
+    """
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    pid = data.get("pid") if isinstance(data, dict) else None
+    return pid if type(pid) is int and pid > 0 else None
