@@ -1,7 +1,7 @@
 """The node agent's client: ``POWERLIB_BACKEND=agent`` (or ``agent:nvidia``), no root needed.
 
 Every change (clock locks, power limits) goes to the ``powerlib agent`` of this node over its Unix
-socket (``POWERLIB_AGENT_SOCKET``, default ``/run/powerlib/agent.sock``), which checks the caller's
+socket (``POWERLIB_AGENT_SOCKET``, default ``/run/powerlib/agent/agent.sock``), which checks the caller's
 grant, journals the change and leases the device to this process until it disconnects or dies
 (docs/agent.md). Reads go through the agent too with plain ``agent``; with ``agent:NAME`` they are
 made locally through backend ``NAME`` (NVML, amdsmi and sysfs reads need no privilege), which
@@ -55,17 +55,27 @@ class AgentDevice(Device):
     def _ask(self, op: str, **args: Any) -> tuple[bool, Any]:
         """``(True, result)``, or ``(False, None)`` once the connection is lost.
 
-        The loss is warned of once. A device the agent reports lost still raises: that is the
-        device, not the connection.
+        A connection that holds no lease (no change made through it yet) is reopened when it
+        was lost (the agent closes idle lease-less connections, docs/agent.md §5), once per
+        call. Once a change was made, a lost connection stays lost: the agent restored the
+        device when it closed, and later changes are dropped. The loss is warned of once. A
+        device the agent reports lost still raises: that is the device, not the connection.
         """
-        conn = self._backend.connection
-        if not conn.lost:
+        backend = self._backend
+        for _ in range(2):
+            conn = backend.live_connection()
+            if conn.lost:
+                break
             try:
-                return True, conn.call(op, device=self.device_id, **args)
+                result = conn.call(op, device=self.device_id, **args)
             except DeviceLostError:
                 if not conn.lost:
                     raise
-        self._backend.warn_lost()
+                continue
+            if op in protocol.CHANGES:
+                backend.leased = True
+            return True, result
+        backend.warn_lost()
         return False, None
 
     def _read_state(self) -> PowerState:
@@ -106,7 +116,7 @@ class AgentBackend(Backend):
     name: ClassVar[str] = "agent"
     install_hint: ClassVar[str] = (
         "run `powerlib agent` as root on the node (docs/agent.md) and set POWERLIB_AGENT_SOCKET "
-        "if its socket is not /run/powerlib/agent.sock"
+        "if its socket is not /run/powerlib/agent/agent.sock"
     )
 
     def __init__(self, settings: Settings) -> None:
@@ -115,6 +125,9 @@ class AgentBackend(Backend):
         self.remote = True
         inner = settings.backend.partition(":")[2] if settings.backend.startswith("agent:") else ""
         self.connection = AgentConnection(settings.agent_socket)
+        self.leased = False
+        """Whether a change went through this backend's connection (then it is never reopened)."""
+        self._closed = False
         self._warned = False
         self._local_backend: Backend | None = None
         try:
@@ -161,6 +174,15 @@ class AgentBackend(Backend):
         """The agent's devices (with ``agent:NAME``, those ``NAME`` sees here), in order."""
         return self._devices
 
+    def live_connection(self) -> AgentConnection:
+        """The connection, reopened first if it was lost while it held no lease."""
+        if self.connection.lost and not self.leased and not self._closed:
+            try:
+                self.connection = AgentConnection(self.settings.agent_socket)
+            except BackendUnavailableError:
+                pass  # the agent is gone: stays lost
+        return self.connection
+
     def warn_lost(self) -> None:
         """One warning for the whole process: the agent is gone, training goes on."""
         if self._warned:
@@ -175,6 +197,7 @@ class AgentBackend(Backend):
 
     def close(self) -> None:
         """Disconnect (the agent restores what this process leased) and close local reads."""
+        self._closed = True
         self.connection.close()
         if self._local_backend is not None:
             self._local_backend.close()

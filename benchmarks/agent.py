@@ -125,9 +125,10 @@ def _in_memory_load(root: Path, seconds: float) -> dict[str, Any]:
 
     settings = Settings(backend="simulated", sim_gpus=8, state_dir=root / "memory-state")
     backend = SimulatedBackend(settings, persist=False)
-    with Agent(backend, socket_path=root / "memory.sock", rules=Rules()).in_thread():
+    sock = root / "memory" / "agent.sock"  # the socket alone in its folder (docs/agent.md §4)
+    with Agent(backend, socket_path=sock, rules=Rules()).in_thread():
         return {
-            **_load(root / "memory.sock", seconds, aligned=False),
+            **_load(sock, seconds, aligned=False),
             "devices": "simulated, in memory",
         }
 
@@ -174,7 +175,7 @@ def main() -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        sock = root / "agent.sock"
+        sock = root / "run" / "agent.sock"  # the socket alone in its folder (docs/agent.md §4)
         settings = Settings(backend="simulated", sim_gpus=8, state_dir=root / "agent-state")
         backend = SimulatedBackend(settings)
         with Agent(backend, socket_path=sock, rules=Rules()).in_thread() as agent:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from powerlib.agent.protocol import one_line
 from powerlib.errors import ConfigError, UntrustedStateError
 from powerlib.ownership import check_trusted, show_path
 
@@ -44,6 +45,14 @@ _MAX_FILE_BYTES = 1 << 20
 _MAX_RULES = 4096
 _JOB = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # fullmatch: a trailing newline is refused
 ROOT_ONLY = frozenset({0})
+_GRANTS_TTL_S = 0.5
+"""The longest an unchanged grants folder's reading is used before it is read again."""
+_SETTLE_NS = 2_000_000_000
+"""A folder changed less than this before a read is read again at the next check (file times
+are coarse: a clock tick on tmpfs and ext4, a second on some filesystems)."""
+_Reading = tuple[tuple[int, ...] | None, float, tuple["Grant", ...], tuple[str, ...]]
+"""A reading of the grants folder: its key (None: read it again), when (monotonic s), the
+grants, the lines of the files ignored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,20 +96,41 @@ class Rules:
     resolve: Callable[[str], str | None] = lambda s: None
     kubernetes: Any = None
     """A :class:`~powerlib.agent.kubernetes.KubernetesGrants`, or None (not on Kubernetes)."""
-    _cache: tuple[float, tuple[Grant, ...], tuple[str, ...]] | None = field(
-        default=None, repr=False
-    )
+    _cache: _Reading | None = field(default=None, repr=False)
+    _ignored_logged: tuple[str, ...] = field(default=(), repr=False)
 
     def grants(self) -> tuple[tuple[Grant, ...], tuple[str, ...]]:
-        """The job grants now, and a line per grant file that was ignored (cached ~0.5 s)."""
+        """The job grants now, and a line per grant file that was ignored.
+
+        The folder is read again whenever its ``lstat`` (inode, mtime, ctime) differs from the
+        one before the last read: writing or removing a grant changes the folder's mtime, so the
+        first check after ``powerlib agent revoke`` returns no longer admits its job (docs/agent.md
+        §3). An unchanged folder is read again every :data:`_GRANTS_TTL_S` at most (a grant file
+        changed in place). File times are coarse (a clock tick, a second on some filesystems),
+        so a folder that changed within :data:`_SETTLE_NS` of a read is read again on each check:
+        a change in the same tick would leave its times as they were. Each newly ignored file is
+        logged once; refusals never name grant files (they are other jobs').
+        """
         if self.grants_dir is None:
             return (), ()
+        key = _folder_key(self.grants_dir)
         now = time.monotonic()
-        if self._cache is not None and now - self._cache[0] < 0.5:
-            return self._cache[1], self._cache[2]
+        cache = self._cache
+        if cache is not None and cache[0] == key and now - cache[1] < _GRANTS_TTL_S:
+            return cache[2], cache[3]
+        settled = not key or time.time_ns() - max(key[1], key[2]) >= _SETTLE_NS
         found, ignored = read_grants(self.grants_dir)
-        self._cache = (now, tuple(found), tuple(ignored))
-        return self._cache[1], self._cache[2]
+        self._cache = (key if settled else None, now, tuple(found), tuple(ignored))
+        if self._cache[3] != self._ignored_logged:
+            for line in self._cache[3]:
+                if line not in self._ignored_logged:
+                    logger.warning("agent: ignoring a job grant: %s", one_line(line))
+            self._ignored_logged = self._cache[3]
+        return self._cache[2], self._cache[3]
+
+    def invalidate(self) -> None:
+        """Forget the grants read so far: the next check reads the folder again."""
+        self._cache = None
 
     def check(
         self, uid: int, gids: Iterable[int], device_id: str, shown: str, pid: int | None = None
@@ -112,14 +142,33 @@ class Rules:
         process may control the devices the kubelet allocated to its container.
         """
         gids = tuple(gids)
-        pod = None
         if self.kubernetes is not None and pid is not None and self.kubernetes.in_pod(pid):
+            # Inside a pod, the pod's verdict is the only verdict (docs/agent.md §3): never the
+            # uid, group or job-grant rules, which a container's uid (0, or an allow-listed uid
+            # it chose to run as) would otherwise reach.
             pod = self.kubernetes.devices_of(pid)
-            if pod is not None and any(self.resolve(d) == device_id for d in pod.devices):
+            if pod is None:
+                return False, (
+                    f"uid {uid} may not control device {shown}: pid {pid} runs in a pod this "
+                    "agent cannot place"
+                )
+            if any(self.resolve(d) == device_id for d in pod.devices):
                 return True, pod.rule
-        elif uid == 0:
+            given = ", ".join(pod.devices) or "no GPUs"
+            return False, (
+                f"uid {uid} may not control device {shown}: {pod.rule} was allocated {given} by "
+                "the kubelet"
+            )
+        if uid == 0:
+            if self.kubernetes is not None and pid is not None:
+                if not self.kubernetes.is_host_process(pid):
+                    return False, (
+                        f"uid {uid} may not control device {shown}: pid {pid} runs in a pid "
+                        "namespace of its own (a container this agent cannot place), and a "
+                        "container's uid 0 is not the host's root"
+                    )
             return True, "root"
-        job_grants, ignored = self.grants()
+        job_grants, _ = self.grants()  # ignored files are logged, never told to a client
         matched: list[Grant] = []
         for grant in (*self.allow, *job_grants):
             if not grant.admits(uid, gids):
@@ -127,17 +176,12 @@ class Rules:
             if "*" in grant.devices or any(self.resolve(s) == device_id for s in grant.devices):
                 return True, grant.rule
             matched.append(grant)
-        if pod is not None:
-            given = ", ".join(pod.devices) or "no GPUs"
-            why = f"{pod.rule} was allocated {given} by the kubelet"
-        elif matched:
+        if matched:
             names = ", ".join(g.rule for g in matched)
             why = f"{names} grant{'' if len(matched) > 1 else 's'} uid {uid} other devices only"
         else:
             why = f"no allow-list rule or job grant names uid {uid} (default deny)"
-        if ignored:
-            why += "; ignored: " + "; ".join(ignored)
-        return False, f"uid {uid} may not control device {shown}: {why}"
+        return False, f"uid {uid} may not control device {one_line(shown, 200)}: {why}"
 
 
 # -- the allow list --------------------------------------------------------------------------------
@@ -236,13 +280,31 @@ def _read_trusted_json(path: Path, what: str) -> Any:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as err:
         raise ConfigError(f"the {what} {show_path(path)} is not JSON: {err}") from None
+    except RecursionError:  # [[[[... : the decoder's depth limit, not the caller's problem
+        raise ConfigError(f"the {what} {show_path(path)} is nested too deeply") from None
 
 
 # -- job grants ------------------------------------------------------------------------------------
 
 
+def _folder_key(folder: Path) -> tuple[int, ...]:
+    """The folder's inode and times, which a grant written, removed or renamed changes.
+
+    ``()`` when there is no folder.
+    """
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return ()
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_dev)
+
+
 def read_grants(folder: Path) -> tuple[list[Grant], list[str]]:
-    """Every trusted job grant in ``folder``, and a line for each file that was ignored."""
+    """Every trusted job grant in ``folder``, and a line for each file that was ignored.
+
+    Each file stands alone: one that is not root's, not JSON, nested too deeply or malformed in
+    any way is ignored (a line says why) and the others still count (docs/agent.md §3).
+    """
     try:
         st = os.lstat(folder)
     except FileNotFoundError:
@@ -251,8 +313,12 @@ def read_grants(folder: Path) -> tuple[list[Grant], list[str]]:
         check_trusted(folder, st, what="grants folder", directory=True, trusted_uids=ROOT_ONLY)
     except UntrustedStateError as err:
         return [], [err.message]
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError as err:  # removed or replaced since the lstat
+        return [], [f"cannot list the grants folder {show_path(folder)}: {err.strerror}"]
     found, ignored = [], []
-    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+    for entry in entries:
         if not entry.name.endswith(".json"):
             continue
         try:
@@ -262,6 +328,10 @@ def read_grants(folder: Path) -> tuple[list[Grant], list[str]]:
             ignored.append(err.message)
         except (TypeError, ValueError, KeyError) as err:
             ignored.append(f"job grant {show_path(entry.path)} is malformed: {err}")
+        except Exception as err:  # noqa: BLE001 - one bad file must not break every check
+            ignored.append(
+                f"job grant {show_path(entry.path)} could not be read: {type(err).__name__}"
+            )
     return found, ignored
 
 

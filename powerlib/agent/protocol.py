@@ -38,6 +38,8 @@ __all__ = [
     "error_to_wire",
     "info_from_wire",
     "info_to_wire",
+    "one_line",
+    "quote",
     "reply",
     "state_from_wire",
     "state_to_wire",
@@ -56,6 +58,7 @@ CHANGES = (
     "set_power_limit",
     "reset_power_limit",
     "release",
+    "revoke",
 )
 """Operations that change a device (``release`` restores it and ends the lease)."""
 OPERATIONS = READS + CHANGES
@@ -71,8 +74,14 @@ _ARGS: Mapping[str, Mapping[str, tuple[type, ...]]] = {
     "set_power_limit": {"device": (str, int), "power_limit_w": (int, float)},
     "reset_power_limit": {"device": (str, int)},
     "release": {"device": (str, int)},
+    "revoke": {"job": (str,)},
 }
 _MAX_DEVICE_TEXT = 128
+_MAX_ID_TEXT = 128
+_MAX_INT_BITS = 64
+"""An integer id or device index wider than this is refused (a 400-digit one included)."""
+_NUMBERS = frozenset({"min_mhz", "max_mhz", "power_limit_w"})
+_QUOTE_CHARS = 64
 
 
 class ProtocolError(errors.InvalidArgumentError):
@@ -88,29 +97,43 @@ def decode_request(line: bytes) -> dict[str, Any]:
     """Parse and check one request line.
 
     Raises:
-        ProtocolError: Not UTF-8 JSON, not an object, wrong version, unknown operation, or an
-            argument missing, extra or of the wrong type (``bool`` is not a number here).
+        ProtocolError: Not UTF-8 JSON, nested too deeply, not an object, wrong version,
+            unknown operation, or an argument missing, extra or of the wrong type (``bool`` is
+            not a number here), a number that is not finite as a float (a 400-digit integer),
+            or an integer wider than 64 bits. Its message quotes what the client sent
+            (:func:`quote`): one line, whatever the request held.
     """
     try:
         msg = json.loads(line.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as err:
         raise ProtocolError(f"the request is not a JSON line: {err}") from None
+    except RecursionError:  # [[[[... within the line cap: the decoder's own depth limit
+        raise ProtocolError("the request is nested too deeply") from None
     if not isinstance(msg, dict):
         raise ProtocolError("the request is not a JSON object")
-    if msg.get("v") != VERSION:
+    if msg.get("v") != VERSION or isinstance(msg.get("v"), bool):
         raise ProtocolError(
-            f"protocol version {msg.get('v')!r} is not supported (this agent speaks {VERSION})"
+            f"protocol version {quote(msg.get('v'))} is not supported (this agent speaks {VERSION})"
         )
     rid = msg.get("id")
-    if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (int, str))):
-        raise ProtocolError("id must be an integer or a string")
+    if rid is not None and (
+        isinstance(rid, bool)
+        or not isinstance(rid, (int, str))
+        or (isinstance(rid, int) and rid.bit_length() > _MAX_INT_BITS)
+        or (isinstance(rid, str) and len(rid) > _MAX_ID_TEXT)
+    ):
+        raise ProtocolError(
+            f"id must be a 64-bit integer or a string of at most {_MAX_ID_TEXT} characters"
+        )
     op = msg.get("op")
-    if op not in _ARGS:
-        raise ProtocolError(f"unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
+    if not isinstance(op, str) or op not in _ARGS:
+        raise ProtocolError(f"unknown operation {quote(op)}; known: {', '.join(OPERATIONS)}")
     spec = _ARGS[op]
     extra = sorted(set(msg) - set(spec) - {"v", "id", "op"})
     if extra:
-        raise ProtocolError(f"{op}: unexpected argument(s) {', '.join(extra)}")
+        shown = ", ".join(quote(k) for k in extra[:4])
+        more = f" and {len(extra) - 4} more" if len(extra) > 4 else ""
+        raise ProtocolError(f"{op}: unexpected argument(s) {shown}{more}")
     for name, types in spec.items():
         if name == "max_mhz" and name not in msg:
             continue  # optional: a single clock
@@ -119,8 +142,10 @@ def decode_request(line: bytes) -> dict[str, Any]:
         value = msg[name]
         if isinstance(value, bool) or not isinstance(value, types):
             raise ProtocolError(f"{op}: {name} has the wrong type ({type(value).__name__})")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ProtocolError(f"{op}: {name} must be finite")
+        if name in _NUMBERS and not _finite(value):
+            raise ProtocolError(f"{op}: {name} must be a finite number")
+        if isinstance(value, int) and value.bit_length() > _MAX_INT_BITS:
+            raise ProtocolError(f"{op}: {name} is out of range")
         if isinstance(value, str) and not (0 < len(value) <= _MAX_DEVICE_TEXT):
             raise ProtocolError(f"{op}: {name} must be 1-{_MAX_DEVICE_TEXT} characters")
     return msg
@@ -128,6 +153,36 @@ def decode_request(line: bytes) -> dict[str, Any]:
 
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
+
+
+def _finite(value: float) -> bool:
+    """Whether a number converts to a finite float (a 400-digit integer overflows)."""
+    try:
+        return math.isfinite(float(value))
+    except (OverflowError, ValueError):
+        return False
+
+
+def quote(value: Any, limit: int = _QUOTE_CHARS) -> str:
+    """A value a client sent, for a message: ``ascii()``-quoted and cut to ``limit`` characters.
+
+    No newline or other control character of the client's reaches a log line or a reply
+    (docs/agent.md §5); a huge integer or a container is named, not spelled out.
+    """
+    if isinstance(value, str):
+        more = f"...({len(value)} characters)" if len(value) > limit else ""
+        return ascii(value[:limit]) + more
+    if value is None or isinstance(value, (bool, float)):
+        return repr(value)
+    if isinstance(value, int):
+        return str(value) if value.bit_length() <= _MAX_INT_BITS else "<a huge integer>"
+    return f"<a JSON {type(value).__name__}>"
+
+
+def one_line(text: str, limit: int = 2000) -> str:
+    """A message for one log line: as is when printable, else ``ascii()``-escaped; bounded."""
+    text = text if text.isprintable() else ascii(text)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ import grp
 import itertools
 import logging
 import os
-import re
 import resource
 import signal
 import socket
@@ -46,9 +45,10 @@ from typing import Any
 
 from powerlib.agent import protocol
 from powerlib.agent.authz import Rules
+from powerlib.agent.logs import LogLimiter
 from powerlib.agent.peer import Peer, peer_of, pidfd_of
 from powerlib.control import ControlSession
-from powerlib.device import Backend, Device
+from powerlib.device import Backend, Device, normalize_pci
 from powerlib.errors import (
     ConfigError,
     DeviceBusyError,
@@ -68,7 +68,6 @@ SD_LISTEN_FDS_START = 3
 _OFFLOAD_CALLS = 100
 """After a slow call, how many of that device's calls go to the thread pool before one is tried
 inline again."""
-_PCI = re.compile(r"^(?:([0-9a-f]{1,8}):)?([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$")
 
 
 @dataclass
@@ -96,6 +95,17 @@ class _Client:
     tokens: float = 0.0
     refilled_s: float = 0.0
     admitted: dict[str, str] = field(default_factory=dict)
+    pool: str = ""
+    """Whose share of the connection table it counts against: ``uid:<n>``, ``pod:<uid>``."""
+    granted: bool = True
+    """Whether a rule could admit it on some device when it connected (else it is in the small
+    pool of ungranted connections, which can never crowd out a granted job)."""
+    active_s: float = 0.0
+    """When it last sent a request (monotonic): lease-less connections idle too long close."""
+    busy: bool = False
+    """A request of it is being answered (never idle then)."""
+    log_limit: LogLimiter = field(default_factory=LogLimiter)
+    """The log lines this connection may cause: refusals, protocol errors (docs/agent.md §5)."""
 
 
 @dataclass
@@ -107,6 +117,10 @@ class _Lease:
     since_s: float
     journaled: bool = False
     """Whether a change was made: the first writes and fsyncs the journal, on the pool."""
+    changed: bool = False
+    """Whether a change through it succeeded; a lease whose first change failed is dropped."""
+    targets: dict[str, Any] = field(default_factory=dict)
+    """The value each item was last set to through this lease (for a restore's report)."""
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Held by a change in flight and by the restore: a restore never runs under a change that
     a worker thread is still making (which would land after it, unjournaled)."""
@@ -127,15 +141,6 @@ def sd_notify(message: str) -> bool:
     return True
 
 
-def normalize_pci(text: str) -> str | None:
-    """``00000000:3b:00.0`` for any of ``0000:3B:00.0``, ``3b:00.0`` ...; None if not a bus id."""
-    m = _PCI.match(text.strip().lower())
-    if m is None:
-        return None
-    domain = int(m.group(1) or "0", 16)
-    return f"{domain:08x}:{m.group(2)}:{m.group(3)}.{m.group(4)}"
-
-
 class Agent:
     """The daemon. Build it over an open backend, then :meth:`run` (or ``await serve()``).
 
@@ -146,13 +151,20 @@ class Agent:
         group: Group owning the socket (gid or name); ``None`` keeps root's.
         socket_mode: The socket's mode (default 0660: root and the group).
         max_connections: Connections held at once, all clients together.
-        max_per_uid: Connections one uid may hold (root is not limited).
+        max_per_uid: Connections one uid may hold (root on the host is not limited); under
+            Kubernetes, one pod (its root included).
+        max_ungranted: Connections held at once by clients no rule admits on any device
+            (default a quarter of ``max_connections``): the rest is reserved for granted ones.
+        idle_timeout_s: A connection that holds no lease and sends nothing for this long is
+            closed (the client reconnects when it next needs the agent).
         line_timeout_s: How long a partial request line may stay incomplete.
         rate_per_s: Requests a connection may make per second (a burst of a quarter of it).
         workers: Threads for device calls that are slow.
         inline_below_s: A device whose calls take less runs them on the event loop (see
             :meth:`_call`); 0 sends every call to the thread pool.
         listen_fd: An inherited listening socket (systemd); default from ``LISTEN_FDS``.
+        allow_path: Where the allow list was read from (it must not lie in the socket's
+            folder).
     """
 
     def __init__(
@@ -165,11 +177,14 @@ class Agent:
         socket_mode: int = 0o660,
         max_connections: int = 4096,
         max_per_uid: int = 128,
+        max_ungranted: int | None = None,
+        idle_timeout_s: float = 60.0,
         line_timeout_s: float = 10.0,
         rate_per_s: float = 2000.0,
         workers: int = 8,
         inline_below_s: float = 0.002,
         listen_fd: int | None = None,
+        allow_path: Path | None = None,
     ) -> None:
         self.backend = backend
         self.socket_path = Path(socket_path)
@@ -178,10 +193,18 @@ class Agent:
         self.socket_mode = socket_mode
         self.max_connections = max_connections
         self.max_per_uid = max_per_uid
+        self.max_ungranted = (
+            max(1, max_connections // 4) if max_ungranted is None else max_ungranted
+        )
+        self.idle_timeout_s = idle_timeout_s
+        self._pod_standing: dict[str, tuple[float, bool]] = {}
+        self._job_events: dict[str, list[AgentEvent]] = {}
+        """Leases each job grant admitted that ended, until ``revoke`` reports them."""
         self.line_timeout_s = line_timeout_s
         self.rate_per_s = rate_per_s
         self.listen_fd = listen_fd if listen_fd is not None else _systemd_fd()
         self.inline_below_s = inline_below_s
+        self.allow_path = allow_path
         self._offload: dict[str, int] = {}
         self._slow: dict[str, int] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -250,17 +273,22 @@ class Agent:
             sock = socket.socket(fileno=self.listen_fd)
             if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
                 raise ConfigError("the inherited socket (LISTEN_FDS) is not a Unix stream socket")
+            bound = sock.getsockname()
+            if isinstance(bound, str) and bound.startswith("/"):
+                self._check_socket_folder(Path(bound).parent)
             self._server = await asyncio.start_unix_server(
                 self._serve_client, sock=sock, limit=protocol.MAX_LINE_BYTES, backlog=1024
             )
         else:
-            self.socket_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-            # chmod and chown below act on the path: nobody else may write its folder
             folder = self.socket_path.parent
+            self._check_socket_folder(folder)
+            folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+            # chmod and chown below act on the path: nobody else may write its folder
             check_trusted(
                 folder, os.lstat(folder), what="agent socket's folder", directory=True,
                 trusted_uids={0, os.geteuid()},
             )  # fmt: skip
+            _let_others_reach(folder, Path(self.backend.settings.state_dir))
             _clear_stale_socket(self.socket_path)
             self._server = await asyncio.start_unix_server(
                 self._serve_client, path=str(self.socket_path), limit=protocol.MAX_LINE_BYTES,
@@ -269,6 +297,7 @@ class Agent:
             os.chmod(self.socket_path, self.socket_mode)
             if self.gid is not None:
                 os.chown(self.socket_path, -1, self.gid)
+        housekeeping = asyncio.create_task(self._housekeeping())
         self.ready = True
         sd_notify("READY=1\nSTATUS=serving " + str(len(self._wire_devices)) + " device(s)")
         logger.info(
@@ -280,6 +309,7 @@ class Agent:
             await self._stopping.wait()
         finally:
             sd_notify("STOPPING=1")
+            housekeeping.cancel()
             self._server.close()
             for client in list(self._clients.values()):
                 await self._end(client, "agent stopping")
@@ -292,6 +322,75 @@ class Agent:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.socket_path)
             self.ready = False
+
+    def _check_socket_folder(self, folder: Path) -> None:
+        """Refuse a socket folder that holds the agent's state, grants or allow list.
+
+        Pods mount the socket's folder (read-only, docs/agent.md §3), and a container's root is
+        the host's: whatever lies in that folder a root pod could write, so the folder holds
+        the socket and nothing of the agent's.
+
+        Raises:
+            ConfigError: One of them lies in (or is) the socket's folder.
+        """
+        where = Path(os.path.realpath(folder))
+        state = Path(self.backend.settings.state_dir)
+        for what, path in (
+            ("state folder", state),
+            ("grants folder", self.rules.grants_dir),
+            ("allow list", self.allow_path),
+        ):
+            if path is None:
+                continue
+            real = Path(os.path.realpath(path))
+            if real == where or where in real.parents:
+                raise ConfigError(
+                    f"refusing to serve: the {what} {show_path(path)} lies in the socket's folder "
+                    f"{show_path(folder)}, which pods mount; give the socket a folder of its own "
+                    "(the default is /run/powerlib/agent/agent.sock)"
+                )
+
+    async def _housekeeping(self) -> None:
+        """Close idle lease-less connections; end the leases of a job whose grant went."""
+        period = max(0.05, min(0.5, self.idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                now = time.monotonic()
+                for client in list(self._clients.values()):
+                    if (
+                        not client.leases
+                        and not client.busy
+                        and now - client.active_s > self.idle_timeout_s
+                    ):
+                        await self._end(client, f"idle for {self.idle_timeout_s:g} s, no lease")
+                jobs = {g.job for g in self.rules.grants()[0] if g.job is not None}
+                gone = {
+                    lease.rule[4:]
+                    for lease in self._leases.values()
+                    if lease.rule.startswith("job:") and lease.rule[4:] not in jobs
+                }
+                for job in gone:
+                    await self._end_job(job, f"job {job}'s grant is gone")
+            except Exception:  # noqa: BLE001 - housekeeping must never stop serving
+                logger.exception("agent: housekeeping failed")
+
+    async def _end_job(self, job: str, reason: str) -> None:
+        """End and restore every lease job ``job``'s grant admitted.
+
+        A lease being ended already (by the housekeeping, or its client's end) is awaited too:
+        its restore holds the lease's lock.
+        """
+        leases = [lease for lease in self._leases.values() if lease.rule == f"job:{job}"]
+        if leases:
+            logger.info("agent: %s: ending %d lease(s)", reason, len(leases))
+        await asyncio.gather(*(self._restore(lease, reason) for lease in leases))
+
+    async def _revoke(self, job: str) -> list[dict[str, Any]]:
+        """``powerlib agent revoke``: end the job's leases; every one that ended, whoever ended it."""
+        await self._end_job(job, f"job {job}'s grant was revoked")
+        ended = self._job_events.pop(job, [])
+        return [{"device_id": e.device_id, "uid": e.uid, "pid": e.pid, "ok": e.ok} for e in ended]
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return (thread-safe)."""
@@ -368,7 +467,10 @@ class Agent:
             return
         client = _Client(id=next(self._ids), peer=peer, writer=writer)
         client.tokens, client.refilled_s = self.rate_per_s / 4, time.monotonic()
-        refusal = self._admit(peer)
+        client.active_s = time.monotonic()
+        client.pool, client.granted = await self._standing(peer)
+        # from here to the table insert nothing awaits: the limits hold under any interleaving
+        refusal = self._admit(client)
         if refusal is not None:
             if peer.pidfd is not None:
                 os.close(peer.pidfd)
@@ -388,13 +490,58 @@ class Agent:
         finally:
             await self._end(client, "connection closed")
 
-    def _admit(self, peer: Peer) -> str | None:
+    async def _standing(self, peer: Peer) -> tuple[str, bool]:
+        """Which share of the connection table ``peer`` counts against, and if it is granted.
+
+        Granted: some rule could admit it on some device (docs/agent.md §5).
+
+        A process in a pod counts against its pod (root included: a container's uid 0 is no
+        one's exemption); the pod's allocation is asked of the kubelet at most every few
+        seconds per pod. Root on the host is not limited.
+        """
+        pods = self.rules.kubernetes
+        if pods is not None:
+            pod = pods.pod_of(peer.pid)
+            if pod is not None:
+                return f"pod:{pod}", await self._pod_granted(pod, peer)
+        if peer.uid == 0 and (pods is None or pods.is_host_process(peer.pid)):
+            return "root", True
+        job_grants, _ = self.rules.grants()
+        granted = any(g.admits(peer.uid, peer.gids) for g in (*self.rules.allow, *job_grants))
+        return f"uid:{peer.uid}", granted
+
+    async def _pod_granted(self, pod: str, peer: Peer) -> bool:
+        now = time.monotonic()
+        cached = self._pod_standing.get(pod)
+        if cached is not None and now - cached[0] < 5.0:
+            return cached[1]
+        granted = False
+        if pod != "?":  # a process the agent cannot place is never granted
+            try:
+                found = await self._call(self.rules.kubernetes.devices_of, peer.pid)
+                granted = bool(found is not None and found.devices)
+            except PowerlibError:
+                granted = False
+        if len(self._pod_standing) > 4096:
+            self._pod_standing.clear()
+        self._pod_standing[pod] = (now, granted)
+        return granted
+
+    def _admit(self, client: _Client) -> str | None:
         if len(self._clients) >= self.max_connections:
             return f"the agent holds {len(self._clients)} connections, its limit; try again later"
-        if peer.uid != 0:
-            held = sum(1 for c in self._clients.values() if c.peer.uid == peer.uid)
+        if not client.granted:
+            held = sum(1 for c in self._clients.values() if not c.granted)
+            if held >= self.max_ungranted:
+                return (
+                    f"{held} connections of clients that no rule admits are open, their limit "
+                    "(the rest is kept for granted jobs); try again later"
+                )
+        if client.pool != "root":
+            held = sum(1 for c in self._clients.values() if c.pool == client.pool)
             if held >= self.max_per_uid:
-                return f"uid {peer.uid} holds {held} connections, the limit per uid"
+                who = client.pool.replace(":", " ", 1)
+                return f"{who} holds {held} connections, the limit per {who.split()[0]}"
         return None
 
     async def _read_loop(self, client: _Client, reader: asyncio.StreamReader) -> None:
@@ -426,8 +573,13 @@ class Agent:
                     return
                 # every line counts against the rate, blank ones too: none can spin the loop
                 await self._throttle(client)
-                if line.strip() and not await self._handle(client, line):
-                    return
+                client.busy = True
+                try:
+                    if line.strip() and not await self._handle(client, line):
+                        return
+                finally:
+                    client.busy = False
+                    client.active_s = time.monotonic()
                 if client.ended:
                     return
             del buf[:start]  # one copy per chunk, not one per line
@@ -461,7 +613,10 @@ class Agent:
         except PowerlibError as err:
             return await self._send(client, protocol.error_reply(rid, err))
         except Exception as err:  # noqa: BLE001 - a driver bug must not kill the agent
-            logger.exception("agent: %s failed for %s", msg.get("op"), client.peer.describe())
+            client.log_limit.log(
+                logger, logging.ERROR, "agent: %s failed for %s", msg["op"],
+                client.peer.describe(), exc_info=True,
+            )  # fmt: skip
             return await self._send(client, protocol.error_reply(rid, err))
         return await self._send(client, protocol.reply(rid, result))
 
@@ -476,7 +631,10 @@ class Agent:
         return True
 
     async def _refuse(self, client: _Client, err: PowerlibError) -> None:
-        logger.warning("agent: closing %s: %s", client.peer.describe(), err.message)
+        client.log_limit.log(
+            logger, logging.WARNING, "agent: closing %s: %s", client.peer.describe(),
+            protocol.one_line(err.message),
+        )  # fmt: skip
         await self._send(client, protocol.error_reply(None, err))
 
     async def _reply_and_close(
@@ -507,16 +665,30 @@ class Agent:
         if op == "devices":
             return self._wire_devices
         if op == "leases":
+            host_root = client.pool == "root"
             return [
                 {"device_id": k, "uid": v.client.peer.uid, "pid": v.client.peer.pid, "rule": v.rule,
                  "since_s": v.since_s}
                 for k, v in self._leases.items()
-                if peer.uid == 0 or v.client is client
+                if host_root or v.client is client
             ]  # fmt: skip
+        if op == "revoke":
+            if client.pool != "root":  # root on the host (a Slurm epilog), not a pod's root
+                raise PermissionDeniedError(
+                    f"{peer.describe()} may not revoke a job's grant: only root on the host may",
+                    operation=op,
+                )
+            invalidate = getattr(self.rules, "invalidate", None)
+            if invalidate is not None:
+                invalidate()
+            return await self._revoke(msg["job"])
         dev = self._resolve(msg["device"])
         allowed, why = await self._authorize(client, dev, _shown(msg["device"], dev))
         if not allowed:
-            logger.warning("agent: refused %s %s: %s", op, peer.describe(), why)
+            client.log_limit.log(
+                logger, logging.WARNING, "agent: refused %s %s: %s", op, peer.describe(),
+                protocol.one_line(why),
+            )  # fmt: skip
             raise PermissionDeniedError(why, device=dev.device_id, operation=op)
         if op == "read":
             state = await self._call(dev.read_state, device=dev.device_id)
@@ -527,10 +699,21 @@ class Agent:
                 await self._restore(lease, "released")
             return None
         lease = self._lease(client, dev, why)
-        async with lease.busy:
-            if self._leases.get(dev.device_id) is not lease:  # restored while this waited
-                raise DeviceLostError("the lease ended (the client is gone)", device=dev.device_id)
-            return await self._change(op, lease, msg)
+        try:
+            async with lease.busy:
+                if self._leases.get(dev.device_id) is not lease:  # restored while this waited
+                    raise DeviceLostError(
+                        "the lease ended (the client is gone, or its grant was revoked)",
+                        device=dev.device_id,
+                    )
+                result = await self._change(op, lease, msg)
+                lease.changed = True
+                return result
+        except BaseException:
+            if not lease.changed and self._leases.get(dev.device_id) is lease:
+                # a failed first change leaves no lease: the device stays free for others
+                await self._restore(lease, "its first change failed")
+            raise
 
     async def _change(self, op: str, lease: _Lease, msg: dict[str, Any]) -> Any:
         dev = lease.device
@@ -545,16 +728,21 @@ class Agent:
                 msg.get("max_mhz"),
                 device=where,
             )
+            lease.targets["sm_clocks"] = [lo, hi]
             return [lo, hi]
         if op == "reset_sm_clocks":
             await self._call(lease.session.reset_sm_clocks, dev, device=where)
+            lease.targets["sm_clocks"] = None
             return None
         if op == "set_power_limit":
-            return await self._call(
+            applied = await self._call(
                 lease.session.set_power_limit, dev, msg["power_limit_w"], device=where
             )
+            lease.targets["power_limit"] = applied
+            return applied
         if op == "reset_power_limit":
             await self._call(lease.session.reset_power_limit, dev, device=where)
+            lease.targets["power_limit"] = dev.info.default_power_limit_w
             return None
         raise protocol.ProtocolError(f"unknown operation {op!r}")  # decode_request stops these
 
@@ -623,7 +811,11 @@ class Agent:
             )
             self._leases[dev.device_id] = lease
             client.leases[dev.device_id] = lease
-            logger.info("agent: %s leases %s (%s)", client.peer.describe(), dev.device_id, rule)
+            # a client looping change/release must not flood the log: its own limit
+            client.log_limit.log(
+                logger, logging.INFO, "agent: %s leases %s (%s)", client.peer.describe(),
+                dev.device_id, rule,
+            )  # fmt: skip
         return lease
 
     async def _call(self, fn: Callable[..., Any], *args: Any, device: str | None = None) -> Any:
@@ -682,23 +874,31 @@ class Agent:
             client.writer.transport.abort()
         leases = list(client.leases.values())
         if leases:
-            logger.info(
-                "agent: %s: %s; restoring %d device(s)", client.peer.describe(), reason, len(leases)
-            )
+            client.log_limit.log(
+                logger, logging.INFO, "agent: %s: %s; restoring %d device(s)",
+                client.peer.describe(), reason, len(leases),
+            )  # fmt: skip
         # each device on its own: one that fails does not stop the others
         await asyncio.gather(*(self._restore(lease, reason, detected) for lease in leases))
 
-    async def _restore(self, lease: _Lease, reason: str, detected_s: float | None = None) -> None:
+    async def _restore(
+        self, lease: _Lease, reason: str, detected_s: float | None = None
+    ) -> AgentEvent | None:
+        """Restore ``lease``'s device and end the lease; its event (None: already ended)."""
         dev_id = lease.device.device_id
         detected = time.monotonic() if detected_s is None else detected_s
         async with lease.busy:  # after a change in flight, never under it
             if self._leases.get(dev_id) is not lease:
-                return  # already restored (a release and the client's end can both ask)
+                return None  # already restored (a release and the client's end can both ask)
             event = AgentEvent(
                 device_id=dev_id, pid=lease.client.peer.pid, uid=lease.client.peer.uid,
                 reason=reason, detected_s=detected,
             )  # fmt: skip
             self.events.append(event)
+            if lease.rule.startswith("job:"):  # for `powerlib agent revoke`'s report
+                self._job_events.setdefault(lease.rule[4:], []).append(event)
+                while len(self._job_events) > 1024:
+                    self._job_events.pop(next(iter(self._job_events)))
 
             def restore() -> list[Any]:
                 event.restore_started_s = time.monotonic()
@@ -706,15 +906,59 @@ class Agent:
 
             try:
                 outcomes = await self._call(restore)
-                event.ok = all(o.ok for o in outcomes)
+                # a value the lease did not set (another root process changed the device under
+                # it) is left as found, and the lease's restore is not ok: say which and whose
+                event.ok = all(o.ok and o.found is None for o in outcomes)
+                peer = lease.client.peer
                 for o in outcomes:
-                    (logger.info if o.ok else logger.error)("agent: restore %s: %s", dev_id, o)
+                    if o.found is not None:
+                        logger.error(
+                            "agent: restore %s: not ok: its %s reads %s, not the %s that %s (%s) "
+                            "set through the agent: someone else changed it; left as found",
+                            dev_id, o.item.replace("_", " "), _value(o.item, o.found),
+                            _value(o.item, lease.targets.get(o.item)), peer.describe(), lease.rule,
+                        )  # fmt: skip
+                        continue
+                    if o.ok:
+                        lease.client.log_limit.log(
+                            logger, logging.INFO, "agent: restore %s: %s", dev_id, o
+                        )
+                    else:  # a failure is always told
+                        logger.error("agent: restore %s: %s", dev_id, o)
             except Exception:  # noqa: BLE001 - ControlSession.close never raises; belt and braces
                 logger.exception("agent: restoring %s failed", dev_id)
             finally:
                 event.restore_done_s = time.monotonic()
                 self._leases.pop(dev_id, None)
                 lease.client.leases.pop(dev_id, None)
+        return event
+
+
+def _value(item: str, value: Any) -> str:
+    """A setting for a log line: ``250 W``, ``1200-1410 MHz``, ``unlocked``."""
+    if value is None:
+        return "unlocked" if item != "power_limit" else "unknown"
+    if isinstance(value, (list, tuple)):
+        return "{:g}-{:g} MHz".format(*value)
+    return f"{float(value):g} W"
+
+
+def _let_others_reach(folder: Path, state: Path) -> None:
+    """Let clients reach a socket folder inside root's state folder.
+
+    Adds ``x`` for group and others to the folders between (root's own, never a symlink), not
+    ``r`` or ``w``.
+    """
+    try:
+        inside = folder.resolve().relative_to(state.resolve())
+    except ValueError:
+        return
+    path = state
+    for part in ("", *inside.parts[:-1]):
+        path = path / part if part else path
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o011 != 0o011:
+            os.chmod(path, stat.S_IMODE(st.st_mode) | 0o011)
 
 
 def _shown(selector: str | int, dev: Device) -> str:

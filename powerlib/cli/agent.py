@@ -14,11 +14,20 @@ from pathlib import Path
 import click
 
 from powerlib.cli.options import Number, Options, emit_json, open_backend_for, settings_for
-from powerlib.errors import ConfigError, PermissionDeniedError
+from powerlib.config import NODE_STATE_DIR
+from powerlib.errors import ConfigError, PermissionDeniedError, PowerlibError
 
 __all__ = ["agent"]
 
-DEFAULT_GRANTS = Path("/run/powerlib/grants")
+_GRANTS_HELP = (
+    "Where job grants live (default: grants/ in root's state folder, POWERLIB_STATE_DIR, "
+    f"normally {NODE_STATE_DIR / 'grants'})."
+)
+
+
+def _grants(opts: Options, grants_dir: Path | None) -> Path:
+    """``--grants-dir``, or ``grants/`` in root's state folder (the node's layout)."""
+    return grants_dir if grants_dir is not None else settings_for(opts).state_dir / "grants"
 
 
 @click.group()
@@ -32,8 +41,10 @@ def agent() -> None:
     "socket_path",
     type=click.Path(path_type=Path),
     default=None,
-    help="Where to listen (default POWERLIB_AGENT_SOCKET, /run/powerlib/agent.sock); "
-    "ignored under systemd socket activation.",
+    help="Where to listen (default POWERLIB_AGENT_SOCKET, /run/powerlib/agent/agent.sock). The "
+    "socket's folder holds nothing else: pods mount it read-only, and the agent refuses to "
+    "start when its state, grants or allow list lie in it. Ignored under systemd socket "
+    "activation (the folder of the socket systemd passes is checked the same way).",
 )
 @click.option(
     "--group", default=None, help="Group that owns the socket (name or gid); default root's."
@@ -52,13 +63,7 @@ def agent() -> None:
     default=None,
     help="The allow list (JSON; root's, writable by nobody else).",
 )
-@click.option(
-    "--grants-dir",
-    type=click.Path(path_type=Path),
-    default=DEFAULT_GRANTS,
-    show_default=True,
-    help="Where job grants live (powerlib agent grant).",
-)
+@click.option("--grants-dir", type=click.Path(path_type=Path), default=None, help=_GRANTS_HELP)
 @click.option(
     "--line-timeout-s",
     type=Number(min=0.1, max=3600.0),
@@ -71,7 +76,24 @@ def agent() -> None:
     type=click.IntRange(1, 1_000_000),
     default=128,
     show_default=True,
-    help="Connections one uid may hold at once (root is not limited).",
+    help="Connections one uid (with --kubernetes: one pod, its root included) may hold at once; "
+    "root on the host is not limited.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(1, 1_000_000),
+    default=4096,
+    show_default=True,
+    help="Connections held at once, all clients together; a quarter of them at most by clients "
+    "that no rule admits on any device, so they can never crowd out a granted job.",
+)
+@click.option(
+    "--idle-timeout-s",
+    type=Number(min=0.1, max=86400.0),
+    default=60.0,
+    show_default=True,
+    help="Close a connection that holds no lease and sends nothing for this long (clients "
+    "reconnect when they next need the agent).",
 )
 @click.option(
     "--kubernetes",
@@ -101,9 +123,11 @@ def serve(
     group: str | None,
     socket_mode: str,
     allow_path: Path | None,
-    grants_dir: Path,
+    grants_dir: Path | None,
     line_timeout_s: float,
     max_per_uid: int,
+    max_connections: int,
+    idle_timeout_s: float,
     kubernetes: bool,
     pod_resources_socket: Path,
     cri_socket: Path,
@@ -132,6 +156,10 @@ def serve(
         logging.basicConfig(
             level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr
         )
+    from powerlib.agent.logs import queue_logging  # noqa: PLC0415
+
+    # a log sink that stalls must never stall the event loop (docs/agent.md §5)
+    log_queue = queue_logging()
     settings = settings_for(opts)
     allow = load_allow_list(allow_path) if allow_path is not None else ()
     pods = None
@@ -144,15 +172,19 @@ def serve(
         server = Agent(
             backend,
             socket_path=socket_path or settings.agent_socket,
-            rules=Rules(allow=allow, grants_dir=grants_dir, kubernetes=pods),
+            rules=Rules(allow=allow, grants_dir=_grants(opts, grants_dir), kubernetes=pods),
             group=group,
             socket_mode=mode,
             line_timeout_s=line_timeout_s,
             max_per_uid=max_per_uid,
+            max_connections=max_connections,
+            idle_timeout_s=idle_timeout_s,
+            allow_path=allow_path,
         )
         server.run()
     finally:
         backend.close()
+        log_queue.stop()  # writes what is queued
 
 
 @agent.command()
@@ -162,18 +194,45 @@ def serve(
 )
 @click.option(
     "--devices",
-    required=True,
-    help="Comma-separated device indexes, UUIDs or PCI bus ids ($SLURM_JOB_GPUS).",
+    default=None,
+    help="Comma-separated device UUIDs, PCI bus ids or indexes (in the agent's order).",
 )
 @click.option(
-    "--grants-dir", type=click.Path(path_type=Path), default=DEFAULT_GRANTS, show_default=True
+    "--slurm-gpus",
+    default=None,
+    metavar="MINORS",
+    help="Slurm's GPU list ($SLURM_JOB_GPUS): device minor numbers (/dev/nvidiaN), which need "
+    "not follow the agent's PCI order; each is resolved to its UUID on this node.",
+)
+@click.option("--grants-dir", type=click.Path(path_type=Path), default=None, help=_GRANTS_HELP)
+@click.option(
+    "--user-state/--no-user-state",
+    default=True,
+    show_default=True,
+    help="Also create the user's state folder <state>/users/UID (0700, theirs), where their "
+    "sessions journal by default instead of /tmp.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the grant as JSON.")
-def grant(job: str, uid: str, devices: str, grants_dir: Path, as_json: bool) -> None:
-    """Grant a job's user its devices (a Slurm prolog, as root)."""
+@click.pass_obj
+def grant(
+    opts: Options,
+    job: str,
+    uid: str,
+    devices: str | None,
+    slurm_gpus: str | None,
+    grants_dir: Path | None,
+    user_state: bool,
+    as_json: bool,
+) -> None:
+    r"""Grant a job's user its devices (a Slurm prolog, as root).
+
+    \b
+    powerlib agent grant --job "$SLURM_JOB_ID" --uid "$SLURM_JOB_UID" --slurm-gpus "$SLURM_JOB_GPUS"
+    """
     import pwd  # noqa: PLC0415
 
     from powerlib.agent.authz import write_grant  # noqa: PLC0415
+    from powerlib.agent.node import make_user_state_dir, uuids_of_minors  # noqa: PLC0415
 
     if os.geteuid() != 0:
         raise PermissionDeniedError("powerlib agent grant runs as root (in a Slurm prolog)")
@@ -184,27 +243,77 @@ def grant(job: str, uid: str, devices: str, grants_dir: Path, as_json: bool) -> 
             uid_n = pwd.getpwnam(uid).pw_uid
         except KeyError:
             raise ConfigError(f"no such user {uid!r}") from None
-    names = [d.strip() for d in devices.split(",") if d.strip()]
-    path = write_grant(grants_dir, job, uid_n, names)
+    if (devices is None) == (slurm_gpus is None):
+        raise ConfigError("give the job's devices with --devices or --slurm-gpus (one of them)")
+    if slurm_gpus is not None:
+        minors = [m.strip() for m in slurm_gpus.split(",") if m.strip()]
+        backend = open_backend_for(opts)
+        try:
+            names = uuids_of_minors(backend, minors)
+        finally:
+            backend.close()
+    else:
+        names = [d.strip() for d in (devices or "").split(",") if d.strip()]
+    folder = None
+    if user_state:  # first: a folder that is not the user's alone fails the prolog, no grant
+        folder = make_user_state_dir(settings_for(opts).state_dir, uid_n)
+    path = write_grant(_grants(opts, grants_dir), job, uid_n, names)
     if as_json:
-        emit_json({"job": job, "uid": uid_n, "devices": names, "path": str(path)})
+        emit_json(
+            {
+                "job": job,
+                "uid": uid_n,
+                "devices": names,
+                "path": str(path),
+                "user_state_dir": None if folder is None else str(folder),
+            }
+        )
     else:
         click.echo(f"granted uid {uid_n} devices {','.join(names)} for job {job} ({path})")
 
 
 @agent.command()
 @click.option("--job", required=True, help="The job id (Slurm: $SLURM_JOB_ID).")
-@click.option(
-    "--grants-dir", type=click.Path(path_type=Path), default=DEFAULT_GRANTS, show_default=True
-)
-def revoke(job: str, grants_dir: Path) -> None:
-    """Remove a job's grant (a Slurm epilog, as root)."""
+@click.option("--grants-dir", type=click.Path(path_type=Path), default=None, help=_GRANTS_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print what was done as JSON.")
+@click.pass_obj
+def revoke(opts: Options, job: str, grants_dir: Path | None, as_json: bool) -> None:
+    """Remove a job's grant and end its leases (a Slurm epilog, as root).
+
+    The grant file goes first, so nothing more is admitted by it; then the agent is asked to
+    end (and restore) every lease the grant admitted, a process of the user's started outside
+    the job included, and this returns once they are restored. Without a running agent only
+    the file is removed.
+    """
     from powerlib.agent.authz import remove_grant  # noqa: PLC0415
+    from powerlib.agent.client import AgentConnection  # noqa: PLC0415
 
     if os.geteuid() != 0:
         raise PermissionDeniedError("powerlib agent revoke runs as root (in a Slurm epilog)")
-    removed = remove_grant(grants_dir, job)
-    click.echo(f"{'revoked' if removed else 'no grant for'} job {job}")
+    removed = remove_grant(_grants(opts, grants_dir), job)
+    ended: list[dict[str, object]] | None = None
+    note = ""
+    try:
+        conn = AgentConnection(settings_for(opts).agent_socket)
+    except PowerlibError as err:
+        note = f"; no agent to ask ({err.message})"
+    else:
+        try:
+            ended = conn.call("revoke", job=job)
+        finally:
+            conn.close()
+    failed = [e for e in ended or () if not e.get("ok")]
+    if as_json:
+        emit_json({"job": job, "removed": removed, "leases_ended": ended, "ok": not failed})
+    else:
+        what = "revoked" if removed else "no grant for"
+        leases = "" if ended is None else f"; {len(ended)} lease(s) ended and restored"
+        click.echo(f"{what} job {job}{leases}{note}")
+    if failed:
+        raise PowerlibError(
+            f"job {job}: {len(failed)} lease(s) did not restore cleanly (see the agent's log): "
+            + ", ".join(str(e["device_id"]) for e in failed)
+        )
 
 
 @agent.command()
