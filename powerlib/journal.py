@@ -635,6 +635,23 @@ class StateDir:
             raise
         return [path for _, _, path in sorted(found)]
 
+    def journal_names(self) -> set[str]:
+        """The names of the journal files (``*.json``, not hidden), without opening any.
+
+        Raises:
+            PermissionDeniedError: ``journal/`` exists but cannot be listed.
+            UntrustedStateError: ``journal/`` is untrusted (or was swapped for a symlink).
+        """
+        try:
+            with self.folder("journal") as fd, os.scandir(fd) as it:
+                return {e.name for e in it if e.name.endswith(".json") and e.name[0] != "."}
+        except (FileNotFoundError, ConfigError):
+            return set()
+        except OSError as err:
+            raise PermissionDeniedError(
+                f"cannot list the journals in {show_path(self.journal_dir)} ({err.strerror})"
+            ) from err
+
     def remove_journal(self, path: Path) -> None:
         """Delete a journal once its device is restored (``unlinkat`` in ``journal/``)."""
         with contextlib.suppress(OSError, PowerlibError), self.folder("journal") as fd:

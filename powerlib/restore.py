@@ -532,12 +532,13 @@ def restore_for_user(
     The trust rules for acting on someone else's behalf (docs/agent.md §4):
 
     * **Only the job's devices.** ``devices`` (any id form, resolved exactly on this restore's
-      own backend) come from root: ``--devices`` or the job's grant. A journal naming any other
-      device is skipped and said.
+      own backend) come from root: ``--devices`` or the job's grant. Only the journals filed
+      under those devices' names are opened; any other file is counted in one skipped line.
     * **No value from the user's files.** A journal only says which items of which device were
       changed; each is reset to the driver's default (clocks unlocked, the default power
       limit) and read back. A journal that cannot be read or trusted, filed under one of the
-      job's devices' names, resets every settable item of that device.
+      job's devices' names, resets every item of that device that has a driver default. An
+      item the device cannot reset to a default is skipped and said, never a failure.
     * **Root's own lock.** The device's lock is taken in root's state folder
       (``settings.state_dir``), the one the agent's leases hold: a device leased by a live
       process is left to its lease and skipped.
@@ -614,43 +615,42 @@ def _restore_user_folder(
     include_live: bool,
     dry_run: bool,
 ) -> list[RestoreOutcome]:
+    """Restore from one of the user's state folders.
+
+    Only the journals filed under the job's devices' names are opened (``openat``); any other
+    file is counted in one skipped line, so a folder of a million junk files costs a listing,
+    not a million reads or a million log lines.
+    """
     state = StateDir(folder, trusted_uids=(uid,))
     try:
         if not state.inspect():
             return []
-        paths = state.journals()
+        names = state.journal_names()
     except PowerlibError as err:
         return [_skip(folder, f"skipped the state folder of {describe_owner(uid)}: {err}")]
     outcomes: list[RestoreOutcome] = []
-    for path in paths:
+    others = len(names - by_name.keys())
+    if others:
+        outcomes.append(
+            _skip(
+                state.journal_dir,
+                f"skipped {others} journal file(s) not filed under one of the job's devices "
+                f"({', '.join(job) or 'none'}); a restore for {describe_owner(uid)} acts on "
+                "nothing else",
+            )
+        )
+    for name, dev in by_name.items():
+        if name not in names:
+            continue
+        path = state.journal_dir / name
         try:
             entry: JournalEntry | None = state.read_journal(path)
         except PowerlibError as err:
-            entry = None
-            dev = by_name.get(path.name)
-            if dev is None:
-                outcomes.append(_skip(path, f"skipped: {err}"))
-                continue
+            entry = None  # its name is all root needs: the device is reset to its defaults
             reason = f"the journal is not trusted ({err})"
-            items = [
-                item
-                for item, capability in _ITEMS_BY_CAPABILITY
-                if getattr(dev.info.capabilities, capability)
-            ]
+            items = [c for c, capability in _ITEMS_BY_CAPABILITY if _can(dev, capability)]
         else:
             assert entry is not None
-            dev = job.get(entry.device_id) if entry.backend == backend_name else None
-            if dev is None:
-                outcomes.append(
-                    _skip(
-                        path,
-                        f"skipped: {entry.backend} device {show_path(entry.device_id)} is not one "
-                        f"of the job's devices ({', '.join(job) or 'none'}); a restore for "
-                        f"{describe_owner(uid)} acts on nothing else",
-                        entry,
-                    )
-                )
-                continue
             if not include_live and entry.owner.is_alive():
                 outcomes.append(
                     _skip(
@@ -662,11 +662,30 @@ def _restore_user_folder(
                 )
                 continue
             reason = "the journal's values are never used for another user"
-            items = [c.item for c in entry.changes]
+            capable = {c for c, capability in _ITEMS_BY_CAPABILITY if _can(dev, capability)}
+            items = [c.item for c in entry.changes if c.item in capable]
+            cannot = [c.item for c in entry.changes if c.item not in capable]
+            if cannot:  # a user's file must never make the restore fail: said, not acted on
+                outcomes.append(
+                    _skip(
+                        path,
+                        f"skipped {', '.join(cannot)} of {dev.device_id}: the device cannot "
+                        "reset it to a driver default",
+                        entry,
+                    )
+                )
         outcomes.extend(
             _reset_to_defaults(dev, items, reason, root_state, state, path, entry, dry_run)
         )
     return outcomes
+
+
+def _can(dev: Device, capability: str) -> bool:
+    """Whether ``dev`` can reset the item ``capability`` stands for to a driver default."""
+    caps = dev.info.capabilities
+    if capability == "can_set_power_limit":
+        return caps.can_set_power_limit and dev.info.default_power_limit_w is not None
+    return bool(getattr(caps, capability))
 
 
 def _reset_to_defaults(
@@ -681,28 +700,16 @@ def _reset_to_defaults(
 ) -> list[RestoreOutcome]:
     """Reset ``items`` of ``dev`` to the driver's defaults under root's lock, and read back."""
     owner_pid = None if entry is None else entry.owner.pid
-    changes: list[Change] = []
-    failed: list[RestoreOutcome] = []
-    for item in items:
-        if item != "power_limit":
-            changes.append(Change(item=item, original=None))
-            continue
-        default_w = dev.info.default_power_limit_w
-        if default_w is None:
-            failed.append(
-                RestoreOutcome(
-                    device_id=dev.device_id,
-                    item=item,
-                    action="failed: the driver reports no default power limit to reset to, and "
-                    "a value from another user's journal is never written; left as it is",
-                    ok=False,
-                    journal=str(journal),
-                    owner_pid=owner_pid,
-                    error_code=1,
-                )
-            )
-            continue
-        changes.append(Change(item=item, original=float(default_w)))
+    changes = [
+        Change(item=item, original=dev.info.default_power_limit_w)
+        if item == "power_limit"
+        else Change(item=item, original=None)
+        for item in items
+    ]
+    if not changes:  # nothing the device can reset: the journal has told all it can
+        if not dry_run:
+            user_state.remove_journal(journal)
+        return []
     lock = DeviceLock(root_state, device_key(dev.info.backend, dev.device_id))
     if not dry_run:
         try:
@@ -740,7 +747,7 @@ def _reset_to_defaults(
             owner_pid=owner_pid,
         )
         for o in done
-    ] + failed
+    ]
     if not dry_run and all(o.ok for o in outcomes):
         user_state.remove_journal(journal)
     return outcomes

@@ -348,7 +348,7 @@ def _grant(data: Any) -> Grant:
 
 
 def write_grant(folder: Path, job: str, uid: int, devices: Iterable[str]) -> Path:
-    """Write a job grant (root, in a Slurm prolog): ``folder/job-<job>.json``, 0644, atomically.
+    """Write a job grant (root, in a Slurm prolog): ``folder/job-<job>.json``, 0600, atomically.
 
     Raises:
         ConfigError: A bad job id, uid or device list.
@@ -362,7 +362,7 @@ def write_grant(folder: Path, job: str, uid: int, devices: Iterable[str]) -> Pat
         devs = _devices([d for d in devices])
     except ValueError as err:
         raise ConfigError(f"devices: {err}") from None
-    folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # who runs which job: root's only
     check_trusted(
         folder, os.lstat(folder), what="grants folder", directory=True, trusted_uids=ROOT_ONLY
     )
@@ -371,9 +371,9 @@ def write_grant(folder: Path, job: str, uid: int, devices: Iterable[str]) -> Pat
     body = json.dumps({"job": job, "uid": uid, "devices": list(devs), "created_s": time.time()})
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.fchmod(fd, 0o644)
+        os.fchmod(fd, 0o600)
         os.write(fd, body.encode())
         os.fsync(fd)
     finally:

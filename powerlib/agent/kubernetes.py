@@ -75,6 +75,7 @@ _CGROUPFS_LAYOUT = re.compile(
 _LINE = re.compile(r"(?P<id>[0-9]+):(?P<controllers>[^:]*):(?P<path>/.*)")
 _TIMEOUT_S = 5.0
 _CACHE_S = 5.0
+_VERDICT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +264,9 @@ class KubernetesGrants:
             _under(Path(cgroup_fs)) if isinstance(cgroup_fs, str | Path) else cgroup_fs
         )
         self._pods: tuple[float, dict[tuple[str, str, str], tuple[str, ...]]] | None = None
+        self._verdicts: dict[tuple[str, tuple[int, int]], tuple[float, Any]] = {}
+        """Recent placements by (cgroup text, pid namespace): two processes that share both are
+        in the same container, so one runtime question answers for both, refusals included."""
 
     def in_pod(self, pid: int) -> bool:
         """Whether the process runs in a pod (then only the pod's verdict counts for it).
@@ -304,11 +308,33 @@ class KubernetesGrants:
                 the container's pid namespace, or a service cannot be reached (the message says
                 which).
         """
-        placed = _place(self._cgroup_of(pid))
+        text = self._cgroup_of(pid)
+        placed = _place(text)
         if placed.problem is not None:
             raise ConfigError(f"pid {pid}'s cgroup {placed.problem}")
         if placed.pod_uid is None or placed.container_id is None:
             return None
+        key = (text, _pid_namespace(pid))
+        now = time.monotonic()
+        cached = self._verdicts.get(key)
+        if cached is not None and now - cached[0] < _VERDICT_S:
+            if isinstance(cached[1], ConfigError):
+                raise ConfigError(cached[1].message)
+            return cached[1]
+        try:
+            found: PodDevices | ConfigError = self._place_container(pid, placed)
+        except ConfigError as err:
+            found = err
+        if len(self._verdicts) > 4096:
+            self._verdicts.clear()
+        self._verdicts[key] = (now, found)
+        if isinstance(found, ConfigError):
+            raise found
+        return found
+
+    def _place_container(self, pid: int, placed: _Placement) -> PodDevices:
+        """:meth:`devices_of` for a process the cgroup places in a container: the checks."""
+        assert placed.pod_uid is not None and placed.container_id is not None
         pod_uid, container_id = placed.pod_uid, placed.container_id
         self._check_folders(placed)
         status = self._status(container_id)
@@ -454,8 +480,9 @@ class KubernetesGrants:
         return out
 
     def invalidate(self) -> None:
-        """Forget the cached allocations (a new pod was scheduled; tests)."""
+        """Forget the cached allocations and placements (a new pod was scheduled; tests)."""
         self._pods = None
+        self._verdicts.clear()
 
 
 # -- the protobuf wire format, as far as these messages need it ------------------------------------

@@ -44,12 +44,12 @@ def make_user_state_dir(node_state_dir: Path, uid: int) -> Path:
     """Create ``<node>/users/<uid>`` (0700, owned by ``uid``) for that user's sessions.
 
     ``<node>`` and ``users/`` are root's and reachable (``x``) by everyone; every step goes
-    through folder descriptors opened without following links. An existing folder is kept if
-    it is ``uid``'s own and private.
+    through folder descriptors opened without following links. An existing folder of
+    ``uid``'s is kept, made private again (0700) if the user opened it up.
 
     Raises:
         UntrustedStateError: A folder on the way is not root's, is a symlink or is writable by
-            others, or the user's folder exists but is not theirs alone.
+            others, or the user's folder exists but is someone else's.
     """
     node = Path(node_state_dir)
     node.parent.mkdir(parents=True, exist_ok=True)
@@ -74,15 +74,18 @@ def make_user_state_dir(node_state_dir: Path, uid: int) -> Path:
                     except KeyError:
                         gid = uid
                     os.fchown(fd, uid, gid)
-                    os.fchmod(fd, 0o700)
                 st = os.fstat(fd)
-                if st.st_uid != uid or st.st_mode & 0o077:
+                if st.st_uid != uid:  # nobody but root can make a folder in users/
                     raise UntrustedStateError(
                         f"refusing the user state folder {show_path(node / 'users' / name)} "
                         f"(owner {describe_owner(st.st_uid)}, mode "
-                        f"{stat.S_IMODE(st.st_mode):04o}): it must be {describe_owner(uid)}'s "
-                        "alone (0700); remove it and run the prolog again"
+                        f"{stat.S_IMODE(st.st_mode):04o}): it must be {describe_owner(uid)}'s; "
+                        "remove it and run the prolog again"
                     )
+                if stat.S_IMODE(st.st_mode) != 0o700:
+                    # the user may have opened it up after a job: theirs, so closed again here
+                    # (through the descriptor) rather than failing the prolog and draining
+                    os.fchmod(fd, 0o700)
             finally:
                 os.close(fd)
         finally:

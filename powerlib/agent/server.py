@@ -33,6 +33,7 @@ import itertools
 import logging
 import os
 import resource
+import select
 import signal
 import socket
 import stat
@@ -94,7 +95,8 @@ class _Client:
     ended: bool = False
     tokens: float = 0.0
     refilled_s: float = 0.0
-    admitted: dict[str, str] = field(default_factory=dict)
+    verdicts: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    """A pod's verdict per device, kept for the connection (docs/agent.md §3)."""
     pool: str = ""
     """Whose share of the connection table it counts against: ``uid:<n>``, ``pod:<uid>``."""
     granted: bool = True
@@ -198,6 +200,8 @@ class Agent:
         )
         self.idle_timeout_s = idle_timeout_s
         self._pod_standing: dict[str, tuple[float, bool]] = {}
+        self._pod_lookups: dict[str, asyncio.Future[bool]] = {}
+        self._log_limits: dict[str, LogLimiter] = {}
         self._job_events: dict[str, list[AgentEvent]] = {}
         """Leases each job grant admitted that ended, until ``revoke`` reports them."""
         self.line_timeout_s = line_timeout_s
@@ -469,6 +473,8 @@ class Agent:
         client.tokens, client.refilled_s = self.rate_per_s / 4, time.monotonic()
         client.active_s = time.monotonic()
         client.pool, client.granted = await self._standing(peer)
+        if client.pool != "root":  # one budget of log lines per uid or pod, not per connection:
+            client.log_limit = self._log_limit(client.pool)  # reconnecting gets no fresh one
         # from here to the table insert nothing awaits: the limits hold under any interleaving
         refusal = self._admit(client)
         if refusal is not None:
@@ -510,25 +516,47 @@ class Agent:
         granted = any(g.admits(peer.uid, peer.gids) for g in (*self.rules.allow, *job_grants))
         return f"uid:{peer.uid}", granted
 
+    def _log_limit(self, pool: str) -> LogLimiter:
+        limit = self._log_limits.get(pool)
+        if limit is None:
+            if len(self._log_limits) >= 4096:  # bounded: the oldest budget goes first
+                self._log_limits.pop(next(iter(self._log_limits)))
+            limit = self._log_limits[pool] = LogLimiter()
+        return limit
+
     async def _pod_granted(self, pod: str, peer: Peer) -> bool:
+        """Whether the kubelet gave ``pod`` any device.
+
+        Asked once per pod at a time, and kept a few seconds, so a pod opening connections in a
+        loop cannot make the agent flood the runtime.
+        """
         now = time.monotonic()
         cached = self._pod_standing.get(pod)
         if cached is not None and now - cached[0] < 5.0:
             return cached[1]
-        granted = False
-        if pod != "?":  # a process the agent cannot place is never granted
-            try:
-                found = await self._call(self.rules.kubernetes.devices_of, peer.pid)
-                granted = bool(found is not None and found.devices)
-            except PowerlibError:
-                granted = False
+        if pod == "?":  # a process the agent cannot place is never granted
+            return False
+        pending = self._pod_lookups.get(pod)
+        if pending is None:
+            pending = asyncio.ensure_future(self._ask_pod(pod, peer))
+            self._pod_lookups[pod] = pending
+            pending.add_done_callback(lambda _: self._pod_lookups.pop(pod, None))
+        return await asyncio.shield(pending)
+
+    async def _ask_pod(self, pod: str, peer: Peer) -> bool:
+        try:
+            found = await self._call(self.rules.kubernetes.devices_of, peer.pid)
+            granted = bool(found is not None and found.devices)
+        except PowerlibError:
+            granted = False
         if len(self._pod_standing) > 4096:
             self._pod_standing.clear()
-        self._pod_standing[pod] = (now, granted)
+        self._pod_standing[pod] = (time.monotonic(), granted)
         return granted
 
     def _admit(self, client: _Client) -> str | None:
-        if len(self._clients) >= self.max_connections:
+        # root on the host is never turned away: an epilog's `powerlib agent revoke` must get in
+        if len(self._clients) >= self.max_connections and client.pool != "root":
             return f"the agent holds {len(self._clients)} connections, its limit; try again later"
         if not client.granted:
             held = sum(1 for c in self._clients.values() if not c.granted)
@@ -573,9 +601,11 @@ class Agent:
                     return
                 # every line counts against the rate, blank ones too: none can spin the loop
                 await self._throttle(client)
+                if not line.strip():
+                    continue  # counted against the rate, but it keeps no connection from idling
                 client.busy = True
                 try:
-                    if line.strip() and not await self._handle(client, line):
+                    if not await self._handle(client, line):
                         return
                 finally:
                     client.busy = False
@@ -749,28 +779,33 @@ class Agent:
     async def _authorize(self, client: _Client, dev: Device, shown: str) -> tuple[bool, str]:
         """The rules' verdict for this client and device.
 
-        On Kubernetes it is asked on the pool (it may call the kubelet and the runtime), and a
-        pod's admission is kept for the connection (a container's devices do not change while it
-        runs).
+        A host process is judged on the event loop (its rules read only files). A process in a
+        pod is judged on the pool (the kubelet and the runtime may be asked), and the verdict,
+        either way, is kept for the connection: a container's devices do not change while it
+        runs, and a pod that keeps asking for a device it was not given must not make the
+        agent ask the runtime for each request.
         """
         peer = client.peer
-        if self.rules.kubernetes is None:
+        if not client.pool.startswith("pod:"):
             return self.rules.check(peer.uid, peer.gids, dev.device_id, shown, peer.pid)
-        rule = client.admitted.get(dev.device_id)
-        if rule is not None:
-            return True, rule
+        verdict = client.verdicts.get(dev.device_id)
+        if verdict is not None:
+            return verdict
         try:
-            allowed, why = await self._call(
+            verdict = await self._call(
                 self.rules.check, peer.uid, peer.gids, dev.device_id, shown, peer.pid
             )
         except PowerlibError as err:
-            raise PermissionDeniedError(
+            verdict = (
+                False,
                 f"uid {peer.uid} pid {peer.pid}: cannot tell which pod it runs in: {err.message}",
-                device=dev.device_id,
-            ) from None
-        if allowed and why.startswith("pod:"):
-            client.admitted[dev.device_id] = why
-        return allowed, why
+            )
+        if client.pidfd is None or _exited(client.pidfd):
+            # the process was read by pid on the pool: if it is gone, that pid may now be
+            # someone else's, and the verdict theirs
+            raise DeviceLostError("the client is gone", device=dev.device_id)
+        client.verdicts[dev.device_id] = verdict
+        return verdict
 
     def _resolve(self, selector: str | int) -> Device:
         dev = self._lookup(selector)
@@ -932,6 +967,11 @@ class Agent:
                 self._leases.pop(dev_id, None)
                 lease.client.leases.pop(dev_id, None)
         return event
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (the pidfd is readable then)."""
+    return bool(select.select([pidfd], [], [], 0)[0])
 
 
 def _value(item: str, value: Any) -> str:

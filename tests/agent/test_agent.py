@@ -335,7 +335,8 @@ def test_job_grants_from_the_prolog_and_epilog(node: Node) -> None:
     done = run("grant", "--job", "4242", "--uid", str(STRANGER), "--devices", "2")
     assert done.returncode == 0, done.stderr
     grant = node.grants / "job-4242.json"
-    assert stat.S_IMODE(grant.stat().st_mode) == 0o644 and grant.stat().st_uid == 0
+    assert stat.S_IMODE(grant.stat().st_mode) == 0o600 and grant.stat().st_uid == 0  # root's only
+    assert stat.S_IMODE(node.grants.stat().st_mode) == 0o700
     assert as_uid(STRANGER, lock)["value"] == "ok"  # the folder changed: read again
     assert _wait(lambda: node.truth() == DEFAULT)
     grant.chmod(0o666)  # tampered with: writable by anyone (in place: the folder is unchanged)
@@ -343,7 +344,7 @@ def test_job_grants_from_the_prolog_and_epilog(node: Node) -> None:
     refused = as_uid(STRANGER, lock)["value"]
     assert refused.startswith("PermissionDeniedError") and "default deny" in refused
     assert "ignored" not in refused and "job-4242" not in refused and "writable" not in refused
-    grant.chmod(0o644)
+    grant.chmod(0o600)
     assert run("revoke", "--job", "4242").returncode == 0
     assert not grant.exists()
     assert as_uid(STRANGER, lock)["value"].startswith("PermissionDeniedError")

@@ -93,6 +93,25 @@ def test_a_flood_of_refused_requests_logs_a_few_lines_not_one_each(node: Node) -
     node.start()  # the fixture stops it again
 
 
+def test_reconnecting_gets_no_fresh_log_budget(node: Node) -> None:
+    """300 connections of one uid, each one bad line then gone: the log budget is the uid's,
+    so reconnecting in a loop cannot turn the agent's log into a firehose (~390 KB/s before)."""
+
+    def churn() -> int:
+        for _ in range(300):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(str(node.sock))
+                s.sendall(b"not json\n")
+                s.recv(4096)
+        return 300
+
+    assert as_uid(STRANGER, churn)["value"] == 300
+    out = node.stop()
+    about = _lines_about(out, STRANGER)
+    assert 1 <= len(about) <= 10, f"{len(about)} log lines for 300 connections of one uid"
+    node.start()  # the fixture stops it again
+
+
 # -- (b) client text in the log -----------------------------------------------------------------
 
 
@@ -225,7 +244,7 @@ def test_a_stalled_log_sink_never_blocks_whoever_logs() -> None:
 
 
 def test_a_stalled_log_sink_does_not_delay_a_killed_clients_restore(node: Node) -> None:
-    """The agent's stdout pipe (4 KiB) is left unread and filled by refusals from 200
+    """The agent's stdout pipe (4 KiB) is left unread and filled by protocol errors from 200
     connections; then nobody, who holds GPU 0, is killed: GPU 0 is restored all the same."""
     assert node.proc is not None and node.proc.stdout is not None
     pipe = node.proc.stdout.fileno()
@@ -250,7 +269,9 @@ def test_a_stalled_log_sink_does_not_delay_a_killed_clients_restore(node: Node) 
     try:
         assert _read_all_line(r) == b"leased\n"
         assert node.truth()[0] == (None, 222.0)
-        flooder, r = spawn_as(STRANGER, garbage)
+        # root's connections each get their own log budget (a uid's share one): the quickest
+        # way to fill the pipe; who fills it does not matter, only that the sink stalls
+        flooder, r = spawn_as(0, garbage)
         assert _read_all_line(r) == b"sent\n"
         assert _wait(lambda: _unread(pipe) > capacity - 512), _unread(pipe)  # the sink stalls
     finally:

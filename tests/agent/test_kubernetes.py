@@ -830,3 +830,42 @@ def test_connections_are_capped_per_pod_its_root_included(kube) -> None:
     os.waitpid(pid, 0)
     assert out[:4] == ["ok"] * 4
     assert out[4].startswith(f"PermissionDeniedError: pod {POD_UID} holds 4 connections")
+
+
+def test_a_pod_asking_again_and_again_costs_the_runtime_a_question_or_two(kube) -> None:
+    """Each refusal used to ask the runtime again: a pod with no GPU hammering the agent made it
+    call ContainerStatus ~1,100 times a second and slowed every client ~50x."""
+    node, agent, cgroups, _ = kube
+    node.containers = [(CID, labels("notebook", "ml", POD_UID))]
+    node.pods = [("ml", "notebook", [("trainer", {})])]
+    text = cgroup_v2(POD_UID, CID)
+    cgroup_tree(node.cgroup_fs, text)
+    r_go, w_go = os.pipe()
+
+    def hammer(w: int) -> None:
+        os.read(r_go, 1)
+        outs = set()
+        conns = [AgentConnection(agent.socket_path) for _ in range(8)]
+        for _ in range(25):
+            for conn in conns:
+                try:
+                    conn.call("lock_sm_clocks", device=0, min_mhz=1005)
+                    outs.add("ok")
+                except PowerlibError as err:
+                    outs.add(type(err).__name__)
+        os.write(w, json.dumps(sorted(outs)).encode())
+
+    pid, r = spawn_as(0, hammer)
+    cgroups[pid] = text
+    node.init_pids[CID] = pid  # the container's init (a hostPID-style pod: its own cgroup)
+    node.cri_requests.clear()
+    os.write(w_go, b"g")
+    os.close(w_go)
+    os.close(r_go)
+    assert select.select([r], [], [], 60)[0]
+    out = json.loads(os.read(r, 65536))
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert out == ["PermissionDeniedError"]  # 200 refusals...
+    assert len(node.cri_requests) <= 3, len(node.cri_requests)  # ...from a question or two
+    assert _states(agent) == _defaults(agent)

@@ -173,7 +173,10 @@ def test_a_users_journal_never_changes_another_jobs_gpu(node: Path) -> None:
     data = json.loads(result.stdout)
     assert data["ok"] is True and data["devices"] == [job_gpu]
     [skipped] = data["outcomes"]
-    assert skipped["skipped"] is True and "is not one of the job's devices" in skipped["action"]
+    assert (
+        skipped["skipped"] is True
+        and "1 journal file(s) not filed under one of the job's" in skipped["action"]
+    )
     assert _truth(node) == [DEFAULT, DEFAULT] and journal.exists()
 
 
@@ -299,7 +302,9 @@ def test_what_a_user_can_put_in_their_own_folder_never_fails_the_epilog(
         # the journal's values are never needed: a garbage journal filed under the job's GPU
         # still tells root which device to reset, and the other is skipped
         assert _truth(node) == [DEFAULT, DEFAULT]
-        assert any(o["skipped"] and o["journal"].endswith("x.json") for o in data["outcomes"])
+        assert any(
+            o["skipped"] and "skipped 1 journal file(s)" in o["action"] for o in data["outcomes"]
+        )
     else:
         assert [o["skipped"] for o in data["outcomes"]] == [True]
         assert _truth(node)[0] == ((900.0, 900.0), 175.0)
@@ -352,3 +357,57 @@ def test_swapping_the_users_folders_for_symlinks_never_reaches_roots(node: Path)
         os.close(r)
         os.close(w)
     assert sorted(p.name for p in (node / "journal").iterdir()) == [live.name]
+
+
+# -- found by the attack review ----------------------------------------------------------------
+
+
+def test_an_item_the_device_cannot_reset_is_skipped_never_a_failure(node: Path) -> None:
+    """A well-formed journal naming memory clocks on a GPU that cannot lock them made every later
+    epilog of that user fail (exit 5) and drain the node."""
+    job_gpu, _ = _uuids(node)
+    _modify(node, 0, 900.0, 175.0)
+    folder = _user_dir(node)
+
+    def write() -> str:
+        entry = JournalEntry(
+            device_id=job_gpu,
+            device_name="Simulated",
+            backend="simulated",
+            backend_settings={},
+            owner=Owner.from_json(_dead_owner()),
+            created_s=1.0,
+            changes=(
+                Change(item="memory_clocks", original=None),
+                Change(item="sm_clocks", original=[1005.0, 1005.0]),
+            ),
+        )
+        return str(StateDir(folder).prepare().write_journal(entry))
+
+    journal = Path(_as(USER, write))
+    with _backend(node) as backend:
+        assert not backend.device(0).info.capabilities.can_lock_memory_clocks
+    result = _restore(node, "--for-user", str(USER), "--devices", job_gpu, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    said = [o for o in data["outcomes"] if o["skipped"]]
+    assert len(said) == 1 and "memory_clocks" in said[0]["action"]
+    assert _truth(node)[0] == (None, 175.0)  # the clocks it could reset; the limit untouched
+    assert not journal.exists()  # all it could tell was acted on: the next epilog is clean
+    assert _restore(node, "--for-user", str(USER), "--devices", job_gpu).exit_code == 0
+
+
+def test_a_folder_of_junk_journals_costs_one_line_and_no_reads(node: Path) -> None:
+    job_gpu, _ = _uuids(node)
+    folder = _user_dir(node)
+
+    def junk() -> None:
+        journal = StateDir(folder).prepare().journal_dir
+        for i in range(5000):
+            os.mkfifo(journal / f"junk-{i}.json", 0o600)  # a read of any would block
+
+    _as(USER, junk)
+    result = _restore(node, "--for-user", str(USER), "--devices", job_gpu, "--json")
+    assert result.exit_code == 0, result.output
+    [said] = json.loads(result.stdout)["outcomes"]
+    assert said["skipped"] and "skipped 5000 journal file(s) not filed under" in said["action"]
