@@ -26,8 +26,8 @@ from powerlib.config import Settings  # noqa: E402
 from powerlib.exporter import DEFAULT_WORKERS, Exporter  # noqa: E402
 
 
-def _scrape(port: int) -> dict[str, list]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+def _scrape(port: int, timeout_s: float = 10.0) -> dict[str, list]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
         assert resp.status == 200
         text = resp.read().decode()
     families = {}
@@ -346,3 +346,96 @@ def test_only_get_and_head_of_metrics_are_served(settings: Settings) -> None:
             assert resp.read().endswith(b"# EOF\n")
         huge = _raw(exp.port, b"GET /metrics HTTP/1.0\r\nX: " + b"a" * 9000)
         assert huge.startswith(b"HTTP/1.0 431 ")
+
+
+def _slow_readers(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that each send a whole scrape and never read the answer.
+
+    The smallest receive buffer the kernel allows (and small segments) keeps a large answer
+    from ever fitting in it: the server can hand the kernel only the first few KB.
+    """
+    out = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            out.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
+            if hasattr(socket, "TCP_MAXSEG"):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+            s.settimeout(10)
+            s.connect(("127.0.0.1", port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    except BaseException:
+        for s in out:
+            s.close()
+        raise
+    return out
+
+
+def _read_to_eof(s: socket.socket) -> bytes:
+    """All that ``s`` still gets until the server closes it (a reset ends it too)."""
+    s.setblocking(True)
+    s.settimeout(10)
+    chunks = []
+    try:
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        pass
+    return b"".join(chunks)
+
+
+def test_clients_that_never_read_their_answers_hold_no_worker_and_are_cut_off(
+    settings: Settings,
+) -> None:
+    backend = SimulatedBackend(Settings(state_dir=settings.state_dir, sim_gpus=64))
+    threads_before = threading.active_count()
+    with Exporter(backend=backend, port=0, interval_s=3600, timeout_s=3.0) as exp:
+        full = len(exp.render())  # about 134 KB: far more than a stalled window takes
+        readers = _slow_readers(exp.port, 3 * DEFAULT_WORKERS)
+        try:
+            # The old server: each worker blocked in sendall for the 3 s timeout, at least
+            # twice over, before it got to this scrape.
+            assert len(_scrape(exp.port, timeout_s=3.0)["powerlib_device_info"]) == 64
+            threads = threading.active_count()
+            assert threads <= threads_before + DEFAULT_WORKERS + 3, threads
+            # An answer not taken within the timeout of being ready: the connection is
+            # closed, the answer cut short (reading earlier would let it go through).
+            time.sleep(3.5)
+            assert all(len(_read_to_eof(s)) < full for s in readers)
+        finally:
+            for s in readers:
+                s.close()
+
+
+def test_a_full_server_of_slow_readers_closes_the_oldest_for_a_new_scrape(
+    settings: Settings,
+) -> None:
+    backend = SimulatedBackend(Settings(state_dir=settings.state_dir, sim_gpus=64))
+    n = 3 * DEFAULT_WORKERS
+    with Exporter(
+        backend=backend, port=0, interval_s=3600, timeout_s=3.0, sessions=False, max_connections=n
+    ) as exp:
+        full = len(exp.render())
+        readers = _slow_readers(exp.port, n)
+        try:
+            # The old server closed it at accept (every connection a complete request), or,
+            # if one request was still arriving, closed that one and queued this scrape behind
+            # two rounds of workers blocked in sendall for the 3 s timeout.
+            assert len(_scrape(exp.port, timeout_s=3.0)["powerlib_device_info"]) == 64
+            assert len(_read_to_eof(readers[0])) < full  # the oldest, closed half-answered
+        finally:
+            for s in readers:
+                s.close()
+
+
+def test_a_cached_answer_follows_the_samples(settings: Settings) -> None:
+    backend = SimulatedBackend(Settings(state_dir=settings.state_dir, sim_gpus=1))
+    uuid = backend.devices()[0].device_id
+    with Exporter(backend=backend, port=0, interval_s=3600, sessions=False) as exp:
+        stamp = "powerlib_device_sample_timestamp_seconds"
+        first = _value(_scrape(exp.port)[stamp], uuid)
+        assert _value(_scrape(exp.port)[stamp], uuid) == first  # the same sample, cached
+        time.sleep(0.01)
+        exp.sampler.sample()
+        assert _value(_scrape(exp.port)[stamp], uuid) > first
