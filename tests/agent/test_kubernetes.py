@@ -801,14 +801,38 @@ def test_root_in_a_container_the_agent_cannot_place_is_not_the_hosts_root(kube) 
     assert states == _defaults(agent)
 
 
-def test_connections_are_capped_per_pod_its_root_included(kube) -> None:
-    """Root in a pod was exempt from the per-uid cap: it could fill the connection table."""
-    _, agent, cgroups, _ = kube
-    agent.max_per_uid = 4
+def _as_pod_root(kube, text: str, body: Any, *, init: bool = False) -> Any:
+    """Run ``body()`` in a forked root process placed in the cgroup ``text`` (and, with
+    ``init``, reported by the runtime as its container's init); its JSON result."""
+    node, _, cgroups, _ = kube
     r_go, w_go = os.pipe()
 
-    def open_six(w: int) -> None:
+    def child(w: int) -> None:
         os.read(r_go, 1)  # placed in its pod first
+        os.write(w, json.dumps(body()).encode())
+
+    pid, r = spawn_as(0, child)
+    cgroups[pid] = text
+    if init:
+        node.init_pids[CID] = pid  # a hostPID-style pod: its init in its own cgroup
+    node.cri_requests.clear()
+    os.write(w_go, b"g")
+    os.close(w_go)
+    os.close(r_go)
+    try:
+        assert select.select([r], [], [], 60)[0]
+        return json.loads(os.read(r, 65536))
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+
+
+def test_connections_are_capped_per_pod_its_root_included(kube) -> None:
+    """Root in a pod was exempt from the per-uid cap: it could fill the connection table."""
+    _, agent, _, _ = kube
+    agent.max_per_uid = 4
+
+    def open_six() -> list[str]:
         conns, out = [], []
         for _ in range(6):
             try:
@@ -817,17 +841,9 @@ def test_connections_are_capped_per_pod_its_root_included(kube) -> None:
                 out.append("ok")
             except PowerlibError as err:
                 out.append(type(err).__name__ + ": " + err.message)
-        os.write(w, json.dumps(out).encode())
+        return out
 
-    pid, r = spawn_as(0, open_six)
-    cgroups[pid] = cgroup_v2(POD_UID, CID)
-    os.write(w_go, b"g")
-    os.close(w_go)
-    os.close(r_go)
-    assert select.select([r], [], [], 60)[0]
-    out = json.loads(os.read(r, 65536))
-    os.close(r)
-    os.waitpid(pid, 0)
+    out = _as_pod_root(kube, cgroup_v2(POD_UID, CID), open_six)
     assert out[:4] == ["ok"] * 4
     assert out[4].startswith(f"PermissionDeniedError: pod {POD_UID} holds 4 connections")
 
@@ -835,15 +851,13 @@ def test_connections_are_capped_per_pod_its_root_included(kube) -> None:
 def test_a_pod_asking_again_and_again_costs_the_runtime_a_question_or_two(kube) -> None:
     """Each refusal used to ask the runtime again: a pod with no GPU hammering the agent made it
     call ContainerStatus ~1,100 times a second and slowed every client ~50x."""
-    node, agent, cgroups, _ = kube
+    node, agent, _, _ = kube
     node.containers = [(CID, labels("notebook", "ml", POD_UID))]
     node.pods = [("ml", "notebook", [("trainer", {})])]
     text = cgroup_v2(POD_UID, CID)
     cgroup_tree(node.cgroup_fs, text)
-    r_go, w_go = os.pipe()
 
-    def hammer(w: int) -> None:
-        os.read(r_go, 1)
+    def hammer() -> list[str]:
         outs = set()
         conns = [AgentConnection(agent.socket_path) for _ in range(8)]
         for _ in range(25):
@@ -853,19 +867,9 @@ def test_a_pod_asking_again_and_again_costs_the_runtime_a_question_or_two(kube) 
                     outs.add("ok")
                 except PowerlibError as err:
                     outs.add(type(err).__name__)
-        os.write(w, json.dumps(sorted(outs)).encode())
+        return sorted(outs)
 
-    pid, r = spawn_as(0, hammer)
-    cgroups[pid] = text
-    node.init_pids[CID] = pid  # the container's init (a hostPID-style pod: its own cgroup)
-    node.cri_requests.clear()
-    os.write(w_go, b"g")
-    os.close(w_go)
-    os.close(r_go)
-    assert select.select([r], [], [], 60)[0]
-    out = json.loads(os.read(r, 65536))
-    os.close(r)
-    os.waitpid(pid, 0)
+    out = _as_pod_root(kube, text, hammer, init=True)
     assert out == ["PermissionDeniedError"]  # 200 refusals...
     assert len(node.cri_requests) <= 3, len(node.cri_requests)  # ...from a question or two
     assert _states(agent) == _defaults(agent)
