@@ -385,9 +385,9 @@ class ControlSession:
 
     def _recover(self, dev: Device, key: str) -> None:
         """Restore a journal a dead owner left for this device (we hold its lock now)."""
-        path = self._state.journal_path(key)
-        if not path.exists() and not path.is_symlink():
+        if not self._state.has_journal(key):
             return
+        path = self._state.journal_path(key)
         entry = self._state.read_journal(path)  # JournalError: refuse to guess the original state
         logger.warning(
             "%s: restoring what pid %d left behind (journal %s)",

@@ -322,8 +322,8 @@ class StateDir:
                 except OSError as err:
                     raise self._cannot_create(path, err) from err
         for path in (self.root, self.journal_dir, self.lock_dir):
-            with self.folder(None if path is self.root else path.name) as fd:
-                self._check_access(path, fd)
+            with self.folder(None if path is self.root else path.name):
+                self._check_access(path)
         return self
 
     @staticmethod
@@ -335,7 +335,7 @@ class StateDir:
         )
 
     @staticmethod
-    def _check_access(path: Path, fd: int) -> None:
+    def _check_access(path: Path) -> None:
         # access(2) through /proc/self/fd would follow the descriptor; the folder is checked
         # by name here, after its descriptor passed the trust checks
         if not os.access(path, os.W_OK | os.X_OK, follow_symlinks=False):

@@ -583,9 +583,7 @@ def restore_for_user(
         outcomes: list[RestoreOutcome] = []
         for folder in dict.fromkeys(Path(f) for f in folders):
             outcomes.extend(
-                _restore_user_folder(
-                    folder, uid, backend.name, job, by_name, root_state, include_live, dry_run
-                )
+                _restore_user_folder(folder, uid, job, by_name, root_state, include_live, dry_run)
             )
         return outcomes
     finally:
@@ -608,7 +606,6 @@ def _skip(path: Path | str, action: str, entry: JournalEntry | None = None) -> R
 def _restore_user_folder(
     folder: Path,
     uid: int,
-    backend_name: str,
     job: dict[str, Device],
     by_name: dict[str, Device],
     root_state: StateDir,
