@@ -605,20 +605,13 @@ class StateDir:
             PermissionDeniedError: ``journal/`` exists but cannot be listed.
             UntrustedStateError: ``journal/`` is untrusted (or was swapped for a symlink).
         """
+        names = self.journal_names()
+        if not names:
+            return []
         found = []
         try:
             with self.folder("journal") as fd:
-                try:
-                    with os.scandir(fd) as it:
-                        names = [e.name for e in it if e.name.endswith(".json")]
-                except OSError as err:
-                    raise PermissionDeniedError(
-                        f"cannot list the journals in {show_path(self.journal_dir)} "
-                        f"({err.strerror}); nothing was restored"
-                    ) from err
                 for name in names:
-                    if name.startswith("."):
-                        continue  # a temporary file of a journal being written
                     try:
                         mtime = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime
                     except FileNotFoundError:
@@ -626,17 +619,12 @@ class StateDir:
                     found.append((mtime, name, self.journal_dir / name))
         except (FileNotFoundError, ConfigError):
             return []
-        except PermissionDeniedError as err:
-            if isinstance(err.__cause__, PermissionError):
-                raise PermissionDeniedError(
-                    f"cannot list the journals in {show_path(self.journal_dir)} "
-                    f"({err.__cause__.strerror}); nothing was restored"
-                ) from err
-            raise
         return [path for _, _, path in sorted(found)]
 
     def journal_names(self) -> set[str]:
         """The names of the journal files (``*.json``, not hidden), without opening any.
+
+        A hidden name is a journal being written (its temporary file).
 
         Raises:
             PermissionDeniedError: ``journal/`` exists but cannot be listed.
@@ -647,10 +635,18 @@ class StateDir:
                 return {e.name for e in it if e.name.endswith(".json") and e.name[0] != "."}
         except (FileNotFoundError, ConfigError):
             return set()
+        except PermissionDeniedError as err:  # the folder could not even be opened
+            if not isinstance(err.__cause__, PermissionError):
+                raise
+            raise self._cannot_list(err.__cause__) from err
         except OSError as err:
-            raise PermissionDeniedError(
-                f"cannot list the journals in {show_path(self.journal_dir)} ({err.strerror})"
-            ) from err
+            raise self._cannot_list(err) from err
+
+    def _cannot_list(self, err: OSError) -> PermissionDeniedError:
+        return PermissionDeniedError(
+            f"cannot list the journals in {show_path(self.journal_dir)} ({err.strerror}); "
+            "nothing was restored"
+        )
 
     def remove_journal(self, path: Path) -> None:
         """Delete a journal once its device is restored (``unlinkat`` in ``journal/``)."""

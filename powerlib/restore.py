@@ -590,17 +590,10 @@ def restore_for_user(
         backend.close()
 
 
-def _skip(path: Path | str, action: str, entry: JournalEntry | None = None) -> RestoreOutcome:
+def _skip(path: Path, action: str, entry: JournalEntry | None = None) -> RestoreOutcome:
+    """A journal-level note of what a restore for a user deliberately left, logged."""
     logger.warning("%s: %s", show_path(path), action)
-    return RestoreOutcome(
-        device_id="?" if entry is None else entry.device_id,
-        item="journal",
-        action=action,
-        ok=True,
-        journal=str(path),
-        owner_pid=None if entry is None else entry.owner.pid,
-        skipped=True,
-    )
+    return dataclasses.replace(_journal_note(path, action, entry=entry), skipped=True)
 
 
 def _restore_user_folder(

@@ -21,7 +21,7 @@ from powerlib.device import Backend
 from powerlib.errors import ConfigError, DeviceNotFoundError, UntrustedStateError
 from powerlib.ownership import check_trusted, describe_owner, show_path
 
-__all__ = ["make_user_state_dir", "uuids_of_minors"]
+__all__ = ["let_others_traverse", "make_user_state_dir", "uuids_of_minors"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -40,6 +40,17 @@ def _open_root_dir(path: Path, parent_fd: int | None, mode: int) -> int:
     return fd
 
 
+def let_others_traverse(fd: int) -> None:
+    """Add ``x`` for group and others to a folder of this process's, by descriptor.
+
+    Never ``r`` or ``w``: others may reach what lies below (a user's folder, the socket), not
+    list it.
+    """
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o011 != 0o011:
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o011)
+
+
 def make_user_state_dir(node_state_dir: Path, uid: int) -> Path:
     """Create ``<node>/users/<uid>`` (0700, owned by ``uid``) for that user's sessions.
 
@@ -55,9 +66,7 @@ def make_user_state_dir(node_state_dir: Path, uid: int) -> Path:
     node.parent.mkdir(parents=True, exist_ok=True)
     root_fd = _open_root_dir(node, None, 0o755)
     try:
-        st = os.fstat(root_fd)
-        if st.st_mode & 0o011 != 0o011:  # users must reach users/<uid> (and agent/agent.sock)
-            os.fchmod(root_fd, stat.S_IMODE(st.st_mode) | 0o011)
+        let_others_traverse(root_fd)  # users must reach users/<uid> (and agent/agent.sock)
         users_fd = _open_root_dir(node / "users", root_fd, 0o755)
         try:
             name = str(uid)

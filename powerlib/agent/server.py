@@ -47,6 +47,7 @@ from typing import Any
 from powerlib.agent import protocol
 from powerlib.agent.authz import Rules
 from powerlib.agent.logs import LogLimiter
+from powerlib.agent.node import let_others_traverse
 from powerlib.agent.peer import Peer, peer_of, pidfd_of
 from powerlib.control import ControlSession
 from powerlib.device import Backend, Device, normalize_pci
@@ -708,9 +709,7 @@ class Agent:
                     f"{peer.describe()} may not revoke a job's grant: only root on the host may",
                     operation=op,
                 )
-            invalidate = getattr(self.rules, "invalidate", None)
-            if invalidate is not None:
-                invalidate()
+            self.rules.invalidate()
             return await self._revoke(msg["job"])
         dev = self._resolve(msg["device"])
         allowed, why = await self._authorize(client, dev, _shown(msg["device"], dev))
@@ -986,8 +985,8 @@ def _value(item: str, value: Any) -> str:
 def _let_others_reach(folder: Path, state: Path) -> None:
     """Let clients reach a socket folder inside root's state folder.
 
-    Adds ``x`` for group and others to the folders between (root's own, never a symlink), not
-    ``r`` or ``w``.
+    Each folder between gets ``x`` for group and others
+    (:func:`~powerlib.agent.node.let_others_traverse`).
     """
     try:
         inside = folder.resolve().relative_to(state.resolve())
@@ -996,9 +995,11 @@ def _let_others_reach(folder: Path, state: Path) -> None:
     path = state
     for part in ("", *inside.parts[:-1]):
         path = path / part if part else path
-        st = os.lstat(path)
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o011 != 0o011:
-            os.chmod(path, stat.S_IMODE(st.st_mode) | 0o011)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            let_others_traverse(fd)
+        finally:
+            os.close(fd)
 
 
 def _shown(selector: str | int, dev: Device) -> str:
