@@ -215,6 +215,27 @@ def _try(fn: Callable[[], Any]) -> str:
     return "ok"
 
 
+def open_connections(sock: Path, count: int) -> list[str]:
+    """Open ``count`` connections (kept open) and ping on each: ``"ok"``, or the refusal.
+
+    A connection over a limit gets its refusal at connect, then the agent closes it: the reply
+    is read even when the ping met the closed socket, so which of the two came first does not
+    matter.
+    """
+    held, out = [], []
+    for _ in range(count):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(str(sock))
+        held.append(s)
+        with contextlib.suppress(OSError):
+            s.sendall(protocol.encode({"v": protocol.VERSION, "id": 1, "op": "ping"}))
+        reply = json.loads(s.makefile("rb").readline())
+        error = reply.get("error") or {}
+        out.append("ok" if reply.get("ok") else f"{error.get('type')}: {error.get('message')}")
+    return out
+
+
 def _wait(predicate: Callable[[], bool], timeout_s: float = 15.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -542,20 +563,7 @@ def test_a_flooding_client_does_not_starve_another(node: Node) -> None:
 def test_connections_per_uid_are_capped_and_hundreds_are_held(root_dir: Path) -> None:
     n = Node(root_dir, None, ("--max-per-uid", "4")).start()
     try:
-
-        def open_five() -> list[str]:
-            conns, out = [], []
-            for _ in range(5):
-                try:
-                    c = AgentConnection(n.sock)
-                    c.call("ping")
-                    conns.append(c)
-                    out.append("ok")
-                except PowerlibError as err:
-                    out.append(type(err).__name__ + ": " + err.message)
-            return out
-
-        res = as_uid(NOBODY, open_five)["value"]
+        res = as_uid(NOBODY, lambda: open_connections(n.sock, 5))["value"]
         assert res[:4] == ["ok"] * 4
         assert res[4].startswith("PermissionDeniedError: uid 65534 holds 4 connections")
         many = [AgentConnection(n.sock) for _ in range(600)]  # root is not capped

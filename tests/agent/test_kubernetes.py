@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_agent import NOBODY, NOGROUP, _try, spawn_as
+from test_agent import NOBODY, NOGROUP, _try, open_connections, spawn_as
 from test_agent import root_dir as root_dir  # the fixture, shared
 
 from powerlib.agent.authz import Grant, Rules
@@ -832,18 +832,9 @@ def test_connections_are_capped_per_pod_its_root_included(kube) -> None:
     _, agent, _, _ = kube
     agent.max_per_uid = 4
 
-    def open_six() -> list[str]:
-        conns, out = [], []
-        for _ in range(6):
-            try:
-                conns.append(AgentConnection(agent.socket_path))
-                conns[-1].call("ping")
-                out.append("ok")
-            except PowerlibError as err:
-                out.append(type(err).__name__ + ": " + err.message)
-        return out
-
-    out = _as_pod_root(kube, cgroup_v2(POD_UID, CID), open_six)
+    out = _as_pod_root(
+        kube, cgroup_v2(POD_UID, CID), lambda: open_connections(agent.socket_path, 6)
+    )
     assert out[:4] == ["ok"] * 4
     assert out[4].startswith(f"PermissionDeniedError: pod {POD_UID} holds 4 connections")
 
