@@ -2,10 +2,22 @@
 
 An :class:`EmulatedDevice` runs one pipeline stage. Its instructions take the time and energy a
 *profile table* gives for the clock in force, so a plan's realized cost is what the profile says
-it is, plus what the table cannot know: a clock change lands ``switch_latency_s`` after it is
-requested (the old clock runs meanwhile), the device draws ``p_block_w`` whenever it is not
-computing, its energy counter only moves every ``counter_period_s``, and optional multiplicative
-noise perturbs every execution. Unlocked, it runs at its highest clock (GPU boost under load).
+it is, plus what the table cannot know, modelled on NVML (docs/peers.md §4.2-4.3,
+docs/measurement.md §1):
+
+- a clock change lands ``switch_latency_s`` after it is requested (times ``U(1 - spread,
+  1 + spread)`` with ``latency_spread``; the old clock runs meanwhile);
+- the device draws ``p_block_w`` whenever it is not computing;
+- its energy counter publishes every ``counter_period_s`` at phase ``counter_phase_s`` (a read
+  returns the last published value); with ``duty < 1`` it only samples power during the last
+  ``duty * counter_period_s`` of each period (A100/H100: 25 % of each 100 ms, Yang et al.,
+  arXiv 2312.02741) and scales that window's energy by ``1 / duty``;
+- every ``read_state()`` is counted; the emulator charges the reads a hook makes on the
+  training thread ``read_cost_s`` each (an H200 read costs about 3 ms);
+- optional multiplicative noise perturbs every execution (reseedable per iteration for paired
+  comparisons), and a slow thermal drift raises every power by up to ``drift``.
+
+Unlocked, it runs at its highest clock (GPU boost under load). The defaults are the ideal device.
 
 It implements the :class:`~powerlib.device.Device` contract, so sessions and the control layer
 drive it exactly as they drive a real GPU.
@@ -14,9 +26,11 @@ drive it exactly as they drive a real GPU.
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from powerlib.config import Settings
 from powerlib.device import (
@@ -35,14 +49,78 @@ Table = Mapping[str, Mapping[float, tuple[float, float]]]  # kind -> freq -> (ti
 
 
 class VirtualTime:
-    """The emulator's clock; every emulated device and session reads it."""
+    """The emulator's clock with timers: a discrete-event clock every device and session reads.
+
+    Time only moves forward through :meth:`advance_to`, which first runs the timers due (a
+    sampler "thread" in virtual time: its reads cost the training thread nothing). ``now_s`` may
+    still be assigned directly (tests do); timer ticks it skipped then run late, at ``now_s``.
+    """
 
     def __init__(self) -> None:
         self.now_s = 0.0
+        self._timers: list[tuple[float, int, int, _Timer]] = []  # (tick time, seq, k, timer)
+        self._seq = itertools.count()
 
     def __call__(self) -> float:
         """The current virtual time in seconds."""
         return self.now_s
+
+    def every(
+        self, period_s: float, callback: Callable[[], None], *, phase_s: float = 0.0
+    ) -> Callable[[], None]:
+        """Call ``callback`` at every ``phase_s + k * period_s`` (integer ``k``) not before now.
+
+        Returns:
+            A function that cancels the timer (idempotent).
+        """
+        if not (math.isfinite(period_s) and period_s > 0):
+            raise ValueError(f"a timer period must be a positive number of seconds, not {period_s}")
+        if not math.isfinite(phase_s):
+            raise ValueError(f"a timer phase must be a finite number of seconds, not {phase_s}")
+        timer = _Timer(period_s, phase_s, callback)
+        k = math.ceil((self.now_s - phase_s) / period_s)
+        while phase_s + (k - 1) * period_s >= self.now_s:  # float rounding of the ceil
+            k -= 1
+        while phase_s + k * period_s < self.now_s:
+            k += 1
+        self._push(timer, k)
+
+        def cancel() -> None:
+            timer.cancelled = True
+
+        return cancel
+
+    def _push(self, timer: _Timer, k: int) -> None:
+        tick = timer.phase_s + k * timer.period_s
+        heapq.heappush(self._timers, (tick, next(self._seq), k, timer))
+
+    def advance_to(self, t_s: float) -> None:
+        """Run every timer tick due by ``t_s`` in time order (``now_s`` = its tick), then stand at ``t_s``.
+
+        Raises:
+            ValueError: ``t_s`` is earlier than now, or not finite (time is monotone).
+        """
+        if not (math.isfinite(t_s) and t_s >= self.now_s):
+            raise ValueError(f"virtual time only moves forward: {t_s} is before now ({self.now_s})")
+        while self._timers and self._timers[0][0] <= t_s:
+            tick, _, k, timer = heapq.heappop(self._timers)
+            if timer.cancelled:
+                continue
+            self.now_s = max(self.now_s, tick)
+            timer.callback()
+            if not timer.cancelled:
+                self._push(timer, k + 1)
+        self.now_s = t_s
+
+
+class _Timer:
+    """One periodic callback of a :class:`VirtualTime`."""
+
+    __slots__ = ("period_s", "phase_s", "callback", "cancelled")
+
+    def __init__(self, period_s: float, phase_s: float, callback: Callable[[], None]) -> None:
+        self.period_s, self.phase_s, self.callback = period_s, phase_s, callback
+        self.cancelled = False
 
 
 class EmulatedDevice(Device):
@@ -53,11 +131,18 @@ class EmulatedDevice(Device):
         table: ``table[kind][freq_mhz] = (time_s, energy_j)`` at that locked clock.
         clock: The shared virtual time.
         p_block_w: Power while not computing.
-        switch_latency_s: Delay between a clock request and its effect.
-        counter_period_s: Update period of the energy counter (0: exact).
+        switch_latency_s: Mean delay between a clock request and its effect.
+        counter_period_s: Publication period of the energy counter (0: exact at every read).
         noise: Standard deviation of the multiplicative noise on time and energy (0: none).
-        seed: Noise seed.
+        seed: Noise seed (the latency draws use a stream of their own, seeded from it).
         name: Marketing name.
+        read_cost_s: What one ``read_state()`` costs the thread that makes it (the emulator
+            charges a hook's reads to its stage; see :attr:`reads`, :attr:`stall_s`).
+        counter_phase_s: The counter publishes at ``counter_phase_s + k * counter_period_s``.
+        duty: Share of each counter period, at its end, during which power is sampled (1: all).
+        latency_spread: A clock change lands after ``switch_latency_s * U(1 - spread, 1 + spread)``.
+        drift: Thermal drift: powers are scaled by ``1 + drift * (1 - exp(-t / drift_tau_s))``.
+        drift_tau_s: Time constant of the drift (and of the reported temperature).
     """
 
     def __init__(
@@ -72,6 +157,12 @@ class EmulatedDevice(Device):
         noise: float = 0.0,
         seed: int = 0,
         name: str = "Emulated GPU",
+        read_cost_s: float = 0.0,
+        counter_phase_s: float = 0.0,
+        duty: float = 1.0,
+        latency_spread: float = 0.0,
+        drift: float = 0.0,
+        drift_tau_s: float = 60.0,
     ) -> None:
         freq_sets = [set(by_freq) for by_freq in table.values()]
         if not freq_sets or not all(freq_sets):
@@ -80,6 +171,17 @@ class EmulatedDevice(Device):
         freqs = tuple(sorted(common))
         if not freqs:
             raise ValueError("the instruction kinds share no frequency")
+        _check_knobs(
+            counter_period_s=counter_period_s,
+            counter_phase_s=counter_phase_s,
+            duty=duty,
+            read_cost_s=read_cost_s,
+            switch_latency_s=switch_latency_s,
+            latency_spread=latency_spread,
+            noise=noise,
+            drift=drift,
+            drift_tau_s=drift_tau_s,
+        )
         super().__init__(
             DeviceInfo(
                 device_id=f"EMU-{index:04d}",
@@ -97,7 +199,7 @@ class EmulatedDevice(Device):
                     can_reset_power_limit=False,
                     has_energy_counter=True,
                     has_power_reading=True,
-                    has_temperature=False,
+                    has_temperature=drift > 0,
                 ),
                 is_simulated=True,
             )
@@ -106,9 +208,17 @@ class EmulatedDevice(Device):
         self._clock = clock
         self.p_block_w = p_block_w
         self.switch_latency_s = switch_latency_s
+        self.latency_spread = latency_spread
         self.counter_period_s = counter_period_s
+        self.counter_phase_s = counter_phase_s
+        self.duty = duty
+        self.read_cost_s = read_cost_s
         self.noise = noise
+        self.drift = drift
+        self.drift_tau_s = drift_tau_s
+        self._seed = seed
         self._rng = random.Random(seed)
+        self._latency_rng = random.Random(f"{seed}:latency")
         self._locked: float | None = None
         # clock timeline: (effective time, frequency); None = unlocked (max)
         self._switch_t: list[float] = [-math.inf]
@@ -117,7 +227,11 @@ class EmulatedDevice(Device):
         self._bp_t: list[float] = [0.0]
         self._bp_e: list[float] = [0.0]
         self._bp_p: list[float] = [p_block_w]
+        # duty < 1: the last publication folded into the counter, (k, published energy)
+        self._published: tuple[int, float] = (-1, 0.0)
         self.switches = 0
+        self.reads = 0  # read_state() calls, from any thread
+        self.stall_s = 0.0  # what the emulator charged this device's hooks for their reads
 
     # -- the model -------------------------------------------------------------------------------
 
@@ -132,6 +246,44 @@ class EmulatedDevice(Device):
         i = bisect.bisect_right(self._bp_t, t) - 1
         i = max(i, 0)
         return self._bp_e[i] + self._bp_p[i] * (t - self._bp_t[i])
+
+    def drift_factor(self, t: float) -> float:
+        """The thermal drift's power factor at ``t``: ``1 + drift * (1 - exp(-t / tau))``."""
+        if not self.drift:
+            return 1.0
+        return 1.0 + self.drift * (1.0 - math.exp(-max(t, 0.0) / self.drift_tau_s))
+
+    def counter_at(self, t: float) -> float:
+        """What the energy counter reads at ``t``: the value published last, at or before ``t``.
+
+        Publications are at ``counter_phase_s + k * counter_period_s`` (``k >= 0``; nothing is
+        published before the first, the counter reads 0). With ``duty == 1`` a publication is the
+        exact energy at its time; otherwise it adds the energy of the sampled window (the last
+        ``duty * counter_period_s`` before it) divided by ``duty``.
+        """
+        period = self.counter_period_s
+        if period <= 0:
+            return self.energy_at(t)
+        k = math.floor((t - self.counter_phase_s) / period)
+        if k < 0:
+            return 0.0
+        if self.duty >= 1.0:
+            return self.energy_at(self.counter_phase_s + k * period)
+        done, energy = self._published
+        if k < done:  # a read back in time: fold again from the start
+            done, energy = -1, 0.0
+        window = self.duty * period
+        while done < k:
+            done += 1
+            t_pub = self.counter_phase_s + done * period
+            lo = max(t_pub - window, 0.0)
+            energy += (self.energy_at(t_pub) - self.energy_at(lo)) / self.duty
+        self._published = (done, energy)
+        return energy
+
+    def reseed_noise(self, key: int) -> None:
+        """Draw the noise from now on from ``(seed, index, key)`` (paired runs see equal noise)."""
+        self._rng = random.Random(f"{self._seed}:{self.index}:{key}")
 
     def _mark(self, t: float, power_w: float) -> None:
         energy = self.energy_at(t)
@@ -149,6 +301,10 @@ class EmulatedDevice(Device):
     ) -> tuple[float, float, list[tuple[float, float, float]]]:
         """Run one instruction from ``start_s``.
 
+        The clock timeline known now decides it (a change requested later does not reach it).
+        Its powers, and the blocking power after it, carry the drift factor of its start and of
+        its end; its time does not drift.
+
         Returns:
             ``(end_s, energy_j, segments)``; each segment is ``(start_s, end_s, freq_mhz)``.
         """
@@ -158,6 +314,7 @@ class EmulatedDevice(Device):
             e_factor = max(0.5, 1.0 + self._rng.gauss(0.0, self.noise))
         else:
             t_factor = e_factor = 1.0
+        e_factor *= self.drift_factor(start_s)
         t = start_s
         remaining = 1.0
         energy = 0.0
@@ -180,32 +337,36 @@ class EmulatedDevice(Device):
             energy += power * (next_switch - t)
             segments.append((t, next_switch, f))
             t = next_switch
-        self._mark(t, self.p_block_w)
+        self._mark(t, self.p_block_w * self.drift_factor(t))
         return t, energy, segments
 
     # -- the Device contract ---------------------------------------------------------------------
 
     def _read_state(self) -> PowerState:
+        self.reads += 1
         now = self._clock()
-        if self.counter_period_s > 0:
-            counted = math.floor(now / self.counter_period_s) * self.counter_period_s
-        else:
-            counted = now
         i = max(bisect.bisect_right(self._bp_t, now) - 1, 0)
+        temperature = None
+        if self.drift > 0:
+            temperature = 35.0 + 40.0 * (1.0 - math.exp(-max(now, 0.0) / self.drift_tau_s))
         return PowerState(
             device_id=self.device_id,
             timestamp_s=now,
             power_w=self._bp_p[i],
-            energy_j=self.energy_at(counted),
+            energy_j=self.counter_at(now),
             sm_freq_mhz=self.freq_at(now),
             power_limit_w=None,
-            temperature_c=None,
+            temperature_c=temperature,
             locked_sm_freqs_mhz=None if self._locked is None else (self._locked, self._locked),
         )
 
     def _schedule(self, freq: float | None) -> None:
-        t = self._clock() + self.switch_latency_s
-        # a newer request overrides the ones that have not landed yet
+        latency = self.switch_latency_s
+        if self.latency_spread and latency:
+            spread = self.latency_spread
+            latency *= self._latency_rng.uniform(1.0 - spread, 1.0 + spread)
+        t = self._clock() + latency
+        # a newer request overrides the ones that have not landed yet (and would land after it)
         while len(self._switch_t) > 1 and self._switch_t[-1] >= t:
             self._switch_t.pop()
             self._switch_f.pop()
@@ -253,3 +414,37 @@ class EmulatedBackend(Backend):
     def devices(self) -> Sequence[EmulatedDevice]:
         """One device per stage."""
         return self._devices
+
+
+def _check_knobs(
+    *,
+    counter_period_s: float,
+    counter_phase_s: float,
+    duty: float,
+    read_cost_s: float,
+    switch_latency_s: float,
+    latency_spread: float,
+    noise: float,
+    drift: float,
+    drift_tau_s: float,
+) -> None:
+    """Raise one ``ValueError`` line for the first NVML-model knob out of its range."""
+    checks = (
+        ("counter_period_s", counter_period_s, counter_period_s >= 0, ">= 0"),
+        (
+            "counter_phase_s",
+            counter_phase_s,
+            0 <= counter_phase_s < max(counter_period_s, 1e-300),
+            "in [0, counter_period_s) (0 for an exact counter)",
+        ),
+        ("duty", duty, 0 < duty <= 1, "in (0, 1]"),
+        ("read_cost_s", read_cost_s, read_cost_s >= 0, ">= 0"),
+        ("switch_latency_s", switch_latency_s, switch_latency_s >= 0, ">= 0"),
+        ("latency_spread", latency_spread, 0 <= latency_spread <= 1, "in [0, 1]"),
+        ("noise", noise, noise >= 0, ">= 0"),
+        ("drift", drift, drift >= 0, ">= 0"),
+        ("drift_tau_s", drift_tau_s, drift_tau_s > 0, "> 0"),
+    )
+    for name, value, ok, want in checks:
+        if not (ok and math.isfinite(value)):
+            raise ValueError(f"{name} must be {want}, not {value}")

@@ -12,12 +12,21 @@
   the last instruction finishes, or at ``straggler_time_s`` if a slower data-parallel pipeline
   holds the gradient synchronisation until then (docs/perseus.md §1.5: extrinsic bloat).
 
-When hooks are given (one :class:`IterationHooks` per stage: a session, or the session's
-:class:`~powerlib.runtime.apply_phase.ApplyPhase` alone, as ``powerlib simulate`` gives), every
-instruction is bracketed by ``begin``/``end`` at its virtual start and end time, and ``step``
-runs at the iteration end, exactly as a training loop would call them; before an iteration the
-emulator calls ``start_iteration`` on every stage (twice, so that what the ranks agreed resolves
-for all).
+It is a discrete-event simulation (docs/perseus.md §5.5): instruction begins and ends are
+processed from a priority queue in time order (ties: ends first, then stage order), and virtual
+time only moves forward, through :meth:`VirtualTime.advance_to
+<powerlib.emulator.device.VirtualTime.advance_to>`, which runs the clock's timers (a sampler
+"thread") on the way. When hooks are given (one :class:`IterationHooks` per stage: a session, or
+the session's :class:`~powerlib.runtime.apply_phase.ApplyPhase` alone, as ``powerlib simulate``
+gives), every instruction is bracketed by ``begin``/``end`` at its virtual start and end time, and
+``step`` runs at the iteration end, exactly as a training loop would call them; before an
+iteration the emulator calls ``start_iteration`` on every stage (twice, so that what the ranks
+agreed resolves for all). Driver reads a ``begin`` or ``end`` hook makes cost its stage
+``read_cost_s`` each (docs/measurement.md §1): the instruction starts that much later, or the
+stage is free that much later; reads from timers cost the training thread nothing.
+
+:class:`NvmlLikeModel` bundles the device knobs: :data:`NVML_LIKE_MODEL` (what a GPU does,
+docs/peers.md §4.2-4.3) and :data:`IDEAL_MODEL` (only to validate the planner).
 
 With no switch latency, no noise and an exact counter, a frequency plan realizes exactly the
 time and energy that :meth:`Frontier.realized <powerlib.planning.perseus.frontier.Frontier.realized>`
@@ -26,19 +35,25 @@ computes from the profile (tested).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import heapq
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
-from powerlib.emulator.device import EmulatedBackend, EmulatedDevice, VirtualTime
+from powerlib.emulator.device import EmulatedBackend, EmulatedDevice, VirtualTime, _check_knobs
 from powerlib.planning.pipeline import Instruction, Schedule, build_dag
 from powerlib.planning.profile import Profile
 
 __all__ = [
+    "IDEAL_MODEL",
+    "NVML_LIKE_MODEL",
     "Emulator",
     "ExecutedInstruction",
     "IterationHooks",
     "IterationResult",
+    "NvmlLikeModel",
     "tables_from_profile",
 ]
 
@@ -91,6 +106,7 @@ class IterationResult:
         energy_j: Energy of every device over the iteration, blocking included (exact).
         executed: Every instruction as it ran.
         phases: Each session's phase during the iteration (empty without sessions).
+        stall_s: Time the stages' hooks spent in driver reads, summed over stages.
     """
 
     index: int
@@ -100,6 +116,111 @@ class IterationResult:
     energy_j: float
     executed: tuple[ExecutedInstruction, ...]
     phases: tuple[str, ...] = field(default=())
+    stall_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlLikeModel:
+    """What an emulated GPU does besides its profile table (docs/peers.md §4.2-4.3).
+
+    Attributes:
+        counter_period_s: Energy-counter publication period (NVML: about 100 ms, measured
+            0.0998 s on an H200).
+        duty: Share of each counter period, at its end, in which power is sampled (A100/H100:
+            0.25, Yang et al., arXiv 2312.02741).
+        read_cost_s: Cost of one driver read to the thread that makes it (H200: 2.6-3.1 ms).
+        switch_latency_s: Mean clock-change landing latency.
+        latency_spread: Each change lands after ``switch_latency_s * U(1 - spread, 1 + spread)``.
+        noise: Run-to-run multiplicative noise (standard deviation) on every execution.
+        drift: Thermal drift: powers rise by up to this share, with time constant ``drift_tau_s``.
+        drift_tau_s: Time constant of the drift.
+        counter_phase: Counter publication phase: seconds (every device), or ``"random"``:
+            each device draws one uniformly in ``[0, counter_period_s)`` from the seed.
+        name: What :meth:`describe` calls it.
+    """
+
+    counter_period_s: float = 0.1
+    duty: float = 1.0
+    read_cost_s: float = 0.003
+    switch_latency_s: float = 0.02
+    latency_spread: float = 0.5
+    noise: float = 0.02
+    drift: float = 0.02
+    drift_tau_s: float = 60.0
+    counter_phase: float | Literal["random"] = "random"
+    name: str = "NVML-like"
+
+    def __post_init__(self) -> None:
+        if self.counter_phase != "random" and isinstance(self.counter_phase, str):
+            raise ValueError(
+                f"counter_phase must be seconds or 'random', not {self.counter_phase!r}"
+            )
+        _check_knobs(
+            counter_period_s=self.counter_period_s,
+            counter_phase_s=0.0 if self.counter_phase == "random" else self.counter_phase,
+            duty=self.duty,
+            read_cost_s=self.read_cost_s,
+            switch_latency_s=self.switch_latency_s,
+            latency_spread=self.latency_spread,
+            noise=self.noise,
+            drift=self.drift,
+            drift_tau_s=self.drift_tau_s,
+        )
+
+    def to_json(self) -> dict[str, object]:
+        """The model as a JSON object (every field)."""
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """One line, e.g. ``NVML-like: 100 ms counter, 3 ms reads, 20 ms ± 50 % clock latency, ...``."""
+
+        def ms(x: float) -> str:
+            return f"{x * 1e3:g} ms"
+
+        def pct(x: float) -> str:
+            return f"{x * 1e2:g} %"
+
+        parts = [
+            f"{ms(self.counter_period_s)} counter" if self.counter_period_s else "exact counter"
+        ]
+        if self.duty < 1:
+            parts.append(f"{pct(self.duty)} power sampling")
+        parts.append(f"{ms(self.read_cost_s)} reads" if self.read_cost_s else "free reads")
+        spread = f" ± {pct(self.latency_spread)}" if self.latency_spread else ""
+        parts.append(f"{ms(self.switch_latency_s)}{spread} clock latency")
+        parts.append(f"{pct(self.noise)} noise" if self.noise else "no noise")
+        parts.append(f"{pct(self.drift)} thermal drift" if self.drift else "no thermal drift")
+        return f"{self.name}: " + ", ".join(parts)
+
+
+NVML_LIKE_MODEL = NvmlLikeModel()
+"""What a GPU does: the default of issue 32's demo and simulate."""
+
+IDEAL_MODEL = NvmlLikeModel(
+    counter_period_s=0.001,
+    duty=1.0,
+    read_cost_s=0.0,
+    switch_latency_s=0.005,
+    latency_spread=0.0,
+    noise=0.0,
+    drift=0.0,
+    counter_phase=0.0,
+    name="ideal",
+)
+"""The idealized device: only to validate the planner (docs/perseus.md §5.5)."""
+
+_DEFAULT_KNOBS = NvmlLikeModel(
+    counter_period_s=0.0,
+    duty=1.0,
+    read_cost_s=0.0,
+    switch_latency_s=0.0,
+    latency_spread=0.0,
+    noise=0.0,
+    drift=0.0,
+    drift_tau_s=60.0,
+    counter_phase=0.0,
+    name="custom",
+)  # the Emulator's keyword defaults: the ideal device with an exact counter
 
 
 def tables_from_profile(
@@ -116,20 +237,37 @@ def tables_from_profile(
     return tables
 
 
+_END, _BEGIN = 0, 1  # event kinds, in the order ties are processed
+
+
 class Emulator:
     """A pipeline of emulated GPUs running a schedule in virtual time.
+
+    The device knobs come either from ``model`` (an :class:`NvmlLikeModel`, e.g.
+    :data:`NVML_LIKE_MODEL`) or from the individual keyword arguments, whose defaults are the
+    ideal device (exact counter, free reads, no latency, noise or drift); giving ``model`` and a
+    knob away from its default is refused. :attr:`model` holds what the devices run either way.
 
     Args:
         profile: Per (stage, kind, frequency) time and energy: the devices' ground truth.
         schedule: The instructions of each stage, in execution order.
         placement: ``looped`` or ``v`` (which model pieces a stage's chunks hold).
         p_block_w: Power of a waiting GPU.
-        switch_latency_s: Clock-change latency.
-        counter_period_s: Energy-counter update period.
+        switch_latency_s: Mean clock-change latency.
+        counter_period_s: Energy-counter publication period.
         noise: Multiplicative noise (standard deviation) on every execution.
         straggler_time_s: The iteration cannot end before this (a straggler pipeline).
-        seed: Noise seed (device ``i`` uses ``seed + i``).
+        seed: Noise seed (device ``i`` uses ``seed + i``); also seeds the latency draws and a
+            random counter phase, each from a stream of its own.
         device_name: Name of the emulated GPUs.
+        read_cost_s: Cost of one driver read made in a ``begin``/``end`` hook.
+        duty: Share of each counter period in which power is sampled.
+        latency_spread: Relative half-width of the uniform clock-latency draw.
+        drift: Thermal drift of every power (share reached after a few ``drift_tau_s``).
+        drift_tau_s: Time constant of the drift.
+        counter_phase: Counter publication phase in seconds, or ``"random"``: each device draws
+            one uniformly in ``[0, counter_period_s)`` from ``seed``.
+        model: All of the knobs above at once.
     """
 
     def __init__(
@@ -145,24 +283,58 @@ class Emulator:
         straggler_time_s: float | None = None,
         seed: int = 0,
         device_name: str = "Emulated GPU",
+        read_cost_s: float = 0.0,
+        duty: float = 1.0,
+        latency_spread: float = 0.0,
+        drift: float = 0.0,
+        drift_tau_s: float = 60.0,
+        counter_phase: float | Literal["random"] = 0.0,
+        model: NvmlLikeModel | None = None,
     ) -> None:
+        knobs = NvmlLikeModel(
+            counter_period_s=counter_period_s,
+            duty=duty,
+            read_cost_s=read_cost_s,
+            switch_latency_s=switch_latency_s,
+            latency_spread=latency_spread,
+            noise=noise,
+            drift=drift,
+            drift_tau_s=drift_tau_s,
+            counter_phase=counter_phase,
+            name="custom",
+        )
+        if model is not None and knobs != _DEFAULT_KNOBS:
+            raise ValueError("give the emulator either model= or individual device knobs, not both")
+        self.model = model = model or knobs
         self.dag = build_dag(schedule, placement)
         num_stages = self.dag.num_stages
         profile.validate_for(num_stages, ())
         for ins in self.dag.instructions:
             profile.options(ins.stage, ins.kind)  # PlanError when the profile lacks the kind
         self.clock = VirtualTime()
+        period = model.counter_period_s
+        if model.counter_phase == "random":
+            draw = random.Random(f"{seed}:counter-phase")
+            phases = [min(period * draw.random(), period * (1 - 1e-12)) for _ in range(num_stages)]
+        else:
+            phases = [float(model.counter_phase)] * num_stages
         self.devices = [
             EmulatedDevice(
                 index=s,
                 table=table,
                 clock=self.clock,
                 p_block_w=p_block_w,
-                switch_latency_s=switch_latency_s,
-                counter_period_s=counter_period_s,
-                noise=noise,
+                switch_latency_s=model.switch_latency_s,
+                counter_period_s=period,
+                noise=model.noise,
                 seed=seed + s,
                 name=device_name,
+                read_cost_s=model.read_cost_s,
+                counter_phase_s=phases[s],
+                duty=model.duty,
+                latency_spread=model.latency_spread,
+                drift=model.drift,
+                drift_tau_s=model.drift_tau_s,
             )
             for s, table in enumerate(tables_from_profile(profile, num_stages))
         ]
@@ -182,54 +354,86 @@ class Emulator:
         """Pipeline stages (= devices)."""
         return self.dag.num_stages
 
-    def run_iteration(self, sessions: Sequence[IterationHooks] | None = None) -> IterationResult:
-        """Run one iteration (through ``sessions``' hooks when given)."""
-        start = self.clock.now_s
+    def run_iteration(
+        self, sessions: Sequence[IterationHooks] | None = None, *, noise_key: int | None = None
+    ) -> IterationResult:
+        """Run one iteration (through ``sessions``' hooks when given).
+
+        Args:
+            sessions: One hook target per stage.
+            noise_key: When given, every device draws this iteration's noise from
+                ``(seed, device, noise_key)``: two iterations with the same key see the same noise
+                instruction by instruction (paired comparisons); different keys, different noise.
+        """
+        clock = self.clock
+        start = clock.now_s
+        if noise_key is not None:
+            for dev in self.devices:
+                dev.reseed_noise(noise_key)
+        num_stages = self.num_stages
         n = len(self.dag.instructions)
         finish = [0.0] * n
         done = [False] * n
-        nxt = [0] * self.num_stages
-        free = [start] * self.num_stages
+        nxt = [0] * num_stages
+        free = [start] * num_stages
+        queued = [False] * num_stages  # the stage's next instruction is in flight
+        stall = [0.0] * num_stages
         executed: list[ExecutedInstruction] = []
         if sessions:  # what the ranks agreed at the last step takes effect now
             for _ in range(2):
                 for session in sessions:
                     session.start_iteration()
         phases = tuple(s.phase for s in sessions) if sessions else ()
-        remaining = n
-        while remaining:
-            best: tuple[float, int] | None = None
-            for s in range(self.num_stages):
-                if nxt[s] >= len(self._order[s]):
-                    continue
-                v = self._order[s][nxt[s]]
-                if not all(done[u] for u in self._preds[v]):
-                    continue
-                t0 = max([free[s], *(finish[u] for u in self._preds[v])])
-                if best is None or t0 < best[0]:
-                    best = (t0, s)
-            if best is None:  # pragma: no cover - build_dag rejects deadlocking schedules
-                raise RuntimeError("the schedule deadlocks")
-            t0, s = best
+        events: list[tuple[float, int, int, int]] = []  # (time, _END/_BEGIN, stage, node)
+
+        def release(s: int) -> None:
+            """Queue stage ``s``'s next instruction's begin once the stage and its inputs are done."""
+            if queued[s] or nxt[s] >= len(self._order[s]):
+                return
             v = self._order[s][nxt[s]]
+            if all(done[u] for u in self._preds[v]):
+                queued[s] = True
+                t0 = max([free[s], *(finish[u] for u in self._preds[v])])
+                heapq.heappush(events, (t0, _BEGIN, s, v))
+
+        def charged(s: int, hook: Callable[..., None], *args: object) -> float:
+            """Run ``hook(*args)`` on stage ``s``'s thread; returns what its driver reads cost it."""
+            dev = self.devices[s]
+            before = dev.reads
+            hook(*args)
+            cost = (dev.reads - before) * dev.read_cost_s
+            dev.stall_s += cost
+            stall[s] += cost
+            return cost
+
+        for s in range(num_stages):
+            release(s)
+        while events:
+            t, event, s, v = heapq.heappop(events)
+            clock.advance_to(t)
             ins = self.dag.instructions[v]
-            self.clock.now_s = t0
-            if sessions:
-                sessions[s].begin(ins.kind, ins.microbatch, ins.chunk)
-            t1, energy, segments = self.devices[s].execute(ins.kind, t0)
-            self.clock.now_s = t1
-            if sessions:
-                sessions[s].end()
-            finish[v], done[v], free[s] = t1, True, t1
+            if event == _BEGIN:
+                t0 = t
+                if sessions:
+                    t0 += charged(s, sessions[s].begin, ins.kind, ins.microbatch, ins.chunk)
+                t1, energy, segments = self.devices[s].execute(ins.kind, t0)
+                executed.append(ExecutedInstruction(ins, t0, t1, energy, tuple(segments)))
+                heapq.heappush(events, (t1, _END, s, v))
+                continue
+            finish[v], done[v] = t, True
+            free[s] = t + (charged(s, sessions[s].end) if sessions else 0.0)
+            queued[s] = False
             nxt[s] += 1
-            remaining -= 1
-            executed.append(ExecutedInstruction(ins, t0, t1, energy, tuple(segments)))
+            for stage in range(num_stages):
+                release(stage)
+        if len(executed) < n:  # pragma: no cover - build_dag rejects deadlocking schedules
+            raise RuntimeError("the schedule deadlocks")
         makespan_end = max(free)
         end = makespan_end
         if self.straggler_time_s is not None:
             end = max(end, start + self.straggler_time_s)
+        clock.advance_to(end)
         energy = sum(d.energy_at(end) - d.energy_at(start) for d in self.devices)
-        self.clock.now_s = end
         if sessions:
             for session in sessions:
                 session.step()
@@ -241,14 +445,18 @@ class Emulator:
             energy_j=energy,
             executed=tuple(executed),
             phases=phases,
+            stall_s=sum(stall),
         )
         self.iterations.append(result)
         return result
 
-    def run_frequencies(self, freqs_mhz: Sequence[float]) -> IterationResult:
+    def run_frequencies(
+        self, freqs_mhz: Sequence[float], *, noise_key: int | None = None
+    ) -> IterationResult:
         """Run one iteration with each instruction (DAG node order) at ``freqs_mhz``.
 
-        Each clock is applied exactly at its instruction's start (no session, no controller).
+        Each clock is applied exactly at its instruction's start (no session, no controller);
+        ``noise_key`` as for :meth:`run_iteration`.
         """
         by_node = dict(zip(range(len(self.dag.instructions)), freqs_mhz))
         node_of = {ins: i for i, ins in enumerate(self.dag.instructions)}
@@ -259,7 +467,8 @@ class Emulator:
             }
             for order in self._order
         ]
-        return self.run_iteration([_FixedClocks(dev, p) for dev, p in zip(self.devices, plan)])
+        hooks = [_FixedClocks(dev, p) for dev, p in zip(self.devices, plan)]
+        return self.run_iteration(hooks, noise_key=noise_key)
 
     def unlock_all(self) -> None:
         """Release every clock lock (back to the highest clock)."""
