@@ -16,14 +16,23 @@ Both layers are built from the same seed with the local spec (``get_gpt_layer_lo
 alternating stock and nanobatched rounds so drift hits both alike; the nanobatched layer runs
 under a one-microbatch overlap plan whose launch slots and SM count come from ``--slots`` /
 ``--sm-count`` (default: each partition type's first compute slot after the norm, 8 SMs). Time is
-wall time between device synchronisations (max over ranks); energy is each rank's device energy
-counter delta (sum over ranks) divided by the passes. JSON to stdout (and ``--out``) from rank 0.
+wall time between device synchronisations (max over ranks), over ``--iters`` passes or more.
+Energy is not the delta of two counter reads around them: NVML publishes its counter about every
+100 ms, so that would be off by up to an update (10 % of a 1 s round). Each round time-stamps one
+counter update before its timed passes and one after (synchronised passes, each followed by a
+read, until the counter moves: :class:`~powerlib.profiling.partition_meter.SpanMeter`, docs/kareus.md
+§2.1 "How powerlib measures energy"); energy per pass = the energy between the two updates over
+the time between them × the time per pass, summed over ranks, with ``energy_rel_error``, the
+bound from the updates' brackets. A round runs enough passes for that bound to reach
+``--energy-rel-target`` (about one pass over the round's length). JSON to stdout (and ``--out``)
+from rank 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -48,6 +57,13 @@ def _args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="measured passes per layer and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--energy-rel-target",
+        type=float,
+        default=0.01,
+        help="run more than --iters passes in a round until the energy's bound is about this "
+        "(0: exactly --iters)",
+    )
     p.add_argument("--sm-count", type=int, default=8)
     p.add_argument("--slots", type=json.loads, default=DEFAULT_SLOTS, help="JSON {type: slot}")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, 2 passes (a CPU check)")
@@ -55,9 +71,20 @@ def _args() -> argparse.Namespace:
     a = p.parse_args()
     if a.smoke:
         a.hidden, a.heads, a.seq_len, a.micro_batch = 32, 4, 16, 4
-        a.iters, a.rounds, a.warmup = 2, 1, 1
+        a.iters, a.rounds, a.warmup, a.energy_rel_target = 2, 1, 1, 0.0
     a.ffn = a.ffn or 4 * a.hidden
     return a
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float (an unbounded error) as ``None``: JSON has neither."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def main() -> int:
@@ -74,7 +101,7 @@ def main() -> int:
     from powerlib.integrations.megatron import nanobatch_layer_spec
     from powerlib.planning.pipeline import Instruction
     from powerlib.planning.plan import PartitionSetting, PlannedInstruction
-    from powerlib.profiling.meter import EnergyMeter
+    from powerlib.profiling.partition_meter import SpanMeter
     from powerlib.runtime.launch_control import Overlap, OverlapSchedule
 
     cuda = torch.cuda.is_available()
@@ -128,46 +155,86 @@ def main() -> int:
     mask = mask.view(1, 1, args.seq_len, args.seq_len)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     backend = powerlib.open_backend()
-    meter = EnergyMeter(backend.device(local % len(backend.devices())))
+    gpu = backend.device(local % len(backend.devices()))
 
-    def passes(module: Any, n: int, planned_run: bool) -> tuple[float, float]:
+    def reduce(value: int, op: Any) -> int:
+        flag = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=op)
+        return int(flag.item())
+
+    def agree(done: bool) -> bool:  # every rank runs as many passes: their collectives pair up
+        return bool(reduce(int(done), dist.ReduceOp.MIN))
+
+    def one_pass(module: Any, planned_run: bool) -> None:
+        inp = x.detach().requires_grad_(True)
+        if planned_run:
+            overlap.begin("forward", 0)
+        out, _ = module(inp, attention_mask=mask)
+        if planned_run:
+            overlap.end()
+            overlap.begin("backward", 0)
+        out.backward(torch.ones_like(out))
+        if planned_run:
+            overlap.end()
+            overlap.step()
+        module.zero_grad(set_to_none=True)
+
+    def passes(module: Any, n: int, planned_run: bool) -> dict[str, Any]:
+        def polled() -> None:  # a counter read follows: the pass must have finished
+            one_pass(module, planned_run)
+            sync()
+
         sync()
         dist.barrier()
-        e0, t0 = meter.read_j(), time.perf_counter()
-        for _ in range(n):
-            inp = x.detach().requires_grad_(True)
-            if planned_run:
-                overlap.begin("forward", 0)
-            out, _ = module(inp, attention_mask=mask)
-            if planned_run:
-                overlap.end()
-                overlap.begin("backward", 0)
-            out.backward(torch.ones_like(out))
-            if planned_run:
-                overlap.end()
-                overlap.step()
-            module.zero_grad(set_to_none=True)
-        sync()
-        t1, e1 = time.perf_counter(), meter.read_j()
-        times = [None] * world
-        energies = [None] * world
-        dist.all_gather_object(times, (t1 - t0) / n)
-        dist.all_gather_object(energies, (e1 - e0) / n)
-        return max(times), sum(energies)
+        with SpanMeter([gpu], stop=agree) as span:
+            t = time.perf_counter()
+            polled_n = span.first_update(polled)
+            if args.energy_rel_target > 0:  # the bound is about one bracket over the round
+                per_pass_s = (time.perf_counter() - t) / polled_n  # with its reads: a bit long
+                want = max(span.first_brackets_s) / args.energy_rel_target / per_pass_s
+                n = reduce(max(n, math.ceil(want)), dist.ReduceOp.MAX)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                one_pass(module, planned_run)
+            sync()
+            t1 = time.perf_counter()
+            polled_n += span.last_update(polled)
+            (counted,) = span.spans()
+        time_s = (t1 - t0) / n
+        mine = (time_s, counted.power_w * time_s, counted.rel_error)
+        ranks: list[Any] = [None] * world
+        dist.all_gather_object(ranks, mine)
+        energy_j = math.fsum(e for _, e, _ in ranks)
+        return {
+            "time_s": max(t for t, _, _ in ranks),
+            "energy_j": energy_j,
+            # of the sum over ranks: each rank's bound, weighed by its energy
+            "energy_rel_error": math.fsum(e * r for _, e, r in ranks) / energy_j
+            if energy_j > 0
+            else math.inf,
+            "passes": n,
+            "polled_passes": polled_n,
+        }
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        passes(stock, args.warmup, False)
-        passes(nano, args.warmup, True)
+        for module, planned_run in ((stock, False), (nano, True)):
+            for _ in range(args.warmup):
+                one_pass(module, planned_run)
+        sync()
         rounds = []
         for _ in range(args.rounds):
             rounds.append({"stock": passes(stock, args.iters, False),
                            "nanobatch": passes(nano, args.iters, True)})  # fmt: skip
-    meter.close()
-    stock_t = statistics.median(r["stock"][0] for r in rounds)
-    nano_t = statistics.median(r["nanobatch"][0] for r in rounds)
-    stock_e = statistics.median(r["stock"][1] for r in rounds)
-    nano_e = statistics.median(r["nanobatch"][1] for r in rounds)
+
+    def median(variant: str, key: str) -> float:
+        return statistics.median(r[variant][key] for r in rounds)
+
+    def worst(variant: str) -> float:  # the median round's energy is within every round's bound
+        return max(r[variant]["energy_rel_error"] for r in rounds)
+
+    stock_t, nano_t = median("stock", "time_s"), median("nanobatch", "time_s")
+    stock_e, nano_e = median("stock", "energy_j"), median("nanobatch", "energy_j")
     report = overlap.report()
     result = {
         "benchmark": "nanobatch_layer",
@@ -186,10 +253,15 @@ def main() -> int:
         },  # fmt: skip
         "plan": {"slots": args.slots, "sm_count": args.sm_count},
         "per_layer_pass": {
-            "stock": {"time_s": stock_t, "energy_j": stock_e},
-            "nanobatch": {"time_s": nano_t, "energy_j": nano_e},
+            "stock": {"time_s": stock_t, "energy_j": stock_e, "energy_rel_error": worst("stock")},
+            "nanobatch": {
+                "time_s": nano_t,
+                "energy_j": nano_e,
+                "energy_rel_error": worst("nanobatch"),
+            },
             "time_ratio": nano_t / stock_t if stock_t else None,
             "energy_ratio": nano_e / stock_e if stock_e else None,
+            "energy_ratio_rel_error": worst("stock") + worst("nanobatch"),
         },
         "rounds": rounds,
         "overlap": {
@@ -205,7 +277,7 @@ def main() -> int:
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     if rank == 0:
-        text = json.dumps(result, indent=2)
+        text = json.dumps(_finite(result), indent=2)
         print(text)
         if args.out:
             args.out.write_text(text + "\n")

@@ -213,6 +213,7 @@ def device_evaluator(rank: int) -> dict:
                         "slot": slot,
                         "time_s": m.time_s,
                         "energy_j": m.energy_j,
+                        "energy_rel_error": m.energy_rel_error,
                         "runs": runs[start:],
                     }  # fmt: skip
                 )

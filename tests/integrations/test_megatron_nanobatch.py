@@ -21,6 +21,7 @@ Multi-process tests on gloo (megatron on CPU through ``megatron_shims.py``):
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections import Counter
@@ -140,7 +141,8 @@ def test_the_device_evaluator_measures_the_layers_partitions(numerics: list[dict
         assert [e["key"] for e in ev["evaluations"]] == [k for k in keys for _ in (0, 1)]
         for e in ev["evaluations"]:
             assert e["time_s"] > 0 and e["energy_j"] > 0
-            assert len(e["runs"]) >= 2  # warm-up and window
+            assert 0 < e["energy_rel_error"] < math.inf  # the interval of its energy, stated
+            assert len(e["runs"]) >= 4  # warm-up, an update before the window, window, one after
             for records in e["runs"]:
                 assert len(records) == 1  # exactly one partition per run
                 (r,) = records
@@ -229,10 +231,14 @@ def test_the_gpu_benchmark_script_runs_on_cpu(tmp_path: Path) -> None:
     launch_ranks(script, ["--smoke", "--out", str(out)], 2, tmp_path / "state")
     data = json.loads(out.read_text())
     assert data["tensor_parallel"] == 2 and data["collectives"] == "gloo"
-    passes = 1 + 2  # warm-up, then one round of two
+    (nano,) = (r["nanobatch"] for r in data["rounds"])  # one round
+    assert nano["passes"] == 2 and nano["polled_passes"] >= 2  # one update each side of the two
+    passes = 1 + nano["passes"] + nano["polled_passes"]  # warm-up, then the round
     assert data["overlap"] == {"paths": {"overlap": 6 * passes}, "enforced": 0, "disabled": None}
     for variant in ("stock", "nanobatch"):
         assert data["per_layer_pass"][variant]["time_s"] > 0
+        # the energy's interval is stated (its figure is the simulated GPU's: not checked)
+        assert data["per_layer_pass"][variant]["energy_rel_error"] > 0
 
 
 def test_the_search_workflow_measures_on_devices_through_the_layer(tmp_path: Path) -> None:

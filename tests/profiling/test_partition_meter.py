@@ -87,8 +87,11 @@ def test_the_protocol_measures_one_execution_at_the_locked_clock(backend, ptype)
     assert m.p_static_w == 85.0
     assert m.dynamic_energy_j == pytest.approx(m.energy_j - 85.0 * m.time_s)
     assert run.locks == {(1050.0, 1050.0)}  # every execution ran locked, on both devices
-    expected_runs = int(1.0 / t) + 1 + int(5.0 / t) + 1  # warm-up, then the window
+    # warm-up, an execution before the window's first counter update (1 ms counter), the window,
+    # and one after it
+    expected_runs = int(1.0 / t) + 1 + 1 + int(5.0 / t) + 1 + 1
     assert abs(run.calls - expected_runs) <= 2
+    assert m.energy_rel_error is not None and 0 < m.energy_rel_error < 0.02
     assert m.wall_s == pytest.approx(backend.clock.now() - start)
     assert m.wall_s >= PROTOCOL.per_candidate_s
     assert m.start_temp_c is not None and m.start_temp_c > model.ambient_c
@@ -182,8 +185,9 @@ def test_sequential_and_compute_runs_use_the_same_protocol(backend, ptype) -> No
 def test_a_group_runs_as_many_executions_as_its_slowest_rank(backend, ptype) -> None:
     # A partition that issues collectives must run the same number of times on every rank of
     # its group, or a rank blocks in a collective the others never start. ``agree`` is the
-    # group's decision; here it holds every warm-up and window open for 3 more executions after
-    # this rank's time is up (a slower peer), as an all-reduce MIN of "done" would.
+    # group's decision; here it holds every phase open for 3 more executions after this rank is
+    # done (a slower peer), as an all-reduce MIN of "done" would: the warm-up, the window and
+    # the two counter updates time-stamped on either side of it.
     late = {"left": 3}
     asked: list[bool] = []
 
@@ -203,8 +207,8 @@ def test_a_group_runs_as_many_executions_as_its_slowest_rank(backend, ptype) -> 
         m_alone = ev.evaluate(ptype, config)
     with _evaluator(backend, together, agree=agree) as ev:
         m_together = ev.evaluate(ptype, config)
-    assert together.calls == alone.calls + 2 * 3  # warm-up and window each ran 3 more
-    assert asked.count(True) == 2 * 4
+    assert together.calls == alone.calls + 4 * 3  # each phase ran 3 more
+    assert asked.count(True) == 4 * 4
     assert m_together.time_s == pytest.approx(m_alone.time_s, rel=1e-9)  # per execution
 
 
@@ -221,3 +225,122 @@ def test_combine_gives_every_measurement_the_groups_figures(backend, ptype) -> N
         m = ev.evaluate(ptype, Config(freq_mhz=1410.0, sm_count=6, slot=None))
     assert len(seen) == 1 and m.time_s == 2 * seen[0].time_s
     assert m.energy_j == seen[0].energy_j
+
+
+# -- an NVML-like counter: publishes every 100 ms, a read returns the last published value --------
+
+SHORT = WorkUnit(time_at_max_s=0.005, compute_fraction=0.8, sm_activity=0.9, memory_activity=0.2)
+"""A partition of a few ms (Kareus's are), far shorter than the counter's period."""
+NVML_PERIOD_S = 0.1
+PHASES = [1000.0 + 0.0137 * k for k in range(8)]  # where the window falls in the counter's period
+
+
+def _nvml_backend(tmp_path, start_s: float, period_s: float = NVML_PERIOD_S) -> SimulatedBackend:
+    settings = Settings(
+        backend="simulated", sim_gpus=2, state_dir=tmp_path / "state", sim_energy_period_s=period_s
+    )
+    return SimulatedBackend(settings, clock=VirtualClock(start_s))
+
+
+class ExactRunner(Runner):
+    """Runs ``work`` on every device and notes each execution's exact energy (the ground truth)."""
+
+    def __init__(self, backend: SimulatedBackend, work: WorkUnit = SHORT) -> None:
+        super().__init__(backend)
+        self.work = work
+        self.exact_j: list[float] = []
+
+    def __call__(self, ptype: PartitionType, config: Config) -> None:
+        self.calls += 1
+        devices = self.backend.devices()
+        before = [d.exact_energy_j() for d in devices]
+        duration = max(d.begin_work(self.work) for d in devices)
+        self.backend.clock.advance(duration)
+        for d in devices:
+            d.end_work()
+        spent = [d.exact_energy_j() - b for d, b in zip(devices, before)]
+        self.exact_j.append(sum(spent) / len(spent))
+
+
+def _measure_nvml(backend, ptype, window_s: float, work: WorkUnit = SHORT):
+    """One measurement at 1050 MHz with a ``window_s`` window, and one execution's true energy."""
+    run = ExactRunner(backend, work)
+    protocol = MeasureProtocol(settle_s=0.5, warmup_s=0.2, window_s=window_s, cooldown_s=0.0)
+    clock = backend.clock
+    with DeviceEvaluator(
+        backend, run, p_static_w=85.0, protocol=protocol, clock=clock.now, sleep=clock.advance
+    ) as ev:
+        m = ev.evaluate(ptype, Config(freq_mhz=1050.0, sm_count=12, slot=None))
+    return m, run.exact_j[-1]  # steady state: every execution costs the same
+
+
+def test_a_short_window_under_a_100ms_counter_is_within_its_stated_interval(
+    tmp_path, ptype
+) -> None:
+    # Two counter reads around a 0.25 s window (what the evaluator did) are off by up to one
+    # 100 ms update, i.e. tens of percent, depending on where the window falls in the period:
+    naive = []
+    for k, start_s in enumerate(PHASES):
+        backend = _nvml_backend(tmp_path / f"naive{k}", start_s)
+        dev, run = backend.devices()[0], ExactRunner(backend)
+        dev.lock_sm_clocks(1050.0, 1050.0)
+        e0, t0 = dev.read_state().energy_j, backend.clock.now()
+        while backend.clock.now() - t0 < 0.25:
+            run(None, None)  # type: ignore[arg-type]
+        e1 = dev.read_state().energy_j
+        naive.append((e1 - e0) / len(run.exact_j) / run.exact_j[-1] - 1.0)
+    assert max(abs(e) for e in naive) > 0.15, naive
+    # Energy attributed between two time-stamped updates, on the same windows, is within the
+    # interval it states, and that interval is a few percent, not an update:
+    for k, start_s in enumerate(PHASES):
+        m, exact_j = _measure_nvml(_nvml_backend(tmp_path / f"new{k}", start_s), ptype, 0.25)
+        assert abs(m.energy_j / exact_j - 1.0) < 0.03, (start_s, m, exact_j)
+        assert m.energy_rel_error is not None and 0 < m.energy_rel_error < 0.03, m
+        assert abs(m.energy_j - exact_j) <= m.energy_rel_error * exact_j, (start_s, m, exact_j)
+        lo_j, hi_j = m.energy_interval_j
+        assert lo_j <= exact_j <= hi_j
+        assert m.to_json()["energy_rel_error"] == m.energy_rel_error
+
+
+@pytest.mark.parametrize("work", [SHORT, WORK], ids=["5ms", "40ms"])
+def test_the_interval_shrinks_with_a_longer_window(tmp_path, ptype, work) -> None:
+    errors, bounds = [], []
+    for window_s in (0.25, 1.0, 4.0):
+        m, exact_j = _measure_nvml(
+            _nvml_backend(tmp_path / str(window_s), 1000.03), ptype, window_s
+        )
+        errors.append(abs(m.energy_j / exact_j - 1.0))
+        bounds.append(m.energy_rel_error)
+    assert all(e <= b for e, b in zip(errors, bounds)), (errors, bounds)
+    assert bounds[0] > bounds[1] > bounds[2]
+    assert bounds[2] < bounds[0] / 8  # about one bracket over the window: 16x the window
+
+
+def test_reads_that_cost_time_count_in_the_interval(tmp_path, ptype) -> None:
+    # An NVML read costs ~3 ms, during which the GPU idles: the reads next to the second update
+    # fall inside the span and lower its mean power; the interval says how much that can be.
+    bounds = []
+    for cost_s in (0.0, 0.003):
+        backend = _nvml_backend(tmp_path / str(cost_s), 1000.03)
+        for dev in backend.devices():
+
+            def slow_read(read=dev._read_state, clock=backend.clock, cost_s=cost_s):
+                clock.advance(cost_s)
+                return read()
+
+            dev._read_state = slow_read  # type: ignore[method-assign]
+        m, exact_j = _measure_nvml(backend, ptype, 0.5)
+        assert abs(m.energy_j - exact_j) <= m.energy_rel_error * exact_j, (cost_s, m, exact_j)
+        bounds.append(m.energy_rel_error)
+    assert bounds[1] > bounds[0]
+
+
+def test_a_counter_that_does_not_move_is_one_error_and_the_clocks_are_restored(
+    tmp_path, ptype
+) -> None:
+    from powerlib.errors import DeviceError
+
+    backend = _nvml_backend(tmp_path, 1000.0, period_s=10.0)  # publishes every 10 s
+    with pytest.raises(DeviceError, match=r"energy counter of .* did not move in 2 s"):
+        _measure_nvml(backend, ptype, 0.25)
+    assert all(d.read_state().locked_sm_freqs_mhz is None for d in backend.devices())

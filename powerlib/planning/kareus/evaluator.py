@@ -33,6 +33,9 @@ class MeasureProtocol:
         settle_s: Wait after locking the clock (NVML applies it asynchronously).
         warmup_s: Run the partition without measuring.
         window_s: Measurement window; time and energy are averaged over the executions in it.
+            The energy is attributed between two energy-counter updates time-stamped around
+            it, so a window of a few counter periods is unbiased; its error bound (reported
+            as :attr:`Measurement.energy_rel_error`) falls as the window grows.
         cooldown_s: Idle time after the window, before the next candidate.
     """
 
@@ -66,6 +69,10 @@ class Measurement:
         wall_s: Wall (or virtual) time the measurement cost, protocol included.
         avg_freq_mhz: Average SM clock during the window (below the lock if it throttled).
         start_temp_c: Temperature when the window began, when known.
+        energy_rel_error: Bound on the relative error of ``energy_j`` from reading the energy
+            counter (its update times, docs/kareus.md §2.1 "How powerlib measures energy"), as
+            a fraction (``inf``: the window was too short to bound it); ``None`` where the
+            evaluator does not state one (a model).
     """
 
     time_s: float
@@ -74,11 +81,33 @@ class Measurement:
     wall_s: float = 0.0
     avg_freq_mhz: float | None = None
     start_temp_c: float | None = None
+    energy_rel_error: float | None = None
 
     @property
     def dynamic_energy_j(self) -> float:
         """``energy_j − P_static · time_s``: what the schedule trades (docs/kareus.md §0 item 10)."""
         return self.energy_j - self.p_static_w * self.time_s
+
+    @property
+    def energy_interval_j(self) -> tuple[float, float] | None:
+        """``energy_j`` ± its error bound, in joules (``None`` where no bound is stated)."""
+        if self.energy_rel_error is None:
+            return None
+        half_j = self.energy_j * self.energy_rel_error
+        return self.energy_j - half_j, self.energy_j + half_j
+
+    def to_json(self) -> dict[str, float | None]:
+        """Every field by name; ``energy_rel_error`` is ``None`` where no finite bound is known."""
+        rel = self.energy_rel_error
+        return {
+            "time_s": self.time_s,
+            "energy_j": self.energy_j,
+            "energy_rel_error": rel if rel is not None and math.isfinite(rel) else None,
+            "p_static_w": self.p_static_w,
+            "wall_s": self.wall_s,
+            "avg_freq_mhz": self.avg_freq_mhz,
+            "start_temp_c": self.start_temp_c,
+        }
 
 
 @runtime_checkable
