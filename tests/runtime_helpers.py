@@ -69,6 +69,7 @@ def emulated_sessions(emulator: Emulator, tmp_out, **kwargs: object) -> list:
         "warmup_iterations": 1,
         "settle_iterations": 1,
         "iterations_per_freq": 1,
+        "check_rounds": 0,  # the closed loop has tests of its own (test_closed_loop.py)
     }
     options.update(kwargs)
     return [

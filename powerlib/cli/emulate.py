@@ -31,9 +31,15 @@ _EMULATED_P_BLOCK = click.option(
 _EMULATED_SWITCH_LATENCY = click.option(
     "--switch-latency-s",
     type=Number(min=0.0),
-    default=0.005,
-    show_default=True,
-    help="Clock-change latency of the emulated GPUs.",
+    default=None,
+    help="Mean clock-change latency of the emulated GPUs (NVML-like: 0.02; ideal: 0.005).",
+)
+_IDEAL = click.option(
+    "--ideal",
+    is_flag=True,
+    help="The idealized GPU (1 ms counter, free reads, 5 ms latency, no noise or drift): only to "
+    "validate the planner. Default: NVML-like (100 ms counter, 3 ms reads, 20 ms +- 50 % "
+    "latency, 2 % noise, 2 % thermal drift).",
 )
 
 
@@ -59,20 +65,37 @@ _EMULATED_SWITCH_LATENCY = click.option(
     help="Plan policy (default: fastest; deadline with --straggler).",
 )
 @_EMULATED_P_BLOCK
+@_IDEAL
 @_EMULATED_SWITCH_LATENCY
 @click.option(
     "--counter-period-s",
     type=Number(min=0.0),
-    default=0.001,
-    show_default=True,
-    help="Energy-counter update period of the emulated GPUs.",
+    default=None,
+    help="Energy-counter update period of the emulated GPUs (NVML-like: 0.1; ideal: 0.001).",
 )
 @click.option(
     "--noise",
     type=Number(min=0.0, max=0.2),
-    default=0.0,
-    show_default=True,
-    help="Multiplicative noise (std) on every instruction's time and energy.",
+    default=None,
+    help="Multiplicative noise (std) on every instruction's time and energy (NVML-like: 0.02).",
+)
+@click.option(
+    "--duty",
+    type=Number(min=0.01, max=1.0),
+    default=None,
+    help="Share of each counter period in which power is sampled (A100/H100: 0.25; default 1).",
+)
+@click.option(
+    "--read-cost-s",
+    type=Number(min=0.0),
+    default=None,
+    help="Cost of one driver read to the thread that makes it (NVML-like: 0.003).",
+)
+@click.option(
+    "--drift",
+    type=Number(min=0.0, max=0.2),
+    default=None,
+    help="Thermal drift: powers rise by up to this share (NVML-like: 0.02).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
 @click.option(
@@ -91,9 +114,13 @@ def demo(
     straggler: float | None,
     policy: str | None,
     p_block_w: float,
-    switch_latency_s: float,
-    counter_period_s: float,
-    noise: float,
+    ideal: bool,
+    switch_latency_s: float | None,
+    counter_period_s: float | None,
+    noise: float | None,
+    duty: float | None,
+    read_cost_s: float | None,
+    drift: float | None,
     seed: int,
     out_dir: str,
     no_plot: bool,
@@ -106,7 +133,12 @@ def demo(
     training job uses. Prints all-max-clock vs powerlib: iteration time, energy per iteration,
     saving and slowdown.
     """
-    from powerlib.emulator.demo import DemoConfig, run_demo  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.emulator.demo import (  # noqa: PLC0415 - keep CLI start fast
+        IDEAL_MODEL,
+        NVML_LIKE_MODEL,
+        DemoConfig,
+        run_demo,
+    )
 
     report = run_demo(
         DemoConfig(
@@ -115,9 +147,13 @@ def demo(
             schedule=schedule,
             num_chunks=2 if schedule == "interleaved" else 1,
             p_block_w=p_block_w,
+            model=IDEAL_MODEL if ideal else NVML_LIKE_MODEL,
             switch_latency_s=switch_latency_s,
             counter_period_s=counter_period_s,
             noise=noise,
+            duty=duty,
+            read_cost_s=read_cost_s,
+            drift=drift,
             straggler=straggler,
             policy=policy,
             out_dir=out_dir,
@@ -132,7 +168,7 @@ def demo(
     w, b, p = report["workload"], report["baseline"], report["powerlib"]
     click.echo(
         f"{w['num_stages']} stages x {w['num_microbatches']} microbatches ({w['schedule']}), "
-        f"emulated from {w['profile']}"
+        f"emulated from {w['profile']} on {report['model_description']}"
         + (
             f", straggler {w['straggler']:g}x (T' = {w['deadline_s']:.4f} s)"
             if w["straggler"]
@@ -146,7 +182,16 @@ def demo(
             f"(slowdown {report['slowdown_percent']:+.3f} %)",
             bold=True,
         )
+        + "  true, paired with all-max on the same noise"
     )
+    measured = report["measured_by_sessions"]
+    if measured is not None:
+        click.echo(
+            f"the sessions measured {measured['saving_percent']:.2f} +- "
+            f"{measured['saving_ci_percent']:.2f} % (slowdown {measured['slowdown_percent']:+.3f} "
+            f"+- {measured['slowdown_ci_percent']:.3f} %); the planner predicted "
+            f"{report['predicted']['saving_percent']:.2f} %"
+        )
     prof = report["profile"]
     click.echo(
         f"profiled {len(prof['freqs_mhz'])} clocks in {prof['iterations']} iterations; "
@@ -161,6 +206,7 @@ def demo(
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(exists=True, dir_okay=False))
 @_EMULATED_PROFILE
 @_EMULATED_P_BLOCK
+@_IDEAL
 @_EMULATED_SWITCH_LATENCY
 @click.option(
     "--deadline-s",
@@ -171,10 +217,12 @@ def demo(
 @click.option(
     "--iterations",
     type=click.IntRange(min=1, max=1000),
-    default=3,
+    default=10,
     show_default=True,
-    help="Managed iterations to replay (their mean is reported).",
+    help="Managed iterations to replay (their mean is reported, paired with all-max "
+    "iterations on the same noise).",
 )
+@click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
 @click.option(
     "--no-grid", is_flag=True, help="Do not print the plan as a stage x time grid before the table."
 )
@@ -183,9 +231,11 @@ def simulate(
     plan_path: str,
     profile_path: str | None,
     p_block_w: float,
-    switch_latency_s: float,
+    ideal: bool,
+    switch_latency_s: float | None,
     deadline_s: float | None,
     iterations: int,
+    seed: int,
     no_grid: bool,
     as_json: bool,
 ) -> None:
@@ -194,7 +244,11 @@ def simulate(
     Prints the plan as a stage x time grid (what runs when, and at which clock), then the
     replayed iteration time and energy against all maximum clocks.
     """
-    from powerlib.emulator.demo import simulate_plan  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.emulator.demo import (  # noqa: PLC0415 - keep CLI start fast
+        IDEAL_MODEL,
+        NVML_LIKE_MODEL,
+        simulate_plan,
+    )
     from powerlib.planning.plan import FrequencyPlan  # noqa: PLC0415
 
     plan = FrequencyPlan.read(plan_path)
@@ -202,9 +256,11 @@ def simulate(
         plan,
         profile_path=profile_path,
         p_block_w=p_block_w,
+        model=IDEAL_MODEL if ideal else NVML_LIKE_MODEL,
         switch_latency_s=switch_latency_s,
         straggler_time_s=deadline_s,
         iterations=iterations,
+        seed=seed,
     )
     if as_json:
         emit_json(result)
@@ -212,6 +268,7 @@ def simulate(
     if not no_grid:
         click.echo(plan.grid())
     b, r = result["baseline"], result["plan_result"]
+    click.echo(f"emulated on {result['model_description']}")
     versus_all_max(b, "plan", r)
     click.echo(
         f"energy saved: {result['saving_percent']:.2f} %  (slowdown {result['slowdown_percent']:+.3f} %)"

@@ -4,14 +4,21 @@ The demo drives an emulated pipeline (by default GPT-3 175B in 8 stages on A100s
 artifact's measured profile, see ``data/SOURCE.md``) through the *same* session code a training
 job uses: one :class:`~powerlib.runtime.session.Session` per stage, coordinated in-process the way
 ``torch.distributed`` coordinates ranks; profile (frequency sweep on the emulated devices), plan
-on rank 0, apply through the frequency controllers. It reports the all-max-clock baseline against
-the managed iterations, measured on the emulator (exact energy, not the counters the sessions
-read).
+on rank 0, apply through the frequency controllers, and the sessions' closed loop, which measures
+the plan against interleaved all-max windows.
+
+The emulated GPUs behave like NVML by default (:data:`~powerlib.emulator.engine.NVML_LIKE_MODEL`:
+a counter that publishes every 100 ms, driver reads that cost 3 ms, a clock latency of
+20 ms +- 50 % that the sessions measure, 2 % noise, thermal drift); ``ideal`` selects the old
+idealized device, kept only to validate the planner. The report gives three figures side by
+side: the planner's prediction, what the sessions measured, and the truth: the emulator's exact
+energy of the managed iterations against all-max iterations run on the same noise draws (paired).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,7 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.control import ControlSession
-from powerlib.emulator.engine import Emulator, IterationResult
+from powerlib.emulator.engine import (
+    IDEAL_MODEL,
+    NVML_LIKE_MODEL,
+    Emulator,
+    IterationResult,
+    NvmlLikeModel,
+)
 from powerlib.errors import BackendUnavailableError, InvalidArgumentError
 from powerlib.planning.perseus.direct import direct_available
 from powerlib.planning.perseus.frontier import DEFAULT_MAX_WORK, estimate_pipeline_work
@@ -35,7 +48,15 @@ from powerlib.runtime.coordination import LocalGroup
 from powerlib.runtime.planning_step import auto_unit_time_s
 from powerlib.runtime.session import Session
 
-__all__ = ["DemoConfig", "default_profile", "run_demo", "simulate_plan", "write_timeline"]
+__all__ = [
+    "IDEAL_MODEL",
+    "NVML_LIKE_MODEL",
+    "DemoConfig",
+    "default_profile",
+    "run_demo",
+    "simulate_plan",
+    "write_timeline",
+]
 
 DEFAULT_P_BLOCK_W = 83.64  # A100 blocking power of the Perseus artifact (docs/perseus.md §1.4)
 
@@ -56,9 +77,13 @@ class DemoConfig:
         schedule: Pipeline schedule.
         num_chunks: Chunks per stage (interleaved).
         p_block_w: Power of a waiting emulated GPU (the sessions measure it, they are not told).
-        switch_latency_s: Clock-change latency of the emulated GPUs.
-        counter_period_s: Energy-counter update period.
-        noise: Multiplicative noise on every execution.
+        model: What the emulated GPUs do besides their table (default: NVML-like).
+        switch_latency_s: Overrides the model's mean clock-change latency.
+        counter_period_s: Overrides the model's energy-counter period.
+        noise: Overrides the model's run-to-run noise.
+        duty: Overrides the model's power-sampling duty (0.25: A100/H100 part-time sampling).
+        read_cost_s: Overrides the model's driver read cost.
+        drift: Overrides the model's thermal drift.
         straggler: Another data-parallel pipeline is this many times slower (T′ = ratio x T).
         policy: ``fastest`` (default), ``min-energy``; ``deadline`` with a straggler.
         apply_iterations: Managed iterations measured after the plan's first (checked) iteration.
@@ -73,16 +98,32 @@ class DemoConfig:
     schedule: str = "1f1b"
     num_chunks: int = 1
     p_block_w: float = DEFAULT_P_BLOCK_W
-    switch_latency_s: float = 0.005
-    counter_period_s: float = 0.001
-    noise: float = 0.0
+    model: NvmlLikeModel = NVML_LIKE_MODEL
+    switch_latency_s: float | None = None
+    counter_period_s: float | None = None
+    noise: float | None = None
+    duty: float | None = None
+    read_cost_s: float | None = None
+    drift: float | None = None
     straggler: float | None = None
     policy: str | None = None
-    apply_iterations: int = 3
+    apply_iterations: int = 6
     out_dir: str | None = "powerlib-demo"
     plot: bool = True
     seed: int = 0
     progress: bool = True
+
+    def effective_model(self) -> NvmlLikeModel:
+        """:attr:`model` with the overrides that were given."""
+        overrides = {
+            name: getattr(self, name)
+            for name in ("switch_latency_s", "counter_period_s", "noise", "duty", "read_cost_s",
+                         "drift")
+            if getattr(self, name) is not None
+        }  # fmt: skip
+        if not overrides:
+            return self.model
+        return dataclasses.replace(self.model, name=f"{self.model.name} (modified)", **overrides)
 
 
 def _mean(results: list[IterationResult]) -> tuple[float, float]:
@@ -125,13 +166,12 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         config.schedule, num_stages, config.num_microbatches, config.num_chunks
     )
     policy = config.policy or ("deadline" if config.straggler else "fastest")
+    model = config.effective_model()
     emulator = Emulator(
         profile,
         schedule,
         p_block_w=config.p_block_w,
-        switch_latency_s=config.switch_latency_s,
-        counter_period_s=config.counter_period_s,
-        noise=config.noise,
+        model=model,
         seed=config.seed,
         device_name="Emulated A100-SXM (Perseus GPT-3 175B profile)"
         if config.profile_path is None
@@ -139,19 +179,16 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     )
     progress.say(
         f"emulating {num_stages} stages x {config.num_microbatches} microbatches ({config.schedule}) "
-        f"from {profile.source}; baseline at maximum clock",
+        f"from {profile.source} on {model.describe()}",
     )
-    baseline_runs = [emulator.run_iteration() for _ in range(3)]
-    base_makespan = baseline_runs[-1].makespan_s
+    base_makespan = emulator.run_iteration().makespan_s
     deadline_s = None
     if config.straggler is not None:
         deadline_s = config.straggler * base_makespan
         emulator.straggler_time_s = deadline_s
-        baseline_runs = [emulator.run_iteration()]
         progress.say(
             f"a straggler pipeline holds every iteration to {deadline_s:.4f} s ({config.straggler:g}x)",
         )
-    base_time, base_energy = _mean(baseline_runs[-1:])
 
     group = LocalGroup(num_stages)
     out_dir = None if config.out_dir is None else Path(config.out_dir)
@@ -177,43 +214,56 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     ]
     profile_iterations = 0
     managed: list[IterationResult] = []
+    keys = iter(range(1, 1 << 30))
+    stall_s = 0.0
+    instructions = 0
     with contextlib.ExitStack() as stack:
         for session in sessions:
             stack.enter_context(session)
         profiling = sessions[0].profiling
         assert profiling is not None  # auto mode profiles first
-        cap = profiling.sweep.config.max_iterations + config.apply_iterations + 5
+        check = sessions[0].apply_config.check_rounds * 6 + 3
+        cap = profiling.sweep.config.max_iterations + check + config.apply_iterations + 5
         for _ in range(cap):
-            result = emulator.run_iteration(sessions)
-            if all(p == "apply" for p in result.phases):
+            if all(s.phase == "apply" for s in sessions):
+                result = emulator.run_iteration(sessions, noise_key=next(keys))
                 managed.append(result)
-                if len(managed) > config.apply_iterations:
+                if len(managed) >= config.apply_iterations:
                     break
-            elif "profile" in result.phases:
+                continue
+            result = emulator.run_iteration(sessions)
+            if "profile" in result.phases:
                 profile_iterations += 1
+                stall_s += result.stall_s
+                instructions += len(result.executed)
             if all(s.phase == "done" for s in sessions):
                 break
         reports = [s.report() for s in sessions]
         plan = sessions[0].plan
         outcome = sessions[0].outcome
         first_apply = sessions[0].apply_started_iteration
-    if plan is None or len(managed) <= config.apply_iterations:
+        realized = sessions[0].realized
+    if plan is None or len(managed) < config.apply_iterations:
         raise InvalidArgumentError("the sessions never applied a plan; see the warnings above")
-    measured = managed[1:]  # the first applied iteration is the order check
-    time_s, energy_j = _mean(measured)
     emulator.unlock_all()
+    # The truth: all-max iterations on the same noise draws as the managed ones (paired).
+    baseline_runs = [
+        emulator.run_iteration(noise_key=r_key) for r_key in range(1, len(managed) + 1)
+    ]
+    base_time, base_energy = _mean(baseline_runs)
+    time_s, energy_j = _mean(managed)
     summary = dict(outcome.summary or {}) if outcome is not None else {}
+    predicted = summary.get("realized") or {}
     report = {
-        "schema": "powerlib.demo.v1",
+        "schema": "powerlib.demo.v2",
+        "model": model.to_json(),
+        "model_description": model.describe(),
         "workload": {
             "profile": profile.source,
             "num_stages": num_stages,
             "num_microbatches": config.num_microbatches,
             "schedule": config.schedule,
             "p_block_w": config.p_block_w,
-            "switch_latency_s": config.switch_latency_s,
-            "counter_period_s": config.counter_period_s,
-            "noise": config.noise,
             "straggler": config.straggler,
             "deadline_s": deadline_s,
         },
@@ -222,16 +272,28 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         "powerlib": {
             "time_s": time_s,
             "energy_j": energy_j,
-            "makespan_s": statistics.fmean(r.makespan_s for r in measured),
-            "iterations_measured": len(measured),
+            "makespan_s": statistics.fmean(r.makespan_s for r in managed),
+            "iterations_measured": len(managed),
         },
         "saving_percent": 100.0 * (1.0 - energy_j / base_energy),
         "slowdown_percent": 100.0 * (time_s / base_time - 1.0),
-        "planned_saving_percent": summary.get("saving_percent"),
+        "predicted": {
+            "saving_percent": predicted.get("saving_percent"),
+            "slowdown_percent": predicted.get("slowdown_percent"),
+        },
+        "planned_saving_percent": predicted.get("saving_percent"),
+        "measured_by_sessions": None if realized is None else realized.to_json(),
         "profile": {
             "iterations": profile_iterations,
             "freqs_mhz": reports[0]["profiled_freqs_mhz"],
             "measured_p_block_w": [r["measured_p_block_w"] for r in reports],
+            "measured_latency_s": [r["measured_latency_s"] for r in reports],
+            "hook_stall_s_per_instruction": stall_s / instructions if instructions else 0.0,
+        },
+        "guard": {
+            "switch_latency_s": summary.get("switch_latency_s"),
+            "switch_latency_source": summary.get("switch_latency_source"),
+            "time_cv": summary.get("time_cv"),
         },
         "apply_started_iteration": first_apply,
         "frequency_changes_per_iteration": sum(r["frequency_changes"] for r in reports)
@@ -249,7 +311,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
                 outputs["frontier.png"] = str(out_dir / "frontier.png")
             try:
                 write_timeline(
-                    measured[-1],
+                    managed[-1],
                     out_dir / "timeline.png",
                     title=f"one managed iteration ({policy})",
                 )
@@ -266,9 +328,11 @@ def simulate_plan(
     *,
     profile_path: str | None = None,
     p_block_w: float = DEFAULT_P_BLOCK_W,
-    switch_latency_s: float = 0.005,
+    model: NvmlLikeModel = NVML_LIKE_MODEL,
+    switch_latency_s: float | None = None,
     straggler_time_s: float | None = None,
     iterations: int = 3,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Replay a saved plan on the emulator and compare it with all maximum clocks.
 
@@ -282,9 +346,13 @@ def simulate_plan(
         plan: The plan file, or a plan already read (its ``source`` names it in the result).
         profile_path: Ground-truth profile of the emulated GPUs; ``None``: the shipped one.
         p_block_w: Power of a waiting emulated GPU.
-        switch_latency_s: Clock-change latency of the emulated GPUs.
+        model: What the emulated GPUs do (default NVML-like; :data:`IDEAL_MODEL` to check a
+            plan against the planner's own replay).
+        switch_latency_s: Overrides the model's mean clock-change latency.
         straggler_time_s: A straggler holds every iteration to this time.
-        iterations: Managed iterations replayed (their mean is reported).
+        iterations: Managed iterations replayed (their mean is reported); the all-max
+            baseline runs the same noise draws (paired).
+        seed: Noise seed.
 
     Raises:
         PlanError: A malformed plan, or one that does not fit the profile: another number of
@@ -300,20 +368,23 @@ def simulate_plan(
     plan.check_workload(num_stages=profile.num_stages, against=f"the profile {profile.source}")
     # The plan lists every stage's instructions in execution order: that is the schedule.
     schedule = [[p.instruction for p in plan.stage(s)] for s in range(plan.num_stages)]
+    if switch_latency_s is not None:
+        model = dataclasses.replace(model, switch_latency_s=switch_latency_s)
     try:
         emulator = Emulator(
             profile,
             schedule,
             placement=str(plan.workload.get("placement", "looped")),
             p_block_w=p_block_w,
-            switch_latency_s=switch_latency_s,
+            model=model,
             straggler_time_s=straggler_time_s,
+            seed=seed,
         )
     except PlanError as err:  # the plan's order is no pipeline, or it needs what the profile lacks
         if str(err).startswith((f"{profile.source}:", f"{plan_path}:")):
             raise
         raise PlanError(f"{plan_path}: {err}") from err
-    base = [emulator.run_iteration() for _ in range(2)][-1]
+    base_runs = [emulator.run_iteration(noise_key=k) for k in range(1, iterations + 1)]
     for s in range(plan.num_stages):
         plan.check_frequencies(emulator.devices[s].info.supported_sm_freqs_mhz, s)
     # The session's own apply phase, one per stage, over inline controllers on the emulated GPUs.
@@ -329,17 +400,21 @@ def simulate_plan(
             )
             for s, device in enumerate(emulator.devices)
         ]
-        runs = [emulator.run_iteration(phases) for _ in range(iterations + 1)][1:]
+        emulator.run_iteration(phases)  # the first clocks land
+        runs = [emulator.run_iteration(phases, noise_key=k) for k in range(1, iterations + 1)]
     emulator.unlock_all()
     time_s, energy_j = _mean(runs)
+    base_time_s, base_energy_j = _mean(base_runs)
     return {
-        "schema": "powerlib.simulate.v1",
+        "schema": "powerlib.simulate.v2",
         "plan": plan_path,
         "profile": profile.source,
-        "baseline": {"time_s": base.time_s, "energy_j": base.energy_j},
+        "model": model.to_json(),
+        "model_description": model.describe(),
+        "baseline": {"time_s": base_time_s, "energy_j": base_energy_j},
         "plan_result": {"time_s": time_s, "energy_j": energy_j},
-        "saving_percent": 100.0 * (1.0 - energy_j / base.energy_j),
-        "slowdown_percent": 100.0 * (time_s / base.time_s - 1.0),
+        "saving_percent": 100.0 * (1.0 - energy_j / base_energy_j),
+        "slowdown_percent": 100.0 * (time_s / base_time_s - 1.0),
         "planned": {k: plan.summary.get(k) for k in ("policy", "time_s", "energy_j", "saving")},
     }
 

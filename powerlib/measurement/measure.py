@@ -25,7 +25,6 @@ the event completes: the window is the GPU's time for the step, not the host's, 
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import math
@@ -40,13 +39,14 @@ import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from powerlib.device import Backend, Device
 from powerlib.errors import InvalidArgumentError, PowerlibError
 from powerlib.inputs import json_depth
+from powerlib.measurement.markers import StreamMarker, cuda_marker
 from powerlib.measurement.result import (
     DeviceEnergy,
     MeasurementResult,
@@ -83,53 +83,6 @@ _ACTIVE: weakref.WeakSet[Measurement] = weakref.WeakSet()
 def active_measurements() -> list[Measurement]:
     """The measurements running in this process (the in-process exporter publishes them)."""
     return [m for m in list(_ACTIVE) if m.running]
-
-
-class StreamMarker(Protocol):
-    """Marks points on an accelerator stream and waits for them (the CUDA one: events)."""
-
-    def record(self) -> object:
-        """Enqueue a marker on the current stream; must not block."""
-        ...
-
-    def wait(self, token: object) -> None:
-        """Block (on the waiter thread) until the marker has been reached."""
-        ...
-
-
-class _CudaMarker:
-    """CUDA events on the current stream; completed events are reused (no create per step)."""
-
-    def __init__(self, torch: Any) -> None:
-        self._event = torch.cuda.Event
-        self._free: collections.deque[Any] = collections.deque()
-
-    def record(self) -> object:
-        try:
-            event = self._free.pop()
-        except IndexError:
-            event = self._event()
-        event.record()
-        return event
-
-    def wait(self, token: object) -> None:
-        token.synchronize()  # type: ignore[attr-defined]
-        self._free.append(token)
-
-
-def _cuda_marker(align: str) -> StreamMarker | None:
-    if align == "host":
-        return None
-    torch = sys.modules.get("torch")  # never import torch for this: a CPU job does not have it
-    if align == "cuda":
-        if torch is None:
-            import torch  # noqa: PLC0415
-        if not torch.cuda.is_available():
-            raise InvalidArgumentError("align='cuda' needs CUDA, and torch sees no GPU")
-        return _CudaMarker(torch)
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return _CudaMarker(torch)
-    return None
 
 
 class Window:
@@ -291,9 +244,7 @@ class Measurement:
             self._close_backend()
             raise
         self._marker = (
-            self._marker_override
-            if self._marker_override is not None
-            else _cuda_marker(self._align)
+            self._marker_override if self._marker_override is not None else cuda_marker(self._align)
         )
         self.rank = _rank()
         self.start_unix_s = time.time()

@@ -40,6 +40,9 @@ __all__ = ["EnergyTimeline", "build_timeline"]
 _FIT_HALF_WIDTH = 8
 """Knots on each side of a knot in its local fit of update times."""
 
+_FINE_SHARE = 0.9
+"""Share of reads that saw a new value above which the counter counts as finer than the reads."""
+
 _CONSISTENT_HALF_WIDTH = 20
 """Knots on each side of a knot whose brackets bound its counter offset (see _energy_consistent)."""
 
@@ -145,7 +148,7 @@ def build_timeline(
         )  # fmt: skip
     cum, valid, is_knot, resets, wraps = _unwrap(t, counter_j, q, wrap_j)
     half = np.zeros_like(t) if read_s is None else 0.5 * np.asarray(read_s, dtype=float)
-    lo, hi, values = [], [], []
+    lo, hi, values, at = [], [], [], []
     prev = -1
     for i in range(t.size):
         if not valid[i]:
@@ -154,6 +157,7 @@ def build_timeline(
             lo.append(t[prev] - half[prev])
             hi.append(t[i] + half[i])
             values.append(cum[i])
+            at.append(t[i])
         prev = i
     if not values:  # no update seen: the counter's first value is not tied to any instant
         return EnergyTimeline(
@@ -162,10 +166,17 @@ def build_timeline(
             _times_s=t, _q_j=q, _last_power_w=last_w, _scale=1.0,
         )  # fmt: skip
     lo_a, hi_a = np.asarray(lo), np.asarray(hi)
-    tau = _knot_times(lo_a, hi_a)
+    fine = len(values) >= _FINE_SHARE * max(int(valid.sum()) - 1, 1)
+    if fine:
+        # Nearly every read saw a new value: the counter updates at least as often as it is
+        # read (a 1 ms counter, RAPL), so its last update before a read is within one of its
+        # own periods of that read: the read, not its bracket's middle, is the knot's time.
+        tau = np.maximum.accumulate(np.asarray(at, dtype=float))
+    else:
+        tau = _knot_times(lo_a, hi_a)
     e = np.asarray(values)
     scale = _scale(tau, e, t, q)
-    if tau.size >= 2:
+    if tau.size >= 2 and not fine:
         tau = _energy_consistent(tau, lo_a, hi_a, e, t, q, scale)
         scale = _scale(tau, e, t, q)
     return EnergyTimeline(

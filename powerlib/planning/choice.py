@@ -65,6 +65,9 @@ class Policy:
         max_slowdown: For ``fastest`` and ``deadline``: the realized slowdown allowed over
             all-max (``fastest``) or over T′ (``deadline``), as a fraction.
         switch_latency_s: Clock-change latency the guard's replay assumes.
+        time_cv: Run-to-run spread of instruction times (relative standard deviation, as
+            profiled): the guard then bounds the plan's expected slowdown under that noise
+            (see ``Frontier.within_slowdown``).
     """
 
     name: str = "fastest"
@@ -72,6 +75,7 @@ class Policy:
     argmin: bool = False
     max_slowdown: float = 0.001
     switch_latency_s: float = 0.005
+    time_cv: float = 0.0
 
     def __post_init__(self) -> None:
         check_policy(
@@ -148,6 +152,7 @@ def choose(frontier: Frontier, policy: Policy) -> Choice:
             policy.max_slowdown,
             switch_latency_s=policy.switch_latency_s,
             limit_s=policy.deadline_s if policy.name == "deadline" else None,
+            time_cv=policy.time_cv,
         )
     else:
         options = frontier.planned_options(point)

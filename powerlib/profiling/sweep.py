@@ -1,17 +1,23 @@
-"""The frequency sweep of the profile phase and what it records.
+"""The frequency sweep of the profile phase: which clock each iteration runs, and when to move on.
 
 Iterations run in this order (docs/architecture.md §2 step 2, docs/perseus.md §4.5):
 
-1. ``warmup_iterations`` at the highest candidate frequency, discarded (allocator, autotuning,
-   caches);
-2. for each candidate frequency from high to low: ``settle_iterations`` discarded (the clock
-   change lands asynchronously on real drivers), then ``iterations_per_freq`` measured;
-3. the sweep stops early once a stage's energy per iteration has risen for ``stop_after_rises``
-   frequencies in a row: below the voltage floor a slower clock only costs energy, and those
-   options would be dominated anyway.
+1. ``warmup_iterations`` at the highest candidate clock, discarded (allocator, autotuning,
+   caches); the profile phase also measures the clock-change latency there.
+2. A **coarse pass** over every ``coarse_stride``-th candidate from the top, then a **fill pass**
+   over the candidates it skipped: clocks are not visited monotonically from high to low, so a
+   slow drift (temperature) does not line up with the clock. The coarse pass stops once the
+   stage's energy per iteration has risen for ``stop_after_rises`` coarse clocks in a row: below
+   the voltage floor a slower clock only costs energy, and those options are dominated. The fill
+   pass then visits the skipped clocks above the first of those rises.
+3. Each clock is a **block** of at least ``iterations_per_freq`` measured iterations (after
+   ``settle_iterations`` discarded ones), extended one iteration at a time until every profile
+   row of the block resolves to ``target_error`` (the half-width of its 95 % interval, from the
+   attribution's own residuals: :mod:`powerlib.measurement.attribution`), at most
+   ``max_iterations_per_freq``.
 
-The stop decision is taken by every rank together (the session asks its coordinator), so every
-rank leaves the sweep at the same iteration.
+The decisions to end a block, to end the coarse pass and to give up are taken by every rank
+together (the session's coordinator), so every rank runs the same clock at every iteration.
 """
 
 from __future__ import annotations
@@ -32,19 +38,26 @@ class SweepConfig:
     """How to sweep.
 
     Attributes:
-        freqs_mhz: Candidate frequencies (any order; swept from high to low; duplicates dropped).
+        freqs_mhz: Candidate frequencies (any order; duplicates dropped; kept high to low).
         warmup_iterations: Discarded iterations at the highest frequency.
-        settle_iterations: Discarded iterations after each clock change.
-        iterations_per_freq: Measured iterations per frequency.
-        stop_after_rises: Stop after this many consecutive frequencies whose energy per
-            iteration rose; 0 never stops early.
+        settle_iterations: Discarded iterations after each clock change (0: the measured window
+            starts when the sampler sees the new clock land).
+        iterations_per_freq: Measured iterations per frequency, at least.
+        max_iterations_per_freq: Measured iterations per frequency, at most.
+        target_error: A block ends once every row resolves to this (relative 95 % half-width).
+        stop_after_rises: End the coarse pass after this many coarse clocks of rising energy;
+            0 never stops early.
+        coarse_stride: Every how many candidates the coarse pass visits (1: one pass).
     """
 
     freqs_mhz: tuple[float, ...]
     warmup_iterations: int = 2
-    settle_iterations: int = 1
-    iterations_per_freq: int = 2
-    stop_after_rises: int = 3
+    settle_iterations: int = 0
+    iterations_per_freq: int = 1
+    max_iterations_per_freq: int = 4
+    target_error: float = 0.02
+    stop_after_rises: int = 2
+    coarse_stride: int = 3
 
     def __post_init__(self) -> None:
         freqs = tuple(sorted({float(f) for f in self.freqs_mhz}, reverse=True))
@@ -57,16 +70,24 @@ class SweepConfig:
             ("warmup_iterations", 0),
             ("settle_iterations", 0),
             ("iterations_per_freq", 1),
+            ("max_iterations_per_freq", 1),
             ("stop_after_rises", 0),
+            ("coarse_stride", 1),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        if self.max_iterations_per_freq < self.iterations_per_freq:
+            object.__setattr__(self, "max_iterations_per_freq", self.iterations_per_freq)
+        if not (isinstance(self.target_error, (int, float)) and 0 < self.target_error < 1):
+            raise InvalidArgumentError(
+                f"target_error must be a fraction in (0, 1), got {self.target_error!r}"
+            )
 
     @property
     def max_iterations(self) -> int:
-        """Iterations of a sweep that never stops early."""
-        per_freq = self.settle_iterations + self.iterations_per_freq
+        """Iterations of a sweep that never stops early and never resolves early."""
+        per_freq = self.settle_iterations + self.max_iterations_per_freq
         return self.warmup_iterations + len(self.freqs_mhz) * per_freq
 
 
@@ -75,125 +96,128 @@ class FrequencySweep:
 
     def __init__(self, config: SweepConfig) -> None:
         self.config = config
-        self._index = -1 if config.warmup_iterations else 0  # -1: warm-up
+        freqs = config.freqs_mhz
+        self._coarse = list(freqs[:: config.coarse_stride])
+        if freqs[-1] not in self._coarse and config.coarse_stride > 1:
+            self._coarse.append(freqs[-1])
+        self._queue: list[float] = list(self._coarse)
+        self.coarse = True
+        """The sweep is in its coarse pass."""
+        self.visited: list[float] = []
+        """Clocks whose block ended, in visiting order."""
+        self._freq = freqs[0]
+        self._warmup_left = config.warmup_iterations
         self._done_in_block = 0
         self.finished = False
+        if self._warmup_left == 0:
+            self._start_block()
 
     @property
     def freq_mhz(self) -> float:
         """The frequency of the current iteration (warm-up runs at the highest)."""
-        return self.config.freqs_mhz[max(self._index, 0)]
+        return self._freq
 
     @property
     def position(self) -> tuple[int, int]:
-        """``(1-based frequency number, number of candidates)``; 0 during warm-up."""
-        return self._index + 1, len(self.config.freqs_mhz)
-
-    @property
-    def measuring(self) -> bool:
-        """Whether the current iteration is recorded."""
-        return self._index >= 0 and self._done_in_block >= self.config.settle_iterations
+        """``(clocks begun, clocks planned so far)``; 0 during warm-up."""
+        if self.warming_up:
+            return 0, len(self.config.freqs_mhz)
+        return len(self.visited) + 1, len(self.visited) + 1 + len(self._queue)
 
     @property
     def warming_up(self) -> bool:
         """Whether the current iteration is a warm-up iteration."""
-        return self._index < 0
+        return self._warmup_left > 0
 
-    def block_complete_after_this(self) -> bool:
-        """True if the current iteration is the last of its frequency block (or of warm-up)."""
-        if self._index < 0:
-            return self._done_in_block + 1 >= self.config.warmup_iterations
-        per_freq = self.config.settle_iterations + self.config.iterations_per_freq
-        return self._done_in_block + 1 >= per_freq
+    @property
+    def measuring(self) -> bool:
+        """Whether the current iteration is recorded."""
+        return not self.warming_up and self._done_in_block >= self.config.settle_iterations
 
-    def advance(self, stop: bool = False) -> None:
-        """The current iteration ended; ``stop`` ends the sweep after a completed block."""
-        complete = self.block_complete_after_this()
+    @property
+    def measured_in_block(self) -> int:
+        """Measured iterations of the current block that have ended."""
+        return max(0, self._done_in_block - self.config.settle_iterations)
+
+    def iteration_ended(self) -> bool:
+        """The current iteration ended; True when the ranks must now vote on the block.
+
+        Warm-up needs no vote (every rank counts the same iterations).
+        """
+        if self.warming_up:
+            self._warmup_left -= 1
+            if self._warmup_left == 0:
+                self._start_block()
+            return False
         self._done_in_block += 1
-        if not complete:
-            return
-        self._done_in_block = 0
-        if stop or self._index + 1 >= len(self.config.freqs_mhz):
+        return self.measured_in_block >= self.config.iterations_per_freq
+
+    def must_end_block(self) -> bool:
+        """The block reached its maximum measured iterations."""
+        return self.measured_in_block >= self.config.max_iterations_per_freq
+
+    def end_block(self, *, stop_coarse: bool = False) -> None:
+        """The ranks agreed the block is done; ``stop_coarse`` ends the coarse pass here."""
+        self.visited.append(self._freq)
+        if self.coarse and (stop_coarse or not self._queue):
+            self._begin_fill(stopped=stop_coarse)
+        if not self._queue:
             self.finished = True
             return
-        self._index += 1
+        self._start_block()
+
+    def _start_block(self) -> None:
+        self._freq = self._queue.pop(0)
+        self._done_in_block = 0
+
+    def _begin_fill(self, *, stopped: bool) -> None:
+        """The coarse pass is over: queue the skipped clocks above its first rise."""
+        self.coarse = False
+        floor = -math.inf
+        rises = self.config.stop_after_rises
+        if stopped and rises > 0 and len(self.visited) > rises:
+            floor = self.visited[-rises]  # the first coarse clock of the rising run
+        done = set(self.visited)
+        self._queue = [f for f in self.config.freqs_mhz if f not in done and f > floor]
 
 
 class ProfileRecorder:
-    """Samples of one rank: per (kind, frequency) instruction times and energies, and gaps."""
-
-    MIN_GAP_S = 0.01
+    """What one rank's profile resolved: rows (with intervals) and the blocking power."""
 
     def __init__(self) -> None:
-        self._samples: dict[tuple[str, float], list[tuple[float, float]]] = defaultdict(list)
-        self._iteration_energy: dict[float, list[float]] = defaultdict(list)
-        self.gap_time_s = 0.0
-        self.gap_energy_j = 0.0
-        self.max_clock_iteration_s: list[float] = []
+        self._rows: list[ProfileRow] = []
+        self.row_errors: dict[tuple[str, float], float] = {}
+        """Per (kind, frequency): relative half-width of the energy's 95 % interval."""
+        self.p_block_w: float | None = None
+        """Mean power between instructions (the attribution's rest), when resolved."""
+        self.p_block_error: float | None = None
 
-    def add(self, kind: str, freq_mhz: float, time_s: float, energy_j: float) -> None:
-        """One measured instruction."""
-        self._samples[(kind, freq_mhz)].append((time_s, energy_j))
-
-    def add_gap(self, time_s: float, energy_j: float) -> None:
-        """Time between two instructions of one iteration (waiting: bubbles, p2p receives).
-
-        Only gaps of at least :attr:`MIN_GAP_S` count: an energy counter that moves every few
-        milliseconds smears part of the neighbouring instructions into a short gap.
-        """
-        if time_s >= self.MIN_GAP_S:
-            self.gap_time_s += time_s
-            self.gap_energy_j += energy_j
-
-    def add_iteration(self, freq_mhz: float, energy_j: float) -> None:
-        """Instruction energy of one measured iteration, for the early-stop rule."""
-        self._iteration_energy[freq_mhz].append(energy_j)
-
-    def iteration_energy_j(self, freq_mhz: float) -> float | None:
-        """Mean instruction energy per measured iteration at ``freq_mhz``."""
-        values = self._iteration_energy.get(freq_mhz)
-        return sum(values) / len(values) if values else None
-
-    def energy_rose(self, freqs_desc: Sequence[float], last: float) -> int:
-        """How many frequencies in a row, ending at ``last``, raised the energy per iteration.
-
-        A frequency counts when it used more energy than the best one before it: a
-        noise-tolerant "energy keeps rising".
-        """
-        done = [f for f in freqs_desc if f >= last and f in self._iteration_energy]
-        energies = [self.iteration_energy_j(f) or 0.0 for f in done]
-        rises = 0
-        for i in range(len(energies) - 1, 0, -1):
-            if energies[i] > min(energies[:i]):
-                rises += 1
-            else:
-                break
-        return rises
-
-    @property
-    def p_block_w(self) -> float | None:
-        """Mean power between instructions, or ``None`` when no gap was long enough."""
-        if self.gap_time_s <= 0:
-            return None
-        return self.gap_energy_j / self.gap_time_s
+    def set(
+        self,
+        rows: Sequence[ProfileRow],
+        errors: dict[tuple[str, float], float],
+        p_block_w: float | None,
+        p_block_error: float | None = None,
+    ) -> None:
+        """The solved profile."""
+        self._rows = list(rows)
+        self.row_errors = dict(errors)
+        self.p_block_w = p_block_w
+        self.p_block_error = p_block_error
 
     def rows(self, stage: int) -> list[ProfileRow]:
         """Mean time and energy per (kind, frequency)."""
-        out = []
-        for (kind, freq), samples in sorted(
-            self._samples.items(), key=lambda kv: (kv[0][0], -kv[0][1])
-        ):
-            n = len(samples)
-            out.append(
-                ProfileRow(
-                    stage=stage,
-                    instruction=kind,
-                    freq_mhz=freq,
-                    time_s=sum(t for t, _ in samples) / n,
-                    energy_j=sum(e for _, e in samples) / n,
-                )
-            )
-        return out
+        return [r if r.stage == stage else _restage(r, stage) for r in self._rows]
+
+
+def _restage(row: ProfileRow, stage: int) -> ProfileRow:
+    return ProfileRow(
+        stage=stage,
+        instruction=row.instruction,
+        freq_mhz=row.freq_mhz,
+        time_s=row.time_s,
+        energy_j=row.energy_j,
+    )
 
 
 def aggregate_stage_rows(per_rank: Iterable[Sequence[ProfileRow]]) -> list[ProfileRow]:

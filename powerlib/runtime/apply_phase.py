@@ -37,10 +37,13 @@ class ApplyConfig:
     Attributes:
         prefetch: Request the next instruction's clock when one ends (after the order check).
         threaded: Apply clocks on a controller thread (default) or inline (the emulator).
+        check_rounds: Rounds of interleaved all-max and plan windows the closed loop measures
+            after the plan arrives (:mod:`powerlib.runtime.closed_loop`); 0: none.
     """
 
     prefetch: bool = True
     threaded: bool = True
+    check_rounds: int = 3
 
 
 def _fmt(key: InstructionKey) -> str:
@@ -56,8 +59,6 @@ class ApplyPhase:
         stage: The stage this object applies.
         controller: Takes the clock requests.
         prefetch: See :class:`ApplyConfig`.
-        sync: Waits for the device before a new clock is requested, so that it cannot land on
-            the previous instruction's work.
         on_mismatch: Called once with a one-line reason when the loop does not run the plan's
             order (after the clocks were reset).
         check_order: Check the first iteration against the plan's order (and prefetch only
@@ -71,7 +72,6 @@ class ApplyPhase:
         controller: FrequencyController,
         *,
         prefetch: bool = True,
-        sync: Callable[[], None] = lambda: None,
         on_mismatch: Callable[[str], None] = lambda reason: None,
         check_order: bool = True,
     ) -> None:
@@ -83,7 +83,6 @@ class ApplyPhase:
         )
         self.controller = controller
         self.prefetch = prefetch
-        self._sync = sync
         self._on_mismatch = on_mismatch
         self.phase = "apply"
         """``apply``, or ``done`` once a mismatch stopped it."""
@@ -136,8 +135,10 @@ class ApplyPhase:
     def request(self, freq_mhz: float) -> None:
         """Hand a clock to the controller; a repeat of the last request costs nothing."""
         if freq_mhz != self.controller.last_requested:
-            self._sync()  # the new clock must not land on the previous instruction's work
-            self.controller.request(freq_mhz)
+            # On a GPU the host runs ahead: a marker on the stream holds the change until the
+            # device reaches this point, on the controller's thread (no synchronize here).
+            marker = self.controller.marker
+            self.controller.request(freq_mhz, after=None if marker is None else marker.record())
 
     def _check(self, key: InstructionKey) -> None:
         pos = self.position

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from powerlib.control import ControlSession
 from powerlib.device import Device
@@ -70,11 +71,14 @@ class FrequencyController:
         self._threaded = threaded
         self._cond = threading.Condition(threading.Lock())
         self._pending: float | None = None  # mailbox: latest unapplied request
+        self._after: object = None  # stream marker the pending request waits for
         self._busy = False
         self._stopping = False
         self._last_requested: float | None = None
         self._current: float | None = None  # what the device runs (as far as we set it)
         self.applied: list[AppliedChange] = []
+        self.marker: Any = None
+        """The stream-marker kind (``record``/``wait``) that ``after`` tokens come from."""
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(
@@ -92,8 +96,16 @@ class FrequencyController:
         """The controlled device."""
         return self._device
 
-    def request(self, freq_mhz: float) -> None:
-        """Ask for ``freq_mhz``; returns at once. A repeat of the last request costs nothing."""
+    def request(self, freq_mhz: float, *, after: object = None) -> None:
+        """Ask for ``freq_mhz``; returns at once. A repeat of the last request costs nothing.
+
+        Args:
+            freq_mhz: The clock.
+            after: A marker on the device's stream (a CUDA event the caller recorded): the
+                worker waits until the device reaches it before calling the driver, so the
+                clock does not land on work queued before it, and the training thread never
+                synchronizes (issue 32, point 4).
+        """
         if freq_mhz == self._last_requested:
             return
         self._last_requested = freq_mhz
@@ -102,6 +114,7 @@ class FrequencyController:
             return
         with self._cond:
             self._pending = freq_mhz
+            self._after = after
             self._cond.notify()
 
     def reset(self) -> None:
@@ -145,8 +158,11 @@ class FrequencyController:
                 if self._pending is None:  # stopping, nothing left
                     return
                 freq, self._pending = self._pending, None
+                after, self._after = self._after, None
                 self._busy = True
             try:
+                if after is not None and self.marker is not None:
+                    self.marker.wait(after)
                 self._apply(freq)
             except Exception:  # the worker must outlive a bad request; the job keeps training
                 logger.exception("frequency request %s for %s failed", freq, self._device.device_id)

@@ -33,6 +33,8 @@ __all__ = [
 ]
 
 Future = Callable[[], Any]
+Vote = bool | tuple[bool, ...]
+"""One yes/no, or several decided together in one collective (the profile sweep's)."""
 PlanFn = Callable[[list[dict[str, Any]]], PlanningOutcome]
 
 
@@ -42,8 +44,8 @@ class Coordinator(Protocol):
     rank: int
     world_size: int
 
-    def all_agree(self, vote: bool) -> Future:
-        """Future of ``all(votes)``."""
+    def all_agree(self, vote: Vote) -> Future:
+        """Future of ``all(votes)`` (element-wise for a tuple of votes)."""
         ...
 
     def exchange(self, payload: dict[str, Any], plan_fn: PlanFn) -> Future:
@@ -53,6 +55,17 @@ class Coordinator(Protocol):
 
 def _resolved(value: Any) -> Future:
     return lambda: value
+
+
+def _normal(vote: Vote) -> Vote:
+    return tuple(bool(v) for v in vote) if isinstance(vote, tuple) else bool(vote)
+
+
+def _all(votes: list[Vote]) -> Vote:
+    """``all`` over the ranks' votes, element-wise for tuples."""
+    if votes and isinstance(votes[0], tuple):
+        return tuple(all(v[i] for v in votes) for i in range(len(votes[0])))  # type: ignore[index]
+    return all(votes)
 
 
 def _raise_or_return(result: PlanningOutcome) -> PlanningOutcome:
@@ -77,9 +90,9 @@ class SingleProcess:
     rank = 0
     world_size = 1
 
-    def all_agree(self, vote: bool) -> Future:
+    def all_agree(self, vote: Vote) -> Future:
         """Resolved at once."""
-        return _resolved(bool(vote))
+        return _resolved(_normal(vote))
 
     def exchange(self, payload: dict[str, Any], plan_fn: PlanFn) -> Future:
         """Plans at once."""
@@ -94,7 +107,7 @@ class LocalGroup:
         if world_size < 1:
             raise ValueError("world_size must be >= 1")
         self.world_size = world_size
-        self._votes: dict[int, list[bool]] = {}
+        self._votes: dict[int, list[Vote]] = {}
         self._payloads: dict[int, dict[int, dict[str, Any]]] = {}
         self._plans: dict[int, PlanningOutcome] = {}
         self._vote_round = [0] * world_size
@@ -107,15 +120,15 @@ class LocalGroup:
             raise ValueError(f"rank {rank} is out of range for {self.world_size} ranks")
         return _Member(self, rank)
 
-    def _vote(self, rank: int, vote: bool) -> Future:
+    def _vote(self, rank: int, vote: Vote) -> Future:
         rnd = self._vote_round[rank]
         self._vote_round[rank] += 1
         votes = self._votes.setdefault(rnd, [])
-        votes.append(bool(vote))
+        votes.append(_normal(vote))
 
-        def result() -> bool | None:
+        def result() -> Vote | None:
             got = self._votes.get(rnd, [])
-            return all(got) if len(got) == self.world_size else None
+            return _all(got) if len(got) == self.world_size else None
 
         return result
 
@@ -143,7 +156,7 @@ class _Member:
         self.rank = rank
         self.world_size = group.world_size
 
-    def all_agree(self, vote: bool) -> Future:
+    def all_agree(self, vote: Vote) -> Future:
         return self._group._vote(self.rank, vote)
 
     def exchange(self, payload: dict[str, Any], plan_fn: PlanFn) -> Future:
@@ -165,11 +178,11 @@ class TorchDistributed:
         self.world_size = dist.get_world_size(group)
         self._root = 0 if group is None else dist.get_global_rank(group, 0)
 
-    def all_agree(self, vote: bool) -> Future:
+    def all_agree(self, vote: Vote) -> Future:
         """``all_gather_object`` of the votes."""
         out: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(out, bool(vote), group=self._group)
-        return _resolved(all(out))
+        self._dist.all_gather_object(out, _normal(vote), group=self._group)
+        return _resolved(_all(out))
 
     def exchange(self, payload: dict[str, Any], plan_fn: PlanFn) -> Future:
         """``gather_object`` to rank 0, plan there, ``broadcast_object_list`` back."""

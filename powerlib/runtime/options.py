@@ -12,6 +12,7 @@ keyword.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,10 @@ from powerlib.device import Backend, Device
 from powerlib.errors import DeviceBusyError, InvalidArgumentError, PowerlibError
 from powerlib.runtime.coordination import Coordinator
 
-__all__ = ["MODES", "RunConfig", "claim_device"]
+DISABLE_ENV = "POWERLIB_DISABLE"
+"""Set to 1 to run every session disabled (measure only, no device change)."""
+
+__all__ = ["DISABLE_ENV", "MODES", "RunConfig", "claim_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,9 @@ class RunConfig:
         overlap_groups: For overlap plans on NCCL: the global ranks of every group the
             overlapped collectives run on; default: the whole world.
         settings: Settings; default from the environment.
+        enabled: ``False`` (or ``POWERLIB_DISABLE=1`` in the environment) runs the same hooks
+            and measures every iteration's time and energy, but changes no device and takes
+            no lock: the A side of an A/B run.
 
     Raises:
         InvalidArgumentError: An unknown mode, or one that lacks its input file.
@@ -68,6 +75,13 @@ class RunConfig:
     guardian: bool = False
     overlap_groups: Sequence[Sequence[int]] | None = None
     settings: Settings | None = None
+    enabled: bool = True
+
+    @property
+    def disabled(self) -> bool:
+        """``enabled=False``, or ``POWERLIB_DISABLE`` set to 1/true/yes/on."""
+        flag = os.environ.get(DISABLE_ENV, "").strip().lower()
+        return not self.enabled or flag in ("1", "true", "yes", "on")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -38,7 +38,6 @@ from powerlib.planning.pipeline import (
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile, ProfileRow
 from powerlib.planning.workflow import wanted_for
-from powerlib.profiling.meter import energy_error
 from powerlib.profiling.sweep import aggregate_stage_rows
 from powerlib.progress import Progress
 
@@ -65,8 +64,11 @@ _SUMMARY_POINTS = 32
 """Exact frontier points a direct solve writes to ``frontier.csv`` (evenly spaced; as the CLI)."""
 
 MAX_ENERGY_ERROR = 0.05
-"""The largest relative error (bound on the standard error, :func:`energy_error`) of a profiled
-instruction energy the planner accepts: adjacent clocks differ by a few percent of energy."""
+"""The largest relative error (half-width of the 95 % interval the attribution gives each row)
+of a profiled instruction energy the planner accepts: adjacent clocks differ by a few percent."""
+
+DEFAULT_SWITCH_LATENCY_S = 0.005
+"""The clock-change latency the guard assumes when nothing measured it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,7 +90,9 @@ class PlanSpec:
         argmin: The paper's emulation rule for ``deadline`` (see ``Frontier.select``).
         max_slowdown: Realized-slowdown guard for ``fastest`` (against all-max) and
             ``deadline`` (against T′), as a fraction.
-        switch_latency_s: Clock-change latency the guard assumes (Kareus: "several ms").
+        switch_latency_s: Clock-change latency the guard assumes; ``None``: the latency the
+            ranks measured while warming up (the slowest rank's), else
+            :data:`DEFAULT_SWITCH_LATENCY_S`.
         p_block_w: Blocking power; ``None`` uses the power measured between instructions.
         unit_time_s: Planner time unit τ; ``None`` picks one from the profile.
         out_dir: Where rank 0 writes its files; ``None`` writes nothing.
@@ -106,7 +110,7 @@ class PlanSpec:
     deadline_ratio: float | None = None
     argmin: bool = False
     max_slowdown: float = 0.001
-    switch_latency_s: float = 0.005
+    switch_latency_s: float | None = None
     p_block_w: float | None = None
     unit_time_s: float | None = None
     out_dir: Path | None = None
@@ -115,7 +119,11 @@ class PlanSpec:
 
     def __post_init__(self) -> None:
         check_policy(
-            self.policy, max_slowdown=self.max_slowdown, switch_latency_s=self.switch_latency_s
+            self.policy,
+            max_slowdown=self.max_slowdown,
+            switch_latency_s=DEFAULT_SWITCH_LATENCY_S
+            if self.switch_latency_s is None
+            else self.switch_latency_s,
         )
         if self.policy == "deadline" and self.deadline_s is None and self.deadline_ratio is None:
             raise PlanError("the deadline policy needs deadline_s or deadline_ratio")
@@ -209,15 +217,34 @@ GATHERED = "the gathered profile"
 
 
 def merge_profiles(payloads: list[dict[str, Any]]) -> tuple[list[ProfileRow], float | None]:
-    """Every rank's rows merged per stage, and P_block measured between instructions.
+    """Every rank's rows merged per stage, and P_block from the ranks' attribution.
 
-    P_block is time-weighted over all ranks' gaps; ``None`` when no rank has usable gaps (a
-    counter that never moved in them tells nothing).
+    P_block is the mean of the ranks' solved blocking power (``p_block_w``); ``None`` when no
+    rank resolved one.
     """
     rows = aggregate_stage_rows(rows_from_payload(p["rows"]) for p in payloads)
-    gap_s = sum(p.get("gap_time_s", 0.0) for p in payloads)
-    gap_j = sum(p.get("gap_energy_j", 0.0) for p in payloads)
-    return rows, (gap_j / gap_s if gap_s > 0 and gap_j > 0 else None)
+    measured = [float(p["p_block_w"]) for p in payloads if p.get("p_block_w")]
+    return rows, (sum(measured) / len(measured) if measured else None)
+
+
+def measured_latency_s(payloads: list[dict[str, Any]]) -> float | None:
+    """The slowest rank's measured clock-change latency, when any rank measured one."""
+    latencies = [float(p["latency_s"]) for p in payloads if p.get("latency_s") is not None]
+    return max(latencies) if latencies else None
+
+
+def time_cv_for(payloads: list[dict[str, Any]]) -> float:
+    """The largest run-to-run spread of instruction times a rank saw (the guard's noise)."""
+    spreads = [float(p["time_cv"]) for p in payloads if p.get("time_cv") is not None]
+    return max(spreads) if spreads else 0.0
+
+
+def switch_latency_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> float:
+    """The latency the guard plans for: the spec's, else the measured one, else the default."""
+    if spec.switch_latency_s is not None:
+        return spec.switch_latency_s
+    measured = measured_latency_s(payloads)
+    return DEFAULT_SWITCH_LATENCY_S if measured is None else measured
 
 
 def _fmt_s(time_s: float) -> str:
@@ -227,13 +254,10 @@ def _fmt_s(time_s: float) -> str:
 def check_resolution(rows: list[ProfileRow], payloads: list[dict[str, Any]]) -> str | None:
     """Why the gathered profile cannot resolve per-instruction energy, or ``None`` if it can.
 
-    Two signs, both of an energy counter that publishes more coarsely than the instructions
-    last: a profiled (stage, kind, clock) whose energy is zero (the counter never moved during
-    it), or one whose mean energy is known to worse than :data:`MAX_ENERGY_ERROR`, from the
-    counter period each rank's meter observed (``payload["counter"]``, the coarsest rank of the
-    stage counts), the instruction's time and the number of samples (``payload["samples"]``;
-    :func:`~powerlib.profiling.meter.energy_error`). A counter that moved between every two
-    reads, and payloads without these fields (older callers), are only checked for zero energy.
+    A rank that gave up while sweeping says why (``payload["unresolved"]``: the figure it
+    reached and what would resolve it). Otherwise every row carries the half-width of its 95 %
+    interval from the attribution (``payload["errors"]``); a row whose energy is not positive,
+    or worse than :data:`MAX_ENERGY_ERROR`, means the counter cannot resolve the instructions.
 
     Args:
         rows: The merged rows (:func:`merge_profiles`).
@@ -242,59 +266,37 @@ def check_resolution(rows: list[ProfileRow], payloads: list[dict[str, Any]]) -> 
     Returns:
         One line naming the worst case and what to change, or ``None``.
     """
-    still = [r for r in rows if r.energy_j <= 0]
-    if still:
-        first = still[0]
-        return (
-            f"the energy counter did not move during {len(still)} of {len(rows)} profiled "
-            f"(stage, kind, clock) cases, e.g. stage {first.stage} {first.instruction} at "
-            f"{first.freq_mhz:g} MHz ({_fmt_s(first.time_s)}): the device publishes energy more "
-            "coarsely than the instructions last, so the profile cannot resolve per-instruction "
-            "energy; profile longer instructions (larger microbatches)"
-        )
-    period_s: dict[int, float] = {}
-    samples: dict[tuple[int, str, float], int] = {}
+    for p in payloads:
+        if p.get("unresolved"):
+            return f"the energy counter cannot resolve per-instruction energy: {p['unresolved']}"
+    errors: dict[tuple[int, str, float], float] = {}
     for p in payloads:
         stage = int(p.get("stage", 0))
-        counter = p.get("counter") or {}
-        # A counter that moved between every two reads is finer than the reads can tell (only
-        # "at most the shortest interval" is known): no evidence against it.
-        if counter.get("period_s") is not None and not counter.get("at_most"):
-            period_s[stage] = max(period_s.get(stage, 0.0), float(counter["period_s"]))
-        for kind, freq, n in p.get("samples", ()):
+        for kind, freq, error in p.get("errors", ()):
             key = (stage, str(kind), float(freq))
-            samples[key] = samples.get(key, 0) + int(n)
-    # The planner fits each (stage, kind)'s energy over all its clocks (the exponential cost
-    # model), so what must be resolved is that curve: the rows' errors pool over the clocks.
-    errors: dict[tuple[int, str], list[tuple[float, ProfileRow, int]]] = {}
-    for r in rows:
-        n = samples.get((r.stage, r.instruction, r.freq_mhz))
-        if r.stage in period_s and n:
-            error = energy_error(r.time_s, period_s[r.stage], n)
-            errors.setdefault((r.stage, r.instruction), []).append((error, r, n))
-    worst: tuple[float, tuple[int, str]] | None = None
+            errors[key] = max(errors.get(key, 0.0), float(error))
+    worst: tuple[float, ProfileRow] | None = None
     coarse = 0
-    for pair, cases in errors.items():
-        pooled = math.sqrt(math.fsum(e * e for e, _, _ in cases)) / len(cases)
-        if pooled > MAX_ENERGY_ERROR:
+    for r in rows:
+        error = errors.get((r.stage, r.instruction, r.freq_mhz), 0.0)
+        if r.energy_j <= 0:
+            error = math.inf
+        if error > MAX_ENERGY_ERROR:
             coarse += 1
-            if worst is None or pooled > worst[0]:
-                worst = (pooled, pair)
+            if worst is None or error > worst[0]:
+                worst = (error, r)
     if worst is None:
         return None
-    pooled, (stage, kind) = worst
-    cases = errors[(stage, kind)]
-    times_s = sorted(r.time_s for _, r, _ in cases)
-    lasts = _fmt_s(times_s[0]) + ("" if len(times_s) == 1 else f" to {_fmt_s(times_s[-1])}")
-    n = min(n for _, _, n in cases)
-    more = math.ceil((pooled / MAX_ENERGY_ERROR) ** 2)
+    error, r = worst
+    known = f"+-{100 * error:.0f} %" if math.isfinite(error) else "not at all"
+    period = [p.get("counter_period_s") for p in payloads if p.get("counter_period_s")]
+    counter = f" (its energy counter updates about every {_fmt_s(max(period))})" if period else ""
     return (
-        f"the energy counter cannot resolve per-instruction energy: it updates about every "
-        f"{_fmt_s(period_s[stage])}, but stage {stage} {kind} lasts {lasts}, so its energy over "
-        f"{len(cases)} clocks x {n} samples is known to +-{100 * pooled:.0f} % "
-        f"({coarse} of {len(errors)} profiled (stage, kind) worse than "
-        f"+-{100 * MAX_ENERGY_ERROR:.0f} %); profile longer instructions (larger microbatches), "
-        f"more clocks, or about {more}x the measured iterations per clock"
+        f"the energy counter cannot resolve per-instruction energy{counter}: stage {r.stage} "
+        f"{r.instruction} at {r.freq_mhz:g} MHz ({_fmt_s(r.time_s)}) is known {known} "
+        f"({coarse} of {len(rows)} profiled rows worse than +-{100 * MAX_ENERGY_ERROR:.0f} %); "
+        "profile longer instructions (larger microbatches) or more iterations per clock "
+        "(max_iterations_per_freq)"
     )
 
 
@@ -305,7 +307,7 @@ def write_profile(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOut
     written; the outcome carries the reason (``baseline_reason``).
     """
     rows, p_block_w = merge_profiles(payloads)
-    reason = check_resolution(rows, payloads) if rows else None
+    reason = check_resolution(rows, payloads)
     if reason is not None:
         return PlanningOutcome(profile_only=True, p_block_w=p_block_w, baseline_reason=reason)
     if spec.out_dir is not None and rows:
@@ -382,6 +384,8 @@ class Replanner:
     frontier: Frontier
     spec: PlanSpec
     metadata: Mapping[str, Any]
+    switch_latency_s: float = DEFAULT_SWITCH_LATENCY_S
+    time_cv: float = 0.0
 
     def plan_for(self, deadline_s: float) -> PlanningOutcome:
         """The ``deadline`` plan for iteration time ``deadline_s`` (clipped up to T_min)."""
@@ -392,7 +396,8 @@ class Replanner:
             deadline_s=deadline_s,
             argmin=spec.argmin,
             max_slowdown=spec.max_slowdown,
-            switch_latency_s=spec.switch_latency_s,
+            switch_latency_s=self.switch_latency_s,
+            time_cv=self.time_cv,
         )
         started = time.perf_counter()
         frontier = self.frontier.extend(wanted_for(policy))
@@ -413,10 +418,11 @@ def make_plan(
 ) -> PlanningOutcome:
     """Rank 0: merge the profiles, plan, write the files, and return the outcome.
 
-    Each payload: ``{"stage": s, "rows": [...], "gap_time_s": ..., "gap_energy_j": ...,
-    "counter": {...}, "samples": [[kind, freq_mhz, n], ...]}`` (time and energy between
-    instructions, for P_block; the meter's counter resolution and the samples per row, for
-    :func:`check_resolution`); or, for a saved profile, ``{"profile_path": ...}`` on rank 0; or,
+    Each payload: ``{"stage": s, "rows": [...], "errors": [[kind, freq_mhz, error], ...],
+    "p_block_w": ..., "latency_s": ..., "order": [...]}`` (the rank's attributed profile, each
+    row's relative 95 % half-width for :func:`check_resolution`, the blocking power, the
+    measured clock-change latency, the order its loop ran; or ``"unresolved"``: why its sweep
+    gave up); or, for a saved profile, ``{"profile_path": ...}`` on rank 0; or,
     for a saved plan, ``{"plan_path": ...}`` (checked against the session's workload by the
     session).
 
@@ -437,7 +443,7 @@ def make_plan(
         measured_p_block: list[float] = []
     else:
         rows, measured = merge_profiles(payloads)
-        if not rows:
+        if not rows and not any(p.get("unresolved") for p in payloads):
             raise PlanError("no rank measured any instruction: was the session's step() called?")
         reason = check_resolution(rows, payloads)
         if reason is not None:
@@ -489,12 +495,15 @@ def make_plan(
     if spec.policy == "deadline":
         assert deadline_s is not None
         deadline_s = max(deadline_s, frontier.fastest.time_s)
+    switch_latency_s = switch_latency_for(spec, payloads)
+    time_cv = time_cv_for(payloads)
     policy = Policy(
         name=spec.policy,
         deadline_s=deadline_s,
         argmin=spec.argmin,
         max_slowdown=spec.max_slowdown,
-        switch_latency_s=spec.switch_latency_s,
+        switch_latency_s=switch_latency_s,
+        time_cv=time_cv,
     )
     frontier = frontier.extend(wanted_for(policy))
     solve_s = time.perf_counter() - started
@@ -505,9 +514,18 @@ def make_plan(
                 frontier,
                 spec,
                 {"profile_source": profile.source, "order_source": order_source},
+                switch_latency_s,
+                time_cv,
             )
         )
     info = summary(choice, solve_time_s=solve_s)
+    info["switch_latency_s"] = switch_latency_s
+    info["time_cv"] = time_cv
+    info["switch_latency_source"] = (
+        "given"
+        if spec.switch_latency_s is not None
+        else ("measured" if measured_latency_s(payloads) is not None else "default")
+    )
     objection = choice.objection
     if objection is not None:
         info["refused"] = objection

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -67,12 +68,15 @@ from typing import Any
 from powerlib.config import Settings
 from powerlib.control import ControlSession
 from powerlib.device import Backend, Device
-from powerlib.errors import InvalidArgumentError, PlanError
+from powerlib.errors import InvalidArgumentError, PlanError, PowerlibError
+from powerlib.measurement.markers import Stamps, cuda_marker
+from powerlib.measurement.sampler import DeviceSampler
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.profiling.sweep import ProfileRecorder
 from powerlib.progress import Progress
 from powerlib.registry import open_backend
 from powerlib.runtime.apply_phase import ApplyConfig, ApplyPhase, InstructionKey
+from powerlib.runtime.closed_loop import CheckConfig, ClosedLoop, MeasureOnly, Realized
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, default_coordinator
 from powerlib.runtime.launch_control import Overlap, plan_has_overlap
@@ -136,17 +140,23 @@ class Session:
         argmin: The paper's emulation rule for ``deadline``.
         max_slowdown: Realized-slowdown guard for ``fastest`` and ``deadline`` (fraction;
             default 0.1 %).
-        switch_latency_s: Clock-change latency the guard plans for (default 5 ms).
+        switch_latency_s: Clock-change latency the guard plans for; default: measured while
+            warming up (5 ms when it cannot be measured).
         p_block_w: Blocking power; default: measured between instructions while profiling.
         unit_time_s: Planner time unit; default: from the profile.
         profile_path: The profile to plan from (``plan`` mode).
         plan_path: The plan to apply (``apply`` mode).
         out_dir: Where rank 0 writes profile, frontier, plan and summary; ``None``: nowhere.
         freqs_mhz: Profile candidates; default: every supported clock from the top down.
-        warmup_iterations: Discarded iterations at the highest frequency.
-        settle_iterations: Discarded iterations after each clock change.
-        iterations_per_freq: Measured iterations per frequency.
-        stop_after_rises: Stop the sweep after this many frequencies of rising energy.
+        warmup_iterations: Discarded iterations at the highest frequency (the clock-change
+            latency is measured there).
+        settle_iterations: Discarded iterations after each clock change (default 0: the
+            measured window starts when the new clock is seen to land).
+        iterations_per_freq: Measured iterations per frequency, at least.
+        max_iterations_per_freq: Measured iterations per frequency, at most; a clock's block
+            ends as soon as its energy resolves to ``target_error``.
+        target_error: Relative half-width of the 95 % interval every profile row must reach.
+        stop_after_rises: End the coarse pass after this many clocks of rising energy.
         coordinator: How ranks agree; default ``torch.distributed`` if initialised, else alone.
         clock: Time source in seconds; default ``time.perf_counter``.
         sync: Waits for the device before a time is read; default ``torch.cuda.synchronize``
@@ -161,6 +171,11 @@ class Session:
             collectives run on (every tensor/context-parallel group of the job, the same lists on
             every rank); default: the whole world. See :mod:`powerlib.runtime.launch_control`.
         settings: Settings; default from the environment.
+        enabled: ``False`` (or ``POWERLIB_DISABLE=1``): the same hooks, every iteration timed
+            and metered, no device changed and no lock taken (the A side of an A/B run).
+        check_rounds: Rounds of interleaved all-max and plan windows measured after a plan
+            arrives (:mod:`powerlib.runtime.closed_loop`): the saving the session reports is
+            measured, and a plan that misses is reverted. 0: no check.
 
     Raises:
         InvalidArgumentError: A bad option (a mode without its input file, bad sweep counts).
@@ -184,7 +199,7 @@ class Session:
         deadline_ratio: float | None = None,
         argmin: bool = False,
         max_slowdown: float = 0.001,
-        switch_latency_s: float = 0.005,
+        switch_latency_s: float | None = None,
         p_block_w: float | None = None,
         unit_time_s: float | None = None,
         profile_path: str | Path | None = None,
@@ -192,9 +207,11 @@ class Session:
         out_dir: str | Path | None = "powerlib-out",
         freqs_mhz: Sequence[float] | None = None,
         warmup_iterations: int = 2,
-        settle_iterations: int = 1,
-        iterations_per_freq: int = 2,
-        stop_after_rises: int = 3,
+        settle_iterations: int = 0,
+        iterations_per_freq: int = 1,
+        max_iterations_per_freq: int = 4,
+        target_error: float = 0.02,
+        stop_after_rises: int = 2,
         coordinator: Coordinator | None = None,
         clock: Callable[[], float] | None = None,
         sync: Callable[[], None] | None = None,
@@ -205,6 +222,8 @@ class Session:
         plot: bool = False,
         overlap_groups: Sequence[Sequence[int]] | None = None,
         settings: Settings | None = None,
+        enabled: bool = True,
+        check_rounds: int = 3,
     ) -> None:
         run = RunConfig(
             mode=mode,
@@ -220,6 +239,7 @@ class Session:
             guardian=guardian,
             overlap_groups=overlap_groups,
             settings=settings,
+            enabled=enabled,
         )
         spec = PlanSpec(
             num_stages=num_stages,
@@ -243,13 +263,15 @@ class Session:
             warmup_iterations=warmup_iterations,
             settle_iterations=settle_iterations,
             iterations_per_freq=iterations_per_freq,
+            max_iterations_per_freq=max_iterations_per_freq,
+            target_error=target_error,
             stop_after_rises=stop_after_rises,
         )
         layout = {"schedule": schedule, "num_chunks": num_chunks, "placement": placement}
         self._setup(
             spec,
             profile,
-            ApplyConfig(prefetch=prefetch, threaded=threaded),
+            ApplyConfig(prefetch=prefetch, threaded=threaded, check_rounds=check_rounds),
             run,
             layout_given={name for name, value in layout.items() if value is not None},
         )
@@ -306,8 +328,9 @@ class Session:
         self.device: Device | None = None
         self.control: ControlSession | None = None
         self.controller: FrequencyController | None = None
+        self.sampler: DeviceSampler | None = None
+        """Reads the device off the training thread (profile attribution, the closed loop)."""
         self._own_backend: Backend | None = None
-        self._sync: Callable[[], None] = lambda: None
         self._progress = Progress(False)
         # what the phases did
         self._phase: Phase = Idle(NOT_STARTED)
@@ -329,6 +352,10 @@ class Session:
         self._planner_thread: ThreadPoolExecutor | None = None
         self.replans: list[dict[str, Any]] = []
         """Each re-plan this session switched to: iteration, deadline, policy, saving."""
+        self.realized: Realized | None = None
+        """What the plan achieved, measured by the closed loop (rank 0 judged it)."""
+        self._measuring: MeasureOnly | None = None
+        self._closed_logged = False
 
     @property
     def phase(self) -> str:
@@ -360,9 +387,12 @@ class Session:
                 + "; a session is entered once: make a new one with powerlib.optimize(...)"
             )
         try:
-            self._open_session()
-            assert self.control is not None and self.device is not None
-            claim_device(self.control, self.device)
+            if self.run_config.disabled:
+                self._open_disabled()
+            else:
+                self._open_session()
+                assert self.control is not None and self.device is not None
+                claim_device(self.control, self.device)
         except BaseException:
             self._close()
             raise
@@ -398,16 +428,19 @@ class Session:
         self.controller = FrequencyController(
             control, device, threaded=self.apply_config.threaded, clock=self._clock
         )
-        self._sync = run.resolve_sync()
+        # On a GPU, clock changes wait for a marker on the stream (no synchronize in a hook).
+        self.controller.marker = cuda_marker("auto")
+        self.sampler = DeviceSampler(device, clock=self._clock)
         if self.mode in ("auto", "profile"):
             self._profiling = ProfilePhase(
                 self.profile_config,
                 stage=self.stage,
                 device=device,
-                control=control,
+                controller=self.controller,
+                sampler=self.sampler,
+                stamps=Stamps(self._clock, self.controller.marker),
                 coordinator=coordinator,
                 clock=self._clock,
-                sync=self._sync,
                 idle_power_w=idle_power_w,
                 progress=self._progress,
                 on_finished=self._profiled,
@@ -422,6 +455,32 @@ class Session:
             payload["plan_path"] = str(run.plan_path)
         # a bad plan or profile fails here, before any change
         self._await(coordinator.exchange(payload, self._plan_fn), strict=True)
+
+    def _open_disabled(self) -> None:
+        """``enabled=False``: read the device if it can be read; change nothing, lock nothing."""
+        run = self.run_config
+        settings = run.settings or Settings.from_env()
+        coordinator = self._coordinator or default_coordinator()
+        self._coordinator = coordinator
+        self.rank = coordinator.rank
+        self.stage = run.resolve_stage(coordinator, self.spec.num_stages)
+        self._progress = Progress(self.rank == 0 if run.progress is None else run.progress)
+        try:
+            backend = run.backend
+            if not isinstance(backend, Backend):
+                backend = open_backend(backend, settings)
+                self._own_backend = backend
+            self.device = (
+                run.device
+                if isinstance(run.device, Device)
+                else backend.device(run.selector(settings))
+            )
+            self.sampler = DeviceSampler(self.device, clock=self._clock)
+        except PowerlibError as err:
+            logger.info("powerlib: disabled session measures time only: %s", err)
+        self._measuring = MeasureOnly(self.sampler, self._clock)
+        self._phase = self._measuring
+        self._progress.say("disabled: measuring only, no device is changed")
 
     def _refuse_outside(self, call: str) -> None:
         """Raise: a hook was called before ``__enter__`` or after ``__exit__``."""
@@ -444,6 +503,8 @@ class Session:
             self.controller.close()
         if self._profiling is not None:
             self._profiling.close()
+        if self.sampler is not None:
+            self.sampler.close()
         if self.control is not None:
             self.control.close()
         if self._own_backend is not None:
@@ -451,6 +512,9 @@ class Session:
             self._own_backend = None
         if self.phase != NOT_STARTED:
             self._phase = Idle(CLOSED)
+        if self.realized is not None and self.rank == 0 and not self._closed_logged:
+            self._closed_logged = True
+            logger.info("powerlib: %s", self.realized.line())
 
     def set_layout(
         self,
@@ -677,7 +741,6 @@ class Session:
             self.stage,
             self.controller,
             prefetch=self.apply_config.prefetch,
-            sync=self._sync,
             on_mismatch=self._stopped,
         )
         self._phase = self._applying
@@ -754,12 +817,46 @@ class Session:
             self.stage,
             self.controller,
             prefetch=self.apply_config.prefetch,
-            sync=self._sync,
             on_mismatch=self._stopped,
         )
         self._phase = self._applying
+        if self.apply_config.check_rounds and self.sampler is not None:
+            self._phase = ClosedLoop(
+                self._applying,
+                CheckConfig(rounds=self.apply_config.check_rounds),
+                sampler=self.sampler,
+                clock=self._clock,
+                coordinator=self._coordinator,
+                max_slowdown=None if plan.policy == "min-energy" else self.spec.max_slowdown,
+                predicted=result.summary,
+                on_verdict=self._verdict,
+            )
         self.apply_started_iteration = self.iteration
         self._progress.say(f"applying the {plan.policy} plan from iteration {self.iteration}")
+
+    def _verdict(self, realized: Realized) -> None:
+        """The closed loop's verdict (every rank gets rank 0's): keep, warn, or revert."""
+        self.realized = realized
+        if self.rank == 0 and self.spec.out_dir is not None:
+            path = Path(self.spec.out_dir) / "summary.json"
+            try:
+                info = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+                info["measured"] = realized.to_json()
+                path.write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+            except (OSError, ValueError) as err:
+                logger.warning("powerlib: could not add the measured figures to %s: %s", path, err)
+        if realized.verdict == "reverted":
+            self._disable(
+                f"{realized.reason}; plan reverted, running at the baseline clocks "
+                f"({realized.line()})",
+                job_wide=True,
+            )
+            return
+        if isinstance(self._phase, ClosedLoop):
+            self._phase = self._phase.applying
+        if realized.verdict == "shortfall" and self.rank == 0:
+            logger.warning("powerlib: %s", realized.reason)
+        self._progress.say(realized.line())
 
     def _disable(self, reason: str, *, job_wide: bool = False) -> None:
         """Stop managing the device: clocks reset, one warning.
@@ -801,6 +898,12 @@ class Session:
             "plan": None if self.plan is None else dict(self.plan.summary),
             "replans": list(self.replans),
             "overlap": self.overlap.report() if self.overlap.schedule is not None else None,
+            "measured_latency_s": None if self._profiling is None else self._profiling.latency_s,
+            "realized": None if self.realized is None else self.realized.to_json(),
+            "predicted": None
+            if self.outcome is None or not self.outcome.summary
+            else dict(self.outcome.summary.get("realized", {})),
+            "disabled": None if self._measuring is None else self._measuring.measured(),
         }
 
 

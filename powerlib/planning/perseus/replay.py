@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from powerlib.planning.pipeline import Instruction, PipelineDAG
 
 if TYPE_CHECKING:
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "IncrementalReplay",
     "Layout",
+    "NoisyReplay",
     "Run",
     "at_freq",
     "critical_path_s",
@@ -350,3 +353,79 @@ class IncrementalReplay:
         while path and via[path[-1]] >= 0:
             path.append(via[path[-1]])
         return Run(time_s, total, path[::-1], self._layout.prev, list(self._pen[p]))
+
+
+class NoisyReplay:
+    """The iteration time of per-instruction options under run-to-run noise, over fixed draws.
+
+    Every instruction's time is multiplied by ``1 + cv * z`` with ``z`` standard normal, drawn
+    once per (sample, instruction) and reused for every plan replayed, so two plans (and
+    all-max) are compared on the same noise. Replays all samples at once (numpy, one vector op
+    per instruction), with the clock-change latency of :func:`replay_options` (one pass: the
+    wrap-around gap of an iteration's first instruction is taken as ample).
+
+    The point (issue 32): a plan that spends the slack of many paths makes them all just
+    critical; under noise the iteration waits for the slowest of them, so its *expected* time
+    exceeds all-max's although its nominal time does not. The slowdown guard
+    (:meth:`Frontier.within_slowdown
+    <powerlib.planning.perseus.frontier.Frontier.within_slowdown>`) checks the expectation.
+
+    Args:
+        frontier: The frontier (DAG, measured profile).
+        cv: Relative standard deviation of an instruction's time.
+        samples: Noise draws.
+        seed: Seed of the draws.
+    """
+
+    def __init__(self, frontier: Frontier, cv: float, *, samples: int = 128, seed: int = 0) -> None:
+        self._frontier = frontier
+        dag = frontier.dag
+        self._layout = layout_of(dag)
+        rng = np.random.default_rng(seed)
+        n = len(dag.instructions)
+        self.factors = np.clip(1.0 + cv * rng.standard_normal((n, samples)), 0.5, None)
+        self.samples = samples
+
+    def run(
+        self, chosen: Sequence[Option], switch_latency_s: float
+    ) -> tuple[np.ndarray, list[int]]:
+        """``(makespan per sample, how many samples each node was critical in)``."""
+        layout = self._layout
+        preds, prev, topo = layout.preds, layout.prev, layout.topo
+        n = len(chosen)
+        k = self.samples
+        finish = np.zeros((n, k))
+        via = np.full((n, k), -1, dtype=np.int64)
+        dag = self._frontier.dag
+        for v in topo:
+            start = np.zeros(k)
+            src = np.full(k, -1, dtype=np.int64)
+            for u in preds[v]:
+                later = finish[u] > start
+                start = np.where(later, finish[u], start)
+                src = np.where(later, u, src)
+            option = chosen[v]
+            duration = option.time_s * self.factors[v]
+            u = prev[v]
+            if switch_latency_s > 0 and u >= 0 and chosen[u].freq_mhz != option.freq_mhz:
+                slow = switch_latency_s - (start - finish[u])
+                old_t, _ = at_freq(self._frontier, dag.instructions[v], chosen[u].freq_mhz)
+                old_t *= self.factors[v]
+                work = np.clip(slow / old_t, 0.0, 1.0)
+                penalized = slow > 0
+                duration = np.where(
+                    penalized,
+                    np.where(work >= 1.0, old_t, slow + (1.0 - work) * duration),
+                    duration,
+                )
+            finish[v] = start + duration
+            via[v] = src
+        makespan = finish.max(axis=0)
+        ends = finish.argmax(axis=0)
+        critical = [0] * n
+        for s in range(k):
+            v = int(ends[s])
+            while v >= 0:
+                critical[v] += 1
+                v = int(via[v, s])
+        return makespan, critical

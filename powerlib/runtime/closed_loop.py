@@ -1,0 +1,406 @@
+"""The apply phase's closed loop: measure what the plan achieves against all-max clocks.
+
+A plan's saving is a prediction from the profile; what a job gets depends on what the profile
+missed (a clock change that lands late, noise, drift). :class:`ClosedLoop` wraps the
+:class:`~powerlib.runtime.apply_phase.ApplyPhase` and, after its first (order-checked)
+iteration, runs ``rounds`` rounds of ``reference_iterations`` at the baseline clocks (clocks
+unlocked: all maximum) followed by ``plan_iterations`` with the plan, interleaved so that a
+slow drift (temperature) hits both alike (DESIGN.md §2 step 5). Each window's energy comes
+from the same engine as the profile (the session's sampler and
+:mod:`powerlib.measurement.timeline`), its time from the iteration boundaries.
+
+Rank 0 gathers every rank's windows (the job's energy is the sum over devices, its time the
+slowest rank's) and judges: the measured saving and slowdown, each with a 95 % interval from
+the spread of the paired rounds, and the planner's prediction beside them
+(:class:`Realized`). A plan whose slowdown exceeds ``max_slowdown`` beyond its interval, or
+that saves nothing, is reverted: every rank resets its clocks and runs at the baseline, with
+one warning. A plan that saves more than one point less than predicted but still saves is
+kept, with one warning naming both figures (reverting it would cost the job the saving it
+does get).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from powerlib.measurement.sampler import DeviceSampler
+from powerlib.runtime.apply_phase import ApplyPhase
+from powerlib.runtime.coordination import Coordinator, Future
+from powerlib.runtime.planning_step import PlanningOutcome
+
+__all__ = ["CHECK", "DISABLED", "CheckConfig", "ClosedLoop", "MeasureOnly", "Realized", "judge"]
+
+DISABLED = "disabled"
+"""The phase of a session run with ``enabled=False``: measure, change nothing."""
+
+CHECK = "check"
+"""The phase name while the closed loop alternates reference and plan windows."""
+
+SHORTFALL_POINTS = 1.0
+"""A measured saving this many points below the prediction is reported as a shortfall."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckConfig:
+    """How the closed loop measures.
+
+    Attributes:
+        rounds: Reference/plan window pairs (0: no check; the report then has no measurement).
+        reference_iterations: Iterations at the baseline clocks per round.
+        plan_iterations: Iterations with the plan per round.
+    """
+
+    rounds: int = 3
+    reference_iterations: int = 2
+    plan_iterations: int = 4
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("rounds", 0), ("reference_iterations", 1), ("plan_iterations", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Realized:
+    """What a plan achieved, measured against interleaved all-max windows.
+
+    Attributes:
+        saving_percent: Energy saved per iteration, all devices (measured).
+        saving_ci_percent: Half-width of its 95 % interval (points).
+        slowdown_percent: Iteration time change (measured; negative is faster).
+        slowdown_ci_percent: Half-width of its 95 % interval (points).
+        predicted_saving_percent: The planner's prediction (replayed on the profile).
+        predicted_slowdown_percent: Likewise.
+        rounds: Paired rounds measured.
+        verdict: ``kept``, ``shortfall`` (kept, saves less than predicted) or ``reverted``.
+        reason: Why, for ``shortfall`` and ``reverted``.
+    """
+
+    saving_percent: float
+    saving_ci_percent: float
+    slowdown_percent: float
+    slowdown_ci_percent: float
+    predicted_saving_percent: float | None
+    predicted_slowdown_percent: float | None
+    rounds: int
+    verdict: str
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field, by name."""
+        return asdict(self)
+
+    def line(self) -> str:
+        """One line for the log."""
+        predicted = (
+            ""
+            if self.predicted_saving_percent is None
+            else f" (predicted {self.predicted_saving_percent:.2f} %)"
+        )
+        return (
+            f"measured saving {self.saving_percent:.2f} +- {self.saving_ci_percent:.2f} %"
+            f"{predicted}, slowdown {self.slowdown_percent:+.3f} +- "
+            f"{self.slowdown_ci_percent:.3f} % over {self.rounds} paired rounds: {self.verdict}"
+        )
+
+
+_T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)
+"""Student's t, two-sided 95 %, for 1 to 10 degrees of freedom (few rounds: not 1.96)."""
+
+
+def _mean_ci(values: list[float]) -> tuple[float, float]:
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.inf
+    t = _T95[len(values) - 2] if len(values) - 1 <= len(_T95) else 1.96
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def judge(
+    payloads: list[Mapping[str, Any]],
+    *,
+    max_slowdown: float | None,
+    predicted: Mapping[str, Any] | None,
+) -> Realized:
+    """Rank 0: the measured saving and slowdown from every rank's windows, and the verdict.
+
+    Each payload has ``rounds``: per round ``[ref_energy_j, ref_time_s, plan_energy_j,
+    plan_time_s]`` per iteration of this rank. Per round the job's energy is the sum over ranks,
+    its time the slowest rank's; saving and slowdown are averaged over the paired rounds.
+
+    Args:
+        payloads: Every rank's windows.
+        max_slowdown: The policy's bound (fraction), ``None`` for no bound (min-energy).
+        predicted: The planner's summary (``realized`` figures), when known.
+    """
+    rounds = min(len(p["rounds"]) for p in payloads)
+    savings, slowdowns = [], []
+    for r in range(rounds):
+        ref_e = math.fsum(p["rounds"][r][0] for p in payloads)
+        ref_t = max(p["rounds"][r][1] for p in payloads)
+        plan_e = math.fsum(p["rounds"][r][2] for p in payloads)
+        plan_t = max(p["rounds"][r][3] for p in payloads)
+        if ref_e > 0 and ref_t > 0:
+            savings.append(100.0 * (1.0 - plan_e / ref_e))
+            slowdowns.append(100.0 * (plan_t / ref_t - 1.0))
+    if not savings:
+        return Realized(math.nan, math.inf, math.nan, math.inf, None, None, 0, "kept",
+                        "no window could be measured")  # fmt: skip
+    saving, saving_ci = _mean_ci(savings)
+    slowdown, slowdown_ci = _mean_ci(slowdowns)
+    realized = (predicted or {}).get("realized", {}) if predicted else {}
+    p_saving = realized.get("saving_percent")
+    p_slowdown = realized.get("slowdown_percent")
+    verdict, reason = "kept", None
+    if max_slowdown is not None and slowdown - slowdown_ci > 100.0 * max_slowdown:
+        verdict = "reverted"
+        reason = (
+            f"the plan runs {slowdown:+.3f} +- {slowdown_ci:.3f} % slower than all-max clocks, "
+            f"past the allowed {100.0 * max_slowdown:.3g} %"
+        )
+    elif saving + saving_ci <= 0.0:
+        verdict = "reverted"
+        reason = f"the plan saves no energy ({saving:.2f} +- {saving_ci:.2f} %)"
+    elif p_saving is not None and saving + saving_ci < p_saving - SHORTFALL_POINTS:
+        verdict = "shortfall"
+        reason = (
+            f"the plan saves {saving:.2f} +- {saving_ci:.2f} %, more than "
+            f"{SHORTFALL_POINTS:g} point below the {p_saving:.2f} % predicted; kept"
+        )
+    return Realized(
+        saving_percent=saving,
+        saving_ci_percent=saving_ci,
+        slowdown_percent=slowdown,
+        slowdown_ci_percent=slowdown_ci,
+        predicted_saving_percent=p_saving,
+        predicted_slowdown_percent=p_slowdown,
+        rounds=len(savings),
+        verdict=verdict,
+        reason=reason,
+    )
+
+
+class ClosedLoop:
+    """The apply phase with its measurement: reference and plan windows, then the verdict.
+
+    Args:
+        applying: The plan's apply phase (hooks are passed to it in plan iterations).
+        config: The windows.
+        sampler: Reads this rank's device.
+        clock: The session's clock.
+        coordinator: The job's ranks (rank 0 judges).
+        max_slowdown: The policy's bound (``None``: no bound).
+        predicted: The planner's summary, on rank 0.
+        on_verdict: Called on every rank with the verdict once it arrives.
+    """
+
+    def __init__(
+        self,
+        applying: ApplyPhase,
+        config: CheckConfig,
+        *,
+        sampler: DeviceSampler,
+        clock: Callable[[], float],
+        coordinator: Coordinator,
+        max_slowdown: float | None,
+        predicted: Mapping[str, Any] | None,
+        on_verdict: Callable[[Realized], None],
+    ) -> None:
+        self.applying = applying
+        self.config = config
+        self._sampler = sampler
+        self._clock = clock
+        self._coordinator = coordinator
+        self._max_slowdown = max_slowdown
+        self._predicted = predicted
+        self._on_verdict = on_verdict
+        self._iteration = 0  # iterations since the plan arrived
+        self._start_s: float | None = None
+        self._windows: list[tuple[str, float, float, int]] = []  # (kind, start, end, iterations)
+        self._future: Future | None = None
+        self.realized: Realized | None = None
+
+    # -- where we are in the schedule ------------------------------------------------------------
+
+    def _slot(self, iteration: int) -> str | None:
+        """``ref`` or ``plan`` for a checked iteration, ``None`` outside the check."""
+        if iteration < 1 or self.realized is not None:
+            return None  # iteration 0: the order check
+        per_round = self.config.reference_iterations + self.config.plan_iterations
+        k = iteration - 1
+        if k >= self.config.rounds * per_round:
+            return None
+        return "ref" if k % per_round < self.config.reference_iterations else "plan"
+
+    @property
+    def phase(self) -> str:
+        """``check`` while windows are measured, then the apply phase's."""
+        if self.applying.phase != "apply":
+            return self.applying.phase
+        return CHECK if self._checking() else "apply"
+
+    def _checking(self) -> bool:
+        if self.realized is not None or self.config.rounds == 0:
+            return False
+        return (
+            self._iteration
+            <= 1
+            + self.config.rounds * (self.config.reference_iterations + self.config.plan_iterations)
+            or self._future is not None
+        )
+
+    @property
+    def wants_start(self) -> bool:
+        """The verdict is pending: the next begin resolves it first."""
+        return self._future is not None
+
+    @property
+    def position(self) -> int:
+        """Instructions begun in this iteration."""
+        return self.applying.position
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    def begin(self, kind: str, microbatch: int, chunk: int) -> None:
+        """Plan iterations hand the clock to the controller; reference ones leave it unlocked."""
+        if self._slot(self._iteration) == "ref":
+            self.applying.position += 1
+            return
+        self.applying.begin(kind, microbatch, chunk)
+
+    def end(self) -> None:
+        """Prefetch the next clock (plan iterations only)."""
+        if self._slot(self._iteration) == "ref":
+            return
+        self.applying.end()
+
+    def step(self) -> None:
+        """The iteration ended: close its window; after the last round, send the windows."""
+        now = self._clock()
+        slot = self._slot(self._iteration)
+        if self._start_s is not None and slot is not None:
+            last = self._windows[-1] if self._windows else None
+            if last is not None and last[0] == slot and last[2] == self._start_s:
+                kind, start, _, n = last
+                self._windows[-1] = (kind, start, now, n + 1)
+            else:
+                self._windows.append((slot, self._start_s, now, 1))
+        if slot == "ref":
+            self.applying.position = 0
+        else:
+            self.applying.step()
+        self._iteration += 1
+        self._start_s = now
+        per_round = self.config.reference_iterations + self.config.plan_iterations
+        if (
+            self.config.rounds
+            and self.realized is None
+            and self._future is None
+            # one iteration after the last window: the counter has published past its end
+            and self._iteration == 2 + self.config.rounds * per_round
+            and self.applying.phase == "apply"
+        ):
+            self._future = self._coordinator.exchange(
+                {"closed_loop": True, "rounds": self._rounds()}, self._judge
+            )
+
+    def start_iteration(self) -> None:
+        """Set the clocks for the iteration's slot; resolve the verdict when it is pending."""
+        if self._future is not None:
+            outcome = self._future()
+            if outcome is None:
+                return
+            self._future = None
+            realized = (outcome.summary or {}).get("closed_loop")
+            if isinstance(realized, Realized):
+                self.realized = realized
+                self._on_verdict(realized)
+        if self._start_s is None:
+            self._start_s = self._clock()
+        controller = self.applying.controller
+        if self._slot(self._iteration) == "ref":
+            if controller.last_requested is not None:
+                controller.reset()
+        self.applying.start_iteration()
+
+    # -- the measurement -------------------------------------------------------------------------
+
+    def _rounds(self) -> list[list[float]]:
+        """Per round ``[ref J, ref s, plan J, plan s]`` per iteration of this rank."""
+        timeline = self._sampler.timeline(
+            since_s=(self._windows[0][1] - 1.0) if self._windows else -math.inf
+        )
+        refs = [w for w in self._windows if w[0] == "ref"]
+        plans = [w for w in self._windows if w[0] == "plan"]
+        out = []
+        for ref, plan in zip(refs, plans):
+            e = timeline.energy_at([ref[1], ref[2], plan[1], plan[2]])
+            out.append(
+                [
+                    float(e[1] - e[0]) / ref[3],
+                    (ref[2] - ref[1]) / ref[3],
+                    float(e[3] - e[2]) / plan[3],
+                    (plan[2] - plan[1]) / plan[3],
+                ]
+            )
+        return out
+
+    def _judge(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
+        realized = judge(payloads, max_slowdown=self._max_slowdown, predicted=self._predicted)
+        return PlanningOutcome(summary={"closed_loop": realized})
+
+
+class MeasureOnly:
+    """A disabled session's phase: the hooks run, every iteration is timed and metered.
+
+    Args:
+        sampler: Reads the device (``None``: no device could be read; only time is measured).
+        clock: The session's clock.
+    """
+
+    phase = DISABLED
+    wants_start = False
+
+    def __init__(self, sampler: DeviceSampler | None, clock: Callable[[], float]) -> None:
+        self._sampler = sampler
+        self._clock = clock
+        self.position = 0
+        self._start_s: float | None = None
+        self.steps: list[tuple[float, float]] = []
+
+    def begin(self, kind: str, microbatch: int, chunk: int) -> None:
+        """Count the instruction."""
+        self.position += 1
+
+    def end(self) -> None:
+        """Nothing to do."""
+
+    def step(self) -> None:
+        """Close the iteration's window."""
+        now = self._clock()
+        if self._start_s is not None:
+            self.steps.append((self._start_s, now))
+        self._start_s = now
+        self.position = 0
+
+    def start_iteration(self) -> None:
+        """Open the first window."""
+        if self._start_s is None:
+            self._start_s = self._clock()
+
+    def measured(self) -> dict[str, Any]:
+        """Mean time and energy per iteration over the iterations so far."""
+        out: dict[str, Any] = {"iterations": len(self.steps), "time_s": None, "energy_j": None}
+        if not self.steps:
+            return out
+        start, end = self.steps[0][0], self.steps[-1][1]
+        out["time_s"] = (end - start) / len(self.steps)
+        if self._sampler is not None:
+            e = self._sampler.timeline(since_s=start - 1.0).energy_at([start, end])
+            out["energy_j"] = float(e[1] - e[0]) / len(self.steps)
+        return out
