@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from powerlib.errors import PlanError
 
@@ -53,6 +54,7 @@ __all__ = [
     "PLACEMENTS",
     "SCHEDULE_NAMES",
     "Instruction",
+    "InstructionKey",
     "PipelineDAG",
     "Schedule",
     "build_dag",
@@ -78,6 +80,18 @@ SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved")
 
 KIND_LETTERS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}
 """The one-letter form of each kind, as schedules are usually written."""
+
+
+class InstructionKey(NamedTuple):
+    """``(stage, chunk, microbatch, kind)``: how hooks, plans and schedules name an instruction.
+
+    The one key type of the project (a tuple, so a plain 4-tuple compares equal to it).
+    """
+
+    stage: int
+    chunk: int
+    microbatch: int
+    kind: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,6 +125,11 @@ class Instruction:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PlanError(f"instruction {name} must be an integer >= 0, got {value!r}")
+
+    @property
+    def key(self) -> InstructionKey:
+        """``(stage, chunk, microbatch, kind)``."""
+        return InstructionKey(self.stage, self.chunk, self.microbatch, self.kind)
 
     def __str__(self) -> str:
         return f"S{self.stage} {_short(self)}"
@@ -371,11 +390,8 @@ class PipelineDAG:
         return starts
 
 
-_Key = tuple[int, int, int, str]  # (stage, chunk, microbatch, kind)
-
-
-def _key(instruction: Instruction) -> _Key:
-    return (instruction.stage, instruction.chunk, instruction.microbatch, instruction.kind)
+def _key(instruction: Instruction) -> InstructionKey:
+    return instruction.key
 
 
 def _check_placement(placement: str, num_chunks: int) -> None:
@@ -453,7 +469,7 @@ def _validate(schedule: Schedule, placement: str = "looped") -> _Shape:
     """
     if not isinstance(schedule, (list, tuple)) or not schedule:
         raise PlanError("a schedule needs at least one stage (a non-empty list of lists)")
-    seen: set[_Key] = set()
+    seen: set[InstructionKey] = set()
     num_chunks = num_microbatches = 0
     for stage, order in enumerate(schedule):
         if not isinstance(order, (list, tuple)):
@@ -521,9 +537,9 @@ def check_deadlock_free(schedule: Schedule, placement: str = "looped") -> None:
             ``"deadlock: S0 waits at B mb0 (needs S1 B mb0), S1 waits at F mb1 (needs S0 F mb1)"``.
     """
     shape = _validate(schedule, placement)
-    done: set[_Key] = set()
+    done: set[InstructionKey] = set()
     position = [0] * shape.num_stages
-    waiting: dict[_Key, list[int]] = {}
+    waiting: dict[InstructionKey, list[int]] = {}
     ready = deque(range(shape.num_stages))
     while ready:
         stage = ready.popleft()

@@ -27,7 +27,7 @@ from typing import Any
 
 from powerlib.errors import PlanError
 from powerlib.inputs import load_json_file
-from powerlib.planning.pipeline import KIND_LETTERS, KINDS, Instruction, build_dag
+from powerlib.planning.pipeline import KIND_LETTERS, KINDS, Instruction, InstructionKey, build_dag
 
 __all__ = ["EXECUTIONS", "PLAN_SCHEMA", "FrequencyPlan", "PartitionSetting", "PlannedInstruction"]
 
@@ -86,10 +86,9 @@ class PlannedInstruction:
     option_source: str | None = None
 
     @property
-    def key(self) -> tuple[int, int, int, str]:
+    def key(self) -> InstructionKey:
         """``(stage, chunk, microbatch, kind)``: how a session looks the instruction up."""
-        ins = self.instruction
-        return (ins.stage, ins.chunk, ins.microbatch, ins.kind)
+        return self.instruction.key
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +268,7 @@ class FrequencyPlan:
             if not isinstance(items, list) or not items:
                 raise PlanError(f"{where}.instructions must be a non-empty list")
             planned = []
-            seen: set[tuple[int, int, int, str]] = set()
+            seen: set[InstructionKey] = set()
             for i, item in enumerate(items):
                 p = _instruction(item, s, f"{where}.instructions[{i}]")
                 if p.key in seen:

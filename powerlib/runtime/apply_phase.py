@@ -21,13 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from powerlib.planning.pipeline import InstructionKey
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.runtime.controller import FrequencyController
 
 __all__ = ["ApplyConfig", "ApplyPhase", "InstructionKey"]
-
-InstructionKey = tuple[int, int, int, str]
-"""``(stage, chunk, microbatch, kind)``: how the hooks name an instruction."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,7 +97,7 @@ class ApplyPhase:
         """An instruction starts: check it (first iteration), then request its clock."""
         if self.phase != "apply":
             return
-        key = (self.stage, chunk, microbatch, kind)
+        key = InstructionKey(self.stage, chunk, microbatch, kind)
         if self.checking:
             self._check(key)
             if self.phase != "apply":

@@ -5,7 +5,7 @@ missed (a clock change that lands late, noise, drift). :class:`ClosedLoop` wraps
 :class:`~powerlib.runtime.apply_phase.ApplyPhase` and, after its first (order-checked)
 iteration, runs ``rounds`` rounds of ``reference_iterations`` at the baseline clocks (clocks
 unlocked: all maximum) followed by ``plan_iterations`` with the plan, interleaved so that a
-slow drift (temperature) hits both alike (DESIGN.md §2 step 5). Each window's energy comes
+slow drift (temperature) hits both alike (docs/measurement.md §8). Each window's energy comes
 from the same engine as the profile (the session's sampler and
 :mod:`powerlib.measurement.timeline`), its time from the iteration boundaries.
 

@@ -68,7 +68,7 @@ from types import TracebackType
 from typing import Any
 
 from powerlib.errors import InvalidArgumentError, PlanError
-from powerlib.planning.pipeline import KINDS
+from powerlib.planning.pipeline import KINDS, InstructionKey
 from powerlib.planning.plan import FrequencyPlan, PartitionSetting, PlannedInstruction
 from powerlib.runtime.sm_groups import SMGroups, nccl_options
 
@@ -89,7 +89,6 @@ LaunchFn = Callable[[Any, "PartitionSetting | None"], Any]
 """``launch(group, setting) -> work | None``: enqueue one partition's collective on ``group``."""
 
 _SLOT_NAME = re.compile(r"^[a-z][a-z0-9]*_[0-9]+$")
-_Key = tuple[int, int, int, str]
 
 
 def _warn(message: str) -> None:
@@ -98,7 +97,7 @@ def _warn(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _fmt(key: _Key) -> str:
+def _fmt(key: InstructionKey) -> str:
     stage, chunk, mb, kind = key
     return f"{kind} mb{mb}" + (f" chunk{chunk}" if chunk else "")
 
@@ -170,7 +169,7 @@ class OverlapSchedule:
         """Distinct SM counts of this stage's nanobatched instructions, ascending."""
         return tuple(sorted({s.sm_count for p in self.instructions for s in p.overlap.values()}))
 
-    def begin(self, key: _Key) -> PlannedInstruction | None:
+    def begin(self, key: InstructionKey) -> PlannedInstruction | None:
         """The instruction ``key = (stage, chunk, microbatch, kind)`` starts.
 
         Returns:
@@ -506,7 +505,7 @@ class Overlap:
             raise InvalidArgumentError(
                 f"instruction kind must be one of {', '.join(KINDS)}, got {kind!r}"
             )
-        self.schedule.begin((self.schedule.stage, chunk, microbatch, kind))
+        self.schedule.begin(InstructionKey(self.schedule.stage, chunk, microbatch, kind))
 
     def end(self) -> None:
         """The current instruction ends."""

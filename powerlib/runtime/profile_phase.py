@@ -17,7 +17,7 @@ iteration.
 
 While warming up, the phase measures the clock-change latency: it alternates the clock at every
 other instruction end and times, from the sampler's reads, when each request lands. The plan's
-slowdown guard uses the measured figure (docs/perseus.md §4.6).
+slowdown guard uses the measured figure (docs/measurement.md §8).
 """
 
 from __future__ import annotations
@@ -38,13 +38,10 @@ from powerlib.profiling.sweep import FrequencySweep, ProfileRecorder, SweepConfi
 from powerlib.progress import Progress
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future
-from powerlib.runtime.planning_step import rows_to_payload
+from powerlib.runtime.planning_step import GIVE_UP_FACTOR, rows_to_payload
 
 __all__ = ["ProfileConfig", "ProfilePhase"]
 
-GIVE_UP_FACTOR = 4.0
-"""A block that ends at its maximum with an error over this many times the target (16x the
-iterations to resolve) means the workload cannot resolve: the sweep stops there and says so."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -463,6 +460,7 @@ class ProfilePhase:
                 "blocks": [b.to_json() for b in self._blocks],
                 "counter_period_s": self._counter_period_s(),
                 "time_cv": time_cv,
+                "target_error": self.sweep.config.target_error,
             }
         )
 
