@@ -252,8 +252,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     ]
     base_time, base_energy = _mean(baseline_runs)
     time_s, energy_j = _mean(managed)
-    summary = dict(outcome.summary or {}) if outcome is not None else {}
-    predicted = summary.get("realized") or {}
+    prediction = None if outcome is None else outcome.prediction
     report = {
         "schema": "powerlib.demo.v2",
         "model": model.to_json(),
@@ -277,11 +276,8 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         },
         "saving_percent": 100.0 * (1.0 - energy_j / base_energy),
         "slowdown_percent": 100.0 * (time_s / base_time - 1.0),
-        "predicted": {
-            "saving_percent": predicted.get("saving_percent"),
-            "slowdown_percent": predicted.get("slowdown_percent"),
-        },
-        "planned_saving_percent": predicted.get("saving_percent"),
+        "predicted": None if prediction is None else prediction.to_json(),
+        "planned_saving_percent": None if prediction is None else prediction.saving_percent,
         "measured_by_sessions": None if realized is None else realized.to_json(),
         "profile": {
             "iterations": profile_iterations,
@@ -289,11 +285,6 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             "measured_p_block_w": [r["measured_p_block_w"] for r in reports],
             "measured_latency_s": [r["measured_latency_s"] for r in reports],
             "hook_stall_s_per_instruction": stall_s / instructions if instructions else 0.0,
-        },
-        "guard": {
-            "switch_latency_s": summary.get("switch_latency_s"),
-            "switch_latency_source": summary.get("switch_latency_source"),
-            "time_cv": summary.get("time_cv"),
         },
         "apply_started_iteration": first_apply,
         "frequency_changes_per_iteration": sum(r["frequency_changes"] for r in reports)

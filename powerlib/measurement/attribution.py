@@ -30,6 +30,30 @@ import numpy as np
 
 __all__ = ["LabelPower", "REST", "Spans", "solve_powers"]
 
+MIN_DOF = 4
+"""Fewer intervals than unknowns plus this leave a power's error unknown (``inf``)."""
+
+_T95 = {
+    4: 2.78,
+    5: 2.57,
+    6: 2.45,
+    7: 2.36,
+    8: 2.31,
+    9: 2.26,
+    10: 2.23,
+    15: 2.13,
+    20: 2.09,
+    30: 2.04,
+}
+
+
+def _t95(dof: int) -> float:
+    """Two-sided 95 % Student's t for ``dof`` degrees of freedom (1.96 beyond 30)."""
+    if dof > 30:
+        return 1.96
+    return _T95[max(k for k in _T95 if k <= dof)]
+
+
 REST = "rest"
 """The label of measured-window time no span covers (waiting between instructions)."""
 
@@ -47,13 +71,18 @@ class LabelPower:
     power_w: float
     stderr_w: float
     covered_s: float
+    dof: int = 1 << 30
 
     @property
     def rel_error(self) -> float:
-        """Half-width of the 95 % interval, relative to the power."""
-        if self.power_w <= 0 or not math.isfinite(self.stderr_w):
+        """Half-width of the 95 % interval, relative to the power.
+
+        Student's t on the residuals' degrees of freedom: a fit with a handful of intervals to
+        spare says little about its own error.
+        """
+        if self.power_w <= 0 or not math.isfinite(self.stderr_w) or self.dof < MIN_DOF:
             return math.inf
-        return 1.96 * self.stderr_w / self.power_w
+        return _t95(self.dof) * self.stderr_w / self.power_w
 
 
 class Spans:
@@ -180,6 +209,6 @@ def solve_powers(
     for label, is_present, cov_s in zip(labels, present, covered):
         if not is_present:
             continue
-        out[label] = LabelPower(float(solution[j]), float(stderr[j]), float(cov_s))
+        out[label] = LabelPower(float(solution[j]), float(stderr[j]), float(cov_s), dof)
         j += 1
     return out, m

@@ -147,11 +147,12 @@ class DeviceSampler:
         """Reads so far."""
         return len(self._times)
 
-    def timeline(self, since_s: float = -math.inf) -> EnergyTimeline:
+    def timeline(self, since_s: float = -math.inf, *, refine: bool = True) -> EnergyTimeline:
         """``E(t)`` from the reads so far (:func:`~powerlib.measurement.timeline.build_timeline`).
 
         Args:
             since_s: Only reads from this time on (a short recent stretch is cheap to build).
+            refine: See :func:`~powerlib.measurement.timeline.build_timeline`.
         """
         with self._lock:
             lo = int(np.searchsorted(np.asarray(self._times), since_s, side="left"))
@@ -163,6 +164,7 @@ class DeviceSampler:
             power,
             wrap_j=self.wrap_j,
             read_s=read_s,
+            refine=refine,
         )
 
     def last_read_s(self) -> float:

@@ -119,6 +119,7 @@ def build_timeline(
     *,
     wrap_j: float | None = None,
     read_s: Sequence[float] | None = None,
+    refine: bool = True,
 ) -> EnergyTimeline:
     """Build ``E(t)`` from one device's reads.
 
@@ -132,6 +133,9 @@ def build_timeline(
         read_s: How long each read took (``times_s`` are their midpoints): the device was read
             at an unknown instant of it, so an update's bracket runs from the start of the read
             before it to the end of the read that saw it. Default: instantaneous reads.
+        refine: Place knots where the sampled power says within their brackets (step 2's
+            energy-consistent placement). ``False`` keeps the periodic fit only: cheaper, for
+            the profile phase's per-iteration checks, which only need the knots.
     """
     t = np.asarray(times_s, dtype=float)
     p = _fill_power(power_w)
@@ -176,7 +180,7 @@ def build_timeline(
         tau = _knot_times(lo_a, hi_a)
     e = np.asarray(values)
     scale = _scale(tau, e, t, q)
-    if tau.size >= 2 and not fine:
+    if tau.size >= 2 and not fine and refine:
         tau = _energy_consistent(tau, lo_a, hi_a, e, t, q, scale)
         scale = _scale(tau, e, t, q)
     return EnergyTimeline(

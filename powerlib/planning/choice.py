@@ -68,6 +68,8 @@ class Policy:
         time_cv: Run-to-run spread of instruction times (relative standard deviation, as
             profiled): the guard then bounds the plan's expected slowdown under that noise
             (see ``Frontier.within_slowdown``).
+        time_se: Relative standard error of a profiled row's mean time (the profile's own
+            error, drawn with the noise).
     """
 
     name: str = "fastest"
@@ -76,6 +78,7 @@ class Policy:
     max_slowdown: float = 0.001
     switch_latency_s: float = 0.005
     time_cv: float = 0.0
+    time_se: float = 0.0
 
     def __post_init__(self) -> None:
         check_policy(
@@ -153,6 +156,7 @@ def choose(frontier: Frontier, policy: Policy) -> Choice:
             switch_latency_s=policy.switch_latency_s,
             limit_s=policy.deadline_s if policy.name == "deadline" else None,
             time_cv=policy.time_cv,
+            time_se=policy.time_se,
         )
     else:
         options = frontier.planned_options(point)

@@ -24,13 +24,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from powerlib.measurement.sampler import DeviceSampler
 from powerlib.runtime.apply_phase import ApplyPhase
 from powerlib.runtime.coordination import Coordinator, Future
 from powerlib.runtime.planning_step import PlanningOutcome
+from powerlib.runtime.records import Prediction, Realized
 
 __all__ = ["CHECK", "DISABLED", "CheckConfig", "ClosedLoop", "MeasureOnly", "Realized", "judge"]
 
@@ -65,50 +66,6 @@ class CheckConfig:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class Realized:
-    """What a plan achieved, measured against interleaved all-max windows.
-
-    Attributes:
-        saving_percent: Energy saved per iteration, all devices (measured).
-        saving_ci_percent: Half-width of its 95 % interval (points).
-        slowdown_percent: Iteration time change (measured; negative is faster).
-        slowdown_ci_percent: Half-width of its 95 % interval (points).
-        predicted_saving_percent: The planner's prediction (replayed on the profile).
-        predicted_slowdown_percent: Likewise.
-        rounds: Paired rounds measured.
-        verdict: ``kept``, ``shortfall`` (kept, saves less than predicted) or ``reverted``.
-        reason: Why, for ``shortfall`` and ``reverted``.
-    """
-
-    saving_percent: float
-    saving_ci_percent: float
-    slowdown_percent: float
-    slowdown_ci_percent: float
-    predicted_saving_percent: float | None
-    predicted_slowdown_percent: float | None
-    rounds: int
-    verdict: str
-    reason: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """Every field, by name."""
-        return asdict(self)
-
-    def line(self) -> str:
-        """One line for the log."""
-        predicted = (
-            ""
-            if self.predicted_saving_percent is None
-            else f" (predicted {self.predicted_saving_percent:.2f} %)"
-        )
-        return (
-            f"measured saving {self.saving_percent:.2f} +- {self.saving_ci_percent:.2f} %"
-            f"{predicted}, slowdown {self.slowdown_percent:+.3f} +- "
-            f"{self.slowdown_ci_percent:.3f} % over {self.rounds} paired rounds: {self.verdict}"
-        )
-
-
 _T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)
 """Student's t, two-sided 95 %, for 1 to 10 degrees of freedom (few rounds: not 1.96)."""
 
@@ -125,7 +82,7 @@ def judge(
     payloads: list[Mapping[str, Any]],
     *,
     max_slowdown: float | None,
-    predicted: Mapping[str, Any] | None,
+    predicted: Prediction | None,
 ) -> Realized:
     """Rank 0: the measured saving and slowdown from every rank's windows, and the verdict.
 
@@ -136,8 +93,13 @@ def judge(
     Args:
         payloads: Every rank's windows.
         max_slowdown: The policy's bound (fraction), ``None`` for no bound (min-energy).
-        predicted: The planner's summary (``realized`` figures), when known.
+        predicted: The planner's prediction, when known.
     """
+    stopped = sorted(int(p.get("stage", -1)) for p in payloads if p.get("stopped"))
+    if stopped:
+        return Realized(math.nan, math.inf, math.nan, math.inf, None, None, 0, "reverted",
+                        f"stage(s) {', '.join(map(str, stopped))} do not run the plan's "
+                        "instruction order")  # fmt: skip
     rounds = min(len(p["rounds"]) for p in payloads)
     savings, slowdowns = [], []
     for r in range(rounds):
@@ -153,9 +115,8 @@ def judge(
                         "no window could be measured")  # fmt: skip
     saving, saving_ci = _mean_ci(savings)
     slowdown, slowdown_ci = _mean_ci(slowdowns)
-    realized = (predicted or {}).get("realized", {}) if predicted else {}
-    p_saving = realized.get("saving_percent")
-    p_slowdown = realized.get("slowdown_percent")
+    p_saving = None if predicted is None else predicted.saving_percent
+    p_slowdown = None if predicted is None else predicted.slowdown_percent
     verdict, reason = "kept", None
     if max_slowdown is not None and slowdown - slowdown_ci > 100.0 * max_slowdown:
         verdict = "reverted"
@@ -195,7 +156,7 @@ class ClosedLoop:
         clock: The session's clock.
         coordinator: The job's ranks (rank 0 judges).
         max_slowdown: The policy's bound (``None``: no bound).
-        predicted: The planner's summary, on rank 0.
+        predicted: The planner's prediction, on rank 0.
         on_verdict: Called on every rank with the verdict once it arrives.
     """
 
@@ -208,7 +169,7 @@ class ClosedLoop:
         clock: Callable[[], float],
         coordinator: Coordinator,
         max_slowdown: float | None,
-        predicted: Mapping[str, Any] | None,
+        predicted: Prediction | None,
         on_verdict: Callable[[Realized], None],
     ) -> None:
         self.applying = applying
@@ -253,6 +214,11 @@ class ClosedLoop:
             + self.config.rounds * (self.config.reference_iterations + self.config.plan_iterations)
             or self._future is not None
         )
+
+    @property
+    def pending(self) -> bool:
+        """The verdict has not arrived yet (the ranks still owe each other the exchange)."""
+        return self.config.rounds > 0 and self.realized is None
 
     @property
     def wants_start(self) -> bool:
@@ -303,10 +269,16 @@ class ClosedLoop:
             and self._future is None
             # one iteration after the last window: the counter has published past its end
             and self._iteration == 2 + self.config.rounds * per_round
-            and self.applying.phase == "apply"
         ):
+            stopped = self.applying.phase != "apply"  # this rank's order check failed
             self._future = self._coordinator.exchange(
-                {"closed_loop": True, "rounds": self._rounds()}, self._judge
+                {
+                    "closed_loop": True,
+                    "stage": self.applying.stage,
+                    "stopped": stopped,
+                    "rounds": [] if stopped else self._rounds(),
+                },
+                self._judge,
             )
 
     def start_iteration(self) -> None:
@@ -316,10 +288,9 @@ class ClosedLoop:
             if outcome is None:
                 return
             self._future = None
-            realized = (outcome.summary or {}).get("closed_loop")
-            if isinstance(realized, Realized):
-                self.realized = realized
-                self._on_verdict(realized)
+            if outcome.realized is not None:
+                self.realized = outcome.realized
+                self._on_verdict(outcome.realized)
         if self._start_s is None:
             self._start_s = self._clock()
         controller = self.applying.controller
@@ -352,7 +323,7 @@ class ClosedLoop:
 
     def _judge(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
         realized = judge(payloads, max_slowdown=self._max_slowdown, predicted=self._predicted)
-        return PlanningOutcome(summary={"closed_loop": realized})
+        return PlanningOutcome(realized=realized)
 
 
 class MeasureOnly:

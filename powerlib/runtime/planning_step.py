@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from powerlib.planning.profile import Profile, ProfileRow
 from powerlib.planning.workflow import wanted_for
 from powerlib.profiling.sweep import aggregate_stage_rows
 from powerlib.progress import Progress
+from powerlib.runtime.records import Prediction, ProfilePayload, Realized
 
 __all__ = [
     "GIVE_UP_FACTOR",
@@ -195,6 +196,13 @@ class PlanningOutcome:
     error: str | None = None
     switch_iteration: int | None = None
     """A re-plan: the iteration every rank starts it at (one past the latest rank's)."""
+    realized: Realized | None = None
+    """The closed loop's verdict (rank 0 judged every rank's windows)."""
+
+    @property
+    def prediction(self) -> Prediction | None:
+        """The planner's figures for the plan (from :attr:`summary`)."""
+        return Prediction.from_summary(self.summary)
 
 
 def rows_to_payload(rows: list[ProfileRow]) -> list[list[Any]]:
@@ -224,30 +232,47 @@ def auto_unit_time_s(profile: Profile) -> float:
 GATHERED = "the gathered profile"
 
 
-def merge_profiles(payloads: list[dict[str, Any]]) -> tuple[list[ProfileRow], float | None]:
+Payload = Mapping[str, Any] | ProfilePayload
+"""What a rank sends rank 0: its :class:`ProfilePayload` (or that as JSON data), or, for a
+saved profile or plan, ``{"profile_path": ...}`` / ``{"plan_path": ...}``."""
+
+
+def as_profiles(payloads: Sequence[Payload]) -> list[ProfilePayload]:
+    """The ranks' profiles, typed (JSON data is read with :meth:`ProfilePayload.from_json`)."""
+    return [p if isinstance(p, ProfilePayload) else ProfilePayload.from_json(p) for p in payloads]
+
+
+def merge_profiles(payloads: Sequence[Payload]) -> tuple[list[ProfileRow], float | None]:
     """Every rank's rows merged per stage, and P_block from the ranks' attribution.
 
     P_block is the mean of the ranks' solved blocking power (``p_block_w``); ``None`` when no
     rank resolved one.
     """
-    rows = aggregate_stage_rows(rows_from_payload(p["rows"]) for p in payloads)
-    measured = [float(p["p_block_w"]) for p in payloads if p.get("p_block_w")]
+    profiles = as_profiles(payloads)
+    rows = aggregate_stage_rows(list(p.rows) for p in profiles)
+    measured = [p.p_block_w for p in profiles if p.p_block_w]
     return rows, (sum(measured) / len(measured) if measured else None)
 
 
-def measured_latency_s(payloads: list[dict[str, Any]]) -> float | None:
+def measured_latency_s(payloads: Sequence[Payload]) -> float | None:
     """The slowest rank's measured clock-change latency, when any rank measured one."""
-    latencies = [float(p["latency_s"]) for p in payloads if p.get("latency_s") is not None]
+    latencies = [p.latency_s for p in as_profiles(payloads) if p.latency_s is not None]
     return max(latencies) if latencies else None
 
 
-def time_cv_for(payloads: list[dict[str, Any]]) -> float:
+def time_cv_for(payloads: Sequence[Payload]) -> float:
     """The largest run-to-run spread of instruction times a rank saw (the guard's noise)."""
-    spreads = [float(p["time_cv"]) for p in payloads if p.get("time_cv") is not None]
+    spreads = [p.time_cv for p in as_profiles(payloads) if p.time_cv is not None]
     return max(spreads) if spreads else 0.0
 
 
-def switch_latency_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> float:
+def time_se_for(payloads: Sequence[Payload]) -> float:
+    """The largest standard error of a row's mean time a rank's profile has."""
+    errors = [p.time_se for p in as_profiles(payloads) if p.time_se is not None]
+    return max(errors) if errors else 0.0
+
+
+def switch_latency_for(spec: PlanSpec, payloads: Sequence[Payload]) -> float:
     """The latency the guard plans for: the spec's, else the measured one, else the default."""
     if spec.switch_latency_s is not None:
         return spec.switch_latency_s
@@ -259,7 +284,7 @@ def _fmt_s(time_s: float) -> str:
     return f"{time_s * 1e3:.3g} ms" if time_s < 1.0 else f"{time_s:.3g} s"
 
 
-def check_resolution(rows: list[ProfileRow], payloads: list[dict[str, Any]]) -> str | None:
+def check_resolution(rows: list[ProfileRow], payloads: Sequence[Payload]) -> str | None:
     """Why the gathered profile cannot resolve per-instruction energy, or ``None`` if it can.
 
     A rank that gave up while sweeping says why (``payload["unresolved"]``: the figure it
@@ -274,16 +299,16 @@ def check_resolution(rows: list[ProfileRow], payloads: list[dict[str, Any]]) -> 
     Returns:
         One line naming the worst case and what to change, or ``None``.
     """
-    if any(p.get("gave_up") for p in payloads):
-        why = next((p["unresolved"] for p in payloads if p.get("unresolved")), "a rank gave up")
+    profiles = as_profiles(payloads)
+    if any(p.gave_up for p in profiles):
+        why = next((p.unresolved for p in profiles if p.unresolved), "a rank gave up")
         return f"the energy counter cannot resolve per-instruction energy: {why}"
     errors: dict[tuple[int, str, float], float] = {}
-    for p in payloads:
-        stage = int(p.get("stage", 0))
-        for kind, freq, error in p.get("errors", ()):
-            key = (stage, str(kind), float(freq))
-            errors[key] = max(errors.get(key, 0.0), float(error))
-    targets = [float(p["target_error"]) for p in payloads if p.get("target_error")]
+    for p in profiles:
+        for (kind, freq), error in p.errors.items():
+            key = (p.stage, kind, freq)
+            errors[key] = max(errors.get(key, 0.0), error)
+    targets = [p.target_error for p in profiles if p.target_error]
     limit = max([MAX_ENERGY_ERROR, *(GIVE_UP_FACTOR * t for t in targets)])
     worst: tuple[float, ProfileRow] | None = None
     coarse = 0
@@ -299,7 +324,7 @@ def check_resolution(rows: list[ProfileRow], payloads: list[dict[str, Any]]) -> 
         return None
     error, r = worst
     known = f"+-{100 * error:.0f} %" if math.isfinite(error) else "not at all"
-    period = [p.get("counter_period_s") for p in payloads if p.get("counter_period_s")]
+    period = [p.counter_period_s for p in profiles if p.counter_period_s]
     counter = f" (its energy counter updates about every {_fmt_s(max(period))})" if period else ""
     return (
         f"the energy counter cannot resolve per-instruction energy{counter}: stage {r.stage} "
@@ -310,7 +335,7 @@ def check_resolution(rows: list[ProfileRow], payloads: list[dict[str, Any]]) -> 
     )
 
 
-def write_profile(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOutcome:
+def write_profile(spec: PlanSpec, payloads: Sequence[Payload]) -> PlanningOutcome:
     """Rank 0 in ``profile`` mode: merge the profiles and write ``profile.csv``; no plan.
 
     A profile that cannot resolve per-instruction energy (:func:`check_resolution`) is not
@@ -327,7 +352,7 @@ def write_profile(spec: PlanSpec, payloads: list[dict[str, Any]]) -> PlanningOut
     return PlanningOutcome(profile_only=True, p_block_w=p_block_w)
 
 
-def _schedule_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> tuple[Schedule, str]:
+def _schedule_for(spec: PlanSpec, payloads: Sequence[Payload]) -> tuple[Schedule, str]:
     """The order the ranks recorded while profiling, else the named schedule's.
 
     Every rank sends the order its hooks saw in the last profiled iteration; the ranks of a
@@ -346,15 +371,16 @@ def _schedule_for(spec: PlanSpec, payloads: list[dict[str, Any]]) -> tuple[Sched
             raise PlanError(f"schedule 'recorded' but {why}; there is no built-in order to use")
         return generated, "generated"
 
-    if not payloads or not all(p.get("order") for p in payloads):
+    profiles = as_profiles(payloads)
+    if not profiles or not all(p.order for p in profiles):
         return fallback("no instruction order was recorded")
     by_stage: dict[int, list[tuple[int, int, str]]] = {}
-    for p in payloads:
-        order = [(int(c), int(m), str(k)) for c, m, k in p["order"]]
-        first = by_stage.setdefault(int(p["stage"]), order)
+    for p in profiles:
+        order = list(p.order)
+        first = by_stage.setdefault(p.stage, order)
         if first != order:
             raise PlanError(
-                f"the ranks of stage {p['stage']} ran different instruction orders while profiling"
+                f"the ranks of stage {p.stage} ran different instruction orders while profiling"
             )
     if sorted(by_stage) != list(range(spec.num_stages)):
         return fallback(f"the recorded orders cover stages {sorted(by_stage)}")
@@ -396,6 +422,7 @@ class Replanner:
     metadata: Mapping[str, Any]
     switch_latency_s: float = DEFAULT_SWITCH_LATENCY_S
     time_cv: float = 0.0
+    time_se: float = 0.0
 
     def plan_for(self, deadline_s: float) -> PlanningOutcome:
         """The ``deadline`` plan for iteration time ``deadline_s`` (clipped up to T_min)."""
@@ -408,6 +435,7 @@ class Replanner:
             max_slowdown=spec.max_slowdown,
             switch_latency_s=self.switch_latency_s,
             time_cv=self.time_cv,
+            time_se=self.time_se,
         )
         started = time.perf_counter()
         frontier = self.frontier.extend(wanted_for(policy))
@@ -422,7 +450,7 @@ class Replanner:
 
 def make_plan(
     spec: PlanSpec,
-    payloads: list[dict[str, Any]],
+    payloads: Sequence[Payload],
     *,
     keep: Callable[[Replanner], None] | None = None,
 ) -> PlanningOutcome:
@@ -446,14 +474,17 @@ def make_plan(
         PlanError: Incomplete or malformed profiles, or a plan the policy cannot meet.
     """
     first = payloads[0]
-    if "plan_path" in first:
-        return PlanningOutcome(plan=FrequencyPlan.read(first["plan_path"]))
-    if "profile_path" in first:
-        profile = Profile.read(first["profile_path"])
+    saved = first if isinstance(first, Mapping) else {}
+    if "plan_path" in saved:
+        return PlanningOutcome(plan=FrequencyPlan.read(saved["plan_path"]))
+    if "profile_path" in saved:
+        profile = Profile.read(saved["profile_path"])
         measured_p_block: list[float] = []
+        payloads = []
     else:
+        payloads = as_profiles(payloads)
         rows, measured = merge_profiles(payloads)
-        if not rows and not any(p.get("gave_up") for p in payloads):
+        if not rows and not any(p.gave_up for p in payloads):
             raise PlanError("no rank measured any instruction: was the session's step() called?")
         reason = check_resolution(rows, payloads)
         if reason is not None:
@@ -465,7 +496,7 @@ def make_plan(
         p_block_w = spec.p_block_w
     elif measured_p_block:
         p_block_w = sum(measured_p_block) / len(measured_p_block)
-    elif idle := [p["idle_power_w"] for p in payloads if p.get("idle_power_w")]:
+    elif idle := [p.idle_power_w for p in payloads if p.idle_power_w]:
         p_block_w = sum(idle) / len(idle)
         Progress(spec.progress).say(
             f"no usable gaps between instructions for P_block; using the devices' power before "
@@ -507,6 +538,7 @@ def make_plan(
         deadline_s = max(deadline_s, frontier.fastest.time_s)
     switch_latency_s = switch_latency_for(spec, payloads)
     time_cv = time_cv_for(payloads)
+    time_se = time_se_for(payloads)
     policy = Policy(
         name=spec.policy,
         deadline_s=deadline_s,
@@ -514,6 +546,7 @@ def make_plan(
         max_slowdown=spec.max_slowdown,
         switch_latency_s=switch_latency_s,
         time_cv=time_cv,
+        time_se=time_se,
     )
     frontier = frontier.extend(wanted_for(policy))
     solve_s = time.perf_counter() - started
@@ -526,11 +559,13 @@ def make_plan(
                 {"profile_source": profile.source, "order_source": order_source},
                 switch_latency_s,
                 time_cv,
+                time_se,
             )
         )
     info = summary(choice, solve_time_s=solve_s)
     info["switch_latency_s"] = switch_latency_s
     info["time_cv"] = time_cv
+    info["time_se"] = time_se
     info["switch_latency_source"] = (
         "given"
         if spec.switch_latency_s is not None

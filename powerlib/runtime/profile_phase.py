@@ -38,10 +38,10 @@ from powerlib.profiling.sweep import FrequencySweep, ProfileRecorder, SweepConfi
 from powerlib.progress import Progress
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future
-from powerlib.runtime.planning_step import GIVE_UP_FACTOR, rows_to_payload
+from powerlib.runtime.planning_step import GIVE_UP_FACTOR
+from powerlib.runtime.records import ProfilePayload
 
 __all__ = ["ProfileConfig", "ProfilePhase"]
-
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,6 +101,8 @@ class _Block:
     ran_mhz: float | None = None
     temperature_c: float | None = None
     dropped: str | None = None
+    energy_j: float | None = None
+    """Instruction energy per iteration, once the block ended."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -149,7 +151,7 @@ class ProfilePhase:
         clock: Callable[[], float],
         idle_power_w: float | None,
         progress: Progress,
-        on_finished: Callable[[dict[str, Any]], None],
+        on_finished: Callable[[ProfilePayload], None],
         on_refused: Callable[[str], None],
     ) -> None:
         supported = device.info.supported_sm_freqs_mhz
@@ -174,7 +176,7 @@ class ProfilePhase:
         self._on_refused = on_refused
         self.sweep = FrequencySweep(sweep_config)
         self.recorder = ProfileRecorder()
-        self._spans: list[tuple[int, str, list[float], list[float]]] = []  # block, kind, cells
+        self._spans: list[list[tuple[str, list[float], list[float]]]] = []  # per block
         self._blocks: list[_Block] = []
         self._open: tuple[str, list[float]] | None = None
         self._iter_start: list[float] | None = None
@@ -188,6 +190,9 @@ class ProfilePhase:
         self.latency_s: float | None = None
         """The clock-change latency measured while warming up (request to landing)."""
         self.unresolved: str | None = None
+        self._rises = 0  # coarse blocks in a row whose energy per iteration rose
+        self.time_se: float | None = None
+        """Median relative standard error of a row's mean time (the guard draws it)."""
         self.position = 0
         """Instructions begun in this iteration."""
         progress.say(
@@ -221,7 +226,7 @@ class ProfilePhase:
         kind, t0 = self._open
         self._open = None
         if self.sweep.measuring and self._blocks:
-            self._spans.append((len(self._blocks) - 1, kind, t0, t))
+            self._spans[-1].append((kind, t0, t))
         elif self.sweep.warming_up and self._probe_freqs is not None:
             self._ends += 1
             if self._ends % 2 == 0:  # every other end: changes at least one instruction apart
@@ -291,6 +296,7 @@ class ProfilePhase:
                 self._progress.say(f"profiling at {sweep.freq_mhz:g} MHz ({num}/{total})")
         if sweep.measuring and (not self._blocks or self._blocks[-1].freq_mhz != sweep.freq_mhz):
             self._blocks.append(_Block(sweep.freq_mhz, self._clock(), windows=[]))
+            self._spans.append([])
         if self._controller.last_requested != sweep.freq_mhz:
             self._controller.request(sweep.freq_mhz)
             if self._blocks and self._blocks[-1].freq_mhz == sweep.freq_mhz:
@@ -320,11 +326,13 @@ class ProfilePhase:
                 block.landed_s = seen[1]
 
     def _block_vote(self) -> tuple[bool, bool, bool]:
-        """``(block done, energy rose, can resolve)`` for the current block."""
+        """``(block done, end the coarse pass, can resolve)`` for the current block."""
         sweep = self.sweep
-        block = self._blocks[-1]
+        index = len(self._blocks) - 1
+        block = self._blocks[index]
         target = sweep.config.target_error
-        error = self._block_error(block)
+        powers = self._solve([index], recent=True)
+        error = self._block_error(index, powers)
         done = error <= target or sweep.must_end_block()
         resolvable = True
         if sweep.must_end_block() and error > GIVE_UP_FACTOR * target:
@@ -345,50 +353,53 @@ class ProfilePhase:
                 + (f"about {more} iterations per clock" if more else "many more iterations")
                 + " (max_iterations_per_freq) or longer instructions (larger microbatches)"
             )
-        rose = False
-        if sweep.coarse and done:
-            rose = self._energy_rose(block)
-        return done, rose, resolvable
+        stop_coarse = False
+        if done:
+            block.energy_j = self._iteration_energy(index, powers)
+            if sweep.coarse:
+                # rises in a row: a block that did not rise starts the count again
+                self._rises = self._rises + 1 if self._energy_rose(index) else 0
+                rises = sweep.config.stop_after_rises
+                stop_coarse = rises > 0 and self._rises >= rises
+        return done, stop_coarse, resolvable
 
-    def _block_error(self, block: _Block) -> float:
-        """Worst relative 95 % half-width of the block's rows, from a local solve."""
-        powers = self._solve([len(self._blocks) - 1], recent=True)
-        if not powers:
-            return math.inf
-        kinds = {k for b, k, _, _ in self._spans if b == len(self._blocks) - 1}
-        errors = [powers[(k, block.freq_mhz)][1] for k in kinds if (k, block.freq_mhz) in powers]
+    def _block_error(self, index: int, powers: dict[Any, tuple[float, float]]) -> float:
+        """Worst relative 95 % half-width of block ``index``'s rows."""
+        freq = self._blocks[index].freq_mhz
+        kinds = {kind for kind, _, _ in self._spans[index]}
+        errors = [powers[(k, freq)][1] for k in kinds if (k, freq) in powers]
         if not errors or len(errors) < len(kinds):
             return math.inf
         return max(errors)
 
-    def _energy_rose(self, block: _Block) -> bool:
-        """This block's energy per iteration exceeds the best coarse clock's before it."""
-        index = len(self._blocks) - 1
-        energy = self._iteration_energy([index]).get(index)
-        if energy is None:
-            return False
-        before = self._iteration_energy(
-            [i for i, b in enumerate(self._blocks[:-1]) if b.freq_mhz in self.sweep.visited]
-        )
-        return bool(before) and energy > min(before.values())
+    def _energy_rose(self, index: int) -> bool:
+        """Block ``index``'s energy per iteration exceeds the best earlier coarse clock's."""
+        energy = self._blocks[index].energy_j
+        before = [
+            b.energy_j
+            for b in self._blocks[:index]
+            if b.energy_j is not None and b.freq_mhz in self.sweep.visited
+        ]
+        return energy is not None and bool(before) and energy > min(before)
 
-    def _iteration_energy(self, blocks: list[int]) -> dict[int, float]:
-        """Instruction energy per iteration of each block (power x time of its spans)."""
-        out: dict[int, float] = {}
-        powers = self._solve(blocks, recent=False)
-        for index in blocks:
-            b = self._blocks[index]
-            if not b.iterations:
-                continue
-            total = 0.0
-            for bi, kind, t0, t1 in self._spans:
-                if bi == index and (kind, b.freq_mhz) in powers and math.isfinite(t1[0] - t0[0]):
-                    total += powers[(kind, b.freq_mhz)][0] * (t1[0] - t0[0])
-            out[index] = total / b.iterations
-        return out
+    def _iteration_energy(self, index: int, powers: dict[Any, tuple[float, float]]) -> float | None:
+        """Instruction energy per iteration of block ``index`` (power x time of its spans)."""
+        b = self._blocks[index]
+        if not b.iterations:
+            return None
+        total = 0.0
+        for kind, t0, t1 in self._spans[index]:
+            if (kind, b.freq_mhz) not in powers or not math.isfinite(t1[0] - t0[0]):
+                return None
+            total += powers[(kind, b.freq_mhz)][0] * (t1[0] - t0[0])
+        return total / b.iterations
 
     def _solve(self, blocks: list[int], *, recent: bool) -> dict[Any, tuple[float, float]]:
-        """``{(kind, freq) or REST: (power_w, relative error)}`` over ``blocks``' windows."""
+        """``{(kind, freq) or REST: (power_w, relative error)}`` over ``blocks``' windows.
+
+        ``recent``: a quick solve from the blocks' own reads (the per-iteration vote); else
+        from the whole sweep's reads.
+        """
         spans = Spans()
         start = math.inf
         for index in blocks:
@@ -397,16 +408,19 @@ class ProfilePhase:
                 start = min(start, w0)
         if not spans.windows:
             return {}
-        chosen = set(blocks)
-        for bi, kind, t0, t1 in self._spans:
-            if bi in chosen and math.isfinite(t0[0]) and math.isfinite(t1[0]):
-                spans.add((kind, self._blocks[bi].freq_mhz), t0[0], t1[0])
-        timeline = self.sampler.timeline(since_s=start - 1.0 if recent else -math.inf)
+        for index in blocks:
+            freq = self._blocks[index].freq_mhz
+            for kind, t0, t1 in self._spans[index]:
+                if math.isfinite(t0[0]) and math.isfinite(t1[0]):
+                    spans.add((kind, freq), t0[0], t1[0])
+        # Knots from the periodic fit only: the power-shaped placement needs power readings
+        # that follow the workload, which NVML's (averaged) readings do not.
+        timeline = self.sampler.timeline(since_s=start - 0.5 if recent else -math.inf, refine=False)
         powers, _ = solve_powers(timeline.knot_times_s, timeline.knot_energy_j, spans)
         return {label: (p.power_w, p.rel_error) for label, p in powers.items()}
 
     def _counter_period_s(self) -> float | None:
-        tau = self.sampler.timeline(since_s=self._clock() - 5.0).knot_times_s
+        tau = self.sampler.timeline(since_s=self._clock() - 5.0, refine=False).knot_times_s
         if tau.size < 3:
             return None
         return float(statistics.median(tau[1:] - tau[:-1]))
@@ -434,13 +448,12 @@ class ProfilePhase:
         self.sweep.finished = True
         self._controller.reset()
         self._on_finished(
-            {
-                "stage": self._stage,
-                "rows": [],
-                "unresolved": self.unresolved
-                or "another rank's instruction energy did not resolve",
-                "idle_power_w": self._idle_power_w,
-            }
+            ProfilePayload(
+                stage=self._stage,
+                gave_up=True,
+                unresolved=self.unresolved,  # None on the ranks that did resolve
+                idle_power_w=self._idle_power_w,
+            )
         )
 
     def _finish(self) -> None:
@@ -448,20 +461,21 @@ class ProfilePhase:
         rows, errors, p_block, p_block_error, time_cv = self._rows()
         self.recorder.set(rows, errors, p_block, p_block_error)
         self._on_finished(
-            {
-                "stage": self._stage,
-                "rows": rows_to_payload(rows),
-                "errors": [[k, f, e] for (k, f), e in errors.items()],
-                "p_block_w": p_block,
-                "p_block_error": p_block_error,
-                "order": [list(k) for k in self._recorded_order],  # what the loop really ran
-                "idle_power_w": self._idle_power_w,
-                "latency_s": self.latency_s,
-                "blocks": [b.to_json() for b in self._blocks],
-                "counter_period_s": self._counter_period_s(),
-                "time_cv": time_cv,
-                "target_error": self.sweep.config.target_error,
-            }
+            ProfilePayload(
+                stage=self._stage,
+                rows=tuple(rows),
+                errors=errors,
+                p_block_w=p_block,
+                p_block_error=p_block_error,
+                order=tuple(self._recorded_order),  # what the loop really ran
+                idle_power_w=self._idle_power_w,
+                latency_s=self.latency_s,
+                blocks=tuple(b.to_json() for b in self._blocks),
+                counter_period_s=self._counter_period_s(),
+                time_cv=time_cv,
+                time_se=self.time_se,
+                target_error=self.sweep.config.target_error,
+            )
         )
 
     def _rows(
@@ -487,21 +501,25 @@ class ProfilePhase:
         powers = self._solve(kept, recent=False)
         rows = []
         spreads: list[float] = []
+        standard_errors: list[float] = []
         errors: dict[tuple[str, float], float] = {}
         times: dict[tuple[str, float], list[float]] = {}
-        for bi, kind, c0, c1 in self._spans:
-            t0, t1 = c0[0], c1[0]
-            if bi in kept and math.isfinite(t1 - t0):
-                b = self._blocks[bi]
-                if any(w0 <= t0 and t1 <= w1 for w0, w1 in windows[bi]):
-                    times.setdefault((kind, b.freq_mhz), []).append(t1 - t0)
+        for bi in kept:
+            freq = self._blocks[bi].freq_mhz
+            for kind, c0, c1 in self._spans[bi]:
+                t0, t1 = c0[0], c1[0]
+                if math.isfinite(t1 - t0) and any(w0 <= t0 and t1 <= w1 for w0, w1 in windows[bi]):
+                    times.setdefault((kind, freq), []).append(t1 - t0)
+        monotone = _monotone_times({key: d for key, d in times.items() if key in powers})
         for (kind, freq), durations in sorted(times.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
             if (kind, freq) not in powers:
                 continue
             power, error = powers[(kind, freq)]
-            time_s = statistics.fmean(durations)
+            time_s = monotone[(kind, freq)]
             if len(durations) >= 3:
-                spreads.append(statistics.stdev(durations) / time_s)
+                spread = statistics.stdev(durations) / time_s
+                spreads.append(spread)
+                standard_errors.append(spread / math.sqrt(len(durations)))
             rows.append(
                 ProfileRow(
                     stage=self._stage,
@@ -515,6 +533,7 @@ class ProfilePhase:
         rest = powers.get(REST)
         # the run-to-run spread of an instruction's time: the guard's noise margin
         time_cv = statistics.median(spreads) if spreads else None
+        self.time_se = statistics.median(standard_errors) if standard_errors else None
         return (
             rows,
             errors,
@@ -522,6 +541,40 @@ class ProfilePhase:
             None if rest is None else rest[1],
             time_cv,
         )
+
+
+def _monotone_times(
+    times: dict[tuple[str, float], list[float]],
+) -> dict[tuple[str, float], float]:
+    """Each (kind, clock)'s mean time, made non-increasing in the clock (weighted isotonic fit).
+
+    A higher clock never makes an instruction slower, but with run-to-run noise its mean can
+    measure slower than a neighbour's; the planner would then lower a clock for a "saving" that
+    only the noise promised (the guard compares against all-max, which runs the top clock). The
+    pool-adjacent-violators fit averages such neighbours, weighted by their samples: it leaves a
+    monotone profile alone and pools the noise where the clocks are too close to tell apart.
+    """
+    out: dict[tuple[str, float], float] = {}
+    for kind in {k for k, _ in times}:
+        # from the top clock down, times must not decrease
+        keys = sorted((key for key in times if key[0] == kind), key=lambda key: -key[1])
+        blocks: list[list[float]] = []  # [weighted sum, weight, count of keys]
+        for key in keys:
+            d = times[key]
+            blocks.append([math.fsum(d), float(len(d)), 1.0])
+            while len(blocks) > 1 and (
+                blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]
+            ):
+                total, weight, count = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += weight
+                blocks[-1][2] += count
+        i = 0
+        for total, weight, count in blocks:
+            for _ in range(int(count)):
+                out[keys[i]] = total / weight
+                i += 1
+    return out
 
 
 def _probe_pair(freqs_desc: Sequence[float]) -> tuple[float, float] | None:

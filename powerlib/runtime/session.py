@@ -76,7 +76,7 @@ from powerlib.profiling.sweep import ProfileRecorder
 from powerlib.progress import Progress
 from powerlib.registry import open_backend
 from powerlib.runtime.apply_phase import ApplyConfig, ApplyPhase, InstructionKey
-from powerlib.runtime.closed_loop import CheckConfig, ClosedLoop, MeasureOnly, Realized
+from powerlib.runtime.closed_loop import CheckConfig, ClosedLoop, MeasureOnly
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, default_coordinator
 from powerlib.runtime.launch_control import Overlap, plan_has_overlap
@@ -98,6 +98,7 @@ from powerlib.runtime.planning_step import (
     write_profile,
 )
 from powerlib.runtime.profile_phase import ProfileConfig, ProfilePhase
+from powerlib.runtime.records import ProfilePayload, Realized
 from powerlib.runtime.replan import Replanning
 
 __all__ = ["MODES", "ApplyConfig", "ProfileConfig", "RunConfig", "Session", "optimize"]
@@ -636,7 +637,7 @@ class Session:
 
     # -- from profile to plan to apply -----------------------------------------------------------
 
-    def _profiled(self, payload: dict[str, Any]) -> None:
+    def _profiled(self, payload: ProfilePayload) -> None:
         """The sweep is over: send this rank's profile to rank 0 and wait for its outcome."""
         assert self._coordinator is not None
         plan_fn = self._profile_only_fn if self.mode == "profile" else self._plan_fn
@@ -744,7 +745,7 @@ class Session:
             on_mismatch=self._stopped,
         )
         self._phase = self._applying
-        saving = (outcome.summary or {}).get("realized", {}).get("saving_percent")
+        saving = None if outcome.prediction is None else outcome.prediction.saving_percent
         self.replans.append(
             {
                 "iteration": self.iteration,
@@ -828,7 +829,7 @@ class Session:
                 clock=self._clock,
                 coordinator=self._coordinator,
                 max_slowdown=None if plan.policy == "min-energy" else self.spec.max_slowdown,
-                predicted=result.summary,
+                predicted=result.prediction,
                 on_verdict=self._verdict,
             )
         self.apply_started_iteration = self.iteration
@@ -871,8 +872,15 @@ class Session:
         self._stopped(reason, job_wide=job_wide)
 
     def _stopped(self, reason: str, *, job_wide: bool = False) -> None:
-        """The session manages nothing more (the clocks are already reset); warn once."""
-        self._phase = Idle(DONE)
+        """The session manages nothing more (the clocks are already reset); warn once.
+
+        While the closed loop still measures, the phase stays: the other ranks will gather
+        every rank's windows, so this rank keeps counting iterations and sends its part (as
+        stopped), and the verdict reverts the plan everywhere (no rank waits in a collective
+        this one skipped).
+        """
+        if not (isinstance(self._phase, ClosedLoop) and self._phase.pending):
+            self._phase = Idle(DONE)
         if not self._warned:
             self._warned = True
             message = f"powerlib: {reason}"
@@ -901,8 +909,8 @@ class Session:
             "measured_latency_s": None if self._profiling is None else self._profiling.latency_s,
             "realized": None if self.realized is None else self.realized.to_json(),
             "predicted": None
-            if self.outcome is None or not self.outcome.summary
-            else dict(self.outcome.summary.get("realized", {})),
+            if self.outcome is None or self.outcome.prediction is None
+            else self.outcome.prediction.to_json(),
             "disabled": None if self._measuring is None else self._measuring.measured(),
         }
 

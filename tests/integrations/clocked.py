@@ -82,27 +82,67 @@ SWEEP = {
     "warmup_iterations": 1,
     "settle_iterations": 0,
     "iterations_per_freq": 1,
-    # One sample per clock on a shared CPU: the profile's noise can leave the guarded fastest
-    # plan a few 1e-4 past all-max (a noisy top clock is dropped as dominated), and the session
-    # then rightly refuses it. These tests are about applying the plan and catching a wrong
-    # order, so they allow 10 % (a loaded CI machine once showed +4.6 % on DeepSpeed ZeRO); the guard itself is tested in tests/runtime.
+    "max_iterations_per_freq": 4,
+    # Sleeps on a shared CPU and a sampler thread that waits for the GIL: per-instruction energy
+    # on this wall clock resolves to about +-10 %, not the emulator's 2 % (issue 32). These tests
+    # are about the integrations' hooks, not the profile's accuracy (tests/runtime,
+    # tests/profiling): a 20 % target ends a block after one or two iterations.
+    "target_error": 0.2,
+    # The closed loop (tests/runtime) is not these tests' business: the plan applies at once.
+    "check_rounds": 0,
+    # One or two samples per clock on a shared CPU: the profile's noise can leave the guarded
+    # fastest plan a few 1e-4 past all-max (a noisy top clock is dropped as dominated), and the
+    # session then rightly refuses it. These tests are about applying the plan and catching a
+    # wrong order, so they allow 10 % (a loaded CI machine once showed +4.6 % on DeepSpeed
+    # ZeRO); the guard itself is tested in tests/runtime.
     "max_slowdown": 0.1,
 }
-"""Session options of the workers' auto runs: one warm-up, one iteration per clock."""
+"""Session options of the workers' auto runs: one warm-up, then each clock until it resolves."""
 
-ITERATIONS = 1 + len(FREQS) + 2
-"""Warm-up, one per clock, then two applied iterations."""
+MAX_PROFILE_ITERATIONS = SWEEP["warmup_iterations"] + len(FREQS) * SWEEP["max_iterations_per_freq"]
+"""The most iterations the sweep can take: warm-up, then every clock at its maximum."""
+
+APPLIED_ITERATIONS = 2
+"""Iterations :func:`drive` runs once the plan applies."""
+
+PROFILE, APPLY = "profile", "apply"
 
 
-def drive(session: Any, iteration: Callable[[int], None]) -> list[int]:
-    """Run :data:`ITERATIONS` iterations; returns the controller's log length before each one."""
-    marks = []
-    for i in range(ITERATIONS):
+def drive(session: Any, iteration: Callable[[int], None]) -> dict[str, list]:
+    """Iterate until the plan applies (at most :data:`MAX_PROFILE_ITERATIONS`), then 2 more.
+
+    Every rank leaves the sweep at the same iteration (the ranks vote on each block), so every
+    rank runs the same number of iterations. Returns ``marks``, the controller's log length
+    before each iteration (and after the last), and ``phases``, the session's phase as each
+    iteration started.
+    """
+    marks: list[int] = []
+    phases: list[str] = []
+    applied = 0
+    while (
+        applied < APPLIED_ITERATIONS and len(phases) < MAX_PROFILE_ITERATIONS + APPLIED_ITERATIONS
+    ):
+        phases.append(session.phase)
+        if session.phase != PROFILE:  # applying (or refused: the warnings say so)
+            applied += 1
         marks.append(len(session.controller.applied))
-        iteration(i)
+        iteration(len(phases) - 1)
         session.controller.wait_idle()  # for the record only
     marks.append(len(session.controller.applied))
-    return marks
+    return {"marks": marks, "phases": phases}
+
+
+def assert_profiled_then_applied(auto: dict[str, Any]) -> None:
+    """An auto run's :func:`record`: warm-up and every clock profiled, then the plan from the next
+    iteration on, and every iteration driven was one session step."""
+    first = auto["applied_from"]
+    phases = auto["phases"]
+    assert first is not None, phases
+    # at least one measured iteration per clock, at most the sweep's maximum
+    assert SWEEP["warmup_iterations"] + len(FREQS) <= first <= MAX_PROFILE_ITERATIONS, phases
+    assert phases == [PROFILE] * first + [APPLY] * APPLIED_ITERATIONS, phases
+    assert auto["iterations"] == len(phases), phases
+    assert auto["profiled_freqs_mhz"] == FREQS  # the profile's rows were planned on
 
 
 def plan_rows(session: Any) -> dict[str, Any]:
@@ -119,14 +159,16 @@ def plan_rows(session: Any) -> dict[str, Any]:
     }
 
 
-def record(session: Any, marks: list[int]) -> dict[str, Any]:
+def record(session: Any, driven: dict[str, list]) -> dict[str, Any]:
     """What the tests check of an auto run: the plan of this stage against what was asked/applied."""
     plan = session.plan
     first = session.apply_started_iteration
+    marks = driven["marks"]
     applied = [c.freq_mhz for c in session.controller.applied]
     return {
         "phase": session.phase,
         "iterations": session.iteration,
+        "phases": driven["phases"],
         "applied_from": first,
         **plan_rows(session),
         "applied_first_iteration": applied[marks[first] : marks[first + 1]] if plan else None,

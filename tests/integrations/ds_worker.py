@@ -149,7 +149,9 @@ def _run_case(case: str, out: Path, rank: int, world: int, device: powerlib.Devi
         ):
 
             def run(i: int) -> None:
-                if case == "pp" and i == len(FREQS):  # the last profiled iteration: not hooked
+                # evaluation in every profiled iteration (the last one's order is planned on):
+                # neither instructions nor a step
+                if case == "pp" and session.phase == "profile":
                     engine.eval_batch(_DATA)
                 iteration()
 
@@ -166,7 +168,7 @@ def _run_case(case: str, out: Path, rank: int, world: int, device: powerlib.Devi
             warnings.simplefilter("always")
             with (
                 powerlib.optimize(
-                    mode="apply", plan_path=tampered, out_dir=None, **common
+                    mode="apply", plan_path=tampered, out_dir=None, check_rounds=0, **common
                 ) as session,
                 attach(session, engine),
             ):

@@ -38,7 +38,7 @@ import megatron.core.transformer.multi_token_prediction  # noqa: F401  (warns at
 import megatron_shims as shims
 import torch
 import torch.distributed as dist
-from clocked import ITERATIONS, SWEEP, Delay, plan_rows
+from clocked import APPLIED_ITERATIONS, MAX_PROFILE_ITERATIONS, SWEEP, Delay, drive, plan_rows
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -51,6 +51,9 @@ from powerlib.integrations.megatron import attach
 
 M, MBS, SEQ, VOCAB, HIDDEN, LAYERS = 4, 2, 8, 64, 16, 2
 EVAL_INTERVAL = 3
+TRAIN_ITERS = MAX_PROFILE_ITERATIONS + APPLIED_ITERATIONS
+"""``--train-iters`` of Megatron's own loop, which cannot stop when the plan applies: the most
+the sweep can take, then at least two applied iterations."""
 
 
 class Chunk(torch.nn.Module):
@@ -153,7 +156,7 @@ def _megatron_args(world: int):  # noqa: ANN202
         *("--num-attention-heads", "2", "--seq-length", str(SEQ)),
         *("--max-position-embeddings", str(SEQ)),
         *("--micro-batch-size", str(MBS), "--global-batch-size", str(MBS * M)),
-        *("--train-iters", str(ITERATIONS), "--eval-interval", str(EVAL_INTERVAL)),
+        *("--train-iters", str(TRAIN_ITERS), "--eval-interval", str(EVAL_INTERVAL)),
         *("--eval-iters", "1", "--lr", "0.01", "--log-interval", str(10**6)),
         *("--transformer-impl", "local", "--no-gradient-accumulation-fusion"),
         *("--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion"),
@@ -200,6 +203,7 @@ def _summary(session: powerlib.Session) -> dict:
         "phase": session.phase,
         "iterations": session.iteration,
         "applied_from": session.apply_started_iteration,
+        "profiled_freqs_mhz": session.report()["profiled_freqs_mhz"],
         "order_source": plan.workload.get("order_source") if plan else None,
         **plan_rows(session),
         "overlap_groups": session.run_config.overlap_groups,
@@ -229,8 +233,9 @@ def _pretrain(chunk: Chunk, optimizer: Optimizer, options: dict, result: dict): 
     return patch.sessions[-1]
 
 
-def _core(chunk: Chunk, optimizer: Optimizer, options: dict, world: int):  # noqa: ANN202
-    """megatron-core's schedule in a hand-written loop, with ``attach``."""
+def _core(chunk: Chunk, optimizer: Optimizer, options: dict, world: int, result: dict):  # noqa: ANN202
+    """megatron-core's schedule in a hand-written loop, with ``attach``: until the plan applies,
+    then two more iterations (``clocked.drive``)."""
     session = powerlib.optimize(
         num_stages=world,
         num_microbatches=M,
@@ -240,7 +245,8 @@ def _core(chunk: Chunk, optimizer: Optimizer, options: dict, world: int):  # noq
     data = _data()
     with session, attach(session):
         forward_backward_func = get_forward_backward_func()
-        for _ in range(ITERATIONS):
+
+        def iteration(i: int) -> None:
             forward_backward_func(
                 forward_step_func=_forward_step,
                 data_iterator=data,
@@ -252,6 +258,8 @@ def _core(chunk: Chunk, optimizer: Optimizer, options: dict, world: int):  # noq
             )
             optimizer.step()
             optimizer.zero_grad()
+
+        result["phases"] = drive(session, iteration)["phases"]
     return session
 
 
@@ -279,7 +287,7 @@ def main() -> int:
         if mode == "pretrain":
             session = _pretrain(chunk, optimizer, options, result)
         else:
-            session = _core(chunk, optimizer, options, world)
+            session = _core(chunk, optimizer, options, world, result)
     # powerlib's own (an order mismatch, a refused plan); Megatron's notices are not checked
     result["warnings"] = [str(w.message) for w in seen if "powerlib" in str(w.message)]
     result.update(_summary(session))

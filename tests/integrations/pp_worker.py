@@ -157,7 +157,7 @@ def main() -> int:
             warnings.simplefilter("always")
             with (
                 powerlib.optimize(
-                    mode="apply", plan_path=tampered, out_dir=None, **common
+                    mode="apply", plan_path=tampered, out_dir=None, check_rounds=0, **common
                 ) as session,
                 attach(session),
             ):

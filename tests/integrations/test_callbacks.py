@@ -44,6 +44,10 @@ def fine_counter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POWERLIB_SIM_ENERGY_PERIOD_S", "0.001")
 
 
+APPLIED_STEPS = 3
+"""Optimizer steps the optimize tests train once the plan applies (the first one is checked)."""
+
+
 def _powerlib_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("powerlib-")]
 
@@ -224,21 +228,42 @@ def test_hf_tokens_per_step_and_callable(tmp_path: Path, sim: float) -> None:
 def test_hf_optimize_runs_a_session_and_restores_the_clocks(
     tmp_path: Path, fine_counter: None, delay_device
 ) -> None:
-    from clocked import SWEEP
+    from clocked import FREQS, MAX_PROFILE_ITERATIONS, SWEEP
+    from transformers import TrainerCallback
 
     from powerlib.integrations.huggingface import PowerlibCallback
 
     cb = PowerlibCallback(optimize={**SWEEP, "progress": False})
-    trainer, model = _hf_trainer(tmp_path, [cb], max_steps=7, eval_strategy="steps", eval_steps=3)
+
+    class StopAfterPlan(TrainerCallback):
+        """Ends training once the plan ran APPLIED_STEPS optimizer steps."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            first = cb.session.apply_started_iteration
+            if first is not None and state.global_step >= first + APPLIED_STEPS:
+                control.should_training_stop = True
+
+    trainer, model = _hf_trainer(
+        tmp_path,
+        [cb, StopAfterPlan()],
+        max_steps=MAX_PROFILE_ITERATIONS + APPLIED_STEPS,
+        eval_strategy="steps",
+        eval_steps=3,
+    )
     # the simulated GPU runs no torch: the last layer norm sleeps for the clock in force
     model.transformer.ln_f.register_forward_hook(lambda m, a, out: delay_device.apply(out))
     trainer.train()
 
     session = cb.session
     assert session.phase == "closed"
-    assert session.iteration == trainer.state.global_step == 7  # optimizer steps
-    assert session.report()["profiled_freqs_mhz"] == SWEEP["freqs_mhz"]
-    assert session.plan is not None and session.apply_started_iteration == 4
+    first = session.apply_started_iteration
+    assert session.plan is not None and first is not None
+    # warm-up and every clock profiled (an evaluation among them), then the plan
+    assert SWEEP["warmup_iterations"] + len(FREQS) <= first <= MAX_PROFILE_ITERATIONS
+    assert (
+        session.iteration == trainer.state.global_step == first + APPLIED_STEPS
+    )  # optimizer steps
+    assert session.report()["profiled_freqs_mhz"] == FREQS
     # the applied iteration ran the plan's order: F0 B0 F1 B1 (the evaluations' forwards,
     # in eval mode without gradients, are not instructions: they would break the order)
     assert [(k[2], k[3]) for k, _ in session.first_apply_requests] == [
@@ -250,7 +275,7 @@ def test_hf_optimize_runs_a_session_and_restores_the_clocks(
     assert (tmp_path / "hf" / "powerlib" / "plan.json").exists()  # out_dir under output_dir
     assert _unlocked()
     assert _powerlib_threads() == []
-    assert cb.result.num_steps == 7
+    assert cb.result.num_steps == session.iteration
     assert all("energy_j" in e for e in trainer.state.log_history if "loss" in e)
 
 
@@ -448,19 +473,38 @@ def test_lightning_optimize_runs_a_session_and_restores_the_clocks(
     tmp_path: Path, fine_counter: None, delay_device
 ) -> None:
     pl = pytest.importorskip("lightning.pytorch")
-    from clocked import SWEEP
+    from clocked import FREQS, MAX_PROFILE_ITERATIONS, SWEEP
 
     from powerlib.integrations.lightning import PowerlibCallback
 
     cb = PowerlibCallback(optimize={**SWEEP, "progress": False})
-    trainer = _lightning_trainer(pl, tmp_path, [cb], _recording_logger(pl), max_steps=7)
+
+    class StopAfterPlan(pl.Callback):
+        """Ends training once the plan ran APPLIED_STEPS optimizer steps."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            first = cb.session.apply_started_iteration
+            if first is not None and trainer.global_step >= first + APPLIED_STEPS:
+                trainer.should_stop = True
+
+    trainer = _lightning_trainer(
+        pl,
+        tmp_path,
+        [cb, StopAfterPlan()],
+        _recording_logger(pl),
+        max_steps=MAX_PROFILE_ITERATIONS + APPLIED_STEPS,
+    )
     train, val = _loaders()
     trainer.fit(_lightning_module(pl, delay=delay_device), train, val)
 
     session = cb.session
     assert session.phase == "closed"
-    assert session.iteration == trainer.global_step == 7
-    assert session.plan is not None and session.apply_started_iteration == 4
+    first = session.apply_started_iteration
+    assert session.plan is not None and first is not None
+    # warm-up and every clock profiled, then the plan
+    assert SWEEP["warmup_iterations"] + len(FREQS) <= first <= MAX_PROFILE_ITERATIONS
+    assert session.iteration == trainer.global_step == first + APPLIED_STEPS
+    assert session.report()["profiled_freqs_mhz"] == FREQS
     # validation forwards (sanity check, val_check_interval) are not instructions
     assert [(k[2], k[3]) for k, _ in session.first_apply_requests] == [
         (0, "forward"),
@@ -471,7 +515,7 @@ def test_lightning_optimize_runs_a_session_and_restores_the_clocks(
     assert (tmp_path / "pl" / "powerlib" / "plan.json").exists()
     assert _unlocked()
     assert _powerlib_threads() == []
-    assert cb.result.num_steps == 7
+    assert cb.result.num_steps == session.iteration
 
 
 @pytest.mark.filterwarnings(LEAFSPEC)

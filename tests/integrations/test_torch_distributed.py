@@ -19,6 +19,8 @@ pytest.importorskip("torch.distributed.pipelining")
 if not torch.distributed.is_gloo_available():
     pytest.skip("gloo is not available", allow_module_level=True)
 
+from clocked import assert_profiled_then_applied  # noqa: E402  (imports torch)
+
 pytestmark = pytest.mark.integration
 
 WORKER = Path(__file__).with_name("pp_worker.py")
@@ -51,7 +53,7 @@ def test_pipeline_schedule_applies_the_plan_and_catches_a_wrong_order(
         assert auto["warnings"] == [], auto["warnings"]
         assert auto["phase"] == "apply"
         assert auto["order_source"] == "recorded"
-        assert auto["applied_from"] == 4
+        assert_profiled_then_applied(auto)
         plan_freqs = [f for *_, f in auto["plan"]]
         assert auto["requested"] == auto["plan"]  # same instructions, same order, same clocks
         applied = auto["applied_first_iteration"]
@@ -84,6 +86,7 @@ def test_ddp_module_hooks_apply_the_plan(tmp_path: Path) -> None:
     for res in results:
         auto = res["auto"]
         assert auto["warnings"] == [], auto["warnings"]
+        assert_profiled_then_applied(auto)
         assert [(k, mb) for k, mb, _, _ in auto["plan"]] == [
             ("forward", 0),
             ("backward", 0),

@@ -1,4 +1,5 @@
-"""The profile sweep's iteration plan, its stop rule, and the rank aggregation."""
+"""The profile sweep's iteration plan (warm-up, blocks, coarse then fill), and the rank
+aggregation (docs/architecture.md §2 step 2, docs/perseus.md §4.5)."""
 
 from __future__ import annotations
 
@@ -13,47 +14,149 @@ from powerlib.profiling.sweep import (
     aggregate_stage_rows,
 )
 
+TWELVE = tuple(float(f) for f in range(1400, 690, -60))  # 1400, 1340, ..., 740 MHz
+
 
 def _walk(config: SweepConfig, stop_at: float | None = None) -> list[tuple[float, bool]]:
+    """Every iteration's (clock, measured); each block ends as soon as the sweep lets it (the
+    ranks' vote says done), and the coarse pass is stopped at ``stop_at``."""
     sweep = FrequencySweep(config)
     seen = []
     while not sweep.finished:
         seen.append((sweep.freq_mhz, sweep.measuring))
-        complete = sweep.block_complete_after_this()
-        stop = complete and not sweep.warming_up and sweep.freq_mhz == stop_at
-        sweep.advance(stop)
+        if sweep.iteration_ended():
+            sweep.end_block(stop_coarse=sweep.coarse and sweep.freq_mhz == stop_at)
     return seen
 
 
-def test_warmup_settle_and_measured_iterations_from_high_to_low() -> None:
+def _blocks(seen: list[tuple[float, bool]]) -> list[float]:
+    """The clocks of the measured blocks, in visiting order."""
+    out: list[float] = []
+    for freq, measured in seen:
+        if measured and (not out or out[-1] != freq):
+            out.append(freq)
+    return out
+
+
+def test_defaults() -> None:
+    config = SweepConfig(freqs_mhz=TWELVE)
+    assert config.warmup_iterations == 2
+    assert config.settle_iterations == 0
+    assert config.iterations_per_freq == 1
+    assert config.max_iterations_per_freq == 4
+    assert config.target_error == 0.02
+    assert config.stop_after_rises == 2
+    assert config.coarse_stride == 3
+    assert config.max_iterations == 2 + 12 * 4
+
+
+def test_warmup_settle_and_measured_iterations_coarse_then_fill() -> None:
     config = SweepConfig(
-        freqs_mhz=(900, 1410, 1200, 1410),
+        freqs_mhz=(900, 1410, 1200, 1410, 1000),
         warmup_iterations=2,
         settle_iterations=1,
         iterations_per_freq=2,
+        coarse_stride=2,
     )
-    assert config.freqs_mhz == (1410.0, 1200.0, 900.0)
+    assert config.freqs_mhz == (1410.0, 1200.0, 1000.0, 900.0)  # deduplicated, high to low
     assert _walk(config) == [
         (1410.0, False),
-        (1410.0, False),  # warm-up
-        (1410.0, False),
+        (1410.0, False),  # warm-up at the top clock
+        (1410.0, False),  # settle
         (1410.0, True),
         (1410.0, True),
-        (1200.0, False),
-        (1200.0, True),
-        (1200.0, True),
-        (900.0, False),
+        (1000.0, False),  # coarse: every second clock from the top...
+        (1000.0, True),
+        (1000.0, True),
+        (900.0, False),  # ... and the lowest clock
         (900.0, True),
         (900.0, True),
+        (1200.0, False),  # fill: the clock the coarse pass skipped
+        (1200.0, True),
+        (1200.0, True),
     ]
-    assert config.max_iterations == 11
+    assert config.max_iterations == 2 + 4 * (1 + 4)  # no block resolves before its maximum
 
 
-def test_stop_ends_after_the_current_block() -> None:
+def test_warmup_needs_no_vote_and_runs_at_the_top_clock() -> None:
+    sweep = FrequencySweep(SweepConfig(freqs_mhz=TWELVE, warmup_iterations=3))
+    for _ in range(3):
+        assert sweep.warming_up and not sweep.measuring
+        assert sweep.freq_mhz == 1400.0
+        assert sweep.position == (0, 12)
+        assert sweep.iteration_ended() is False
+    assert not sweep.warming_up and sweep.measuring
+    assert sweep.freq_mhz == 1400.0
+    assert sweep.position == (1, 5)  # first of the 5 coarse clocks
+
+
+def test_a_block_votes_from_its_minimum_and_must_end_at_its_maximum() -> None:
     config = SweepConfig(
-        freqs_mhz=(1410, 1200, 900), warmup_iterations=0, settle_iterations=0, iterations_per_freq=1
+        freqs_mhz=TWELVE,
+        warmup_iterations=0,
+        settle_iterations=1,
+        iterations_per_freq=2,
+        max_iterations_per_freq=4,
     )
-    assert _walk(config, stop_at=1200.0) == [(1410.0, True), (1200.0, True)]
+    sweep = FrequencySweep(config)
+    assert not sweep.measuring  # the settle iteration is discarded
+    assert sweep.iteration_ended() is False
+    assert sweep.measuring and sweep.measured_in_block == 0
+    assert sweep.iteration_ended() is False  # 1 measured: below the minimum
+    assert sweep.iteration_ended() is True  # 2 measured: the ranks may vote
+    assert not sweep.must_end_block()
+    assert sweep.iteration_ended() is True  # the vote said "not resolved": one more
+    assert not sweep.must_end_block()
+    assert sweep.iteration_ended() is True
+    assert sweep.measured_in_block == 4 and sweep.must_end_block()
+    assert sweep.freq_mhz == 1400.0  # the block only ends when the ranks agree
+    sweep.end_block()
+    assert sweep.freq_mhz == 1220.0 and sweep.measured_in_block == 0 and not sweep.measuring
+    assert sweep.visited == [1400.0]
+
+
+def test_max_iterations_per_freq_below_the_minimum_is_raised_to_it() -> None:
+    config = SweepConfig(freqs_mhz=(1410,), iterations_per_freq=3, max_iterations_per_freq=1)
+    assert config.max_iterations_per_freq == 3
+
+
+def test_the_coarse_pass_visits_every_stride_th_clock_then_fills_in() -> None:
+    config = SweepConfig(freqs_mhz=TWELVE, warmup_iterations=0, coarse_stride=3)
+    seen = _walk(config)
+    assert all(measured for _, measured in seen)  # no settle iterations by default
+    blocks = _blocks(seen)
+    coarse = [1400.0, 1220.0, 1040.0, 860.0, 740.0]  # every third, and the lowest
+    assert blocks[:5] == coarse
+    assert blocks[5:] == [f for f in TWELVE if f not in coarse]  # the rest, high to low
+    assert sorted(blocks) == sorted(TWELVE)  # each clock once
+
+
+def test_stride_one_is_a_single_pass_from_high_to_low() -> None:
+    config = SweepConfig(freqs_mhz=TWELVE, warmup_iterations=0, coarse_stride=1)
+    assert _blocks(_walk(config)) == list(TWELVE)
+
+
+def test_a_stopped_coarse_pass_fills_in_only_above_the_first_rise() -> None:
+    config = SweepConfig(freqs_mhz=TWELVE, warmup_iterations=0, stop_after_rises=2)
+    # energy rose at 1040 and again at 860: the ranks stop the coarse pass there
+    blocks = _blocks(_walk(config, stop_at=860.0))
+    assert blocks[:4] == [1400.0, 1220.0, 1040.0, 860.0]
+    assert 740.0 not in blocks  # the coarse pass ended before its last clock
+    fill = blocks[4:]
+    assert fill == [f for f in TWELVE if f > 1040.0 and f not in (1400.0, 1220.0)]
+    assert not any(f < 1040.0 for f in fill)  # dominated clocks are not profiled
+
+
+def test_stop_after_rises_zero_never_skips_a_clock() -> None:
+    config = SweepConfig(freqs_mhz=TWELVE, warmup_iterations=0, stop_after_rises=0)
+    blocks = _blocks(_walk(config, stop_at=1040.0))
+    assert blocks[:3] == [1400.0, 1220.0, 1040.0]
+    assert sorted(blocks) == sorted(TWELVE)  # every clock, each once
+
+
+def test_a_single_clock_is_one_block() -> None:
+    config = SweepConfig(freqs_mhz=(1410,), warmup_iterations=1)
+    assert _walk(config) == [(1410.0, False), (1410.0, True)]
 
 
 @pytest.mark.parametrize(
@@ -61,10 +164,21 @@ def test_stop_ends_after_the_current_block() -> None:
     [
         {"freqs_mhz": ()},
         {"freqs_mhz": (0.0,)},
+        {"freqs_mhz": (-1410.0,)},
         {"freqs_mhz": (float("nan"),)},
+        {"freqs_mhz": (float("inf"),)},
         {"freqs_mhz": (1410,), "iterations_per_freq": 0},
+        {"freqs_mhz": (1410,), "max_iterations_per_freq": 0},
         {"freqs_mhz": (1410,), "warmup_iterations": -1},
+        {"freqs_mhz": (1410,), "settle_iterations": -1},
         {"freqs_mhz": (1410,), "stop_after_rises": 1.5},
+        {"freqs_mhz": (1410,), "stop_after_rises": -1},
+        {"freqs_mhz": (1410,), "coarse_stride": 0},
+        {"freqs_mhz": (1410,), "iterations_per_freq": True},
+        {"freqs_mhz": (1410,), "target_error": 0.0},
+        {"freqs_mhz": (1410,), "target_error": 1.0},
+        {"freqs_mhz": (1410,), "target_error": float("nan")},
+        {"freqs_mhz": (1410,), "target_error": "0.02"},
     ],
 )
 def test_bad_sweep_settings(kwargs: dict) -> None:
@@ -72,31 +186,24 @@ def test_bad_sweep_settings(kwargs: dict) -> None:
         SweepConfig(**kwargs)
 
 
-def test_energy_rise_counts_frequencies_above_the_best_so_far() -> None:
+def test_recorder_keeps_the_solved_rows_errors_and_blocking_power() -> None:
     rec = ProfileRecorder()
-    freqs = (1400.0, 1300.0, 1200.0, 1100.0, 1000.0, 900.0)
-    for f, e in zip(freqs, (10.0, 9.0, 8.0, 8.5, 8.2, 8.9)):
-        rec.add_iteration(f, e)
-    assert rec.energy_rose(freqs, 1200.0) == 0
-    assert rec.energy_rose(freqs, 1100.0) == 1
-    assert rec.energy_rose(freqs, 1000.0) == 2  # 8.2 > 8.0, though below 8.5
-    assert rec.energy_rose(freqs, 900.0) == 3
-
-
-def test_recorder_means_and_blocking_power() -> None:
-    rec = ProfileRecorder()
-    rec.add("forward", 1410.0, 0.010, 3.0)
-    rec.add("forward", 1410.0, 0.014, 5.0)
-    rec.add("backward", 1410.0, 0.020, 8.0)
-    rec.add_gap(0.001, 10.0)  # too short to trust: ignored
-    assert rec.p_block_w is None
-    rec.add_gap(0.050, 4.0)
-    rec.add_gap(0.030, 2.4)
+    assert rec.rows(2) == [] and rec.p_block_w is None and rec.row_errors == {}
+    forward = ProfileRow(
+        stage=0, instruction="forward", freq_mhz=1410.0, time_s=0.012, energy_j=4.0
+    )
+    backward = ProfileRow(
+        stage=0, instruction="backward", freq_mhz=1410.0, time_s=0.020, energy_j=8.0
+    )
+    rec.set(
+        [forward, backward], {("forward", 1410.0): 0.01, ("backward", 1410.0): 0.015}, 80.0, 0.03
+    )
     rows = {(r.instruction, r.freq_mhz): r for r in rec.rows(2)}
     assert rows[("forward", 1410.0)].time_s == pytest.approx(0.012)
     assert rows[("forward", 1410.0)].energy_j == pytest.approx(4.0)
-    assert rows[("backward", 1410.0)].stage == 2
-    assert rec.p_block_w == pytest.approx(6.4 / 0.08)
+    assert {r.stage for r in rows.values()} == {2}  # restaged to the asked stage
+    assert rec.row_errors[("backward", 1410.0)] == 0.015
+    assert rec.p_block_w == 80.0 and rec.p_block_error == 0.03
 
 
 def _row(stage: int, kind: str, f: float, t: float, e: float) -> ProfileRow:

@@ -60,11 +60,14 @@ def test_rank0_gathers_every_stage_and_plans(run: dict) -> None:
 
 def test_each_rank_applies_exactly_its_stage_of_the_plan(run: dict) -> None:
     plan = json.loads((run["tmp"] / "auto" / "plan.json").read_text())
+    started = {res["auto"]["apply_started_iteration"] for res in run["results"]}
+    assert len(started) == 1  # every rank ended each block, and the sweep, at the same iteration
+    # warm-up, then each of the 3 clocks until it resolved: 1 to 4 measured iterations
+    assert 1 + 3 * 1 <= started.pop() <= 1 + 3 * 4
     for r, res in enumerate(run["results"]):
         auto = res["auto"]
         stage_freqs = [i["freq_mhz"] for i in plan["stages"][r]["instructions"]]
         assert auto["plan_freqs"] == stage_freqs
-        assert auto["apply_started_iteration"] == 1 + 3  # warm-up + one iteration per clock
         assert auto["requested"] == stage_freqs  # one request per instruction, in order
         assert auto["applied_first_iteration"] == collapse(stage_freqs)
         assert auto["applied_ok"]

@@ -194,3 +194,28 @@ def test_a_disabled_session_measures_and_changes_nothing(
     end = results[-1].start_s + results[-1].time_s
     true_energy = (device.energy_at(end) - device.energy_at(results[0].start_s)) / 20
     assert measured["energy_j"] == pytest.approx(true_energy, rel=0.01)
+
+
+def test_a_rank_whose_order_check_fails_still_joins_the_closed_loop(tmp_path: Path) -> None:
+    """One rank's loop does not run the plan's order: it stops managing its device, but it
+    keeps taking part in the closed loop's exchange, so the others do not wait for it in a
+    collective; the verdict reverts the plan on every rank."""
+    profile = toy_profile()
+    planner = make_emulator(profile, 4)
+    _run(planner, emulated_sessions(planner, tmp_path / "a", settle_iterations=0), 60,
+         until_apply=True)  # fmt: skip
+    data = json.loads((tmp_path / "a" / "plan.json").read_text())
+    ins = data["stages"][1]["instructions"]
+    ins[0], ins[1] = ins[1], ins[0]
+    tampered = tmp_path / "tampered.json"
+    tampered.write_text(json.dumps(data))
+    emulator = make_emulator(profile, 4)
+    sessions = emulated_sessions(emulator, None, mode="apply", plan_path=tampered, check_rounds=3)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        results = _run(emulator, sessions, 25)
+    assert all(s.realized is not None for s in sessions)
+    assert sessions[0].realized.verdict == "reverted"
+    assert "stage(s) 1" in (sessions[0].realized.reason or "")
+    assert all(s.phase == "closed" for s in sessions)
+    assert {f for ex in results[-1].executed for _, _, f in ex.segments} == {max(FREQS)}

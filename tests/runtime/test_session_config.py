@@ -35,7 +35,7 @@ def test_from_config_runs_exactly_as_the_flat_keywords() -> None:
         Session.from_config(
             spec,
             profile=profile,
-            apply=ApplyConfig(threaded=False),
+            apply=ApplyConfig(threaded=False, check_rounds=0),  # as emulated_sessions
             run=RunConfig(
                 stage=s,
                 backend=emulator.backend,

@@ -259,11 +259,16 @@ class Frontier:
 
     @property
     def baseline_time_s(self) -> float:
-        """Critical path with every instruction at its measured maximum-frequency time."""
+        """Critical path with every instruction at its measured maximum-frequency time.
+
+        The row at the highest clock, as :attr:`baseline_busy` counts its energy: with noisy
+        times a lower clock can measure faster, but all-max runs the highest clock.
+        """
         if self.reference_times is not None:
             times = [self.reference_times[(ins.stage, ins.kind)] for ins in self.dag.instructions]
         else:
-            times = [self.options[(ins.stage, ins.kind)][0].time_s for ins in self.dag.instructions]
+            tops = {key: self._top_option(*key).time_s for key in self.options}
+            times = [tops[(ins.stage, ins.kind)] for ins in self.dag.instructions]
         return critical_path_s(self.dag, times)
 
     def saving(self, point: FrontierPoint) -> float:
@@ -289,6 +294,7 @@ class Frontier:
         switch_latency_s: float = 0.0,
         limit_s: float | None = None,
         time_cv: float = 0.0,
+        time_se: float = 0.0,
     ) -> list[Option]:
         """Per-instruction options for ``point``, realized within ``max_slowdown`` of all-max.
 
@@ -317,15 +323,20 @@ class Frontier:
                 ``max_slowdown``: a plan that spends every path's slack realizes slower than
                 all-max under noise, because the iteration waits for the slowest of many paths
                 that are all just critical (issue 32).
+            time_se: The relative standard error of a profiled row's mean time: the noise
+                stage also draws the profile's own error (see ``NoisyReplay``'s ``row_se``).
         """
         chosen = self.planned_options(point)
         base = self.baseline_time_s if limit_s is None else limit_s
         limit = base * (1.0 + max_slowdown)
         replay = IncrementalReplay(self, chosen, switch_latency_s)
         steps: dict[tuple[tuple[int, str], Option], tuple[Option, float] | None] = {}
+        pinned: set[int] = set()
 
         def next_faster(v: int) -> tuple[Option, float] | None:
             """The next faster option of node v and its price (J per second bought)."""
+            if v in pinned:
+                return None
             ins = self.dag.instructions[v]
             key = (ins.stage, ins.kind)
             current = replay.chosen[v]
@@ -339,67 +350,76 @@ class Frontier:
                     steps[(key, current)] = (step, price)
             return steps[(key, current)]
 
+        noisy = (
+            _NoiseCheck(self, time_cv, time_se, limit_s, max_slowdown)
+            if time_cv > 0 or time_se > 0
+            else None
+        )
         while True:
             run = replay.run(energy=False)
-            if run.time_s <= limit:
-                break
-            candidates = set(run.path) | {
-                run.prev[v] for v in run.path if run.penalized[v] and run.prev[v] >= 0
-            }
-            best: tuple[float, int, Option] | None = None
-            for v in sorted(candidates):
-                got = next_faster(v)
-                if got is None:
-                    continue
-                if best is None or got[1] < best[0]:
-                    best = (got[1], v, got[0])
-            if best is None:
-                break  # everything that matters already runs at maximum frequency
-            replay.set(best[1], best[2])
-        if time_cv <= 0:
-            return replay.chosen
-        return self._within_noise(
-            replay.chosen, limit_s, max_slowdown, switch_latency_s, time_cv, next_faster, replay
-        )
-
-    def _within_noise(
-        self,
-        chosen: list[Option],
-        limit_s: float | None,
-        max_slowdown: float,
-        switch_latency_s: float,
-        time_cv: float,
-        next_faster: Any,
-        replay: IncrementalReplay,
-    ) -> list[Option]:
-        """The noise stage of :meth:`within_slowdown` (see its ``time_cv``)."""
-        noisy = NoisyReplay(self, time_cv)
-        top = [max(self.options[(i.stage, i.kind)], key=lambda o: o.freq_mhz)
-               for i in self.dag.instructions]  # fmt: skip
-        base, _ = noisy.run(top, 0.0)
-        if limit_s is None:
-            limit = float(base.mean()) * (1.0 + max_slowdown)
-        else:
-            limit = limit_s * (1.0 + max_slowdown)
-        # A batch of speed-ups per replay keeps large DAGs to a few dozen replays.
-        batch = max(1, len(chosen) // 200)
-        while True:
-            times, critical = noisy.run(replay.chosen, switch_latency_s)
-            expected = float(times.mean() if limit_s is None else np.maximum(times, limit_s).mean())
-            if expected <= limit:
-                return replay.chosen
-            ranked = []
-            for v, count in enumerate(critical):
-                if count:
+            if run.time_s > limit:  # nominally too slow: the cheapest speed-up on the path
+                # the path, and the predecessors whose late clock change slowed it: on the
+                # stage, or the stage's last instruction for its first (across iterations)
+                wrap = replay.layout.last
+                candidates = set(run.path) | {
+                    run.prev[v] if run.prev[v] >= 0 else wrap.get(v, v)
+                    for v in run.path
+                    if run.penalized[v]
+                }
+                best: tuple[float, int, Option] | None = None
+                for v in sorted(candidates):
                     got = next_faster(v)
-                    if got is not None:
-                        # energy per second bought, per draw in which the node is critical
-                        ranked.append((got[1] / count, v, got[0]))
+                    if got is None:
+                        continue
+                    if best is None or got[1] < best[0]:
+                        best = (got[1], v, got[0])
+                if best is None:
+                    # No option is measurably faster (noisy times of near-equal clocks), yet
+                    # late clock changes still slow the path: pin those at their top clock,
+                    # which changes no clock between them (pinned: never moved again, so
+                    # this ends).
+                    moved = False
+                    for v in sorted(candidates - pinned):
+                        ins = self.dag.instructions[v]
+                        top = self._top_option(ins.stage, ins.kind)
+                        pinned.add(v)
+                        if replay.chosen[v] != top:
+                            replay.set(v, top)
+                            moved = True
+                    if not moved:
+                        return replay.chosen  # everything that matters already runs at maximum
+                    continue
+                replay.set(best[1], best[2])
+                continue
+            if noisy is None:
+                return replay.chosen
+            ranked = noisy.too_slow(replay.chosen, switch_latency_s, next_faster)
             if not ranked:
                 return replay.chosen
-            ranked.sort(key=lambda item: item[0])
-            for _, v, option in ranked[:batch]:
+            for _, v, option in ranked:
                 replay.set(v, option)
+
+    def _top_option(self, stage: int, kind: str) -> Option:
+        """The option at the highest measured clock: all-max's.
+
+        Also where noise in the measured times pruned it from :attr:`options` (a neighbour
+        measured faster).
+        """
+        options = self.options[(stage, kind)]
+        best = max(options, key=lambda o: o.freq_mhz)
+        measured = self.measured.get((stage, kind), {})
+        if measured and max(measured) > best.freq_mhz:
+            freq = max(measured)
+            time_s, energy_j = measured[freq]
+            quant = int(time_s // self.unit_time_s)
+            best = Option(
+                freq_mhz=freq,
+                time_s=time_s,
+                energy_j=energy_j,
+                quant=quant,
+                eff_energy_j=energy_j - self.p_block_w * quant * self.unit_time_s,
+            )
+        return best
 
     def realized(self, chosen: Sequence[Option], switch_latency_s: float = 0.0) -> Baseline:
         """Realized time and energy of per-instruction options, from the measured profile.
@@ -822,3 +842,52 @@ def deadline_quant(deadline_s: float, unit_time_s: float, t_min: int, t_first: i
     while quant >= t_min and quant * unit_time_s > deadline_s + 1e-12:
         quant -= 1
     return quant if quant >= t_min else None
+
+
+class _NoiseCheck:
+    """The noise stage of :meth:`Frontier.within_slowdown` (see its ``time_cv``).
+
+    The plan's expected time under noise, against all-max's on the same draws
+    (:class:`~powerlib.planning.perseus.replay.NoisyReplay`), must be within the allowed
+    slowdown with one standard error to spare (the draws are a sample).
+    """
+
+    def __init__(
+        self,
+        frontier: Frontier,
+        time_cv: float,
+        time_se: float,
+        limit_s: float | None,
+        max_slowdown: float,
+    ) -> None:
+        self._noisy = NoisyReplay(frontier, time_cv, row_se=time_se)
+        top = [
+            max(frontier.options[(i.stage, i.kind)], key=lambda o: o.freq_mhz)
+            for i in frontier.dag.instructions
+        ]
+        base, _ = self._noisy.run(top, 0.0)
+        self._base = base if limit_s is None else np.full_like(base, limit_s)
+        self._limit_s = limit_s
+        self._allowed = max_slowdown
+        # a batch of speed-ups per replay keeps large DAGs to a few dozen replays
+        self._batch = max(1, len(frontier.dag.instructions) // 200)
+
+    def too_slow(
+        self, chosen: Sequence[Option], switch_latency_s: float, next_faster: Any
+    ) -> list[tuple[float, int, Option]]:
+        """The next speed-ups (cheapest per draw in which the node is critical); none: in bounds."""
+        times, critical = self._noisy.run(chosen, switch_latency_s)
+        if self._limit_s is not None:
+            times = np.maximum(times, self._limit_s)  # the straggler holds the iteration
+        excess = times / self._base - 1.0 - self._allowed
+        margin = float(excess.std(ddof=1)) / math.sqrt(excess.size) if excess.size > 1 else 0.0
+        if float(excess.mean()) + margin <= 0.0:
+            return []
+        ranked = []
+        for v, count in enumerate(critical):
+            if count:
+                got = next_faster(v)
+                if got is not None:
+                    ranked.append((got[1] / count, v, got[0]))
+        ranked.sort(key=lambda item: item[0])
+        return ranked[: self._batch]

@@ -336,6 +336,11 @@ class IncrementalReplay:
             self._wrap[1] = new
             self._propagate(1, dirty + moved)
 
+    @property
+    def layout(self) -> Layout:
+        """The DAG's predecessors, stage neighbours and order."""
+        return self._layout
+
     def run(self, *, energy: bool = True) -> Run:
         """The replay of the current options (what :func:`replay_options` returns)."""
         p = self._passes - 1
@@ -373,11 +378,22 @@ class NoisyReplay:
     Args:
         frontier: The frontier (DAG, measured profile).
         cv: Relative standard deviation of an instruction's time.
+        row_se: Relative standard error of a profiled row's mean time: each draw also scales
+            every (stage, kind, clock) by one factor, for the error of the profile itself (a
+            plan that spends all slack on measured times realizes slower when they are low).
         samples: Noise draws.
         seed: Seed of the draws.
     """
 
-    def __init__(self, frontier: Frontier, cv: float, *, samples: int = 128, seed: int = 0) -> None:
+    def __init__(
+        self,
+        frontier: Frontier,
+        cv: float,
+        *,
+        row_se: float = 0.0,
+        samples: int = 128,
+        seed: int = 0,
+    ) -> None:
         self._frontier = frontier
         dag = frontier.dag
         self._layout = layout_of(dag)
@@ -385,6 +401,27 @@ class NoisyReplay:
         n = len(dag.instructions)
         self.factors = np.clip(1.0 + cv * rng.standard_normal((n, samples)), 0.5, None)
         self.samples = samples
+        self._row_se = row_se
+        self._rng = rng
+        self._rows: dict[tuple[int, str, float], np.ndarray] = {}
+        self._top = {k: max(o.freq_mhz for o in opts) for k, opts in frontier.options.items()}
+
+    def _row(self, stage: int, kind: str, freq_mhz: float) -> np.ndarray | float:
+        """The draws' factor for a profiled row (the same wherever the row is used)."""
+        if self._row_se <= 0:
+            return 1.0
+        key = (stage, kind, freq_mhz)
+        got = self._rows.get(key)
+        if got is None:
+            # A row below the top clock is read one standard error long: the planner lowers
+            # the clocks whose measured times came out short (the winner's curse), so their
+            # errors are not centred on zero.
+            lowered = freq_mhz < self._top.get((stage, kind), freq_mhz)
+            mean = 1.0 + (self._row_se if lowered else 0.0)
+            got = self._rows[key] = np.clip(
+                mean + self._row_se * self._rng.standard_normal(self.samples), 0.5, None
+            )
+        return got
 
     def run(
         self, chosen: Sequence[Option], switch_latency_s: float
@@ -405,12 +442,15 @@ class NoisyReplay:
                 start = np.where(later, finish[u], start)
                 src = np.where(later, u, src)
             option = chosen[v]
-            duration = option.time_s * self.factors[v]
+            ins = dag.instructions[v]
+            duration = (
+                option.time_s * self.factors[v] * self._row(ins.stage, ins.kind, option.freq_mhz)
+            )
             u = prev[v]
             if switch_latency_s > 0 and u >= 0 and chosen[u].freq_mhz != option.freq_mhz:
                 slow = switch_latency_s - (start - finish[u])
-                old_t, _ = at_freq(self._frontier, dag.instructions[v], chosen[u].freq_mhz)
-                old_t *= self.factors[v]
+                old_t, _ = at_freq(self._frontier, ins, chosen[u].freq_mhz)
+                old_t *= self.factors[v] * self._row(ins.stage, ins.kind, chosen[u].freq_mhz)
                 work = np.clip(slow / old_t, 0.0, 1.0)
                 penalized = slow > 0
                 duration = np.where(
