@@ -53,9 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import math
 import time
 import warnings
 import weakref
@@ -76,10 +74,10 @@ from powerlib.profiling.sweep import ProfileRecorder
 from powerlib.progress import Progress
 from powerlib.registry import open_backend
 from powerlib.runtime.apply_phase import ApplyConfig, ApplyPhase, InstructionKey
-from powerlib.runtime.closed_loop import CheckConfig, ClosedLoop, MeasureOnly
+from powerlib.runtime.closed_loop import ClosedLoop, MeasureOnly
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, default_coordinator
-from powerlib.runtime.launch_control import Overlap, plan_has_overlap
+from powerlib.runtime.launch_control import Overlap
 from powerlib.runtime.options import MODES, RunConfig, claim_device
 from powerlib.runtime.phases import (
     CLOSED,
@@ -87,18 +85,16 @@ from powerlib.runtime.phases import (
     NOT_STARTED,
     Idle,
     Phase,
-    Waiting,
     instruction_kind,
 )
+from powerlib.runtime.plan_flow import PlanFlow
 from powerlib.runtime.planning_step import (
     PlanningOutcome,
     PlanSpec,
     Replanner,
-    make_plan,
-    write_profile,
 )
 from powerlib.runtime.profile_phase import ProfileConfig, ProfilePhase
-from powerlib.runtime.records import ProfilePayload, Realized
+from powerlib.runtime.records import Realized
 from powerlib.runtime.replan import Replanning
 
 __all__ = ["MODES", "ApplyConfig", "ProfileConfig", "RunConfig", "Session", "optimize"]
@@ -115,7 +111,7 @@ def active_sessions() -> list[Session]:
     return list(_ACTIVE_SESSIONS)
 
 
-class Session:
+class Session(PlanFlow):
     """Profile -> plan -> apply around a training loop: ``with powerlib.optimize(...) as session``.
 
     ``powerlib.optimize`` is this class (:data:`optimize`); :meth:`from_config` takes the same
@@ -634,230 +630,6 @@ class Session:
         # pipeline receive before its own first begin.
         self._started = False
         self.start_iteration()
-
-    # -- from profile to plan to apply -----------------------------------------------------------
-
-    def _profiled(self, payload: ProfilePayload) -> None:
-        """The sweep is over: send this rank's profile to rank 0 and wait for its outcome."""
-        assert self._coordinator is not None
-        plan_fn = self._profile_only_fn if self.mode == "profile" else self._plan_fn
-        self._await(self._coordinator.exchange(payload, plan_fn), strict=False)
-
-    def _plan_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
-        spec = dataclasses.replace(self.spec, progress=self._progress.enabled)
-        return make_plan(spec, payloads, keep=self._keep_replanner)
-
-    def _keep_replanner(self, replanner: Replanner) -> None:
-        self._replanner = replanner
-
-    # -- re-planning at run time -----------------------------------------------------------------
-
-    def replan(self, deadline_s: float) -> None:
-        """Plan again for a new straggler deadline; switch at the first iteration boundary after.
-
-        Every rank calls it at the same iteration (the deadline is normally a job-wide
-        measurement, such as the slowest rank's iteration time). Rank 0 solves the new plan on
-        its planning thread from the frontier it kept, while training goes on with the current
-        plan; at each later :meth:`step` the ranks check (one small collective) whether it is
-        ready, and all switch before the same iteration. A deadline below the fastest plan
-        plans the fastest; a plan that would not pay is refused with one warning and the
-        current plan stays. :attr:`replans` records every switch.
-
-        Args:
-            deadline_s: The iteration time to plan for, in seconds.
-
-        Raises:
-            InvalidArgumentError: Outside the ``with`` block, a deadline that is not a positive
-                number, no plan made by this session being applied (``apply`` mode has no
-                frontier), or a re-plan still pending.
-        """
-        if not self._active:
-            self._refuse_outside("replan")
-        if not (
-            isinstance(deadline_s, (int, float)) and math.isfinite(deadline_s) and deadline_s > 0
-        ):
-            raise InvalidArgumentError(
-                f"replan: deadline_s must be a positive number, got {deadline_s!r}"
-            )
-        if self._applying is None or self.mode not in ("auto", "plan"):
-            raise InvalidArgumentError(
-                "replan: the session applies no plan it made itself (re-planning needs the "
-                "frontier of mode 'auto' or 'plan')"
-            )
-        if self._replanning is not None:
-            raise InvalidArgumentError(
-                f"replan: the re-plan for {self._replanning.deadline_s:g} s is still pending"
-            )
-        assert self._coordinator is not None
-        if self.rank == 0 and self._replanner is None:
-            raise InvalidArgumentError("replan: rank 0 kept no frontier to re-plan from")
-        if self.rank == 0 and self._planner_thread is None:
-            self._planner_thread = ThreadPoolExecutor(1, thread_name_prefix="powerlib-replan")
-        self._replanning = Replanning(
-            self._coordinator,
-            float(deadline_s),
-            self._replanner if self.rank == 0 else None,
-            self._planner_thread,
-            lambda: self.iteration,
-        )
-        self._progress.say(
-            f"re-planning for a {deadline_s:g} s iteration (rank 0, in the background)"
-        )
-
-    def _switch_replanned(self) -> None:
-        """At an iteration boundary: switch to the re-plan if every rank has it now."""
-        assert self._replanning is not None and self.device is not None
-        assert self.controller is not None
-        deadline_s = self._replanning.deadline_s
-        try:
-            outcome = self._replanning.poll()
-        except PlanError as err:
-            self._replanning = None
-            logger.warning(
-                "powerlib: re-planning for %g s failed: %s; keeping the current plan",
-                deadline_s,
-                err,
-            )
-            return
-        if outcome is None:
-            return
-        self._replanning = None
-        plan = outcome.plan
-        if plan is None:
-            logger.warning(
-                "powerlib: the re-plan for %g s was refused: %s; keeping the current plan",
-                deadline_s,
-                outcome.baseline_reason,
-            )
-            return
-        try:
-            plan.check_frequencies(self.device.info.supported_sm_freqs_mhz, self.stage)
-        except PlanError as err:
-            logger.warning("powerlib: the re-plan for %g s cannot be applied: %s", deadline_s, err)
-            return
-        self.plan = plan
-        self.outcome = outcome
-        self._applying = ApplyPhase(
-            plan,
-            self.stage,
-            self.controller,
-            prefetch=self.apply_config.prefetch,
-            on_mismatch=self._stopped,
-        )
-        self._phase = self._applying
-        saving = None if outcome.prediction is None else outcome.prediction.saving_percent
-        self.replans.append(
-            {
-                "iteration": self.iteration,
-                "deadline_s": deadline_s,
-                "policy": plan.policy,
-                "realized_saving_percent": saving,
-            }
-        )
-        self._progress.say(
-            f"switched to the plan for {deadline_s:g} s at iteration {self.iteration}"
-            + ("" if saving is None else f" (saves {saving:.2f} % replayed on the profile)")
-        )
-
-    def _profile_only_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
-        spec = dataclasses.replace(self.spec, progress=self._progress.enabled)
-        return write_profile(spec, payloads)
-
-    def _await(self, future: Future, *, strict: bool) -> None:
-        self._plan_future = future
-        self._phase = Waiting(lambda: self._try_plan(strict=False))
-        self._try_plan(strict=strict)
-
-    def _try_plan(self, *, strict: bool) -> None:
-        assert self._plan_future is not None
-        assert self.device is not None and self.controller is not None
-        try:
-            result = self._plan_future()
-        except PlanError as err:
-            if strict:
-                raise
-            self._disable(f"planning failed: {err}", job_wide=True)
-            return
-        if result is None:
-            return
-        self._plan_future = None
-        self.outcome = result
-        if result.profile_only:
-            self._phase = Idle(DONE)
-            if result.baseline_reason:
-                self._disable(f"{result.baseline_reason}; no profile written", job_wide=True)
-            return
-        if result.plan is None:  # rank 0 refused to plan, or refused the plan it made
-            self._disable(
-                f"{result.baseline_reason}; running at the baseline clocks, no plan applied",
-                job_wide=True,
-            )
-            return
-        plan = result.plan
-        try:
-            if self.mode == "apply":
-                self.spec.check_saved_plan(plan, self._layout_given)
-            elif plan.num_stages != self.spec.num_stages:  # pragma: no cover - made for the job
-                raise PlanError(
-                    f"{plan.source}: the plan has {plan.num_stages} stages, the session has "
-                    f"{self.spec.num_stages}"
-                )
-            if plan_has_overlap(plan):
-                # Before any per-rank check: on NCCL this creates communicators, a collective
-                # every rank must join at the same point.
-                self.overlap.load(plan, self.stage, group_ranks=self.run_config.overlap_groups)
-            plan.check_frequencies(self.device.info.supported_sm_freqs_mhz, self.stage)
-        except PlanError as err:
-            if strict:
-                raise
-            self._disable(f"the plan cannot be applied: {err}")
-            return
-        self.plan = plan
-        self._applying = ApplyPhase(
-            plan,
-            self.stage,
-            self.controller,
-            prefetch=self.apply_config.prefetch,
-            on_mismatch=self._stopped,
-        )
-        self._phase = self._applying
-        if self.apply_config.check_rounds and self.sampler is not None:
-            self._phase = ClosedLoop(
-                self._applying,
-                CheckConfig(rounds=self.apply_config.check_rounds),
-                sampler=self.sampler,
-                clock=self._clock,
-                coordinator=self._coordinator,
-                max_slowdown=None if plan.policy == "min-energy" else self.spec.max_slowdown,
-                predicted=result.prediction,
-                on_verdict=self._verdict,
-            )
-        self.apply_started_iteration = self.iteration
-        self._progress.say(f"applying the {plan.policy} plan from iteration {self.iteration}")
-
-    def _verdict(self, realized: Realized) -> None:
-        """The closed loop's verdict (every rank gets rank 0's): keep, warn, or revert."""
-        self.realized = realized
-        if self.rank == 0 and self.spec.out_dir is not None:
-            path = Path(self.spec.out_dir) / "summary.json"
-            try:
-                info = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-                info["measured"] = realized.to_json()
-                path.write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
-            except (OSError, ValueError) as err:
-                logger.warning("powerlib: could not add the measured figures to %s: %s", path, err)
-        if realized.verdict == "reverted":
-            self._disable(
-                f"{realized.reason}; plan reverted, running at the baseline clocks "
-                f"({realized.line()})",
-                job_wide=True,
-            )
-            return
-        if isinstance(self._phase, ClosedLoop):
-            self._phase = self._phase.applying
-        if realized.verdict == "shortfall" and self.rank == 0:
-            logger.warning("powerlib: %s", realized.reason)
-        self._progress.say(realized.line())
 
     def _disable(self, reason: str, *, job_wide: bool = False) -> None:
         """Stop managing the device: clocks reset, one warning.

@@ -72,13 +72,18 @@ def test_auto_profiles_plans_applies_and_restores(tmp_path: Path) -> None:
 
 
 def test_the_sweep_stops_once_energy_keeps_rising(tmp_path: Path) -> None:
-    freqs = (*FREQS, 675.0, 570.0, 465.0, 360.0)  # energy per iteration is lowest near 780 MHz
+    # energy per iteration is lowest near 780 MHz; the coarse pass (every third clock, then
+    # the lowest) visits 1410, 1095, 780, 465, 150: two rises in a row end it, and the fill
+    # pass visits only the skipped clocks above the first rise (465 MHz)
+    freqs = (*FREQS, 675.0, 570.0, 465.0, 360.0, 255.0, 150.0)
     profile = toy_profile(freqs=freqs)
     emulator = make_emulator(profile, 2)
-    sessions = emulated_sessions(emulator, None, stop_after_rises=3, progress=False)
+    sessions = emulated_sessions(emulator, None, stop_after_rises=2, progress=False)
     _run(emulator, sessions, 1 + 2 * len(freqs) + 2)
     profiled = sessions[0].report()["profiled_freqs_mhz"]
-    assert 465.0 in profiled and 360.0 not in profiled
+    assert 465.0 in profiled and 150.0 in profiled
+    assert 360.0 not in profiled and 255.0 not in profiled
+    assert 570.0 in profiled and 1305.0 in profiled
     assert all(s.plan is not None for s in sessions)  # it went on to plan
 
 

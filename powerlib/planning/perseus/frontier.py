@@ -379,7 +379,8 @@ class Frontier:
                     # which changes no clock between them (pinned: never moved again, so
                     # this ends).
                     moved = False
-                    for v in sorted(candidates - pinned):
+                    late = any(run.penalized[v] for v in run.path)
+                    for v in sorted(candidates - pinned) if late else ():
                         ins = self.dag.instructions[v]
                         top = self._top_option(ins.stage, ins.kind)
                         pinned.add(v)
