@@ -20,7 +20,24 @@ The model (parameters per GPU in :data:`powerlib.gpu_models.GPU_SPECS`, each num
   of the driver's throttling loop).
 * **Temperature.** First-order thermal model ``C·dθ/dt = P − (θ − θ_amb)/R``.
 * **Energy counter.** The exact integral of power over time, published like NVML's counter: it
-  updates every ``energy_update_period_s`` and counts whole millijoules.
+  updates every ``energy_update_period_s`` (``POWERLIB_SIM_ENERGY_PERIOD_S``) and counts whole
+  millijoules.
+
+What NVML adds besides (issue 32; the emulator models the same, :mod:`powerlib.emulator.device`):
+
+* **Clock-change latency.** A lock or reset changes the setting (``locked_sm_freqs_mhz``) at
+  once, like NVML's applied clocks, but the running clock (``sm_freq_mhz``), and with it the
+  time and power of work, changes when the request lands: ``switch_latency_s · U(1 − spread,
+  1 + spread)`` later (model defaults 0.02 s and 0.5, docs/peers.md §4.3 "settle 5–50 ms";
+  ``POWERLIB_SIM_SWITCH_LATENCY_S``, ``POWERLIB_SIM_LATENCY_SPREAD``). Each draw is keyed by the
+  seed, the device and the request's number, and changes in flight persist with the state, so
+  every process sees the same landing. A newer request overrides those that would land after it.
+* **Read cost.** Each ``read_state`` takes ``POWERLIB_SIM_READ_COST_S`` (slept on the wall clock,
+  advanced on a :class:`VirtualClock`). Default 0, because tests on the wall clock read often;
+  NVML's is 2.6–3.1 ms on an H200 (``benchmarks/results/measure_h200.json``).
+* **Run-to-run noise.** ``POWERLIB_SIM_NOISE`` (σ, default 0) scales each :class:`WorkUnit`'s
+  duration and energy by independent ``1 + N(0, σ)`` factors clipped to ±3 σ, drawn from
+  ``POWERLIB_SIM_SEED`` (default 0).
 
 Time is either wall-clock time (the default: state persists in ``POWERLIB_STATE_DIR`` so that
 ``powerlib set`` is seen by the next ``powerlib status``) or a :class:`VirtualClock` that advances only
@@ -36,10 +53,11 @@ import json
 import logging
 import math
 import os
+import random
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -70,7 +88,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_STATE_SCHEMA = 1
+_STATE_SCHEMA = 1  # later fields are optional: a file without them still loads
+_MAX_PENDING = 4096  # clock changes in flight that a state file may hold
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,7 +177,8 @@ class WorkResult:
     Attributes:
         time_s: Duration.
         energy_j: Exact energy used (the counter shows it quantized).
-        freq_mhz: SM clock it ran at (after power-cap throttling).
+        freq_mhz: SM clock it ran at (after power-cap throttling); the time-weighted mean
+            when a clock change landed while it ran.
         power_w: Average power.
     """
 
@@ -205,12 +225,16 @@ class VirtualClock:
 class _State:
     """Mutable per-device state; what the state file holds."""
 
-    locked_mhz: tuple[float, float] | None
+    locked_mhz: tuple[float, float] | None  # the setting (NVML's applied clocks)
     power_limit_w: float
     energy_j: float  # exact integral up to t_s
     counter_j: float  # value the counter last published
     t_s: float
     temperature_c: float
+    running_mhz: tuple[float, float] | None = None  # the lock the clock runs at (landed)
+    # clock changes requested but not landed yet: (landing time, lock), by landing time
+    pending: list[tuple[float, tuple[float, float] | None]] = field(default_factory=list)
+    switches: int = 0  # clock requests so far: each one's latency draw is keyed by it
 
     def to_json(self) -> dict[str, object]:
         data = asdict(self)
@@ -221,15 +245,41 @@ class _State:
     def from_json(cls, data: dict[str, object]) -> _State:
         if data.get("schema") != _STATE_SCHEMA:
             raise ValueError(f"unknown schema {data.get('schema')!r}")
-        locked = data["locked_mhz"]
+        locked = _lock_from_json(data["locked_mhz"])
+        # A file from before clock-change latency: its lock has landed, nothing is in flight.
+        running = _lock_from_json(data["running_mhz"]) if "running_mhz" in data else locked
+        raw_pending = data.get("pending", [])
+        if not isinstance(raw_pending, list) or len(raw_pending) > _MAX_PENDING:
+            raise ValueError(f"pending must be a list of at most {_MAX_PENDING} clock changes")
+        pending = []
+        for land_t, lock in raw_pending:
+            land_t = float(land_t)
+            if not math.isfinite(land_t):
+                raise ValueError(f"a clock change lands at {land_t}")
+            pending.append((land_t, _lock_from_json(lock)))
+        switches = data.get("switches", 0)
+        if not isinstance(switches, int) or isinstance(switches, bool) or switches < 0:
+            raise ValueError(f"switches must be a count, got {switches!r}")
         return cls(
-            locked_mhz=None if locked is None else (float(locked[0]), float(locked[1])),  # type: ignore[index]
+            locked_mhz=locked,
             power_limit_w=float(data["power_limit_w"]),  # type: ignore[arg-type]
             energy_j=float(data["energy_j"]),  # type: ignore[arg-type]
             counter_j=float(data["counter_j"]),  # type: ignore[arg-type]
             t_s=float(data["t_s"]),  # type: ignore[arg-type]
             temperature_c=float(data["temperature_c"]),  # type: ignore[arg-type]
+            running_mhz=running,
+            pending=sorted(pending, key=lambda change: change[0]),
+            switches=switches,
         )
+
+
+def _lock_from_json(value: object) -> tuple[float, float] | None:
+    """A ``[min, max]`` clock lock from a state file (``None``: unlocked)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"a clock lock is [min, max], got {value!r}")
+    return float(value[0]), float(value[1])
 
 
 class SimulatedDevice(Device):
@@ -242,7 +292,24 @@ class SimulatedDevice(Device):
         model: GpuModel,
         clock: SimClock,
         state_path: Path | None,
+        read_cost_s: float = 0.0,
+        noise: float = 0.0,
+        seed: int = 0,
     ) -> None:
+        """One simulated GPU.
+
+        Args:
+            index: Its index on the backend.
+            model: Its model; clock changes land after ``model.switch_latency_s`` (spread by
+                ``model.latency_spread``).
+            clock: Its time source.
+            state_path: Where its state persists (``None``: in memory).
+            read_cost_s: What each ``read_state`` takes (slept on a wall clock, advanced on a
+                :class:`VirtualClock`).
+            noise: Standard deviation of the multiplicative noise on each work unit's duration
+                and energy (clipped to ±3 σ).
+            seed: Seed of the latency and noise draws.
+        """
         device_id = "GPU-" + str(
             uuid.uuid5(uuid.NAMESPACE_URL, f"powerlib-sim/{model.key}/{index}")
         )
@@ -270,9 +337,14 @@ class SimulatedDevice(Device):
             )
         )
         self.model = model
+        self.read_cost_s = read_cost_s
+        self.noise = noise
+        self._seed = seed
+        self._noise_rng = random.Random(f"{seed}:{index}:noise")
         self._clock = clock
         self._state_path = state_path
         self._work: WorkUnit | None = None
+        self._power_scale = 1.0  # the running work's energy noise over its time noise
         self._memory_state: _State | None = None
         with self._transaction():  # the device exists, and draws idle power, from now on
             pass
@@ -341,22 +413,35 @@ class SimulatedDevice(Device):
         os.replace(tmp, self._state_path)
 
     def _freq_mhz(self, state: _State) -> float:
-        """The SM clock now.
+        """The SM clock now: the one the running (landed) lock gives."""
+        return self._freq_under(state.running_mhz, state.power_limit_w)
+
+    def _freq_under(self, lock: tuple[float, float] | None, power_limit_w: float) -> float:
+        """The SM clock under ``lock``.
 
         Idle: the lock floor (or the minimum). Loaded: the lock ceiling (or the maximum), reduced
         to fit under the power limit.
         """
         if self._work is None:
-            return state.locked_mhz[0] if state.locked_mhz else self.model.min_freq_mhz
-        target = state.locked_mhz[1] if state.locked_mhz else self.model.max_freq_mhz
-        return self.model.throttled_freq_mhz(target, state.power_limit_w, self._work)
+            return lock[0] if lock else self.model.min_freq_mhz
+        target = lock[1] if lock else self.model.max_freq_mhz
+        return self.model.throttled_freq_mhz(target, power_limit_w, self._work)
 
     def _power_w(self, state: _State) -> float:
-        return self.model.power_w(self._freq_mhz(state), self._work)
+        power_w = self.model.power_w(self._freq_mhz(state), self._work)
+        return power_w if self._work is None else power_w * self._power_scale
 
     def _advance(self, state: _State) -> None:
-        """Integrate energy and temperature from ``state.t_s`` to now at the current power."""
+        """Bring ``state`` up to now: land the clock changes due, integrate between them."""
         now = self._clock.now()
+        while state.pending and state.pending[0][0] <= now:
+            land_t, lock = state.pending.pop(0)
+            self._integrate(state, land_t)
+            state.running_mhz = lock
+        self._integrate(state, now)
+
+    def _integrate(self, state: _State, now: float) -> None:
+        """Integrate energy and temperature from ``state.t_s`` to ``now`` at the current power."""
         dt = now - state.t_s
         if dt <= 0:
             return
@@ -377,7 +462,42 @@ class SimulatedDevice(Device):
 
     # -- Device hooks ----------------------------------------------------------------------------
 
+    def _schedule(self, state: _State, lock: tuple[float, float] | None) -> None:
+        """Request ``lock``: the setting changes now, the running clock when the change lands.
+
+        The change lands ``switch_latency_s * U(1 - spread, 1 + spread)`` from now, drawn from
+        the seed, the device and the request's number (the same in every process). A newer
+        request overrides those in flight that would land after it, as in the emulator
+        (:mod:`powerlib.emulator.device`).
+        """
+        state.locked_mhz = lock
+        latency_s = self.model.switch_latency_s
+        spread = self.model.latency_spread
+        if latency_s > 0 and spread > 0:
+            draw = random.Random(f"{self._seed}:{self.index}:latency:{state.switches}")
+            latency_s *= draw.uniform(1.0 - spread, 1.0 + spread)
+        state.switches += 1
+        if latency_s <= 0:
+            state.pending.clear()
+            state.running_mhz = lock
+            return
+        land_t = self._clock.now() + latency_s
+        while state.pending and state.pending[-1][0] >= land_t:
+            state.pending.pop()
+        if (state.pending[-1][1] if state.pending else state.running_mhz) != lock:
+            state.pending.append((land_t, lock))
+
+    def _pay_read_cost(self) -> None:
+        """Take ``read_cost_s``: advance a virtual clock by it, sleep it on any other."""
+        if self.read_cost_s <= 0:
+            return
+        if isinstance(self._clock, VirtualClock):
+            self._clock.advance(self.read_cost_s)
+        else:
+            time.sleep(self.read_cost_s)
+
     def _read_state(self) -> PowerState:
+        self._pay_read_cost()  # outside the lock: other processes may use the device meanwhile
         with self._transaction(save=False) as state:
             return PowerState(
                 device_id=self.device_id,
@@ -392,11 +512,11 @@ class SimulatedDevice(Device):
 
     def _lock_sm_clocks(self, min_mhz: float, max_mhz: float) -> None:
         with self._transaction() as state:
-            state.locked_mhz = (min_mhz, max_mhz)
+            self._schedule(state, (min_mhz, max_mhz))
 
     def _reset_sm_clocks(self) -> None:
         with self._transaction() as state:
-            state.locked_mhz = None
+            self._schedule(state, None)
 
     def _set_power_limit(self, power_limit_w: float) -> float:
         watts = float(round(power_limit_w, 3))  # NVML's granularity: whole milliwatts
@@ -419,6 +539,10 @@ class SimulatedDevice(Device):
             "idle_power_w": round(m.power_w(m.min_freq_mhz), 3),
             "blocked_power_at_max_freq_w": round(m.power_w(m.max_freq_mhz), 3),
             "energy_update_period_s": m.energy_update_period_s,
+            "switch_latency_s": m.switch_latency_s,
+            "latency_spread": m.latency_spread,
+            "read_cost_s": self.read_cost_s,
+            "noise": self.noise,
             "state_file": None if self._state_path is None else str(self._state_path),
             "pci_bus_id": f"00000000:{0x10 + self.index:02x}:00.0",  # made up, stable per index
             "minor_number": self.index,
@@ -436,23 +560,58 @@ class SimulatedDevice(Device):
     # -- running simulated work ----------------------------------------------------------------
 
     def begin_work(self, work: WorkUnit) -> float:
-        """Start running ``work`` now; returns its duration at the clock it will run at.
+        """Start running ``work`` now; returns its duration at the clocks it will run at.
 
-        Energy up to now is integrated at the previous power first, so the caller can interleave
-        several devices on one shared :class:`VirtualClock`.
+        The running clock until each clock change in flight lands, the new one after it; times
+        the noise factor when ``noise`` is set. Energy up to now is integrated at the previous
+        power first, so the caller can interleave several devices on one shared
+        :class:`VirtualClock`.
         """
         return self._begin(work)[0]
 
+    def _draw_noise(self) -> tuple[float, float]:
+        """Factors on the next work unit's duration and energy: ``1 + N(0, noise)``, ±3 σ."""
+        if self.noise <= 0:
+            return 1.0, 1.0
+        bound = 3.0 * self.noise
+        t_factor, e_factor = (
+            1.0 + min(max(self._noise_rng.gauss(0.0, self.noise), -bound), bound) for _ in range(2)
+        )
+        return t_factor, e_factor
+
     def _begin(self, work: WorkUnit) -> tuple[float, float, float]:
+        """Start ``work``: its duration, its time-weighted mean clock and its power now."""
+        t_factor, e_factor = self._draw_noise()
         with self._transaction() as state:
             self._work = work
-            freq_mhz = self._freq_mhz(state)
-            return self.model.duration_s(work, freq_mhz), freq_mhz, self._power_w(state)
+            self._power_scale = e_factor / t_factor
+            start_s = t_s = self._clock.now()
+            remaining = 1.0  # share of the work still to run
+            freq_time = 0.0  # ∫ clock dt, for the mean clock
+            lock = state.running_mhz
+            clocks_mhz = set()
+            for land_t, next_lock in [*state.pending, (math.inf, None)]:
+                freq = self._freq_under(lock, state.power_limit_w)
+                clocks_mhz.add(freq)
+                full_s = self.model.duration_s(work, freq) * t_factor
+                if full_s <= 0 or t_s + remaining * full_s <= land_t:
+                    freq_time += freq * remaining * full_s
+                    t_s += remaining * full_s
+                    break
+                span_s = max(land_t - t_s, 0.0)
+                remaining -= span_s / full_s
+                freq_time += freq * span_s
+                t_s += span_s
+                lock = next_lock
+            duration_s = t_s - start_s
+            mean_mhz = freq_time / duration_s if len(clocks_mhz) > 1 else freq
+            return duration_s, mean_mhz, self._power_w(state)
 
     def end_work(self) -> None:
         """Stop running work (the device idles at its current clock)."""
         with self._transaction():
             self._work = None
+            self._power_scale = 1.0
 
     def run(self, work: WorkUnit) -> WorkResult:
         """Run ``work`` to completion on a virtual clock and report what it cost.
@@ -473,6 +632,9 @@ class SimulatedDevice(Device):
         with self._transaction() as state:
             energy_j = state.energy_j - start_j
             self._work = None
+            self._power_scale = 1.0
+        if duration_s > 0:
+            power_w = energy_j / duration_s  # the clock may have changed while it ran
         return WorkResult(time_s=duration_s, energy_j=energy_j, freq_mhz=freq_mhz, power_w=power_w)
 
 
@@ -512,6 +674,10 @@ class SimulatedBackend(Backend):
         self.clock = clock
         if settings.sim_energy_period_s is not None:
             model = dataclasses.replace(model, energy_update_period_s=settings.sim_energy_period_s)
+        if settings.sim_switch_latency_s is not None:
+            model = dataclasses.replace(model, switch_latency_s=settings.sim_switch_latency_s)
+        if settings.sim_latency_spread is not None:
+            model = dataclasses.replace(model, latency_spread=settings.sim_latency_spread)
         self.model = model
         if persist is None:
             persist = isinstance(clock, WallClock)
@@ -523,6 +689,9 @@ class SimulatedBackend(Backend):
                 model=model,
                 clock=clock,
                 state_path=None if state_dir is None else state_dir / f"{model.key}-{i}.json",
+                read_cost_s=settings.sim_read_cost_s,
+                noise=settings.sim_noise,
+                seed=settings.sim_seed,
             )
             for i in range(settings.sim_gpus)
         ]

@@ -23,6 +23,12 @@ Environment variables:
 ``POWERLIB_SIM_MODEL``    Simulated GPU model: ``a100`` (default), ``h100``, ``a40``.
 ``POWERLIB_SIM_CLOCK``    ``wall`` (default; state persists across processes) or ``virtual``
                           (time advances only when simulated work runs; nothing persists).
+``POWERLIB_SIM_*``        The simulated GPU's NVML-like behaviour (README, "The simulated
+                          GPU"): ``ENERGY_PERIOD_S`` (counter period, default the model's
+                          0.1 s), ``SWITCH_LATENCY_S`` and ``LATENCY_SPREAD`` (clock-change
+                          landing, default the model's 0.02 s ± 50 %), ``READ_COST_S`` (what
+                          a ``read_state`` takes, default 0), ``NOISE`` (run-to-run noise on
+                          each work unit, default 0) and ``SEED`` (default 0).
 ``POWERLIB_AGENT_SOCKET`` The node agent's socket for ``POWERLIB_BACKEND=agent`` (default
                           ``/run/powerlib/agent/agent.sock``, in a folder of its own that pods
                           mount read-only; docs/agent.md).
@@ -36,6 +42,7 @@ set to the empty string means "no devices".
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import stat
 import tempfile
@@ -47,6 +54,7 @@ from powerlib.errors import ConfigError
 
 __all__ = [
     "DEFAULT_AGENT_SOCKET",
+    "MAX_SIM_NOISE",
     "NODE_STATE_DIR",
     "SIM_CLOCKS",
     "Settings",
@@ -55,6 +63,17 @@ __all__ = [
 ]
 
 SIM_CLOCKS = ("wall", "virtual")
+
+MAX_SIM_NOISE = 0.25
+"""Largest ``POWERLIB_SIM_NOISE``: the simulated noise is clipped to ±3 σ, so a factor stays > 0."""
+
+# (variable, Settings field, lowest, highest): the simulated GPU's real-valued knobs.
+_SIM_FLOAT_KNOBS = (
+    ("POWERLIB_SIM_SWITCH_LATENCY_S", "sim_switch_latency_s", 0.0, 10.0),
+    ("POWERLIB_SIM_LATENCY_SPREAD", "sim_latency_spread", 0.0, 1.0),
+    ("POWERLIB_SIM_READ_COST_S", "sim_read_cost_s", 0.0, 1.0),
+    ("POWERLIB_SIM_NOISE", "sim_noise", 0.0, MAX_SIM_NOISE),
+)
 
 NODE_STATE_DIR = Path("/run/powerlib")
 """Root's state folder on a node: its journals and device locks, the agent's job grants
@@ -138,6 +157,14 @@ class Settings:
         local_rank: ``LOCAL_RANK`` (set by torchrun): the session's default device index.
         sim_energy_period_s: Update period of the simulated energy counter (``None``: the
             model's, 0.1 s like NVML).
+        sim_switch_latency_s: Mean delay before a simulated clock change runs (``None``: the
+            model's, 0.02 s).
+        sim_latency_spread: A simulated clock change lands after
+            ``latency * U(1 - spread, 1 + spread)`` (``None``: the model's, 0.5).
+        sim_read_cost_s: What one simulated ``read_state`` takes (NVML's: 2.6-3.1 ms on an H200).
+        sim_noise: Run-to-run multiplicative noise (standard deviation) on each simulated work
+            unit's duration and energy.
+        sim_seed: Seed of the simulated latency and noise draws.
         agent_socket: The node agent's socket (``POWERLIB_AGENT_SOCKET``).
     """
 
@@ -153,6 +180,11 @@ class Settings:
     rocr_visible_devices: str | None = None
     local_rank: int | None = None
     sim_energy_period_s: float | None = None
+    sim_switch_latency_s: float | None = None
+    sim_latency_spread: float | None = None
+    sim_read_cost_s: float = 0.0
+    sim_noise: float = 0.0
+    sim_seed: int = 0
     agent_socket: Path = DEFAULT_AGENT_SOCKET
 
     def __post_init__(self) -> None:
@@ -171,6 +203,14 @@ class Settings:
         if self.sim_clock not in SIM_CLOCKS:
             raise ConfigError(
                 f"POWERLIB_SIM_CLOCK must be one of {', '.join(SIM_CLOCKS)}, got {self.sim_clock!r}"
+            )
+        for var, key, lo, hi in _SIM_FLOAT_KNOBS:
+            value = getattr(self, key)
+            if value is not None and not lo <= value <= hi:  # False for NaN too
+                raise ConfigError(f"{var} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+        if not 0 <= self.sim_seed < 2**63:
+            raise ConfigError(
+                f"POWERLIB_SIM_SEED must be an integer in [0, 2**63), got {self.sim_seed}"
             )
 
     @classmethod
@@ -222,6 +262,24 @@ class Settings:
                     f"POWERLIB_SIM_ENERGY_PERIOD_S must be a number of seconds in (0, 10], got {raw!r}"
                 )
             kwargs["sim_energy_period_s"] = period
+        for var, key, lo, hi in _SIM_FLOAT_KNOBS:
+            raw = env.get(var, "").strip()
+            if not raw:
+                continue
+            try:
+                value = float(raw)
+            except ValueError:
+                value = math.nan
+            if not lo <= value <= hi:
+                raise ConfigError(f"{var} must be a number in [{lo:g}, {hi:g}], got {raw!r}")
+            kwargs[key] = value
+        if env.get("POWERLIB_SIM_SEED", "").strip():
+            raw = env["POWERLIB_SIM_SEED"].strip()
+            if not (raw.isascii() and raw.isdecimal() and len(raw) <= 19 and int(raw) < 2**63):
+                raise ConfigError(
+                    f"POWERLIB_SIM_SEED must be an integer in [0, 2**63), got {raw!r}"
+                )
+            kwargs["sim_seed"] = int(raw)
         if env.get("LOCAL_RANK", "").strip():
             raw = env["LOCAL_RANK"].strip()
             if not raw.isdigit():

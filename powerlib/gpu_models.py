@@ -41,6 +41,10 @@ class GpuSpec:
         thermal_resistance_c_per_w: Steady-state temperature rise per watt.
         thermal_capacitance_j_per_c: Heat capacity; τ = R·C.
         energy_update_period_s: How often the energy counter publishes a new value.
+        switch_latency_s: Mean delay from a clock request to the clock actually running
+            (unmeasured on NVIDIA parts; public figures suggest tens of ms).
+        latency_spread: Each clock change lands after
+            ``switch_latency_s * U(1 - latency_spread, 1 + latency_spread)``.
     """
 
     key: str
@@ -63,6 +67,8 @@ class GpuSpec:
     thermal_resistance_c_per_w: float
     thermal_capacitance_j_per_c: float
     energy_update_period_s: float = 0.1
+    switch_latency_s: float = 0.02  # [assumption] docs/peers.md §4.3: settle 5-50 ms by target
+    latency_spread: float = 0.5  # [assumption] as the emulator's NvmlLikeModel
 
     @property
     def blocked_power_w(self) -> float:

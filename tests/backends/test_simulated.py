@@ -18,6 +18,7 @@ from powerlib import ConfigError, NotSupportedError, Settings
 from powerlib.backends.simulated import (
     GPU_MODELS,
     SimulatedBackend,
+    SimulatedDevice,
     VirtualClock,
     WallClock,
     WorkUnit,
@@ -89,8 +90,18 @@ def test_compute_bound_energy_has_its_minimum_at_the_voltage_knee(model: str) ->
     assert energy[m.min_freq_mhz] > energy[best]  # and going lower wastes it again
 
 
+def _wait_for_clock(dev: SimulatedDevice, clock: VirtualClock, idle_mhz: float) -> None:
+    """Poll the running clock until a requested change lands, as a user would (with a deadline)."""
+    m = dev.model
+    deadline_s = clock.now() + m.switch_latency_s * (1 + m.latency_spread) + 1e-3
+    while dev.read_state().sm_freq_mhz != idle_mhz:
+        assert clock.now() < deadline_s, "the clock change did not land in time"
+        clock.advance(1e-3)
+
+
 def test_power_cap_throttles_full_load_on_a100(settings: Settings) -> None:
-    b = _backend(settings)
+    clock = VirtualClock()
+    b = _backend(settings, clock=clock)
     dev = b.devices()[0]
     heavy = WorkUnit(time_at_max_s=1.0, compute_fraction=0.8, sm_activity=1.0, memory_activity=1.0)
     assert GPU_MODELS["a100"].power_w(1410.0, heavy) > 400.0  # would exceed the 400 W TDP
@@ -103,12 +114,14 @@ def test_power_cap_throttles_full_load_on_a100(settings: Settings) -> None:
     assert capped.power_w <= 250.0
     assert capped.time_s > result.time_s
     dev.lock_sm_clocks(600.0)  # below the throttle point the lock wins
+    _wait_for_clock(dev, clock, 600.0)
     assert dev.run(heavy).freq_mhz == 600.0
 
 
 def test_run_energy_is_power_times_time_and_the_counter_sees_it(settings: Settings) -> None:
     clock = VirtualClock()
-    b = _backend(settings, clock=clock)
+    # about energy accounting, not latency: the lock lands at once
+    b = _backend(settings.replace(sim_switch_latency_s=0.0), clock=clock)
     dev = b.devices()[0]
     before = dev.read_state().energy_j
     dev.lock_sm_clocks(1200.0)
