@@ -92,7 +92,18 @@ def cli(ctx: click.Context, backend: str | None, verbose: int) -> None:
 
 
 for _command in (
-    env, devices, status, watch, measure, exporter, set_, reset, restore, plan, demo, simulate
+    env,
+    devices,
+    status,
+    watch,
+    measure,
+    exporter,
+    set_,
+    reset,
+    restore,
+    plan,
+    demo,
+    simulate,
 ):
     cli.add_command(_command)
 cli.add_command(agent)

@@ -28,12 +28,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LabelPower", "REST", "Spans", "solve_powers"]
+__all__ = ["LabelPower", "REST", "Spans", "solve_powers", "t95"]
 
 MIN_DOF = 4
 """Fewer intervals than unknowns plus this leave a power's error unknown (``inf``)."""
 
 _T95 = {
+    1: 12.71,
+    2: 4.30,
+    3: 3.18,
     4: 2.78,
     5: 2.57,
     6: 2.45,
@@ -47,8 +50,11 @@ _T95 = {
 }
 
 
-def _t95(dof: int) -> float:
-    """Two-sided 95 % Student's t for ``dof`` degrees of freedom (1.96 beyond 30)."""
+def t95(dof: int) -> float:
+    """Two-sided 95 % Student's t for ``dof`` >= 1 degrees of freedom.
+
+    Between table entries the next lower one (a slightly wider interval); 1.96 beyond 30.
+    """
     if dof > 30:
         return 1.96
     return _T95[max(k for k in _T95 if k <= dof)]
@@ -82,7 +88,7 @@ class LabelPower:
         """
         if self.power_w <= 0 or not math.isfinite(self.stderr_w) or self.dof < MIN_DOF:
             return math.inf
-        return _t95(self.dof) * self.stderr_w / self.power_w
+        return t95(self.dof) * self.stderr_w / self.power_w
 
 
 class Spans:

@@ -167,11 +167,6 @@ class DeviceSampler:
             refine=refine,
         )
 
-    def last_read_s(self) -> float:
-        """Time of the newest read (``-inf`` before any)."""
-        with self._lock:
-            return self._times[-1] if self._times else -math.inf
-
     def first_clock_at(self, freq_mhz: float, after_s: float) -> tuple[float, float] | None:
         """When the reads first showed ``freq_mhz`` after ``after_s``: ``(last other, first)``.
 

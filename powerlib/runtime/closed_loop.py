@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from powerlib.measurement.attribution import t95
 from powerlib.measurement.sampler import DeviceSampler
 from powerlib.runtime.apply_phase import ApplyPhase
 from powerlib.runtime.coordination import Coordinator, Future
@@ -66,16 +67,12 @@ class CheckConfig:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-_T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)
-"""Student's t, two-sided 95 %, for 1 to 10 degrees of freedom (few rounds: not 1.96)."""
-
-
 def _mean_ci(values: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, math.inf
-    t = _T95[len(values) - 2] if len(values) - 1 <= len(_T95) else 1.96
-    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+    # Student's t over the rounds: with a few rounds, not 1.96
+    return mean, t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def judge(

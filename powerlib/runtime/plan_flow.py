@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from powerlib.errors import InvalidArgumentError, PlanError
+from powerlib.planning.plan import FrequencyPlan
 from powerlib.runtime.apply_phase import ApplyPhase
 from powerlib.runtime.closed_loop import CheckConfig, ClosedLoop
 from powerlib.runtime.coordination import Future
@@ -148,14 +149,7 @@ class PlanFlow:
             return
         self.plan = plan
         self.outcome = outcome
-        self._applying = ApplyPhase(
-            plan,
-            self.stage,
-            self.controller,
-            prefetch=self.apply_config.prefetch,
-            on_mismatch=self._stopped,
-        )
-        self._phase = self._applying
+        self._phase = self._applying = self._apply_phase(plan)
         saving = None if outcome.prediction is None else outcome.prediction.saving_percent
         self.replans.append(
             {
@@ -168,6 +162,17 @@ class PlanFlow:
         self._progress.say(
             f"switched to the plan for {deadline_s:g} s at iteration {self.iteration}"
             + ("" if saving is None else f" (saves {saving:.2f} % replayed on the profile)")
+        )
+
+    def _apply_phase(self, plan: FrequencyPlan) -> ApplyPhase:
+        """This rank's stage of ``plan``, through the session's controller."""
+        assert self.controller is not None
+        return ApplyPhase(
+            plan,
+            self.stage,
+            self.controller,
+            prefetch=self.apply_config.prefetch,
+            on_mismatch=self._stopped,
         )
 
     def _profile_only_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
@@ -224,14 +229,7 @@ class PlanFlow:
             self._disable(f"the plan cannot be applied: {err}")
             return
         self.plan = plan
-        self._applying = ApplyPhase(
-            plan,
-            self.stage,
-            self.controller,
-            prefetch=self.apply_config.prefetch,
-            on_mismatch=self._stopped,
-        )
-        self._phase = self._applying
+        self._phase = self._applying = self._apply_phase(plan)
         if self.apply_config.check_rounds and self.sampler is not None:
             self._phase = ClosedLoop(
                 self._applying,

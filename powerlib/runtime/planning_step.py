@@ -52,8 +52,6 @@ __all__ = [
     "check_resolution",
     "make_plan",
     "merge_profiles",
-    "rows_from_payload",
-    "rows_to_payload",
     "write_profile",
 ]
 
@@ -203,21 +201,6 @@ class PlanningOutcome:
     def prediction(self) -> Prediction | None:
         """The planner's figures for the plan (from :attr:`summary`)."""
         return Prediction.from_summary(self.summary)
-
-
-def rows_to_payload(rows: list[ProfileRow]) -> list[list[Any]]:
-    """Compact, picklable rows for the gather."""
-    return [[r.stage, r.instruction, r.freq_mhz, r.time_s, r.energy_j] for r in rows]
-
-
-def rows_from_payload(data: list[list[Any]]) -> list[ProfileRow]:
-    """Inverse of :func:`rows_to_payload`."""
-    return [
-        ProfileRow(
-            stage=int(s), instruction=str(k), freq_mhz=float(f), time_s=float(t), energy_j=float(e)
-        )
-        for s, k, f, t, e in data
-    ]
 
 
 def auto_unit_time_s(profile: Profile) -> float:

@@ -11,7 +11,7 @@ so code reads fields, not string paths into nested dicts (issue 32, point 6):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,8 +183,3 @@ class Realized:
             f"{predicted}, slowdown {self.slowdown_percent:+.3f} +- "
             f"{self.slowdown_ci_percent:.3f} % over {self.rounds} paired rounds: {self.verdict}"
         )
-
-
-def rows_of(payloads: Sequence[ProfilePayload]) -> list[list[ProfileRow]]:
-    """Every payload's rows (for :func:`~powerlib.profiling.sweep.aggregate_stage_rows`)."""
-    return [list(p.rows) for p in payloads]

@@ -408,18 +408,8 @@ class Session(PlanFlow):
     def _open_session(self) -> None:
         run = self.run_config
         settings = run.settings or Settings.from_env()
-        coordinator = self._coordinator or default_coordinator()
-        self._coordinator = coordinator
-        self.rank = coordinator.rank
-        self.stage = run.resolve_stage(coordinator, self.spec.num_stages)
-        self._progress = Progress(self.rank == 0 if run.progress is None else run.progress)
-        backend = run.backend
-        if not isinstance(backend, Backend):
-            backend = open_backend(backend, settings)
-            self._own_backend = backend
-        self.device = device = (
-            run.device if isinstance(run.device, Device) else backend.device(run.selector(settings))
-        )
+        coordinator = self._join_job()
+        backend, device = self._open_device(settings)
         idle_power_w = device.read_state().power_w  # before any change
         self.control = control = ControlSession(backend, guardian=run.guardian).start()
         self.controller = FrequencyController(
@@ -453,26 +443,35 @@ class Session(PlanFlow):
         # a bad plan or profile fails here, before any change
         self._await(coordinator.exchange(payload, self._plan_fn), strict=True)
 
-    def _open_disabled(self) -> None:
-        """``enabled=False``: read the device if it can be read; change nothing, lock nothing."""
+    def _join_job(self) -> Coordinator:
+        """The job's coordinator, this rank, its stage and its progress channel."""
         run = self.run_config
-        settings = run.settings or Settings.from_env()
         coordinator = self._coordinator or default_coordinator()
         self._coordinator = coordinator
         self.rank = coordinator.rank
         self.stage = run.resolve_stage(coordinator, self.spec.num_stages)
         self._progress = Progress(self.rank == 0 if run.progress is None else run.progress)
+        return coordinator
+
+    def _open_device(self, settings: Settings) -> tuple[Backend, Device]:
+        """The backend (opened here unless given) and this rank's device."""
+        run = self.run_config
+        backend = run.backend
+        if not isinstance(backend, Backend):
+            backend = open_backend(backend, settings)
+            self._own_backend = backend
+        self.device = (
+            run.device if isinstance(run.device, Device) else backend.device(run.selector(settings))
+        )
+        return backend, self.device
+
+    def _open_disabled(self) -> None:
+        """``enabled=False``: read the device if it can be read; change nothing, lock nothing."""
+        settings = self.run_config.settings or Settings.from_env()
+        self._join_job()
         try:
-            backend = run.backend
-            if not isinstance(backend, Backend):
-                backend = open_backend(backend, settings)
-                self._own_backend = backend
-            self.device = (
-                run.device
-                if isinstance(run.device, Device)
-                else backend.device(run.selector(settings))
-            )
-            self.sampler = DeviceSampler(self.device, clock=self._clock)
+            _, device = self._open_device(settings)
+            self.sampler = DeviceSampler(device, clock=self._clock)
         except PowerlibError as err:
             logger.info("powerlib: disabled session measures time only: %s", err)
         self._measuring = MeasureOnly(self.sampler, self._clock)
