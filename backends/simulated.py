@@ -65,6 +65,7 @@ from powerlib.config import Settings
 from powerlib.device import (
     Backend,
     Capabilities,
+    ClockLockState,
     Device,
     DeviceInfo,
     DeviceKind,
@@ -508,6 +509,32 @@ class SimulatedDevice(Device):
                 power_limit_w=state.power_limit_w,
                 temperature_c=state.temperature_c,
                 locked_sm_freqs_mhz=state.locked_mhz,
+            )
+
+    def _read_sm_lock(self) -> ClockLockState:
+        """The lock setting and the running clock, at no read cost.
+
+        The real runtime reads the lock back on its controller thread, off the training thread's
+        path; the emulator drives the controller inline, so charging the read here would charge
+        the training thread for work it never does. An in-memory state is read as it stands,
+        without bringing it up to now: splitting the energy integral at the read would change
+        the emulation's float rounding, and so its figures, for a read that observes nothing.
+        """
+        if self._state_path is None and self._memory_state is not None:
+            state = self._memory_state
+            running = state.pending[-1][1] if state.pending else state.running_mhz
+            return ClockLockState(
+                locked=state.locked_mhz is not None,
+                range_mhz=state.locked_mhz,
+                running_mhz=self._freq_under(running, state.power_limit_w)
+                if not state.pending
+                else None,
+            )
+        with self._transaction(save=False) as state:
+            return ClockLockState(
+                locked=state.locked_mhz is not None,
+                range_mhz=state.locked_mhz,
+                running_mhz=self._freq_mhz(state),
             )
 
     def _lock_sm_clocks(self, min_mhz: float, max_mhz: float) -> None:

@@ -20,24 +20,29 @@ from __future__ import annotations
 
 import bisect
 import enum
+import logging
 import math
 import re
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import TracebackType
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from powerlib.config import Settings
 from powerlib.errors import (
+    DeviceError,
     DeviceNotFoundError,
     InvalidArgumentError,
     NotSupportedError,
+    TransientDeviceError,
 )
 
 __all__ = [
     "Backend",
     "Capabilities",
+    "ClockLockState",
     "Device",
     "DeviceInfo",
     "DeviceKind",
@@ -47,6 +52,18 @@ __all__ = [
     "normalize_pci",
     "snap_freq_range_mhz",
 ]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TRANSIENT_RETRY_DELAYS_S = (0.01, 0.05, 0.2)
+"""Back-off before each retry of a write the driver answered with a transient error (a bounded
+0.26 s in all): NVML's TIMEOUT/IN_USE clear within milliseconds when they clear at all."""
+
+LIMITING_REASONS = frozenset(
+    {"sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake"}
+)
+"""Clock-event reasons under which a GPU runs below its locked clock on purpose (power or heat)."""
 
 # Requests within this distance of the supported range's ends are accepted and snapped; vendor clock
 # lists are integers, so half a MHz absorbs float noise without accepting a real out-of-range value.
@@ -205,6 +222,48 @@ def _nearest(sorted_values: Sequence[float], value: float) -> float:
     return above if above - value < value - below else below
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClockLockState:
+    """What the driver reports about the compute-clock lock now (docs/real-gpu.md §1).
+
+    Attributes:
+        locked: True: a lock is in force; False: none is; ``None``: the driver cannot tell.
+            NVML has no getter for a locked range: its backend says True when the clock-event
+            reason "applications clocks setting" is set and ``None`` otherwise (that reason is
+            only reported while the setting holds the clock down).
+        range_mhz: The ``(min, max)`` in force when the driver reports it (sysfs, amdsmi, the
+            simulator), else ``None``.
+        running_mhz: The clock the device runs at now. Only meaningful under load: an idle GPU
+            parks its clock low whatever the lock says.
+        reasons: Why the clock is what it is (NVML's clock-event reasons: ``gpu_idle``,
+            ``sw_power_cap``, ...); empty when the driver does not say.
+    """
+
+    locked: bool | None
+    range_mhz: tuple[float, float] | None = None
+    running_mhz: float | None = None
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def idle(self) -> bool:
+        """The driver says the device is idle (its running clock says nothing about a lock)."""
+        return "gpu_idle" in self.reasons
+
+    @property
+    def limited(self) -> tuple[str, ...]:
+        """The reasons that hold the clock below its lock (power cap, thermal, brake)."""
+        return tuple(r for r in self.reasons if r in LIMITING_REASONS)
+
+    def to_json(self) -> dict[str, object]:
+        """JSON-ready fields."""
+        return {
+            "locked": self.locked,
+            "range_mhz": None if self.range_mhz is None else list(self.range_mhz),
+            "running_mhz": self.running_mhz,
+            "reasons": list(self.reasons),
+        }
+
+
 class Device(ABC):
     """One controllable device. Subclasses implement the ``_``-prefixed hooks.
 
@@ -215,6 +274,9 @@ class Device(ABC):
 
     def __init__(self, info: DeviceInfo) -> None:
         self._info = info
+        self.last_sm_readback: ClockLockState | None = None
+        """What the driver reported right after the last clock lock or reset (``None``: it
+        could not be read back)."""
 
     @property
     def info(self) -> DeviceInfo:
@@ -245,6 +307,21 @@ class Device(ABC):
     def details(self) -> Mapping[str, object]:
         """Backend-specific facts for ``powerlib status`` (JSON-serialisable). Empty by default."""
         return {}
+
+    def read_sm_lock(self) -> ClockLockState:
+        """What the driver reports about the compute-clock lock now (never this process's memory).
+
+        The default reads :meth:`read_state`: backends whose ``locked_sm_freqs_mhz`` is read from
+        the device (sysfs, amdsmi, the simulator) need nothing more; NVML overrides it.
+        """
+        return self._read_sm_lock()
+
+    def mig_enabled(self) -> bool | None:
+        """Whether the GPU is split into MIG instances (read from the driver); ``None``: unknown.
+
+        With MIG on, one clock serves every instance's tenant: sessions refuse to change it.
+        """
+        return None
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -304,15 +381,21 @@ class Device(ABC):
             PermissionDeniedError: The process lacks the needed privilege.
         """
         lo, hi = self.validate_sm_clocks(min_mhz, max_mhz)
-        self._lock_sm_clocks(lo, hi)
+        self._retrying("lock_sm_clocks", lambda: self._lock_sm_clocks(lo, hi))
+        self.last_sm_readback = self._verify_sm_lock((lo, hi))
         return lo, hi
 
     def reset_sm_clocks(self) -> None:
-        """Remove any clock lock (the device's default clock policy applies again). Idempotent."""
+        """Remove any clock lock (the device's default clock policy applies again). Idempotent.
+
+        Raises:
+            DeviceError: The driver still reports a lock afterwards.
+        """
         self._require(
             self._info.capabilities.can_lock_sm_clocks, "reset_sm_clocks", "clock locking"
         )
-        self._reset_sm_clocks()
+        self._retrying("reset_sm_clocks", self._reset_sm_clocks)
+        self.last_sm_readback = self._verify_sm_lock(None)
 
     def set_power_limit(self, power_limit_w: float) -> float:
         """Set the power limit.
@@ -325,7 +408,8 @@ class Device(ABC):
             InvalidArgumentError: Outside ``power_limit_range_w`` or not finite; nothing is changed.
             PermissionDeniedError: The process lacks the needed privilege.
         """
-        return self._set_power_limit(self.validate_power_limit(power_limit_w))
+        limit_w = self.validate_power_limit(power_limit_w)
+        return float(self._retrying("set_power_limit", lambda: self._set_power_limit(limit_w)))
 
     def reset_power_limit(self) -> None:
         """Restore the default power limit. Idempotent."""
@@ -334,7 +418,7 @@ class Device(ABC):
             "reset_power_limit",
             "a known default power limit",
         )
-        self._reset_power_limit()
+        self._retrying("reset_power_limit", self._reset_power_limit)
 
     def lock_memory_clocks(
         self, min_mhz: float, max_mhz: float | None = None
@@ -364,7 +448,7 @@ class Device(ABC):
             raise InvalidArgumentError(
                 err.message, device=self.device_id, operation="lock_memory_clocks"
             ) from None
-        self._lock_memory_clocks(lo, hi)
+        self._retrying("lock_memory_clocks", lambda: self._lock_memory_clocks(lo, hi))
         return lo, hi
 
     def reset_memory_clocks(self) -> None:
@@ -374,7 +458,7 @@ class Device(ABC):
             "reset_memory_clocks",
             "memory clock locking",
         )
-        self._reset_memory_clocks()
+        self._retrying("reset_memory_clocks", self._reset_memory_clocks)
 
     def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
         """Release backend resources. Does not change device settings."""
@@ -396,8 +480,76 @@ class Device(ABC):
     @abstractmethod
     def _reset_power_limit(self) -> None: ...
 
+    def _read_sm_lock(self) -> ClockLockState:
+        st = self.read_state()
+        locked = st.locked_sm_freqs_mhz
+        return ClockLockState(
+            locked=locked is not None, range_mhz=locked, running_mhz=st.sm_freq_mhz
+        )
+
     def _lock_memory_clocks(self, min_mhz: float, max_mhz: float) -> None:
         raise NotImplementedError  # only called when can_lock_memory_clocks is advertised
+
+    def _retrying(self, operation: str, write: Callable[[], T]) -> T:
+        """Run one driver write, retrying a transient error a bounded number of times."""
+        for delay_s in (*TRANSIENT_RETRY_DELAYS_S, None):
+            try:
+                return write()
+            except TransientDeviceError as err:
+                if delay_s is None:
+                    raise
+                logger.info("%s: %s: %s; retrying in %g s", self.device_id, operation, err, delay_s)
+                time.sleep(delay_s)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _verify_sm_lock(self, wanted: tuple[float, float] | None) -> ClockLockState | None:
+        """Read the lock back from the driver after a write (``wanted`` ``None``: a reset).
+
+        Only what the driver states for certain is an error: a reported range that is not the
+        one asked for, no lock after a lock, a lock after a reset. A running clock that has not
+        landed yet is not checked here (it lands within the switch latency; the runtime and
+        ``powerlib check --load`` measure that).
+
+        Raises:
+            DeviceError: The driver contradicts the write.
+        """
+        try:
+            state = self._retrying("read_sm_lock", self._read_sm_lock)
+        except (NotSupportedError, TransientDeviceError) as err:
+            logger.debug("%s: the lock could not be read back: %s", self.device_id, err)
+            return None
+        op = "lock_sm_clocks" if wanted is not None else "reset_sm_clocks"
+        if wanted is None:
+            if state.locked:
+                shown = (
+                    "" if state.range_mhz is None else " ({:g}-{:g} MHz)".format(*state.range_mhz)
+                )
+                raise DeviceError(
+                    f"the clock lock is still in force after a reset{shown}: the driver ignored "
+                    "the reset",
+                    device=self.device_id,
+                    operation=op,
+                )
+            return state
+        if state.locked is False:
+            raise DeviceError(
+                f"the lock to {wanted[0]:g}-{wanted[1]:g} MHz did not take effect: the driver "
+                "reports no lock",
+                device=self.device_id,
+                operation=op,
+            )
+        got = state.range_mhz
+        if got is not None and (
+            abs(got[0] - wanted[0]) > _FREQ_TOLERANCE_MHZ
+            or abs(got[1] - wanted[1]) > _FREQ_TOLERANCE_MHZ
+        ):
+            raise DeviceError(
+                f"the driver applied {got[0]:g}-{got[1]:g} MHz, not the {wanted[0]:g}-{wanted[1]:g} "
+                "MHz asked for",
+                device=self.device_id,
+                operation=op,
+            )
+        return state
 
     def _reset_memory_clocks(self) -> None:
         raise NotImplementedError
@@ -492,6 +644,15 @@ class Backend(ABC):
             f"no device with id {selector!r}; known ids: "
             + (", ".join(d.device_id for d in devices) or "none")
         )
+
+    def control_refusal(self) -> str | None:
+        """Why this process may not change these devices (``None``: as far as can be told, it may).
+
+        One line naming what is missing and the ways out (docs/real-gpu.md §5). The default
+        says nothing: the first write then tells. Root-only vendor backends check root and
+        ``CAP_SYS_ADMIN`` (:func:`powerlib.privilege.admin_refusal`).
+        """
+        return None
 
     def close(self) -> None:
         """Release every device and library handle. Device settings are left as they are."""

@@ -25,6 +25,7 @@ __all__ = [
     "PermissionDeniedError",
     "PlanError",
     "PowerlibError",
+    "TransientDeviceError",
     "UntrustedStateError",
 ]
 
@@ -149,6 +150,17 @@ class DeviceError(PowerlibError):
     """Any other failure reported by a driver or vendor library (the vendor code is kept)."""
 
     exit_code = 10
+
+
+class TransientDeviceError(DeviceError):
+    """The driver did not answer in time or was briefly busy: worth a bounded retry.
+
+    NVML ``TIMEOUT``/``IN_USE``, amdsmi ``TIMEOUT``/``RETRY``/``BUSY``.
+
+    It is not :class:`DeviceBusyError`, which means another *controller* owns the device: a
+    transient error says nothing about ownership, so a session that still gets it after the
+    retries resets the device to its baseline (docs/real-gpu.md §2).
+    """
 
 
 class UntrustedStateError(PowerlibError):

@@ -36,6 +36,7 @@ from powerlib.config import Settings
 from powerlib.device import (
     Backend,
     Capabilities,
+    ClockLockState,
     Device,
     DeviceInfo,
     DeviceKind,
@@ -359,6 +360,15 @@ class EmulatedDevice(Device):
             temperature_c=temperature,
             locked_sm_freqs_mhz=None if self._locked is None else (self._locked, self._locked),
         )
+
+    def _read_sm_lock(self) -> ClockLockState:
+        """The lock setting, at no cost.
+
+        The real runtime reads the lock back on its controller thread, which the emulator does
+        not charge (reads on the training thread cost ``read_cost_s``).
+        """
+        locked = None if self._locked is None else (self._locked, self._locked)
+        return ClockLockState(locked=locked is not None, range_mhz=locked)
 
     def _schedule(self, freq: float | None) -> None:
         latency = self.switch_latency_s
