@@ -3,6 +3,8 @@
 Every amdsmi call goes through :func:`call`: it holds one process-wide lock (``libamd_smi`` is not
 thread-safe before ROCm 7.2), retries ``AMDSMI_STATUS_RETRY`` once, and is the one place where
 amdsmi exceptions become powerlib errors (the status code is kept as ``vendor_code``).
+``TIMEOUT``, ``RETRY`` (after its retry) and ``BUSY`` become ``TransientDeviceError``, which the
+device layer retries a bounded number of times for writes (docs/real-gpu.md §2).
 ``AMDSMI_STATUS_NOT_FOUND`` means ``DeviceNotFoundError`` while enumerating and ``DeviceLostError``
 on a GPU that was already open.
 ``amdsmi_init`` / ``amdsmi_shut_down`` are reference-counted per module, so a probe or a second
@@ -28,7 +30,6 @@ from typing import Any
 
 from powerlib.errors import (
     BackendUnavailableError,
-    DeviceBusyError,
     DeviceError,
     DeviceLostError,
     DeviceNotFoundError,
@@ -36,6 +37,7 @@ from powerlib.errors import (
     NotSupportedError,
     PermissionDeniedError,
     PowerlibError,
+    TransientDeviceError,
 )
 
 __all__ = [
@@ -89,12 +91,15 @@ STATUS: dict[int, tuple[type[PowerlibError], str]] = {
         "libamd_smi.so lacks a symbol: the amdsmi wrapper and the ROCm library differ; install "
         "the wrapper shipped with your ROCm (/opt/rocm/share/amd_smi)",
     ),
-    8: (DeviceBusyError, "the call timed out; the GPU or driver is busy"),
-    9: (DeviceBusyError, "the library asked to retry, and the retry failed too"),
+    8: (TransientDeviceError, "the call timed out: the GPU or driver is busy (transient)"),
+    9: (
+        TransientDeviceError,
+        "the library asked to retry, and the retry failed too (transient)",
+    ),
     10: (PermissionDeniedError, _PERMISSION_HINT),
     17: (InvalidArgumentError, "a value is out of bounds"),
     18: (BackendUnavailableError, f"amdsmi failed to initialise; {_UNAVAILABLE_HINT}"),
-    30: (DeviceBusyError, "the GPU is busy"),
+    30: (TransientDeviceError, "the GPU is busy (transient)"),
     31: (
         DeviceNotFoundError,
         "the GPU was not found (removed, reset, or hidden from this process)",

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 from powerlib.agent import protocol
 from powerlib.agent.client import AgentConnection
 from powerlib.config import Settings
-from powerlib.device import Backend, Device, PowerState, ProbeResult
+from powerlib.device import Backend, ClockLockState, Device, PowerState, ProbeResult
 from powerlib.errors import BackendUnavailableError, DeviceLostError
 from powerlib.ownership import show_path
 
@@ -92,6 +92,16 @@ class AgentDevice(Device):
         # with the agent gone the last state read stands (its energy counter stops, which a
         # profile notices and a measurement marks): training goes on
         return self._last
+
+    def _read_sm_lock(self) -> ClockLockState:
+        """Nothing to add here: the agent reads every write back on its own device.
+
+        The agent's ``Device.lock_sm_clocks`` verifies the lock against the driver
+        (docs/real-gpu.md §1) and answers with the error if the driver contradicts it; a second
+        read through the socket would only add a round trip, or, with the agent gone, read the
+        last state again.
+        """
+        return ClockLockState(locked=None)
 
     def _change(self, op: str, **args: Any) -> Any:
         return self._ask(op, **args)[1]

@@ -27,8 +27,13 @@ Clocks:
   holds a steady GFX clock at or below the value, under the power cap.
 * The only reset is ``amdsmi_set_gpu_perf_level(AUTO)``; it resets every clock domain at once, so
   memory clocks are never offered for locking.
-* amdsmi cannot read a lock back reliably: ``PowerState.locked_sm_freqs_mhz`` is the lock this
-  process applied. A perf level other than AUTO set by someone else shows in ``details()``.
+* amdsmi cannot read a locked range back reliably: ``PowerState.locked_sm_freqs_mhz`` is the lock
+  this process applied. :meth:`AmdDevice.read_sm_lock` asks the driver whether a lock is in force
+  (docs/real-gpu.md §1): perf level AUTO means none, MANUAL, DETERMINISM or another forced level
+  means one (whoever set it); an UNKNOWN level falls back to ``clk_locked`` of
+  ``amdsmi_get_clock_info``. A perf level other than AUTO set by someone else shows in
+  ``details()``.
+* MIG has no AMD counterpart that powerlib reads: ``mig_enabled()`` is ``None``.
 
 Privileges: every setter needs root; in a container also access to ``/dev/kfd`` and ``/dev/dri``
 and a writable ``/sys``. Clock and power-cap control work on bare metal (and single-VF SR-IOV
@@ -42,6 +47,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -52,6 +58,7 @@ from powerlib.config import Settings
 from powerlib.device import (
     Backend,
     Capabilities,
+    ClockLockState,
     Device,
     DeviceInfo,
     DeviceKind,
@@ -65,6 +72,7 @@ from powerlib.errors import (
     PermissionDeniedError,
     PowerlibError,
 )
+from powerlib.privilege import admin_refusal
 from powerlib.units import from_uj, from_uw, to_uw
 
 __all__ = ["AmdBackend", "AmdDevice", "import_amdsmi"]
@@ -74,6 +82,7 @@ logger = logging.getLogger(__name__)
 _READBACK_TOLERANCE_W = 1.0
 _MIN_PLAUSIBLE_CAP_UW = 1_000_000  # a maximum cap under 1 W means the unit is not µW
 _MILLIDEGREE_THRESHOLD = 1000.0  # no GPU reports 1000 °C: larger values are m°C
+_PROC_STATUS_PATH = Path("/proc/self/status")  # where control_refusal reads CapEff (tests move it)
 
 
 # -- devices -----------------------------------------------------------------------------------
@@ -325,6 +334,30 @@ class AmdDevice(Device):
             locked_sm_freqs_mhz=self._locked_mhz,
         )
 
+    def _read_sm_lock(self) -> ClockLockState:
+        """Whether the driver holds the GFX clock, and the clock now (docs/real-gpu.md §1).
+
+        Reads: amdsmi_get_gpu_perf_level, amdsmi_get_clock_info GFX (``clk``, ``clk_locked``;
+        MHz). amdsmi reports no locked range, so ``range_mhz`` is ``None``.
+        """
+        op = "read_sm_lock"
+        level = None
+        with contextlib.suppress(NotSupportedError):
+            level = api.perf_level_name(
+                self._call("amdsmi_get_gpu_perf_level", self._handle, operation=op)
+            )
+        clock: Mapping[str, Any] = {}
+        if self._has_clock_info:
+            clock = self._call("amdsmi_get_clock_info", self._handle, self._gfx, operation=op) or {}
+        locked: bool | None
+        if level == "auto":
+            locked = False
+        elif level not in (None, "unknown"):
+            locked = True  # MANUAL (a clock range), DETERMINISM, or a level forced by someone else
+        else:
+            locked = True if clock.get("clk_locked") is True else None  # "N/A" or False: unknown
+        return ClockLockState(locked=locked, running_mhz=api.number(clock.get("clk")))
+
     def details(self) -> Mapping[str, object]:
         """Index spaces, identity, perf level, clock lock, DPM levels, power caps, sources.
 
@@ -545,6 +578,13 @@ class AmdBackend(Backend):
     def devices(self) -> Sequence[AmdDevice]:
         """The visible GPUs, in HIP order."""
         return self._devices
+
+    def control_refusal(self) -> str | None:
+        """Why this process may not change AMD GPUs: not root, or no ``CAP_SYS_ADMIN``.
+
+        amdsmi setters are refused otherwise (docs/real-gpu.md §5).
+        """
+        return admin_refusal("AMD GPU clocks and power caps", _PROC_STATUS_PATH)
 
     def close(self) -> None:
         """Shut amdsmi down (once; device settings are left as they are)."""

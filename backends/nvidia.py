@@ -19,16 +19,26 @@ Privileges: every setter needs root, and in a container also ``CAP_SYS_ADMIN``. 
 power limits vanish when the driver unloads; without persistence mode that happens whenever no
 process holds the GPU, so powerlib warns when it changes a GPU whose persistence mode is off.
 NVML cannot read back a locked clock range: ``PowerState.locked_sm_freqs_mhz`` reports what this
-process set, and the clock-event reasons in ``details()`` reveal a lock set by someone else.
+process set. :meth:`NvidiaDevice.read_sm_lock` asks the driver instead (docs/real-gpu.md §1): the
+clock-event reason "applications clocks setting" (also set by locked clocks, whoever set them)
+means a lock is in force; its absence proves nothing, so NVML never reports "not locked". The
+same reasons tell why a loaded GPU runs below its lock (``sw_power_cap``: at the top clocks the
+power cap makes several locks run at one clock).
+
+Transient codes (``TIMEOUT``, ``IN_USE``, ``NOT_READY``) become ``TransientDeviceError``, which
+the device layer retries a bounded number of times (docs/real-gpu.md §2); they say nothing about
+another controller owning the GPU.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -37,6 +47,7 @@ from powerlib.config import Settings
 from powerlib.device import (
     Backend,
     Capabilities,
+    ClockLockState,
     Device,
     DeviceInfo,
     DeviceKind,
@@ -45,7 +56,6 @@ from powerlib.device import (
 )
 from powerlib.errors import (
     BackendUnavailableError,
-    DeviceBusyError,
     DeviceError,
     DeviceLostError,
     DeviceNotFoundError,
@@ -53,7 +63,9 @@ from powerlib.errors import (
     NotSupportedError,
     PermissionDeniedError,
     PowerlibError,
+    TransientDeviceError,
 )
+from powerlib.privilege import admin_refusal
 from powerlib.units import from_mj, from_mw, to_mw
 
 __all__ = ["NvidiaBackend", "NvidiaDevice", "import_pynvml"]
@@ -73,7 +85,7 @@ _NVML_ERRORS: Mapping[int, tuple[type[PowerlibError], str]] = {
     ),
     6: (DeviceNotFoundError, "NVML found no such object"),
     9: (BackendUnavailableError, "the NVIDIA kernel driver is not loaded"),
-    10: (DeviceBusyError, "the GPU did not answer in time"),
+    10: (TransientDeviceError, "the GPU did not answer in time"),
     12: (BackendUnavailableError, "libnvidia-ml.so.1 not found: install the NVIDIA driver"),
     13: (NotSupportedError, "the driver is too old for this NVML call"),
     15: (DeviceLostError, "the GPU fell off the bus or stopped answering"),
@@ -82,13 +94,15 @@ _NVML_ERRORS: Mapping[int, tuple[type[PowerlibError], str]] = {
         BackendUnavailableError,
         "NVML and kernel driver versions differ (driver upgraded without a reboot?)",
     ),
-    19: (DeviceBusyError, "the GPU is in use by an operation that excludes this one"),
+    19: (TransientDeviceError, "the GPU is busy with an operation that excludes this one"),
     24: (InvalidArgumentError, "the GPU does not support this frequency"),
     26: (NotSupportedError, "the NVML call is deprecated"),
+    27: (TransientDeviceError, "the GPU or driver is not ready for this request yet"),
     28: (DeviceNotFoundError, "the GPU was not found"),
 }
 
 # nvmlDeviceGetCurrentClocksEventReasons bits (nvml.h).
+_REASON_LOCKED = 0x2  # "applications clocks setting": also set while locked clocks hold the clock
 _EVENT_REASONS = (
     (0x1, "gpu_idle"),
     (0x2, "clocks_locked_or_app_clocks"),
@@ -115,6 +129,7 @@ _ARCH_NAMES = {
     10: "blackwell",
 }
 _READBACK_TOLERANCE_W = 1.0
+_PROC_STATUS_PATH = Path("/proc/self/status")  # where control_refusal reads CapEff (tests move it)
 
 
 def import_pynvml() -> ModuleType:
@@ -156,6 +171,18 @@ def _call(
         raise cls(
             f"{name}: {err}: {hint}", device=device, operation=operation, vendor_code=code
         ) from err
+
+
+def _reason_names(mask: int) -> tuple[str, ...]:
+    """The names of the clock-event reason bits set in ``mask``."""
+    return tuple(name for bit, name in _EVENT_REASONS if mask & bit)
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _text(value: bytes | str) -> str:
@@ -359,8 +386,37 @@ class NvidiaDevice(Device):
                 self._integrated = (now_s, power_w, e0 + (p0 + power_w) / 2 * max(now_s - t0, 0.0))
             return self._integrated[2]
 
+    def _read_sm_lock(self) -> ClockLockState:
+        """What the driver says about the clock lock (docs/real-gpu.md §1).
+
+        Reads: nvmlDeviceGetCurrentClocksEventReasons, nvmlDeviceGetClockInfo(SM) (MHz). NVML
+        has no getter for a locked range, so ``range_mhz`` is ``None`` and ``locked`` is True
+        when the "applications clocks setting" reason is set, else ``None`` (a lock that does
+        not hold the clock down right now, or no lock: NVML cannot tell which).
+        """
+        nvml, op = self._nvml, "read_sm_lock"
+        mask = self._optional(nvml.nvmlDeviceGetCurrentClocksEventReasons, self._handle)
+        running_mhz = self._call(
+            nvml.nvmlDeviceGetClockInfo, self._handle, nvml.NVML_CLOCK_SM, operation=op
+        )
+        return ClockLockState(
+            locked=True if mask is not None and mask & _REASON_LOCKED else None,
+            running_mhz=float(running_mhz),
+            reasons=() if mask is None else _reason_names(mask),
+        )
+
+    def mig_enabled(self) -> bool | None:
+        """Reads: nvmlDeviceGetMigMode -> whether the current (not pending) MIG mode is on.
+
+        ``None`` where the GPU or driver has no MIG (before Ampere, most non-A100/H100 boards).
+        """
+        mode = self._optional(self._nvml.nvmlDeviceGetMigMode, self._handle)
+        if mode is None:
+            return None
+        return int(mode[0]) == getattr(self._nvml, "NVML_DEVICE_MIG_ENABLE", 1)
+
     def details(self) -> dict[str, object]:
-        """Architecture, PCI bus id, memory clocks, enforced limit, persistence, event reasons."""
+        """Architecture, PCI bus id, memory clocks, enforced limit, persistence, event reasons, MIG."""
         nvml, handle = self._nvml, self._handle
         pci = self._optional(nvml.nvmlDeviceGetPciInfo, handle)
         enforced_mw = self._optional(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
@@ -379,9 +435,8 @@ class NvidiaDevice(Device):
                 "instant": "instantaneous (field 186)",
                 "usage": "nvmlDeviceGetPowerUsage",
             }.get(self._power_source or "", None),
-            "clock_event_reasons": None
-            if reasons is None
-            else [name for bit, name in _EVENT_REASONS if reasons & bit],
+            "clock_event_reasons": None if reasons is None else list(_reason_names(reasons)),
+            "mig_enabled": self.mig_enabled(),
         }
 
     # -- writes ----------------------------------------------------------------------------------
@@ -515,9 +570,32 @@ class NvidiaBackend(Backend):
             num_devices=count,
         )
 
+    def versions(self) -> dict[str, str | None]:
+        """The driver and NVML versions, and the nvidia-ml-py package's."""
+        out: dict[str, str | None] = {}
+        for key, fn_name in (
+            ("driver", "nvmlSystemGetDriverVersion"),
+            ("nvml", "nvmlSystemGetNVMLVersion"),
+        ):
+            fn = getattr(self._nvml, fn_name, None)
+            try:
+                out[key] = None if fn is None else _text(_call(self._nvml, fn))
+            except PowerlibError as err:
+                logger.debug("%s: %s", fn_name, err)
+                out[key] = None
+        out["nvidia-ml-py"] = _package_version("nvidia-ml-py")
+        return out
+
     def devices(self) -> Sequence[NvidiaDevice]:
         """The visible GPUs, in CUDA order."""
         return self._devices
+
+    def control_refusal(self) -> str | None:
+        """Why this process may not change NVIDIA GPUs: not root, or no ``CAP_SYS_ADMIN``.
+
+        NVML refuses every setter otherwise (docs/real-gpu.md §5).
+        """
+        return admin_refusal("NVIDIA GPU clocks and power limits", _PROC_STATUS_PATH)
 
     def close(self) -> None:
         """Shut NVML down (device settings are left as they are)."""

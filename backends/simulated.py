@@ -744,6 +744,30 @@ class SimulatedBackend(Backend):
         """The simulated GPUs."""
         return self._devices
 
+    def versions(self) -> dict[str, str | None]:
+        """The simulated GPU model."""
+        return {"model": f"{self.model.key} ({self.model.name})"}
+
+    @property
+    def virtual_time(self) -> bool:
+        """Time moves only when told to (a :class:`VirtualClock`)."""
+        return isinstance(self.clock, VirtualClock)
+
+    @contextlib.contextmanager
+    def _busy(self, device: SimulatedDevice) -> Iterator[str]:
+        # Half the SMs busy: the top clock fits under every model's default power limit.
+        device.begin_work(WorkUnit(time_at_max_s=3600.0, compute_fraction=1.0, sm_activity=0.5))
+        try:
+            yield "simulated work"
+        finally:
+            device.end_work()
+
+    def steady_load(self, device: Device) -> contextlib.AbstractContextManager[str] | None:
+        """Simulated work on one of this backend's GPUs while the context is open."""
+        if not isinstance(device, SimulatedDevice) or device not in self._devices:
+            return None
+        return self._busy(device)
+
 
 def _prepare_state_dir(path: Path) -> Path:
     """Create ``path`` (mode 0700) if needed and check that it is a writable real directory."""

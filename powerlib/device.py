@@ -19,6 +19,7 @@ A :class:`Backend` opens the devices of one kind of hardware; :mod:`powerlib.reg
 from __future__ import annotations
 
 import bisect
+import contextlib
 import enum
 import logging
 import math
@@ -644,6 +645,27 @@ class Backend(ABC):
             f"no device with id {selector!r}; known ids: "
             + (", ".join(d.device_id for d in devices) or "none")
         )
+
+    def versions(self) -> dict[str, str | None]:
+        """What the backend can say about its driver and library (``powerlib check``).
+
+        Keys are names (``driver``, ``nvml``, ``model``...), values version strings or ``None``
+        where unreadable. Never raises. Empty by default.
+        """
+        return {}
+
+    def steady_load(self, device: Device) -> contextlib.AbstractContextManager[str] | None:
+        """A context that keeps ``device`` busy while it is open (yields what runs), or ``None``.
+
+        Backends that can run work themselves (the simulator) offer it; real GPUs need a
+        framework's kernels (``powerlib check --load`` runs a torch matmul there).
+        """
+        return None
+
+    @property
+    def virtual_time(self) -> bool:
+        """Whether the backend's time only moves when told to (nothing can be timed on it)."""
+        return False
 
     def control_refusal(self) -> str | None:
         """Why this process may not change these devices (``None``: as far as can be told, it may).

@@ -27,6 +27,8 @@ Behaviour a test can rely on:
   moves the perf level to MANUAL and keeps the current GFX clock inside the range;
   ``amdsmi_set_gpu_perf_determinism_mode`` moves it to DETERMINISM with the value as soft max;
   ``amdsmi_set_gpu_perf_level(AUTO)`` drops both. The current clock is the soft maximum (a busy GPU).
+  A GPU with ``ignores_clock_writes`` answers those three setters with success and changes nothing
+  (a driver that drops the write).
 - Power is ``min(load_power_w, power cap)``; :meth:`FakeAmdsmi.advance` adds that power times the
   time to each energy accumulator.
 - :meth:`FakeAmdsmi.fail` injects a status code into a function or a glob of them (optionally one
@@ -123,6 +125,7 @@ class FakeGpu:
     supports_clk_range: bool = True
     supports_determinism: bool = True
     perf_level: AmdSmiDevPerfLevel = AmdSmiDevPerfLevel.AUTO
+    ignores_clock_writes: bool = False  # clock setters report success and change nothing
     soft_min_mhz: int | None = None  # None: no soft limit (the hardware range applies)
     soft_max_mhz: int | None = None
     energy_remainder_ticks: float = field(default=0.0, repr=False)
@@ -420,6 +423,8 @@ class FakeAmdsmi(types.ModuleType):
             self._require_root()
             if not gpu.gfx_min_mhz <= min_clk_value <= max_clk_value <= gpu.gfx_max_mhz:
                 raise AmdSmiLibraryException(INVAL)
+            if gpu.ignores_clock_writes:
+                return
             gpu.soft_min_mhz, gpu.soft_max_mhz = min_clk_value, max_clk_value
             gpu.perf_level = AmdSmiDevPerfLevel.MANUAL
 
@@ -433,6 +438,8 @@ class FakeAmdsmi(types.ModuleType):
             self._require_root()
             if not gpu.gfx_min_mhz <= clkvalue <= gpu.gfx_max_mhz:
                 raise AmdSmiLibraryException(INVAL)
+            if gpu.ignores_clock_writes:
+                return
             gpu.soft_min_mhz, gpu.soft_max_mhz = None, clkvalue
             gpu.perf_level = AmdSmiDevPerfLevel.DETERMINISM
 
@@ -442,6 +449,8 @@ class FakeAmdsmi(types.ModuleType):
         with self._enter("amdsmi_set_gpu_perf_level", processor_handle) as i:
             self._require_root()
             gpu = self.gpus[i]
+            if gpu.ignores_clock_writes:
+                return
             gpu.perf_level = perf_level
             if perf_level == AmdSmiDevPerfLevel.AUTO:
                 gpu.soft_min_mhz = gpu.soft_max_mhz = None

@@ -13,6 +13,15 @@ Usage::
     fake.fail("nvmlDeviceSetGpuLockedClocks", fake.NVML_ERROR_NO_PERMISSION)
     fake.advance(1.0)                                # one second at each GPU's modelled power
 
+Per-GPU state a test may set on ``fake.gpus[i]``: ``busy`` (under load: the SM clock runs at the
+lock's maximum or the top clock, else at the lock's minimum or the bottom one), ``ignores_lock``
+(clock-lock setters answer success and change nothing), ``ignores_power_limit`` (likewise for the
+power limit), ``mig_mode`` / ``mig_mode_pending`` (what ``nvmlDeviceGetMigMode`` reports; GPUs
+before Ampere answer NOT_SUPPORTED). A busy GPU whose modelled power at its target clock exceeds
+the power limit runs at the highest supported clock that fits under it, with the ``sw_power_cap``
+clock-event reason (0x4) set, so that several locks near the top run at one clock, as on a real
+GPU at its power cap.
+
 Modelled GPUs are approximations built from public figures (see docs/peers.md §4.1), not
 recordings of real devices.
 """
@@ -101,16 +110,38 @@ class _Gpu:
     energy_mj: float = 0.0
     busy: bool = False
     ignores_power_limit: bool = False  # models a setter that reports success but does nothing
+    ignores_lock: bool = False  # likewise for nvmlDevice{Set,Reset}GpuLockedClocks
     minor: int = 0  # /dev/nvidia<minor>; tests may make it differ from the PCI order
+    mig_mode: int = 0  # NVML_DEVICE_MIG_DISABLE / _ENABLE (Ampere and newer only)
+    mig_mode_pending: int | None = None  # None: the same as mig_mode (no change pending)
 
-    def sm_clock_mhz(self) -> int:
+    def _busy_power_mw(self, clock_mhz: int) -> float:
+        return self.spec.idle_power_mw + self.spec.busy_power_per_mhz_mw * clock_mhz
+
+    def _target_mhz(self) -> int:
         if self.locked_mhz is not None:
             return self.locked_mhz[1] if self.busy else self.locked_mhz[0]
         return max(self.spec.gfx_clocks_mhz) if self.busy else min(self.spec.gfx_clocks_mhz)
 
+    def is_power_capped(self) -> bool:
+        """Busy, and the target clock would draw more than the power limit."""
+        return self.busy and self._busy_power_mw(self._target_mhz()) > self.power_limit_mw
+
+    def sm_clock_mhz(self) -> int:
+        target = self._target_mhz()
+        if not self.is_power_capped():
+            return target
+        fitting = [
+            c
+            for c in self.spec.gfx_clocks_mhz
+            if c <= target and self._busy_power_mw(c) <= self.power_limit_mw
+        ]
+        return max(fitting) if fitting else min(self.spec.gfx_clocks_mhz)
+
     def power_mw(self) -> float:
-        extra = self.spec.busy_power_per_mhz_mw * self.sm_clock_mhz() if self.busy else 0.0
-        return min(self.spec.idle_power_mw + extra, float(self.power_limit_mw))
+        if not self.busy:
+            return float(min(self.spec.idle_power_mw, self.power_limit_mw))
+        return min(self._busy_power_mw(self.sm_clock_mhz()), float(self.power_limit_mw))
 
 
 @dataclass
@@ -158,6 +189,8 @@ class FakeNvml(types.ModuleType):
         self.calls: list[str] = []
         self._faults: list[_Fault] = []
         self.init_error: int | None = None
+        self.driver_version = "550.54.15"  # what nvmlSystemGetDriverVersion reports
+        self.nvml_version = "12.550.54.15"  # what nvmlSystemGetNVMLVersion reports
 
     # -- test controls ---------------------------------------------------------------------------
 
@@ -212,6 +245,14 @@ class FakeNvml(types.ModuleType):
         self._enter("nvmlDeviceGetCount")
         return len(self.gpus)
 
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._enter("nvmlSystemGetDriverVersion")
+        return self.driver_version
+
+    def nvmlSystemGetNVMLVersion(self) -> str:
+        self._enter("nvmlSystemGetNVMLVersion")
+        return self.nvml_version
+
     def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
         self._enter("nvmlDeviceGetHandleByIndex")
         if not 0 <= index < len(self.gpus):
@@ -258,10 +299,13 @@ class FakeNvml(types.ModuleType):
             raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
         if minGpuClockMHz > maxGpuClockMHz:
             raise self.NVMLError(self.NVML_ERROR_INVALID_ARGUMENT)
-        gpu.locked_mhz = (minGpuClockMHz, maxGpuClockMHz)
+        if not gpu.ignores_lock:
+            gpu.locked_mhz = (minGpuClockMHz, maxGpuClockMHz)
 
     def nvmlDeviceResetGpuLockedClocks(self, handle: _Handle) -> None:
-        self._gpu("nvmlDeviceResetGpuLockedClocks", handle).locked_mhz = None
+        gpu = self._gpu("nvmlDeviceResetGpuLockedClocks", handle)
+        if not gpu.ignores_lock:
+            gpu.locked_mhz = None
 
     def nvmlDeviceSetMemoryLockedClocks(
         self, handle: _Handle, minMemClockMHz: int, maxMemClockMHz: int
@@ -285,7 +329,18 @@ class FakeNvml(types.ModuleType):
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: _Handle) -> int:
         gpu = self._gpu("nvmlDeviceGetCurrentClocksEventReasons", handle)
-        return (0x2 if gpu.locked_mhz else 0) | (0 if gpu.busy else 0x1)
+        return (
+            (0x2 if gpu.locked_mhz else 0)
+            | (0 if gpu.busy else 0x1)
+            | (0x4 if gpu.is_power_capped() else 0)
+        )
+
+    def nvmlDeviceGetMigMode(self, device: _Handle) -> list[int]:
+        gpu = self._gpu("nvmlDeviceGetMigMode", device)
+        if gpu.spec.architecture < 7:  # MIG arrived with Ampere
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        pending = gpu.mig_mode if gpu.mig_mode_pending is None else gpu.mig_mode_pending
+        return [gpu.mig_mode, pending]
 
     # -- power and energy ------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import powerlib.device
 from powerlib import (
     BackendUnavailableError,
     ConfigError,
@@ -34,6 +35,8 @@ from powerlib import (
 from powerlib.backends import _amd_api as amd_api
 from powerlib.backends.amd import AmdBackend, import_amdsmi
 from powerlib.cli import cli
+from powerlib.device import ClockLockState
+from powerlib.errors import TransientDeviceError
 from powerlib.testing.fake_amdsmi import FakeAmdsmi, FakeGpu, make_fake_amdsmi
 
 HERE = Path(__file__).resolve().parent
@@ -65,6 +68,12 @@ def _gpus(n: int, **overrides: object) -> list[FakeGpu]:
         fields.update({key: values[i] for key, values in overrides.items()})  # type: ignore[index]
         gpus.append(FakeGpu(**fields))  # type: ignore[arg-type]
     return gpus
+
+
+@pytest.fixture(autouse=True)
+def _no_retry_delays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transient errors are retried by the device layer; no test needs the real back-off."""
+    monkeypatch.setattr(powerlib.device, "TRANSIENT_RETRY_DELAYS_S", (0.0, 0.0, 0.0))
 
 
 @pytest.fixture
@@ -165,12 +174,12 @@ def test_error_mapping_uses_the_real_status_codes() -> None:
         "NOT_YET_IMPLEMENTED": NotSupportedError,
         "FAIL_LOAD_MODULE": BackendUnavailableError,
         "FAIL_LOAD_SYMBOL": BackendUnavailableError,
-        "TIMEOUT": DeviceBusyError,
-        "RETRY": DeviceBusyError,
+        "TIMEOUT": TransientDeviceError,
+        "RETRY": TransientDeviceError,
         "NO_PERM": PermissionDeniedError,
         "INPUT_OUT_OF_BOUNDS": InvalidArgumentError,
         "INIT_ERROR": BackendUnavailableError,
-        "BUSY": DeviceBusyError,
+        "BUSY": TransientDeviceError,
         "NOT_FOUND": DeviceNotFoundError,
         "NOT_INIT": BackendUnavailableError,
         "DRIVER_NOT_LOADED": BackendUnavailableError,
@@ -438,8 +447,8 @@ def test_device_id_falls_back_to_bdf(settings: Settings) -> None:
         (1, InvalidArgumentError),
         (17, InvalidArgumentError),
         (53, InvalidArgumentError),
-        (8, DeviceBusyError),
-        (30, DeviceBusyError),
+        (8, TransientDeviceError),
+        (30, TransientDeviceError),
         (4, BackendUnavailableError),
         (5, BackendUnavailableError),
         (18, BackendUnavailableError),
@@ -506,7 +515,7 @@ def test_retry_is_retried_once(fake: FakeAmdsmi, backend: AmdBackend) -> None:
     assert dev.read_state().power_w == 150.0
     assert fake.count("amdsmi_get_power_info") - before == 2
     fake.fail("amdsmi_get_power_info", 9, times=2)
-    with pytest.raises(DeviceBusyError) as info:
+    with pytest.raises(TransientDeviceError) as info:
         dev.read_state()
     assert info.value.vendor_code == 9
     assert isinstance(info.value.__cause__, fake.AmdSmiRetryException)
@@ -517,7 +526,7 @@ def test_timeout_and_busy_are_not_retried(fake: FakeAmdsmi, backend: AmdBackend)
     for code in (8, 30):
         fake.fail("amdsmi_get_power_info", code, times=1)
         before = fake.count("amdsmi_get_power_info")
-        with pytest.raises(DeviceBusyError):
+        with pytest.raises(TransientDeviceError):
             dev.read_state()
         assert fake.count("amdsmi_get_power_info") - before == 1
 
@@ -596,6 +605,53 @@ def test_single_clock_falls_back_to_performance_determinism(settings: Settings) 
         assert dev.read_state().locked_sm_freqs_mhz == (1200.0, 1200.0)
         dev.reset_sm_clocks()
         assert gpu.perf_level == fake.AmdSmiDevPerfLevel.AUTO
+
+
+def test_the_lock_is_read_back_from_the_driver(fake: FakeAmdsmi, backend: AmdBackend) -> None:
+    dev = backend.devices()[0]
+    gpu = fake.gpus[0]
+    assert dev.read_sm_lock() == ClockLockState(locked=False, running_mhz=2100.0)
+    dev.lock_sm_clocks(1000.0, 1500.0)
+    assert dev.last_sm_readback == ClockLockState(locked=True, running_mhz=1500.0)
+    dev.reset_sm_clocks()
+    assert dev.last_sm_readback == ClockLockState(locked=False, running_mhz=2100.0)
+    gpu.perf_level, gpu.soft_max_mhz = fake.AmdSmiDevPerfLevel.DETERMINISM, 1300  # someone else
+    assert dev.read_sm_lock().locked is True and dev.read_state().locked_sm_freqs_mhz is None
+    gpu.perf_level = fake.AmdSmiDevPerfLevel.UNKNOWN  # then clk_locked decides
+    assert dev.read_sm_lock() == ClockLockState(locked=True, running_mhz=1300.0)
+    gpu.soft_max_mhz = None
+    assert dev.read_sm_lock().locked is None
+
+
+def test_a_clock_write_the_driver_drops_is_an_error(settings: Settings) -> None:
+    fake = make_fake_amdsmi([FakeGpu(ignores_clock_writes=True)])
+    with _open(fake, settings) as b:
+        dev = b.devices()[0]
+        with pytest.raises(DeviceError, match="did not take effect") as info:
+            dev.lock_sm_clocks(1000.0, 1500.0)
+        assert info.value.operation == "lock_sm_clocks"
+        fake.gpus[0].perf_level = fake.AmdSmiDevPerfLevel.MANUAL  # a lock the reset cannot lift
+        with pytest.raises(DeviceError, match="still in force after a reset"):
+            dev.reset_sm_clocks()
+
+
+@pytest.mark.parametrize("code", [8, 9, 30])
+def test_a_transient_status_on_a_write_is_retried_by_the_device(
+    fake: FakeAmdsmi, backend: AmdBackend, code: int
+) -> None:
+    dev = backend.devices()[0]
+    per_try = 2 if code == 9 else 1  # amdsmi's own RETRY is retried once at the call point
+    fake.fail("amdsmi_set_gpu_clk_range", code, times=2 * per_try)
+    assert dev.lock_sm_clocks(1000.0, 1500.0) == (1000.0, 1500.0)
+    assert fake.count("amdsmi_set_gpu_clk_range") == 2 * per_try + 1  # two failed tries, one good
+    fake.fail("amdsmi_set_gpu_clk_range", code)
+    before = fake.count("amdsmi_set_gpu_clk_range")
+    with pytest.raises(TransientDeviceError) as info:
+        dev.lock_sm_clocks(1200.0)
+    assert not isinstance(info.value, DeviceBusyError) and info.value.vendor_code == code
+    tries = 1 + len(powerlib.device.TRANSIENT_RETRY_DELAYS_S)
+    assert fake.count("amdsmi_set_gpu_clk_range") - before == tries * per_try
+    assert fake.gpus[0].soft_max_mhz == 1500
 
 
 def test_no_clock_range_means_no_clock_locking(settings: Settings) -> None:
