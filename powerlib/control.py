@@ -7,11 +7,19 @@ job. Before its first change of an item on a device it
 2. restores any journal a dead owner left for that device,
 3. reads the original value and writes it, fsynced, to the device's journal,
 
-and only then makes the change. It restores the captured originals — not defaults — when the
+and only then makes the change. The original is read from the driver: a clock lock or power limit
+someone set before the session is kept as the original (with a warning) and put back; a lock the
+driver reports without its range (NVML) is refused unless ``force=True`` (docs/real-gpu.md §1).
+A change the driver refuses outright (no permission, not supported, a bad argument) is taken out
+of the journal again, so nothing is left to restore or replay (docs/real-gpu.md §5).
+
+It restores the captured originals — not defaults — when the
 ``with`` block ends (normally or by an exception, ``KeyboardInterrupt`` included), at interpreter
 exit, and on SIGTERM or SIGHUP (its handlers chain to those the host program installed). A process
 killed by SIGKILL, the OOM killer or a crash leaves its journal behind; ``powerlib restore``, the
-next session that touches the device, or the optional guardian process put the device back.
+next session that touches the device, or the guardian process put the device back. The guardian
+is on by default where changes outlive the process and are made here, not through the node agent
+(docs/real-gpu.md §6).
 
 Restores compare before they write (the GROMACS rule): a power limit that someone else changed
 after powerlib set it is left alone and reported. Restores continue past failures and report each
@@ -19,9 +27,10 @@ one; a journal whose restore failed stays in place for a later ``powerlib restor
 is put back, and how the journals a dead session left are read and trusted, is
 :mod:`powerlib.restore`; its names are importable from here too.
 
-During training, :meth:`ControlSession.apply_sm_clocks` never raises on a driver error: it resets
-the device's clocks (the safe state), warns once, and ignores later requests for that device, so
-the job keeps running.
+During training, :meth:`ControlSession.apply_sm_clocks` never raises on a driver error (a
+transient one included, once the device's own bounded retries are spent): it resets the device's
+clocks (the safe state), warns once, records why in :attr:`ControlSession.degraded`, and ignores
+later requests for that device, so the job keeps running (docs/real-gpu.md §2).
 """
 
 from __future__ import annotations
@@ -34,9 +43,10 @@ import subprocess
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from powerlib.config import Settings
 from powerlib.device import Backend, Device
@@ -44,9 +54,12 @@ from powerlib.errors import (
     DeviceBusyError,
     DeviceNotFoundError,
     InvalidArgumentError,
+    NotSupportedError,
+    PermissionDeniedError,
     PowerlibError,
 )
 from powerlib.journal import (
+    UNKNOWN_LOCK,
     Change,
     DeviceLock,
     JournalEntry,
@@ -74,6 +87,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Driver errors that prove a write changed nothing: its journal entry is taken back.
+_REFUSALS = (PermissionDeniedError, NotSupportedError, InvalidArgumentError)
+_POWER_TOLERANCE_W = 1.0  # as restore's: a limit within a watt of the default is the default
+_CLOCK_TOLERANCE_MHZ = 0.5
+_GUARDIAN_EXIT_WAIT_S = 2.0  # a cleanly closed guardian exits in milliseconds once started
 
 _HANDLED_SIGNALS = tuple(
     s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None
@@ -151,8 +171,19 @@ class ControlSession:
     Args:
         backend: The open backend whose devices the session may change.
         guardian: Start a watchdog process that restores the devices within about a second of
-            this process dying, even by SIGKILL.
+            this process dying, even by SIGKILL. ``None`` (the default): on when the backend
+            changes devices here and the changes outlive the process (``backend.persistent``,
+            not the node agent's ``remote`` backend), off otherwise (docs/real-gpu.md §6).
         handle_signals: Install SIGTERM/SIGHUP handlers (main thread only; chained).
+        force: Take a device whose clocks someone else locked although the driver cannot say
+            to what range (NVML: an administrator's ``nvidia-smi -lgc``). Without it the first
+            change of such a device raises ``DeviceBusyError``; with it the session warns, and
+            its restore unlocks the clocks, as the lock it found cannot be put back
+            (docs/real-gpu.md §1).
+
+    Attributes:
+        degraded: The devices :meth:`apply_sm_clocks` gave up on, each with one line saying
+            why and whether its clocks were reset.
 
     Example::
 
@@ -162,7 +193,12 @@ class ControlSession:
     """
 
     def __init__(
-        self, backend: Backend, *, guardian: bool = False, handle_signals: bool = True
+        self,
+        backend: Backend,
+        *,
+        guardian: bool | None = None,
+        handle_signals: bool = True,
+        force: bool = False,
     ) -> None:
         self.backend = backend
         self.settings = backend.settings
@@ -170,8 +206,12 @@ class ControlSession:
         self._owner = Owner.current()
         self._controlled: dict[str, _Controlled] = {}
         self._guard = threading.RLock()
-        self._degraded: set[str] = set()
+        self.degraded: dict[str, str] = {}
+        self._guardian_forced = guardian is True  # asked for: a guardian that cannot start raises
+        if guardian is None:
+            guardian = backend.persistent and not getattr(backend, "remote", False)
         self._use_guardian = guardian
+        self._force = force
         self._handle_signals = handle_signals
         self._guardian: subprocess.Popen[bytes] | None = None
         self._is_open = False
@@ -194,10 +234,8 @@ class ControlSession:
         """Register the safety nets (and start the guardian). Called by ``__enter__``."""
         if self._is_open:
             return self
-        if self._use_guardian and self.backend.persistent:
-            self._state.prepare()
-            self._guardian = _start_guardian(self.settings, self._owner)
-        with _ACTIVE_GUARD:
+        self._ensure_guardian(logging.DEBUG)  # by default, a state dir that is unusable now
+        with _ACTIVE_GUARD:  # refuses the first change instead, where the guardian is retried
             _ACTIVE.append(self)
             _register_atexit()
             if self._handle_signals:
@@ -214,7 +252,7 @@ class ControlSession:
             if not _ACTIVE:
                 _remove_signal_handlers()
         if self._guardian is not None:
-            _stop_guardian(self._guardian)
+            _stop_guardian(self._guardian, clean=os.getpid() == self._owner.pid)
             self._guardian = None
         self._is_open = False
         return outcomes
@@ -226,50 +264,65 @@ class ControlSession:
 
     # -- changes ---------------------------------------------------------------------------------
 
+    # Each change journals first (:meth:`_record`); a write the driver refuses outright takes
+    # the new journal entry back again (:meth:`_write`, docs/real-gpu.md §5).
+
     def lock_sm_clocks(
         self, device: int | str | Device, min_mhz: float, max_mhz: float | None = None
     ) -> tuple[float, float]:
-        """Journal, then lock SM clocks (see :meth:`Device.lock_sm_clocks`)."""
+        """Journal, then lock SM clocks (see :meth:`Device.lock_sm_clocks`).
+
+        Raises:
+            DeviceBusyError: Another session holds the device, or (without ``force``) someone
+                locked its clocks to a range the driver cannot report.
+        """
         dev = self._resolve(device)
         lo, hi = dev.validate_sm_clocks(
             min_mhz, max_mhz
         )  # bad input changes nothing, not even a journal
-        self._record(dev, "sm_clocks", None)
-        return dev.lock_sm_clocks(lo, hi)
+        return self._write(dev, "sm_clocks", None, lambda: dev.lock_sm_clocks(lo, hi))
 
     def reset_sm_clocks(self, device: int | str | Device) -> None:
         """Journal, then unlock SM clocks."""
         dev = self._resolve(device)
-        self._record(dev, "sm_clocks", None)
-        dev.reset_sm_clocks()
+        self._write(dev, "sm_clocks", None, dev.reset_sm_clocks)
 
     def lock_memory_clocks(
         self, device: int | str | Device, min_mhz: float, max_mhz: float | None = None
     ) -> tuple[float, float]:
         """Journal, then lock memory clocks."""
         dev = self._resolve(device)
-        self._record(dev, "memory_clocks", None)
-        return dev.lock_memory_clocks(min_mhz, max_mhz)
+        return self._write(
+            dev, "memory_clocks", None, lambda: dev.lock_memory_clocks(min_mhz, max_mhz)
+        )
 
     def set_power_limit(self, device: int | str | Device, power_limit_w: float) -> float:
         """Journal, then set the power limit."""
         dev = self._resolve(device)
         dev.validate_power_limit(power_limit_w)
-        self._record(dev, "power_limit", float(power_limit_w))
-        return dev.set_power_limit(power_limit_w)
+        return self._write(
+            dev, "power_limit", float(power_limit_w), lambda: dev.set_power_limit(power_limit_w)
+        )
 
     def reset_power_limit(self, device: int | str | Device) -> None:
         """Journal, then restore the default power limit."""
         dev = self._resolve(device)
-        if dev.info.default_power_limit_w is not None:
-            self._record(dev, "power_limit", dev.info.default_power_limit_w)
-        dev.reset_power_limit()
+        if dev.info.default_power_limit_w is None:
+            dev.reset_power_limit()  # raises NotSupportedError: nothing to journal
+            return
+        self._write(dev, "power_limit", dev.info.default_power_limit_w, dev.reset_power_limit)
 
     def apply_sm_clocks(self, device: int | str | Device, freq_mhz: float) -> bool:
         """Lock the SM clock for training; never raises on a device or driver error.
 
-        On an error the device's clocks are reset (its safe state), one warning is issued, and
-        later requests for that device are ignored, so the training job keeps running.
+        On a driver error (a transient one after the device's bounded retries, a refusal, a
+        read-back that contradicts the lock) the device's clocks are reset to its baseline (the
+        safe state; a device this session has not changed, e.g. after a refusal that was taken
+        out of the journal, is left as it was), one warning is issued, the reason is kept in
+        :attr:`degraded`, and later requests for that device are ignored, so the training job
+        keeps running (docs/real-gpu.md §2). A device another controller holds (``DeviceBusyError``: another
+        session's lock, an agent lease, a lock the session must not take over) is left exactly
+        as it is, as that controller restores it.
 
         Returns:
             True if the clock was applied.
@@ -278,38 +331,37 @@ class ControlSession:
             InvalidArgumentError: ``freq_mhz`` is out of range (a bug in the caller, not the driver).
         """
         dev = self._resolve(device)
-        if dev.device_id in self._degraded:
+        if dev.device_id in self.degraded:
             return False
+        lo, hi = dev.validate_sm_clocks(freq_mhz)  # the caller's bug: raised, nothing degrades
         try:
-            self.lock_sm_clocks(dev, freq_mhz)
+            self.lock_sm_clocks(dev, lo, hi)
             return True
-        except InvalidArgumentError:
-            raise
         except DeviceBusyError as err:
-            # Another session owns the device: its clocks are that session's to restore, so
-            # they are not touched here (a reset would undo the other session's lock).
-            self._degraded.add(dev.device_id)
+            # Another controller owns the device: its clocks are that controller's to restore,
+            # so they are not touched here (a reset would undo its lock).
+            self.degraded[dev.device_id] = f"left alone, its clocks untouched: {err}"
             message = (
                 f"powerlib leaves {dev.info.name} ({dev.device_id}) alone for this session: {err}; "
                 "training continues"
             )
-            logger.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            return False
         except PowerlibError as err:
-            self._degraded.add(dev.device_id)
-            try:
-                dev.reset_sm_clocks()
-                state = "its clocks were reset"
-            except PowerlibError as reset_err:
-                state = f"resetting its clocks failed too ({reset_err})"
+            if dev.device_id not in self._controlled:  # refused before any change: as it was
+                state = "its clocks were left as they were (nothing had been changed)"
+            else:
+                try:
+                    dev.reset_sm_clocks()
+                    state = "its clocks were reset to the baseline"
+                except PowerlibError as reset_err:
+                    state = f"resetting its clocks failed too ({reset_err})"
+            self.degraded[dev.device_id] = f"{type(err).__name__}: {err}; {state}"
             message = (
                 f"powerlib stops changing {dev.info.name} ({dev.device_id}) for this session after "
                 f"a driver error: {err}; {state}; training continues"
             )
-            logger.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            return False
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return False
 
     # -- restore ---------------------------------------------------------------------------------
 
@@ -344,25 +396,100 @@ class ControlSession:
             return device
         return self.backend.device(device)
 
-    def _record(self, dev: Device, item: str, target: Any) -> None:
-        """Journal-before-write: capture the original of ``item`` once, durably."""
+    def _write(self, dev: Device, item: str, target: Any, write: Callable[[], T]) -> T:
+        """Journal ``item`` (:meth:`_record`), then ``write``; take back a change that was refused.
+
+        A permission, support or argument error from the driver proves nothing changed: a change
+        journaled just for this write is taken out again (:meth:`_unrecord`), so nothing is left
+        to restore at exit or for a later run to replay (docs/real-gpu.md §5).
+        """
+        new = self._record(dev, item, target)
+        try:
+            return write()
+        except _REFUSALS:
+            if new:
+                self._unrecord(dev, item)
+            raise
+
+    def _record(self, dev: Device, item: str, target: Any) -> bool:
+        """Journal-before-write: capture the original of ``item`` once, durably.
+
+        Returns:
+            True when ``item`` was not journaled before (a new change).
+        """
         with self._guard:
             if not self._is_open:
                 self.start()
             ctl = self._controlled.get(dev.device_id) or self._take(dev)
             existing = ctl.entry.change(item)
             if existing is not None and (item != "power_limit" or existing.target == target):
-                return  # original already journaled; clock changes do not rewrite the journal
-            original = existing.original if existing is not None else self._capture(dev, item)
-            entry = ctl.entry.with_change(Change(item=item, original=original, target=target))
-            if ctl.lock is not None:
-                self._state.write_journal(entry)
+                return False  # original already journaled; clock changes do not rewrite it
+            try:
+                original = existing.original if existing is not None else self._capture(dev, item)
+                entry = ctl.entry.with_change(Change(item=item, original=original, target=target))
+                if ctl.lock is not None:
+                    self._state.write_journal(entry)
+            except BaseException:
+                if not ctl.entry.changes:
+                    self._forget(ctl)  # refused at claim: the device is not ours after all
+                raise
             ctl.entry = entry
+            return existing is None
+
+    def _unrecord(self, dev: Device, item: str) -> None:
+        """Take back the journaled change of ``item`` whose write the driver refused.
+
+        The device is read first: only an item that still reads as its original is taken back
+        (a write of several files that failed half-way keeps its journal). A device left with
+        no change is forgotten: its journal is deleted and its lock released.
+        """
+        with self._guard:
+            ctl = self._controlled.get(dev.device_id)
+            change = None if ctl is None else ctl.entry.change(item)
+            if ctl is None or change is None or not _reads_as_original(dev, change):
+                return
+            entry = replace(
+                ctl.entry, changes=tuple(c for c in ctl.entry.changes if c.item != item)
+            )
+            if not entry.changes:
+                self._forget(ctl)
+                return
+            if ctl.lock is not None:
+                try:
+                    self._state.write_journal(entry)
+                except PowerlibError as err:  # the old journal still restores a superset
+                    logger.debug("%s: journal not rewritten: %s", dev.device_id, err)
+                    return
+            ctl.entry = entry
+
+    def _forget(self, ctl: _Controlled) -> None:
+        """Drop a device this session has not changed: delete its journal, release its lock."""
+        self._controlled.pop(ctl.device.device_id, None)
+        if ctl.lock is not None:
+            self._state.remove_journal(self._state.journal_path(ctl.entry.key))
+            ctl.lock.release()
+
+    def _ensure_guardian(self, level: int) -> None:
+        """Start the guardian if it is wanted and not running (docs/real-gpu.md §6).
+
+        One that was asked for (``guardian=True``) raises when it cannot start; the default one
+        is logged at ``level`` and tried again at the next device claim.
+        """
+        if self._guardian is not None or not (self._use_guardian and self.backend.persistent):
+            return
+        try:
+            self._state.prepare()
+            self._guardian = _start_guardian(self.settings, self._owner)
+        except (PowerlibError, OSError) as err:
+            if self._guardian_forced:
+                raise
+            logger.log(level, "no guardian for this session (yet): %s", err)
 
     def _take(self, dev: Device) -> _Controlled:
         lock = None
         if self.backend.persistent:
             self._state.prepare()  # refuses before any change if the state dir is unusable
+            self._ensure_guardian(logging.WARNING)
             key = device_key(dev.info.backend, dev.device_id)
             lock = DeviceLock(self._state, key)
             lock.acquire(self._owner)
@@ -404,20 +531,96 @@ class ControlSession:
             )
 
     def _capture(self, dev: Device, item: str) -> Any:
-        st = dev.read_state()
+        """Read the original of ``item`` from the driver (docs/real-gpu.md §1).
+
+        Raises:
+            DeviceBusyError: The clocks are locked to a range the driver cannot report, and the
+                session was not forced.
+            InvalidArgumentError: The power limit cannot be read.
+        """
         if item == "sm_clocks":
-            return None if st.locked_sm_freqs_mhz is None else list(st.locked_sm_freqs_mhz)
+            return self._capture_sm_clocks(dev)
         if item == "power_limit":
+            st = dev.read_state()
             if st.power_limit_w is None:
                 raise InvalidArgumentError(
                     "the current power limit cannot be read, so it could not be restored; refusing to change it",
                     device=dev.device_id,
                 )
+            default_w = dev.info.default_power_limit_w
+            if default_w is not None and abs(st.power_limit_w - default_w) > _POWER_TOLERANCE_W:
+                logger.warning(
+                    "%s (%s): its power limit is %g W, not the default %g W, before powerlib "
+                    "changes it: kept as the original, and put back when the session ends",
+                    dev.info.name,
+                    dev.device_id,
+                    st.power_limit_w,
+                    default_w,
+                )
             return st.power_limit_w
         return None  # memory clock locks cannot be read back: restore means unlock
 
+    def _capture_sm_clocks(self, dev: Device) -> Any:
+        """The SM-clock original the driver reports: ``None``, ``[lo, hi]`` or unknown-lock."""
+        found = dev.read_sm_lock()  # the driver, never this process's memory (NVML)
+        if not found.locked:  # False, or None: the driver cannot tell (NVML without the reason)
+            return None
+        where = f"{dev.info.name} ({dev.device_id})"
+        if found.range_mhz is not None:
+            lo, hi = found.range_mhz
+            logger.warning(
+                "%s: its SM clocks are already locked to %g-%g MHz (set before this session, e.g. "
+                "by an administrator): kept as the original, and locked again when the session "
+                "ends",
+                where,
+                lo,
+                hi,
+            )
+            return [float(lo), float(hi)]
+        if not self._force:
+            nvidia = dev.info.backend == "nvidia"
+            raise DeviceBusyError(
+                f"someone else locked the SM clocks of {where}"
+                + (" (e.g. `nvidia-smi -lgc`)" if nvidia else "")
+                + ", and the driver does not report to what range, so powerlib could not put "
+                "that lock back; remove the lock first"
+                + (" (`nvidia-smi -rgc`)" if nvidia else "")
+                + ", or pass force=True to take the device anyway (its clocks are then unlocked "
+                "when the session ends)",
+                device=dev.device_id,
+            )
+        logger.warning(
+            "%s: its SM clocks are locked by someone else to a range the driver does not report; "
+            "force=True: powerlib takes the device anyway, and unlocks its clocks when the "
+            "session ends (the lock it found cannot be put back)",
+            where,
+        )
+        return UNKNOWN_LOCK
+
 
 # -- the guardian ----------------------------------------------------------------------------------
+
+
+def _reads_as_original(dev: Device, change: Change) -> bool:
+    """Whether ``dev`` still reads as ``change``'s original (True where the driver cannot tell)."""
+    try:
+        if change.item == "sm_clocks":
+            found = dev.read_sm_lock()
+            if change.original is None:
+                return found.locked is not True
+            if change.original == UNKNOWN_LOCK or found.range_mhz is None:
+                return found.locked is not False
+            return all(
+                abs(a - b) <= _CLOCK_TOLERANCE_MHZ
+                for a, b in zip(found.range_mhz, change.original, strict=True)
+            )
+        if change.item == "power_limit":
+            limit_w = dev.read_state().power_limit_w
+            return limit_w is None or abs(limit_w - float(change.original)) <= _POWER_TOLERANCE_W
+    except PowerlibError as err:
+        logger.debug("%s: cannot read %s back: %s", dev.device_id, change.item, err)
+        return False
+    return True  # memory clock locks cannot be read back
 
 
 def _start_guardian(settings: Settings, owner: Owner) -> subprocess.Popen[bytes]:
@@ -442,14 +645,37 @@ def _start_guardian(settings: Settings, owner: Owner) -> subprocess.Popen[bytes]
     )
 
 
-def _stop_guardian(proc: subprocess.Popen[bytes]) -> None:
-    """Tell the guardian we finished cleanly (close its pipe) and reap it."""
+def _stop_guardian(proc: subprocess.Popen[bytes], *, clean: bool) -> None:
+    """Tell the guardian we finished cleanly and close its pipe; reap it off this thread.
+
+    ``clean`` is False in a forked child of the owner that closes a copy of the session: the
+    guardian must keep watching the owner itself. The guardian exits at once on a clean close,
+    so close() waits for it (at most ``_GUARDIAN_EXIT_WAIT_S``: it may still be starting, about
+    0.1 s); one that takes longer is reaped by a daemon thread, so close() never hangs.
+    """
+    from powerlib.guardian import CLEAN_CLOSE  # here: `python -m powerlib.guardian` imports us
+
     try:
         if proc.stdin is not None:
+            if clean:
+                proc.stdin.write(CLEAN_CLOSE)
             proc.stdin.close()
+    except OSError:
+        pass  # it has exited already
+    try:
+        proc.wait(timeout=_GUARDIAN_EXIT_WAIT_S if clean else 0.0)
+    except subprocess.TimeoutExpired:
+        threading.Thread(
+            target=_reap, args=(proc,), name="powerlib-guardian-reaper", daemon=True
+        ).start()
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    try:
         proc.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
+    except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()
 
 
 def ensure_not_controlled(backend: Backend, dev: Device) -> None:

@@ -1,10 +1,12 @@
 """The guardian: a watchdog process that restores a session's devices when its owner dies.
 
-Started by ``ControlSession(..., guardian=True)`` as ``python -m powerlib.guardian`` in its own
+Started by a :class:`~powerlib.control.ControlSession` (by default where changes outlive the
+process and are made by it, docs/real-gpu.md §6) as ``python -m powerlib.guardian`` in its own
 process session, with a pipe from the owner on stdin. It waits until the pipe closes or the owner
 stops running (it polls both, every 0.2 s, so a pipe held open by the owner's forked children does
-not delay it), then restores every journal that owner left, and exits. When the owner finished
-cleanly it has already restored and removed its journals, and the guardian finds nothing to do.
+not delay it), then restores every journal that owner left, and exits. An owner that finished
+cleanly has already restored and removed its journals, and says so (:data:`CLEAN_CLOSE` down the
+pipe): the guardian then exits at once.
 
 It ignores SIGINT and SIGHUP (a Ctrl-C or a closed terminal aimed at the job must not take the
 guardian down first). Results go to ``<state dir>/guardian.log``.
@@ -26,7 +28,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from powerlib.journal import Owner
 
-__all__ = ["main", "wait_for_owner_exit"]
+__all__ = ["CLEAN_CLOSE", "main", "wait_for_owner_exit"]
+
+#: What the owner writes before closing the pipe when its session restored everything itself.
+CLEAN_CLOSE = b"clean-close\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     owner = Owner(
         pid=args.owner_pid, start_time_s=args.owner_start_time, hostname=socket.gethostname()
     )
-    wait_for_owner_exit(owner, sys.stdin.fileno())
+    if wait_for_owner_exit(owner, sys.stdin.fileno()):
+        return 0  # the owner closed its session cleanly: nothing is left to restore
     deadline = time.monotonic() + 0.5  # a clean close: the owner is still alive and has restored
     while owner.is_alive() and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -72,17 +78,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if all(o["ok"] for o in outcomes) else 1
 
 
-def wait_for_owner_exit(owner: Owner, stream_fd: int, poll_s: float = 0.2) -> None:
+def wait_for_owner_exit(owner: Owner, stream_fd: int, poll_s: float = 0.2) -> bool:
     """Block until ``stream_fd`` reaches EOF or ``owner`` stops running (the guardian's wait).
 
     Polling the owner as well as the pipe covers a pipe kept open by the owner's forked children.
+
+    Returns:
+        True when the owner wrote :data:`CLEAN_CLOSE`: its session restored everything itself.
     """
+    received = b""
     while True:
         readable, _, _ = select.select([stream_fd], [], [], poll_s)
-        if readable and not os.read(stream_fd, 4096):
-            return
+        if readable:
+            chunk = os.read(stream_fd, 4096)
+            received = (received + chunk)[-len(CLEAN_CLOSE) :]  # bounded: only the tail matters
+            if received == CLEAN_CLOSE:
+                return True
+            if not chunk:
+                return False
         if not owner.is_alive():
-            return
+            return False
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ __all__ = [
     "JournalError",
     "Owner",
     "StateDir",
+    "UNKNOWN_LOCK",
     "check_trusted",
     "describe_owner",
     "device_key",
@@ -82,6 +83,9 @@ JOURNAL_MAX_DEPTH = 16
 _JOURNAL_NAME = re.compile(r"[A-Za-z0-9._-]+\.json")
 _BACKEND_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _ITEMS = ("sm_clocks", "memory_clocks", "power_limit")
+#: The original of SM clocks someone else locked to a range the driver does not report (NVML):
+#: journaled only by a forced session (docs/real-gpu.md §1); restoring it means unlocking.
+UNKNOWN_LOCK = "unknown-lock"
 
 
 class JournalError(PowerlibError):
@@ -97,7 +101,8 @@ class Change:
     Attributes:
         item: ``"sm_clocks"``, ``"memory_clocks"`` or ``"power_limit"``.
         original: The value before the session touched it: ``[lo, hi]`` MHz or ``None`` (unlocked)
-            for clocks, watts for the power limit.
+            for clocks, or :data:`UNKNOWN_LOCK` for SM clocks locked to a range the driver does
+            not report (a restore unlocks them); watts for the power limit.
         target: The value the session set last, when it is one value (the power limit); ``None``
             for clocks, which a session may change many times per second.
         previous_target: The target before ``target``. The journal is written *before* the device,
@@ -239,11 +244,13 @@ class JournalEntry:
 
 
 def _setting(item: str, value: Any, name: str) -> Any:
-    """A recorded value: ``None``, watts (power limit) or a ``[lo, hi]`` MHz range (clocks)."""
+    """A recorded value: ``None``, watts, a ``[lo, hi]`` MHz range, or :data:`UNKNOWN_LOCK`."""
     if value is None:
         if item == "power_limit" and name == "original":
             raise ValueError("the original power limit is missing")
         return None
+    if item == "sm_clocks" and name == "original" and value == UNKNOWN_LOCK:
+        return UNKNOWN_LOCK
     if item == "power_limit":
         watts = finite_number(value, f"power_limit {name}")
         if watts <= 0:

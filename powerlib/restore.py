@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.config import Settings, user_state_dirs
-from powerlib.device import Backend, Device, match_device
+from powerlib.device import Backend, ClockLockState, Device, match_device
 from powerlib.errors import (
     DeviceBusyError,
     DeviceNotFoundError,
@@ -37,6 +37,7 @@ from powerlib.errors import (
     UntrustedStateError,
 )
 from powerlib.journal import (
+    UNKNOWN_LOCK,
     Change,
     DeviceLock,
     JournalEntry,
@@ -86,6 +87,10 @@ class RestoreOutcome:
         found: For a power limit left alone because it reads a value this restore did not set:
             that value (the session's ``ok`` is then False where the caller needs to know, e.g.
             the agent's lease).
+        verified: Whether the device was read back after the restore and reads as restored:
+            True; ``None`` when it was not or could not be (a dry run, memory clocks, NVML's
+            "no lock" which the driver cannot state, an item left alone). A device that reads
+            back as still modified is a failure (``ok`` False), never ``verified``.
     """
 
     device_id: str
@@ -98,6 +103,7 @@ class RestoreOutcome:
     error_code: int | None = None
     skipped: bool = False
     found: Any = None
+    verified: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON form."""
@@ -111,6 +117,7 @@ class RestoreOutcome:
             "owner_pid": self.owner_pid,
             "error_code": self.error_code,
             "skipped": self.skipped,
+            "verified": self.verified,
         }
 
 
@@ -119,10 +126,14 @@ def restore_device(
 ) -> list[RestoreOutcome]:
     """Put back every changed item of ``device`` (last changed first); never raises.
 
-    After a real restore the device is read again, and an item that does not read back as
-    restored (a driver that accepted the write but did not apply it) is reported as failed
-    (``error_code`` 1), so its journal is kept. Memory clock locks cannot be read back and are
-    not verified; neither is a power limit left alone because someone else changed it.
+    After a real restore the device is read again from the driver (docs/real-gpu.md §1), and an
+    item that does not read back as restored (a driver that accepted the write but did not apply
+    it) is reported as failed (``error_code`` 1), so its journal is kept. SM clocks are read with
+    :meth:`Device.read_sm_lock`: an unlock must leave no lock the driver reports, a re-lock the
+    original range where the driver reports ranges; where the driver cannot say (NVML reports no
+    "unlocked"), the outcome says "not verified" and ``verified`` stays ``None``. Memory clock
+    locks cannot be read back and are not verified; neither is a power limit left alone because
+    someone else changed it.
 
     Args:
         device: The device, opened by its backend.
@@ -136,13 +147,17 @@ def restore_device(
         found = None
         try:
             if change.item == "sm_clocks":
-                action = (
-                    "unlock SM clocks"
-                    if original is None
-                    else "lock SM clocks to {}-{} MHz".format(*original)
-                )
+                if original is None:
+                    action = "unlock SM clocks"
+                elif original == UNKNOWN_LOCK:
+                    action = (
+                        "unlock SM clocks (someone else had locked them before the session, to "
+                        "a range the driver does not report)"
+                    )
+                else:
+                    action = "lock SM clocks to {}-{} MHz".format(*original)
                 if not dry_run:
-                    if original is None:
+                    if original is None or original == UNKNOWN_LOCK:
                         device.reset_sm_clocks()
                         expected[len(outcomes)] = None
                     else:
@@ -246,35 +261,44 @@ def _journal_note(
 
 
 def _verify(device: Device, outcomes: list[RestoreOutcome], expected: dict[int, Any]) -> None:
-    """Re-read ``device``; turn each restored item that does not read back as such into a failure."""
-    try:
-        state = device.read_state()
-    except PowerlibError as err:
-        for i in expected:
+    """Read ``device`` back from the driver; fail each restored item that still reads modified.
+
+    SM clocks are read with :meth:`Device.read_sm_lock` (never this process's record of what it
+    set), the power limit with :meth:`Device.read_state`. An item the driver reads as restored
+    gets ``verified`` True; one the driver cannot tell about keeps ``verified`` None and says
+    so in its action; one that reads modified, or cannot be read at all, becomes a failure.
+    """
+    freqs = device.info.supported_sm_freqs_mhz
+    full_range = (freqs[0], freqs[-1]) if freqs else None
+    reads: dict[str, Any] = {}
+    for i, want in expected.items():
+        item = outcomes[i].item
+        try:
+            if item not in reads:
+                reads[item] = device.read_sm_lock() if item == "sm_clocks" else device.read_state()
+        except PowerlibError as err:
             outcomes[i] = dataclasses.replace(
                 outcomes[i],
                 ok=False,
                 action=f"{outcomes[i].action}, but reading the device back failed: {err}",
                 error_code=err.exit_code,
             )
-        return
-    freqs = device.info.supported_sm_freqs_mhz
-    full_range = (freqs[0], freqs[-1]) if freqs else None
-    for i, want in expected.items():
-        if outcomes[i].item == "sm_clocks":
-            got = state.locked_sm_freqs_mhz
-            want_range = None if want is None or tuple(want) == full_range else tuple(want)
-            same = (got is None and want_range is None) or (
-                got is not None
-                and want_range is not None
-                and all(abs(a - b) <= _CLOCK_TOLERANCE_MHZ for a, b in zip(got, want_range))
-            )
-            shown = "unlocked" if got is None else "locked to {:g}-{:g} MHz".format(*got)
+            continue
+        if item == "sm_clocks":
+            want_range = None if want is None else (float(want[0]), float(want[1]))
+            same, shown = _sm_lock_reads_as(reads[item], want_range, full_range)
         else:
-            got_w = state.power_limit_w
-            same = got_w is None or abs(got_w - want) <= _POWER_TOLERANCE_W  # None: cannot tell
-            shown = f"at {got_w:g} W" if got_w is not None else "unknown"
-        if not same:
+            got_w = reads[item].power_limit_w
+            same = None if got_w is None else abs(got_w - want) <= _POWER_TOLERANCE_W
+            shown = f"at {got_w:g} W" if got_w is not None else "the power limit"
+        if same is None:
+            outcomes[i] = dataclasses.replace(
+                outcomes[i],
+                action=f"{outcomes[i].action} (not verified: the driver cannot report {shown})",
+            )
+        elif same:
+            outcomes[i] = dataclasses.replace(outcomes[i], verified=True)
+        else:
             outcomes[i] = dataclasses.replace(
                 outcomes[i],
                 ok=False,
@@ -284,6 +308,32 @@ def _verify(device: Device, outcomes: list[RestoreOutcome], expected: dict[int, 
                 ),
                 error_code=1,
             )
+
+
+def _sm_lock_reads_as(
+    found: ClockLockState,
+    want: tuple[float, float] | None,
+    full_range: tuple[float, float] | None,
+) -> tuple[bool | None, str]:
+    """Whether the driver's lock state is ``want`` (``None``: unlocked); None: it cannot tell.
+
+    A lock to the device's ``full_range`` may read as no lock at all (sysfs). Also returns what
+    was read, in words (for a mismatch), or what could not be (when it cannot tell).
+    """
+    if found.range_mhz is not None:
+        shown = "locked to {:g}-{:g} MHz".format(*found.range_mhz)
+    else:
+        shown = {True: "locked", False: "unlocked"}.get(found.locked, "whether a lock is in force")
+    if want is None:
+        if found.locked is None:
+            return None, "whether a lock is in force"
+        return (not found.locked), shown
+    if found.locked is False:
+        return want == full_range, shown
+    if found.locked is None or found.range_mhz is None:
+        return None, "the locked range"
+    same = all(abs(a - b) <= _CLOCK_TOLERANCE_MHZ for a, b in zip(found.range_mhz, want))
+    return same, shown
 
 
 def _restore_power_limit(device: Device, change: Change, dry_run: bool) -> tuple[str, Any]:

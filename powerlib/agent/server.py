@@ -839,7 +839,10 @@ class Agent:
                 device=dev.device_id,
             )
         if lease is None:
-            session = ControlSession(self.backend, handle_signals=False)
+            # No guardian per lease: the agent restores every lease when a client goes and its
+            # own journals when it restarts (docs/agent.md); a guardian per lease would also
+            # restore under a restarted agent (docs/real-gpu.md §6).
+            session = ControlSession(self.backend, guardian=False, handle_signals=False)
             lease = _Lease(
                 device=dev, client=client, rule=rule, session=session, since_s=time.time()
             )
