@@ -9,7 +9,12 @@
   instruction, or another count at ``step``) resets the clocks, reports once through
   ``on_mismatch`` and leaves training alone;
 - after that first iteration, ``end`` asks for the next instruction's clock at once
-  (``prefetch``), so the switch overlaps the wait for the next instruction's input.
+  (``prefetch``), so the switch overlaps the wait for the next instruction's input;
+- a change the controller reports failed (``AppliedChange.ok`` False: the control session
+  reset the GPU to its baseline and recorded why, docs/real-gpu.md §2) stops the phase at the
+  next iteration boundary (:meth:`ApplyPhase.check_changes`) and reports once through
+  ``on_failure``; the session makes the stop job-wide at the next collective the ranks share
+  (the closed loop's exchange, docs/real-gpu.md §3).
 
 The session drives it on a real device; ``powerlib simulate`` drives the same object on the
 emulator (:func:`powerlib.emulator.demo.simulate_plan`), so what the emulator reports is what
@@ -61,6 +66,8 @@ class ApplyPhase:
             order (after the clocks were reset).
         check_order: Check the first iteration against the plan's order (and prefetch only
             after it); ``False`` when the caller runs the plan's own order (the emulator).
+        on_failure: Called once with a one-line reason when a clock change failed (after the
+            phase stopped and reset the clocks).
     """
 
     def __init__(
@@ -72,6 +79,7 @@ class ApplyPhase:
         prefetch: bool = True,
         on_mismatch: Callable[[str], None] = lambda reason: None,
         check_order: bool = True,
+        on_failure: Callable[[str], None] = lambda reason: None,
     ) -> None:
         stage_plan = plan.stage(stage)
         self.stage = stage
@@ -82,8 +90,12 @@ class ApplyPhase:
         self.controller = controller
         self.prefetch = prefetch
         self._on_mismatch = on_mismatch
+        self._on_failure = on_failure
+        self._seen = len(controller.applied)  # the controller's changes checked so far
         self.phase = "apply"
-        """``apply``, or ``done`` once a mismatch stopped it."""
+        """``apply``, or ``done`` once a mismatch or a failure stopped it."""
+        self.stopped_reason: str | None = None
+        """Why a failure stopped the phase (:meth:`stop`); ``None`` otherwise."""
         self.checking = check_order
         """The current iteration is the first one, checked against the plan's order."""
         self.first_requests: list[tuple[InstructionKey, float]] = []
@@ -118,6 +130,7 @@ class ApplyPhase:
 
     def step(self) -> None:
         """The iteration ended: the checked one must have run every planned instruction."""
+        self.check_changes()
         if self.phase == "apply" and self.checking:
             if self.position != len(self.expected):
                 self._mismatch(
@@ -137,6 +150,34 @@ class ApplyPhase:
             # device reaches this point, on the controller's thread (no synchronize here).
             marker = self.controller.marker
             self.controller.request(freq_mhz, after=None if marker is None else marker.record())
+
+    def check_changes(self) -> None:
+        """Stop, and report once, if a change the controller made since the last call failed."""
+        applied = self.controller.applied
+        seen, self._seen = self._seen, len(applied)
+        if self.stopped_reason is not None or seen == self._seen:
+            return
+        failed = next((a for a in applied[seen : self._seen] if not a.ok), None)
+        if failed is not None:
+            self.fail(f"stage {self.stage}: {failed.failure()}")
+
+    def fail(self, reason: str) -> None:
+        """A failure this phase found: :meth:`stop`, then report it once (``on_failure``)."""
+        if self.stopped_reason is None:
+            self.stop(reason)
+            self._on_failure(reason)
+
+    def stop(self, reason: str) -> None:
+        """Stop applying (this rank failed): clocks reset, nothing more is requested.
+
+        Idempotent: the first reason is kept.
+        """
+        if self.stopped_reason is not None:
+            return
+        self.stopped_reason = reason
+        self.phase = "done"
+        self.checking = False
+        self.controller.reset()
 
     def _check(self, key: InstructionKey) -> None:
         pos = self.position

@@ -17,6 +17,12 @@ that saves nothing, is reverted: every rank resets its clocks and runs at the ba
 one warning. A plan that saves more than one point less than predicted but still saves is
 kept, with one warning naming both figures (reverting it would cost the job the saving it
 does get).
+
+A rank that stops before the verdict (its loop does not run the plan's order, or its device
+failed: a clock change refused, a read that raised) keeps counting the windows' iterations and
+sends its part as ``stopped``, with the failure's reason: the verdict then reverts the plan on
+every rank and rank 0 warns once with that reason (docs/real-gpu.md §3). No rank waits in the
+exchange for one that left it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from powerlib.errors import PlanError, PowerlibError
 from powerlib.measurement.attribution import t95
 from powerlib.measurement.sampler import DeviceSampler
 from powerlib.runtime.apply_phase import ApplyPhase
@@ -75,6 +82,11 @@ def _mean_ci(values: list[float]) -> tuple[float, float]:
     return mean, t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
+def _reverted(reason: str) -> Realized:
+    """A verdict that reverts the plan with nothing measured."""
+    return Realized(math.nan, math.inf, math.nan, math.inf, None, None, 0, "reverted", reason)
+
+
 def judge(
     payloads: list[Mapping[str, Any]],
     *,
@@ -92,11 +104,15 @@ def judge(
         max_slowdown: The policy's bound (fraction), ``None`` for no bound (min-energy).
         predicted: The planner's prediction, when known.
     """
-    stopped = sorted(int(p.get("stage", -1)) for p in payloads if p.get("stopped"))
+    stopped = [p for p in payloads if p.get("stopped")]
     if stopped:
-        return Realized(math.nan, math.inf, math.nan, math.inf, None, None, 0, "reverted",
-                        f"stage(s) {', '.join(map(str, stopped))} do not run the plan's "
-                        "instruction order")  # fmt: skip
+        # a failure carries its reason; a loop off the plan's order carries none
+        why = [str(p["reason"]) for p in stopped if p.get("reason")]
+        off_order = sorted(int(p.get("stage", -1)) for p in stopped if not p.get("reason"))
+        if off_order:
+            stages = ", ".join(map(str, off_order))
+            why.append(f"stage(s) {stages} do not run the plan's instruction order")
+        return _reverted("; ".join(why))
     rounds = min(len(p["rounds"]) for p in payloads)
     savings, slowdowns = [], []
     for r in range(rounds):
@@ -244,6 +260,7 @@ class ClosedLoop:
 
     def step(self) -> None:
         """The iteration ended: close its window; after the last round, send the windows."""
+        self.applying.check_changes()  # a failed change stops the plan (ref windows included)
         now = self._clock()
         slot = self._slot(self._iteration)
         if self._start_s is not None and slot is not None:
@@ -267,13 +284,21 @@ class ClosedLoop:
             # one iteration after the last window: the counter has published past its end
             and self._iteration == 2 + self.config.rounds * per_round
         ):
-            stopped = self.applying.phase != "apply"  # this rank's order check failed
+            rounds: list[list[float]] = []
+            if self.applying.phase == "apply":
+                try:
+                    rounds = self._rounds()
+                except PowerlibError as err:  # still sends its part: the others wait for it
+                    self.applying.fail(f"stage {self.applying.stage}: measuring failed: {err}")
+            # stopped: this rank's order check failed, or its device failed (with the reason)
+            stopped = self.applying.phase != "apply"
             self._future = self._coordinator.exchange(
                 {
                     "closed_loop": True,
                     "stage": self.applying.stage,
                     "stopped": stopped,
-                    "rounds": [] if stopped else self._rounds(),
+                    "reason": self.applying.stopped_reason,
+                    "rounds": [] if stopped else rounds,
                 },
                 self._judge,
             )
@@ -281,7 +306,10 @@ class ClosedLoop:
     def start_iteration(self) -> None:
         """Set the clocks for the iteration's slot; resolve the verdict when it is pending."""
         if self._future is not None:
-            outcome = self._future()
+            try:
+                outcome = self._future()
+            except PlanError as err:  # rank 0 could not judge: every rank gets the same error
+                outcome = PlanningOutcome(realized=_reverted(f"measuring the plan failed: {err}"))
             if outcome is None:
                 return
             self._future = None

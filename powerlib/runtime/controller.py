@@ -7,6 +7,10 @@ the worker applies the *latest* request (older ones that were never applied are 
 skips a request equal to what the device already runs. Every change goes through
 :meth:`ControlSession.apply_sm_clocks <powerlib.control.ControlSession.apply_sm_clocks>`, so it is
 journaled first and a driver error degrades to "reset and keep training" with one warning.
+A change that failed is kept in :attr:`FrequencyController.applied` with ``ok=False`` and the
+reason the control session recorded (``ControlSession.degraded``); the session's phases stop on
+it, on every rank (docs/real-gpu.md §2-§3), and :meth:`FrequencyController.stop` then keeps the
+device at its baseline for the rest of the session.
 
 ``threaded=False`` applies each request on the caller's thread instead: the emulator uses it,
 because virtual time has no second thread to overlap with.
@@ -17,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +44,18 @@ class AppliedChange:
         freq_mhz: The locked frequency, or ``None`` for a reset (clocks unlocked).
         time_s: When it was applied (the session's clock).
         ok: False if the driver refused (the device was then reset and left alone).
+        reason: Why it failed (``None`` when ``ok``).
     """
 
     freq_mhz: float | None
     time_s: float
     ok: bool
+    reason: str | None = None
+
+    def failure(self) -> str:
+        """One line: what could not be done and why (for a change that failed)."""
+        what = "reset its clocks" if self.freq_mhz is None else f"set {self.freq_mhz:g} MHz"
+        return f"could not {what}: {self.reason or 'the driver refused the change'}"
 
 
 class FrequencyController:
@@ -74,6 +85,7 @@ class FrequencyController:
         self._after: object = None  # stream marker the pending request waits for
         self._busy = False
         self._stopping = False
+        self._stopped = False  # stop(): no more requests, the device stays at its baseline
         self._last_requested: float | None = None
         self._current: float | None = None  # what the device runs (as far as we set it)
         self.applied: list[AppliedChange] = []
@@ -106,7 +118,7 @@ class FrequencyController:
                 clock does not land on work queued before it, and the training thread never
                 synchronizes (issue 32, point 4).
         """
-        if freq_mhz == self._last_requested:
+        if freq_mhz == self._last_requested or self._stopped:
             return
         self._last_requested = freq_mhz
         if not self._threaded:
@@ -126,6 +138,19 @@ class FrequencyController:
         with self._cond:
             self._pending = _RESET
             self._cond.notify()
+
+    def stop(self) -> None:
+        """Reset the clocks and ignore every later request (this rank's device failed).
+
+        A reset (:meth:`reset`) still goes through; nothing locks the device again.
+        """
+        self.reset()
+        self._stopped = True
+
+    @property
+    def stopped(self) -> bool:
+        """:meth:`stop` was called."""
+        return self._stopped
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Block until every request made so far has been applied (tests, phase changes)."""
@@ -164,8 +189,17 @@ class FrequencyController:
                 if after is not None and self.marker is not None:
                     self.marker.wait(after)
                 self._apply(freq)
-            except Exception:  # the worker must outlive a bad request; the job keeps training
+            except Exception as err:  # the worker must outlive a bad request; training goes on
                 logger.exception("frequency request %s for %s failed", freq, self._device.device_id)
+                # recorded as failed: the session's phases stop on it (the training thread sees it)
+                self.applied.append(
+                    AppliedChange(
+                        None if freq == _RESET else freq,
+                        self._clock(),
+                        False,
+                        f"{type(err).__name__}: {err}",
+                    )
+                )
             finally:
                 with self._cond:
                     self._busy = False
@@ -173,17 +207,29 @@ class FrequencyController:
 
     def _apply(self, freq_mhz: float) -> None:
         if freq_mhz == _RESET:
+            reason: str | None = None
             try:
                 self._control.reset_sm_clocks(self._device)
                 ok = True
             except PowerlibError as err:
                 logger.warning("could not reset the clocks of %s: %s", self._device.device_id, err)
                 ok = False
+                reason = str(err)
             self._current = None
-            self.applied.append(AppliedChange(None, self._clock(), ok))
+            self.applied.append(AppliedChange(None, self._clock(), ok, reason))
             return
         if freq_mhz == self._current:
             return  # no-op change
         ok = self._control.apply_sm_clocks(self._device, freq_mhz)
         self._current = freq_mhz if ok else None
-        self.applied.append(AppliedChange(freq_mhz, self._clock(), ok))
+        self.applied.append(
+            AppliedChange(freq_mhz, self._clock(), ok, None if ok else self._degraded_reason())
+        )
+
+    def _degraded_reason(self) -> str | None:
+        """Why the control session gave up on the device (``ControlSession.degraded``), if known."""
+        degraded = getattr(self._control, "degraded", None)
+        if not isinstance(degraded, Mapping):
+            return None
+        why = degraded.get(self._device.device_id)
+        return None if why is None else str(why)

@@ -13,6 +13,12 @@ Both return a *future*: a callable that returns ``None`` until the result is kno
 in-process :class:`LocalGroup` lets the emulator drive several ranks from one thread: a result
 is known once every member has called in, which the emulator guarantees before the next
 iteration starts.
+
+Every rank must make the same calls in the same order, or the others wait for it in a
+collective until the job's timeout. A rank that fails therefore never leaves them: the profile
+sweep's vote ends with a *healthy* element (element-wise ``all`` stops every rank at the same
+vote), and an exchange payload says ``stopped`` with the failure's reason, so rank 0 answers
+every rank with one job-wide verdict (docs/real-gpu.md §3).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 A session runs one phase object at a time (:class:`Phase`): the
 :class:`~powerlib.runtime.profile_phase.ProfilePhase` while it profiles, :class:`Waiting` while
 rank 0 plans, the :class:`~powerlib.runtime.apply_phase.ApplyPhase` while a plan runs, and
-:class:`Idle` before, after, or once it stopped managing the device.
+:class:`Idle` before, after, or once it stopped managing the device. A rank whose device failed
+keeps its phase object, marked failed, for as long as the other ranks still expect it in a
+collective (docs/real-gpu.md §3).
 """
 
 from __future__ import annotations

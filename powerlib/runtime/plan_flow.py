@@ -8,6 +8,14 @@ reverts it (:meth:`_verdict`); :meth:`replan` plans for a new straggler deadline
 thread (:mod:`powerlib.runtime.replan`). The session keeps the lifecycle (the ``with`` block,
 device, lock, sampler, controller) and the hooks; it mixes this class in, so these methods read
 the session's attributes.
+
+A rank that fails (its clock change refused or failed, a driver or measurement error in a hook)
+stops managing its device at once but stays in every collective the other ranks will make
+(:meth:`_fail_in_phase`): the sweep's votes, the profile gather, the closed loop's exchange, a
+re-plan's votes. The failure rides on them (an unhealthy vote, a ``stopped`` payload with its
+reason), so every rank stops at the same point and rank 0 warns once with the reason
+(docs/real-gpu.md §3). After the closed loop's verdict the apply phase makes no collective: a
+rank that fails then runs at its baseline alone (its stage only gets faster) and warns itself.
 """
 
 from __future__ import annotations
@@ -16,11 +24,12 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from powerlib.errors import InvalidArgumentError, PlanError
+from powerlib.errors import InvalidArgumentError, PlanError, PowerlibError
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.runtime.apply_phase import ApplyPhase
 from powerlib.runtime.closed_loop import CheckConfig, ClosedLoop
@@ -33,6 +42,7 @@ from powerlib.runtime.planning_step import (
     make_plan,
     write_profile,
 )
+from powerlib.runtime.profile_phase import ProfilePhase
 from powerlib.runtime.records import ProfilePayload, Realized
 from powerlib.runtime.replan import Replanning
 
@@ -43,19 +53,40 @@ __all__ = ["PlanFlow"]
 
 logger = logging.getLogger("powerlib.runtime.session")
 
+_RESET_ALONE = (
+    "this rank's GPU was reset to its baseline clocks and powerlib leaves it alone; "
+    "training continues"
+)
+"""How a rank that failed with no collective left to carry it says what it did."""
+
+
+def _stopped_profiles(payloads: Sequence[Any]) -> str | None:
+    """Rank 0: why profiling stopped on every rank (some rank's stop payload), or ``None``."""
+    stops = [p for p in payloads if isinstance(p, Mapping) and p.get("stopped")]
+    if not stops:
+        return None
+    why = "; ".join(str(p["reason"]) for p in stops if p.get("reason")) or "a rank failed"
+    return f"{why}; powerlib stopped profiling on every rank"
+
 
 class PlanFlow:
     """Profile -> plan -> apply -> verdict, and re-planning (mixed into the session)."""
 
+    _failure: str | None = None
+    """This rank's own failure (the first), once it has one: it manages its device no more."""
+
     # -- from profile to plan to apply -----------------------------------------------------------
 
-    def _profiled(self, payload: ProfilePayload) -> None:
+    def _profiled(self, payload: ProfilePayload | dict[str, Any]) -> None:
         """The sweep is over: send this rank's profile to rank 0 and wait for its outcome."""
         assert self._coordinator is not None
         plan_fn = self._profile_only_fn if self.mode == "profile" else self._plan_fn
         self._await(self._coordinator.exchange(payload, plan_fn), strict=False)
 
     def _plan_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
+        stopped = _stopped_profiles(payloads)
+        if stopped is not None:
+            return PlanningOutcome(baseline_reason=stopped)
         spec = dataclasses.replace(self.spec, progress=self._progress.enabled)
         return make_plan(spec, payloads, keep=self._keep_replanner)
 
@@ -134,6 +165,11 @@ class PlanFlow:
         if outcome is None:
             return
         self._replanning = None
+        if self._failure is not None:  # it voted with the others; its device stays at baseline
+            logger.info(
+                "powerlib: the re-plan for %g s is not applied: this rank failed", deadline_s
+            )
+            return
         plan = outcome.plan
         if plan is None:
             logger.warning(
@@ -173,9 +209,13 @@ class PlanFlow:
             self.controller,
             prefetch=self.apply_config.prefetch,
             on_mismatch=self._stopped,
+            on_failure=self._disable,
         )
 
     def _profile_only_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
+        stopped = _stopped_profiles(payloads)
+        if stopped is not None:
+            return PlanningOutcome(profile_only=True, baseline_reason=stopped)
         spec = dataclasses.replace(self.spec, progress=self._progress.enabled)
         return write_profile(spec, payloads)
 
@@ -210,6 +250,7 @@ class PlanFlow:
             )
             return
         plan = result.plan
+        failure = self._failure  # this rank failed while the plan was on its way
         try:
             if self.mode == "apply":
                 self.spec.check_saved_plan(plan, self._layout_given)
@@ -223,13 +264,18 @@ class PlanFlow:
                 # every rank must join at the same point.
                 self.overlap.load(plan, self.stage, group_ranks=self.run_config.overlap_groups)
             plan.check_frequencies(self.device.info.supported_sm_freqs_mhz, self.stage)
-        except PlanError as err:
+        except PowerlibError as err:
             if strict:
                 raise
-            self._disable(f"the plan cannot be applied: {err}")
+            # This rank alone may not apply it: it still joins the closed loop, stopped.
+            failure = failure or f"stage {self.stage}: the plan cannot be applied: {err}"
+        try:
+            applying = self._apply_phase(plan)
+        except PowerlibError as err:  # the plan has no part for this stage: so on every rank
+            self._disable(f"the plan cannot be applied: {err}", job_wide=True)
             return
         self.plan = plan
-        self._phase = self._applying = self._apply_phase(plan)
+        self._phase = self._applying = applying
         if self.apply_config.check_rounds and self.sampler is not None:
             self._phase = ClosedLoop(
                 self._applying,
@@ -242,6 +288,10 @@ class PlanFlow:
                 on_verdict=self._verdict,
             )
         self.apply_started_iteration = self.iteration
+        if failure is not None:
+            applying.stop(failure)
+            self._disable(failure)  # the closed loop's exchange makes it job-wide
+            return
         self._progress.say(f"applying the {plan.policy} plan from iteration {self.iteration}")
 
     def _verdict(self, realized: Realized) -> None:
@@ -264,6 +314,27 @@ class PlanFlow:
             return
         if isinstance(self._phase, ClosedLoop):
             self._phase = self._phase.applying
+        if self._failure is not None:  # failed after its windows went out: it stops alone
+            self._stopped(f"{self._failure}; {_RESET_ALONE}")
         if realized.verdict == "shortfall" and self.rank == 0:
             logger.warning("powerlib: %s", realized.reason)
         self._progress.say(realized.line())
+
+    def _fail_in_phase(self, reason: str) -> bool:
+        """This rank failed: keep its phase if the job still expects it in a collective.
+
+        Returns:
+            True when the phase stays, marked failed, and carries the failure to the other ranks
+            (the sweep's unhealthy vote, the plan's arrival, the closed loop's ``stopped``
+            windows); False when no collective is owed and the rank stops alone.
+        """
+        phase = self._phase
+        if isinstance(phase, ProfilePhase):
+            phase.fail(reason)
+            return True
+        if isinstance(phase, Waiting) and self._plan_future is not None:
+            return True  # the plan's arrival builds a stopped apply phase (_try_plan)
+        if isinstance(phase, ClosedLoop) and phase.pending:
+            phase.applying.stop(reason)
+            return True
+        return False

@@ -18,6 +18,15 @@ iteration.
 While warming up, the phase measures the clock-change latency: it alternates the clock at every
 other instruction end and times, from the sampler's reads, when each request lands. The plan's
 slowdown guard uses the measured figure (docs/measurement.md §8).
+
+A rank that fails while profiling (the device refused a clock change, or a read or a clock
+stamp raised a :class:`~powerlib.errors.PowerlibError`) does not leave the sweep: :meth:`fail`
+resets its clocks and stops its requests, and it keeps counting the sweep's iterations and
+voting at the same iterations as the others, with the vote's last element, *healthy*, False.
+The vote is element-wise over the ranks, so at that vote every rank stops profiling, resets
+its clocks and sends rank 0 a stop payload (``{"stage", "stopped", "reason"}``) instead of its
+profile; rank 0 answers with one baseline verdict naming the failing rank's reason, which rank 0
+warns once (docs/real-gpu.md §3). No rank waits in a collective another skipped.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from powerlib.device import Device
-from powerlib.errors import InvalidArgumentError
+from powerlib.errors import InvalidArgumentError, PowerlibError
 from powerlib.measurement.attribution import REST, Spans, solve_powers
 from powerlib.measurement.markers import Stamps
 from powerlib.measurement.sampler import DeviceSampler
@@ -128,8 +137,11 @@ class ProfilePhase:
         clock: Time source in seconds (the sampler's).
         idle_power_w: The device's power before the session changed anything.
         progress: Where progress lines go.
-        on_finished: Called once with the payload for rank 0 when the sweep is over.
-        on_refused: Called with a reason when the device refuses a clock change.
+        on_finished: Called once with the payload for rank 0 when the sweep is over (a stop
+            payload, ``{"stage", "stopped": True, "reason"}``, when a rank failed).
+        on_refused: Called once with a reason when this rank fails (the device refused a
+            clock change, a read raised): the phase has reset the clocks and keeps voting,
+            marked unhealthy, until every rank stops at the same vote.
 
     Raises:
         InvalidArgumentError: The device cannot lock its SM clock, or a candidate clock is not
@@ -151,7 +163,7 @@ class ProfilePhase:
         clock: Callable[[], float],
         idle_power_w: float | None,
         progress: Progress,
-        on_finished: Callable[[ProfilePayload], None],
+        on_finished: Callable[[ProfilePayload | dict[str, Any]], None],
         on_refused: Callable[[str], None],
     ) -> None:
         supported = device.info.supported_sm_freqs_mhz
@@ -195,6 +207,8 @@ class ProfilePhase:
         """Median relative standard error of a row's mean time (the guard draws it)."""
         self.position = 0
         """Instructions begun in this iteration."""
+        self.failed: str | None = None
+        """Why this rank stopped profiling (it still votes, unhealthy), or ``None``."""
         progress.say(
             f"profiling up to {len(sweep_config.freqs_mhz)} clocks, {sweep_config.freqs_mhz[0]:g}"
             f"-{sweep_config.freqs_mhz[-1]:g} MHz, interleaved, each until its energy resolves "
@@ -211,35 +225,72 @@ class ProfilePhase:
 
     def begin(self, kind: str, microbatch: int, chunk: int) -> None:
         """An instruction starts: note the time."""
-        t = self._stamps.stamp()
+        self.position += 1
+        if self.failed is not None:
+            return
+        try:
+            t = self._stamps.stamp()
+        except PowerlibError as err:
+            self._failed_here(f"stage {self._stage}: timing an instruction failed: {err}")
+            return
         if self._iter_start is None:
             self._iter_start = t
         self._open = (kind, t)
         self._order_now.append((chunk, microbatch, kind))
-        self.position += 1
 
     def end(self) -> None:
         """The open instruction ends: keep its span (and probe the clock while warming up)."""
-        if self._open is None:
+        if self._open is None or self.failed is not None:
+            self._open = None
             return
-        t = self._stamps.stamp()
         kind, t0 = self._open
         self._open = None
-        if self.sweep.measuring and self._blocks:
-            self._spans[-1].append((kind, t0, t))
-        elif self.sweep.warming_up and self._probe_freqs is not None:
-            self._ends += 1
-            if self._ends % 2 == 0:  # every other end: changes at least one instruction apart
-                freq = self._probe_freqs[(self._ends // 2) % 2]
-                self._probes.append((self._clock(), freq))
-                self._controller.request(freq)
+        try:
+            t = self._stamps.stamp()
+            if self.sweep.measuring and self._blocks:
+                self._spans[-1].append((kind, t0, t))
+            elif self.sweep.warming_up and self._probe_freqs is not None:
+                self._ends += 1
+                if self._ends % 2 == 0:  # every other end: changes at least one instruction apart
+                    freq = self._probe_freqs[(self._ends // 2) % 2]
+                    self._probes.append((self._clock(), freq))
+                    self._controller.request(freq)
+        except PowerlibError as err:
+            self._failed_here(f"stage {self._stage}: timing an instruction failed: {err}")
 
     def step(self) -> None:
-        """The iteration ended: close its window and, when a block may end, vote."""
+        """The iteration ended: close its window and, when a block may end, vote.
+
+        The sweep counts the iteration and the vote is cast on every rank, failed or not: the
+        ranks' collectives stay matched whatever this rank's device does.
+        """
+        sweep = self.sweep
+        t: list[float] | None = None
+        if self.failed is None:
+            try:
+                t = self._record_step()
+            except PowerlibError as err:
+                self._failed_here(f"stage {self._stage}: measuring an iteration failed: {err}")
+        was_warming = sweep.warming_up
+        if sweep.iteration_ended():
+            self._vote = self._coordinator.all_agree(self._healthy_vote())
+        elif was_warming and not sweep.warming_up and self.failed is None:
+            try:
+                self._measure_latency()
+            except PowerlibError as err:
+                self._failed_here(f"stage {self._stage}: measuring the clock latency failed: {err}")
+        self.position = 0
+        self._open = None
+        self._iter_start = t
+
+    def _record_step(self) -> list[float]:
+        """Close the iteration's window (the block's measured iterations); its end time."""
         t = self._stamps.stamp()
         sweep = self.sweep
         self._recorded_order, self._order_now = self._order_now, []
         self._check_refusals()
+        if self.failed is not None:
+            return t
         measuring = sweep.measuring and bool(self._blocks)
         start = self._iter_start if self._iter_start is not None else t
         if measuring:
@@ -247,14 +298,33 @@ class ProfilePhase:
             assert block.windows is not None
             block.windows.append((start, t))
             block.iterations += 1
-        was_warming = sweep.warming_up
-        if sweep.iteration_ended():
-            self._vote = self._coordinator.all_agree(self._block_vote())
-        elif was_warming and not sweep.warming_up:
-            self._measure_latency()
-        self.position = 0
+        return t
+
+    def _healthy_vote(self) -> tuple[bool, bool, bool, bool]:
+        """``(block done, end the coarse pass, can resolve, healthy)``: this rank's vote."""
+        if self.failed is None:
+            try:
+                return (*self._block_vote(), True)
+            except PowerlibError as err:
+                self._failed_here(f"stage {self._stage}: attributing the energy failed: {err}")
+        return (False, False, True, False)
+
+    def fail(self, reason: str) -> None:
+        """This rank stops profiling: clocks reset, no more requests; it keeps voting, unhealthy.
+
+        Idempotent: the first reason is kept.
+        """
+        if self.failed is not None:
+            return
+        self.failed = reason
         self._open = None
-        self._iter_start = t
+        self._controller.reset()
+
+    def _failed_here(self, reason: str) -> None:
+        """A failure this phase found itself: :meth:`fail`, then tell the session once."""
+        if self.failed is None:
+            self.fail(reason)
+            self._on_refused(reason)
 
     def _windows(self, block: _Block) -> list[tuple[float, float]]:
         """The block's measured windows in seconds: resolved, and after its clock landed."""
@@ -276,7 +346,10 @@ class ProfilePhase:
             if vote is None:
                 return  # not every rank has voted yet; retried by the next call
             self._vote = None
-            done, rose, resolvable = vote
+            done, rose, resolvable, healthy = vote
+            if not healthy:  # a rank failed: every rank stops here, at the same vote
+                self._stop()
+                return
             if not resolvable:
                 self._give_up()
                 return
@@ -294,11 +367,17 @@ class ProfilePhase:
                     return
                 num, total = sweep.position
                 self._progress.say(f"profiling at {sweep.freq_mhz:g} MHz ({num}/{total})")
+        if self.failed is not None:
+            return  # no block, no clock: the device stays at its baseline
         if sweep.measuring and (not self._blocks or self._blocks[-1].freq_mhz != sweep.freq_mhz):
             self._blocks.append(_Block(sweep.freq_mhz, self._clock(), windows=[]))
             self._spans.append([])
         if self._controller.last_requested != sweep.freq_mhz:
-            self._controller.request(sweep.freq_mhz)
+            try:
+                self._controller.request(sweep.freq_mhz)
+            except PowerlibError as err:
+                self._failed_here(f"stage {self._stage}: {sweep.freq_mhz:g} MHz failed: {err}")
+                return
             if self._blocks and self._blocks[-1].freq_mhz == sweep.freq_mhz:
                 self._blocks[-1].requested_s = self._clock()
 
@@ -313,7 +392,7 @@ class ProfilePhase:
         refused = [a for a in applied[self._applied_seen :] if not a.ok]
         self._applied_seen = len(applied)
         if refused:
-            self._on_refused("the device refused a clock change while profiling")
+            self._failed_here(f"stage {self._stage}: {refused[0].failure()} (while profiling)")
 
     def _land(self, block: _Block) -> None:
         """When the block's clock landed, from the sampler's reads (``None``: not yet)."""
@@ -444,11 +523,23 @@ class ProfilePhase:
                 f"(90th percentile {self.latency_s * 1e3:.0f} ms, {len(landed)} probes)"
             )
 
+    def _stop(self) -> None:
+        """A rank failed: the sweep ends here on every rank, clocks reset, a stop payload."""
+        self.sweep.finished = True
+        self._controller.reset()
+        self._on_finished(self._stop_payload())
+
+    def _stop_payload(self) -> dict[str, Any]:
+        """What every rank sends rank 0 when a rank failed (``reason``: this rank's failure)."""
+        return {"stage": self._stage, "stopped": True, "reason": self.failed}
+
     def _give_up(self) -> None:
         self.sweep.finished = True
         self._controller.reset()
         self._on_finished(
-            ProfilePayload(
+            self._stop_payload()
+            if self.failed is not None  # failed after voting healthy: the exchange says so
+            else ProfilePayload(
                 stage=self._stage,
                 gave_up=True,
                 unresolved=self.unresolved,  # None on the ranks that did resolve
@@ -458,24 +549,33 @@ class ProfilePhase:
 
     def _finish(self) -> None:
         self._controller.reset()
+        payload: ProfilePayload | dict[str, Any] | None = None
+        if self.failed is None:
+            try:
+                payload = self._profile_payload()
+            except PowerlibError as err:
+                self._failed_here(f"stage {self._stage}: attributing the energy failed: {err}")
+        # exactly one exchange on every rank, failed or not
+        self._on_finished(self._stop_payload() if payload is None else payload)
+
+    def _profile_payload(self) -> ProfilePayload:
+        """This rank's resolved profile (the whole sweep solved at once)."""
         rows, errors, p_block, p_block_error, time_cv = self._rows()
         self.recorder.set(rows, errors, p_block, p_block_error)
-        self._on_finished(
-            ProfilePayload(
-                stage=self._stage,
-                rows=tuple(rows),
-                errors=errors,
-                p_block_w=p_block,
-                p_block_error=p_block_error,
-                order=tuple(self._recorded_order),  # what the loop really ran
-                idle_power_w=self._idle_power_w,
-                latency_s=self.latency_s,
-                blocks=tuple(b.to_json() for b in self._blocks),
-                counter_period_s=self._counter_period_s(),
-                time_cv=time_cv,
-                time_se=self.time_se,
-                target_error=self.sweep.config.target_error,
-            )
+        return ProfilePayload(
+            stage=self._stage,
+            rows=tuple(rows),
+            errors=errors,
+            p_block_w=p_block,
+            p_block_error=p_block_error,
+            order=tuple(self._recorded_order),  # what the loop really ran
+            idle_power_w=self._idle_power_w,
+            latency_s=self.latency_s,
+            blocks=tuple(b.to_json() for b in self._blocks),
+            counter_period_s=self._counter_period_s(),
+            time_cv=time_cv,
+            time_se=self.time_se,
+            target_error=self.sweep.config.target_error,
         )
 
     def _rows(
