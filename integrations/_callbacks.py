@@ -134,8 +134,11 @@ class Interval:
         """The figures of the steps since the previous call; ``{}`` if none.
 
         ``energy_j``, ``energy_per_step_j``, ``energy_total_j`` and, where known, ``power_w``
-        and ``energy_per_token_j``.
+        and ``energy_per_token_j``; ``{}`` without a measured device (time only, docs/real-gpu.md
+        §7).
         """
+        if not res.devices:
+            return {}
         steps = res.num_steps
         if steps <= self.steps:
             return {}
@@ -160,7 +163,9 @@ class Interval:
 
 
 def totals(res: Any, prefix: str = "train_") -> dict[str, float]:
-    """The closed measurement's figures, ``train_``-prefixed."""
+    """The closed measurement's figures, ``train_``-prefixed (none without a measured device)."""
+    if not res.devices:
+        return {}
     values = {
         "energy_j": res.energy_j,
         "steps_energy_j": math.fsum(res.step_energy_j),

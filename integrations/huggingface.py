@@ -108,10 +108,13 @@ class _PowerlibCallbackImpl(MeasuredRun):
     """Energy per step in the Trainer's logs; optionally ``powerlib.optimize`` around training.
 
     Args:
-        devices: What to measure: ``"auto"`` (default) is this process's device (the backend's
-            device at the local process index) in a multi-process job and every device of the
-            backend in a single process (one process may drive several GPUs); ``None`` is every
-            device; or a list of ``Device`` objects, indexes or ids (as :func:`powerlib.measure`).
+        devices: What to measure: ``"auto"`` (default) is this process's device (its CUDA
+            device, else the local process index: ``devices="local"`` of
+            :func:`powerlib.measure`) in a multi-process job and every device of the backend in a
+            single process (one process may drive several GPUs); ``None`` is every device; or a
+            list of ``Device`` objects, indexes or ids (as :func:`powerlib.measure`). Without a
+            device (no GPU, no ``POWERLIB_BACKEND``) the callback warns once and logs no energy;
+            training goes on (docs/real-gpu.md §7).
         backend: A backend or its name; default ``POWERLIB_BACKEND``.
         sample_period_s: How often the sampler thread reads each device (default 10 ms).
         tokens_per_step: Tokens this process handles in one optimizer step, for ``J/token``: a
@@ -190,7 +193,9 @@ class _PowerlibCallbackImpl(MeasuredRun):
         if self.devices != "auto":
             return self.devices
         if args.world_size > 1:
-            return [args.local_process_index]
+            from powerlib.measurement.measure import LOCAL  # noqa: PLC0415
+
+            return LOCAL  # this process's GPU, as the session picks it (docs/real-gpu.md §4)
         return None
 
     def _attach(
@@ -303,7 +308,10 @@ class _PowerlibCallbackImpl(MeasuredRun):
         if window is None or not self.running:
             return
         window.__exit__(None, None, None)
-        energy_j, time_s = window_energy(self._now(), window.name, window.index)
+        res = self._now()
+        if not res.devices:
+            return  # no device: time only (docs/real-gpu.md §7)
+        energy_j, time_s = window_energy(res, window.name, window.index)
         prefix = "eval"
         for key in metrics or {}:
             if key.endswith("_runtime"):
@@ -350,6 +358,8 @@ class _PowerlibCallbackImpl(MeasuredRun):
         if not self.running:
             return
         values = self._finish()
+        if not values:
+            return  # no device: time only (docs/real-gpu.md §7)
         entry = state.log_history[-1] if state.log_history else None
         final = self._final_logs
         if final is not None and entry is not None and all(k in entry for k in final):

@@ -43,10 +43,12 @@ class _PowerlibCallbackImpl(MeasuredRun):
     """Energy per step in Lightning's logs; optionally ``powerlib.optimize`` around ``fit``.
 
     Args:
-        devices: What to measure: ``"auto"`` (default) is this process's device (the backend's
-            device at ``trainer.local_rank``) in a multi-process job and every device of the
-            backend in a single process; ``None`` is every device; or a list of ``Device``
-            objects, indexes or ids (as :func:`powerlib.measure`).
+        devices: What to measure: ``"auto"`` (default) is this process's device (its CUDA
+            device, else ``LOCAL_RANK``: ``devices="local"`` of :func:`powerlib.measure`) in a
+            multi-process job and every device of the backend in a single process; ``None`` is
+            every device; or a list of ``Device`` objects, indexes or ids (as
+            :func:`powerlib.measure`). Without a device (no GPU, no ``POWERLIB_BACKEND``) the
+            callback warns once and logs no energy; training goes on (docs/real-gpu.md §7).
         backend: A backend or its name; default ``POWERLIB_BACKEND``.
         sample_period_s: How often the sampler thread reads each device (default 10 ms).
         tokens_per_batch: Tokens in one training batch of this process, for ``J/token``: a
@@ -119,7 +121,11 @@ class _PowerlibCallbackImpl(MeasuredRun):
     def _devices(self, trainer: Any) -> Any:
         if self.devices != "auto":
             return self.devices
-        return [trainer.local_rank] if trainer.world_size > 1 else None
+        if trainer.world_size > 1:
+            from powerlib.measurement.measure import LOCAL  # noqa: PLC0415
+
+            return LOCAL  # this process's GPU, as the session picks it (docs/real-gpu.md §4)
+        return None
 
     def _attach(self, stack: contextlib.ExitStack, trainer: Any, pl_module: Any) -> None:
         import powerlib  # noqa: PLC0415
@@ -238,7 +244,10 @@ class _PowerlibCallbackImpl(MeasuredRun):
         window.__exit__(None, None, None)
         if window.name != "validation":
             return  # Lightning drops what the sanity check logs
-        energy_j, time_s = window_energy(self._now(), window.name, window.index)
+        res = self._now()
+        if not res.devices:
+            return  # no device: time only (docs/real-gpu.md §7)
+        energy_j, time_s = window_energy(res, window.name, window.index)
         values = {"validation_energy_j": energy_j}
         if time_s > 0:
             values["validation_power_w"] = energy_j / time_s
@@ -255,6 +264,8 @@ class _PowerlibCallbackImpl(MeasuredRun):
         if not self.running:
             return
         values = self._finish()
+        if not values:
+            return  # no device: time only (docs/real-gpu.md §7)
         for logger in trainer.loggers:
             logger.log_metrics(values, step=trainer.global_step)
 

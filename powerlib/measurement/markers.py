@@ -5,6 +5,11 @@ stream costs a few microseconds and never blocks; another thread waits for it an
 when the device reached that point: :mod:`powerlib.measurement.measure` stamps step boundaries
 this way, and the frequency controller holds a clock change until the stream reaches the
 instruction it is for (docs/measurement.md).
+
+``auto`` is decided at each mark, not once: before CUDA is initialised a mark is ``None`` (the
+host clock stands in), and from the first mark after it the marks are CUDA events, so a session
+or measurement entered before the model moves to the GPU still follows the kernels
+(docs/real-gpu.md §4).
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ class StreamMarker(Protocol):
     """Marks points on an accelerator stream and waits for them (the CUDA one: events)."""
 
     def record(self) -> object:
-        """Enqueue a marker on the current stream; must not block."""
+        """Enqueue a marker on the current stream; must not block.
+
+        ``None``: no marker now (no stream yet); the host clock stands in for this point.
+        """
         ...
 
     def wait(self, token: object) -> None:
@@ -53,10 +61,35 @@ class _CudaMarker:
         self._free.append(token)
 
 
-def cuda_marker(align: str) -> StreamMarker | None:
-    """CUDA events for ``align`` (``cuda``, ``host``, ``auto``: when CUDA is initialised).
+class _LazyCudaMarker:
+    """``auto``: no marker (``None``) until CUDA is initialised, CUDA events from then on.
 
-    Never imports torch for ``auto``: a CPU job does not have it.
+    Each mark before that costs a dictionary look-up and one ``is_initialized()``; the event
+    marker is kept once CUDA is up. Never imports torch.
+    """
+
+    def __init__(self) -> None:
+        self._cuda: _CudaMarker | None = None
+
+    def record(self) -> object:
+        cuda = self._cuda
+        if cuda is None:
+            torch = sys.modules.get("torch")
+            if torch is None or not torch.cuda.is_initialized():
+                return None
+            cuda = self._cuda = _CudaMarker(torch)
+        return cuda.record()
+
+    def wait(self, token: object) -> None:
+        if token is not None and self._cuda is not None:
+            self._cuda.wait(token)
+
+
+def cuda_marker(align: str) -> StreamMarker | None:
+    """CUDA events for ``align`` (``cuda``, ``host``, ``auto``: once CUDA is initialised).
+
+    ``auto`` returns a marker whose marks are ``None`` until CUDA is initialised (decided at
+    each mark); it never imports torch: a CPU job does not have it.
 
     Raises:
         InvalidArgumentError: ``align="cuda"`` and torch sees no GPU.
@@ -70,17 +103,18 @@ def cuda_marker(align: str) -> StreamMarker | None:
         if not torch.cuda.is_available():
             raise InvalidArgumentError("align='cuda' needs CUDA, and torch sees no GPU")
         return _CudaMarker(torch)
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return _CudaMarker(torch)
-    return None
+    if align != "auto":
+        raise InvalidArgumentError(f"align must be auto, cuda or host, got {align!r}")
+    return _LazyCudaMarker()
 
 
 class Stamps:
     """Times of points in the training loop: the host clock now, or when the stream got there.
 
     :meth:`stamp` returns a one-element list (a cell) that holds the time: at once with no
-    marker; with one, a waiter thread fills it when the device reaches the marker recorded at
-    the call (``nan`` until then). The training thread only records the marker.
+    marker (or a ``None`` mark: no stream yet); with one, a waiter thread (started at the first
+    mark) fills it when the device reaches the marker recorded at the call (``nan`` until
+    then). The training thread only records the marker.
 
     Args:
         clock: Time source in seconds.
@@ -92,16 +126,18 @@ class Stamps:
         self._marker = marker
         self._queue: queue.SimpleQueue[tuple[list[float], object] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        if marker is not None:
-            self._thread = threading.Thread(target=self._wait, name="powerlib-stamps", daemon=True)
-            self._thread.start()
+        self._closed = False
 
     def stamp(self) -> list[float]:
         """A cell with the time of this point (``nan`` until the device reaches it)."""
-        if self._marker is None:
+        token = None if self._marker is None or self._closed else self._marker.record()
+        if token is None:
             return [self._clock()]
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._wait, name="powerlib-stamps", daemon=True)
+            self._thread.start()
         cell = [math.nan]
-        self._queue.put((cell, self._marker.record()))
+        self._queue.put((cell, token))
         return cell
 
     def _wait(self) -> None:
@@ -119,6 +155,7 @@ class Stamps:
 
     def close(self) -> None:
         """Stop the waiter. Idempotent."""
+        self._closed = True
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=5.0)

@@ -21,6 +21,13 @@ and splits them at boundaries by the sampled power. No device call and no
 On a GPU (``align="cuda"``, or ``"auto"`` once CUDA is initialised) each boundary also records a
 CUDA event on the current stream (asynchronous, a few µs) and a waiter thread stamps the moment
 the event completes: the window is the GPU's time for the step, not the host's, which runs ahead.
+``auto`` is decided at each boundary: a measurement entered before the model moves to the GPU
+switches to events once CUDA is initialised.
+
+Without a device (no GPU and no ``POWERLIB_BACKEND``: ``auto`` finds nothing) a measurement
+warns once per process and records time only (``devices`` is empty, every energy 0): measuring
+never breaks training (docs/real-gpu.md §7). Only a backend or devices named explicitly that
+cannot be opened raise.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -43,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from powerlib.config import Settings
 from powerlib.device import Backend, Device
 from powerlib.errors import InvalidArgumentError, PowerlibError
 from powerlib.inputs import json_depth
@@ -57,12 +66,14 @@ from powerlib.measurement.timeline import EnergyTimeline, build_timeline
 
 __all__ = [
     "EVENTS_ENV",
+    "LOCAL",
     "Measurement",
     "StreamMarker",
     "Window",
     "active_measurements",
     "measure",
     "read_events",
+    "warn_no_device",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,6 +89,31 @@ _STREAM_TIMEOUT_S = 30.0
 """How long the exit waits for the device stream to reach its last marker."""
 
 _ACTIVE: weakref.WeakSet[Measurement] = weakref.WeakSet()
+
+LOCAL = "local"
+"""``devices=LOCAL``: this process's device, chosen as a session chooses its own
+(:func:`powerlib.runtime.options.local_device`, docs/real-gpu.md §4)."""
+
+_NO_DEVICE_WARNED = False
+
+
+def warn_no_device(reason: str) -> None:
+    """Say once per process that measuring goes on without a device: time only, no energy.
+
+    One logged warning and one ``RuntimeWarning`` (as a session's own warnings), the first
+    time; later calls log at INFO (docs/real-gpu.md §7).
+    """
+    global _NO_DEVICE_WARNED
+    if _NO_DEVICE_WARNED:
+        logger.info("powerlib: measuring time only, no device: %s", reason)
+        return
+    _NO_DEVICE_WARNED = True
+    message = (
+        f"powerlib: measuring time only, no energy: {reason} (set POWERLIB_BACKEND to measure a "
+        "device; POWERLIB_BACKEND=simulated for simulated GPUs)"
+    )
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def active_measurements() -> list[Measurement]:
@@ -155,8 +191,9 @@ class Measurement:
 
     Args:
         devices: What to measure: ``Device`` objects, indexes or ids of ``backend``'s devices;
-            default every device of the backend (a shared device is counted once per world by
-            :meth:`result` with ``reduce="world"``).
+            :data:`LOCAL` (``"local"``): this process's device; default every device of the
+            backend (a shared device is counted once per world by :meth:`result` with
+            ``reduce="world"``).
         backend: A :class:`Backend`, a backend name, or ``None`` (``POWERLIB_BACKEND``).
         sample_period_s: How often the sampler thread reads each device (default 10 ms).
         clock: Time source in seconds; default ``time.monotonic`` (the same in every process
@@ -172,11 +209,14 @@ class Measurement:
 
     Raises:
         InvalidArgumentError: A bad argument or an unknown device.
+        BackendUnavailableError: At the ``with`` line, a backend named explicitly (``backend``
+            or ``POWERLIB_BACKEND``) cannot open. Without one, a missing device warns once and
+            the measurement records time only.
     """
 
     def __init__(
         self,
-        devices: Iterable[Device | int | str] | None = None,
+        devices: Iterable[Device | int | str] | str | None = None,
         *,
         backend: Backend | str | None = None,
         sample_period_s: float = 0.01,
@@ -195,7 +235,13 @@ class Measurement:
             raise InvalidArgumentError(f"align must be auto, cuda or host, got {align!r}")
         if sampler not in ("thread", "manual"):
             raise InvalidArgumentError(f"sampler must be thread or manual, got {sampler!r}")
-        self._device_spec = None if devices is None else list(devices)
+        if isinstance(devices, str) and devices != LOCAL:
+            raise InvalidArgumentError(
+                f"devices must be {LOCAL!r}, None or a list of devices, got {devices!r}"
+            )
+        self._device_spec: list[Device | int | str] | str | None = (
+            devices if devices is None or devices == LOCAL else list(devices)  # type: ignore[arg-type]
+        )
         self._backend_spec = backend
         self.sample_period_s = float(sample_period_s)
         self._clock = clock if clock is not None else time.monotonic
@@ -212,6 +258,7 @@ class Measurement:
         self._marker_override = stream_marker
         self._backend: Backend | None = None
         self._own_backend = False
+        self._backend_opened = False
         self._tracks: list[_Track] = []
         self.windows: list[Window] = []
         """Closed windows, in the order they ended."""
@@ -252,11 +299,6 @@ class Measurement:
         self.start_s = self._clock()
         self.running = True
         _ACTIVE.add(self)
-        if self._marker is not None:
-            self._waiter = threading.Thread(
-                target=self._wait_marks, name="powerlib-measure-stream", daemon=True
-            )
-            self._waiter.start()
         if self._sampler_mode == "thread":
             self._thread = threading.Thread(
                 target=self._sample_loop, name="powerlib-measure", daemon=True
@@ -282,11 +324,10 @@ class Measurement:
         for w in reversed(self._open_steps):
             self._close_window(w)
         self.end_s = self._clock()
-        if self._marker is not None:
-            end_window = Window(self, "end", "end", None)
-            self._marks.put((end_window, True, self._marker.record()))
+        end_window = Window(self, "end", "end", None)
+        self._mark(end_window, is_end=True)
+        if self._waiter is not None:
             self._marks.put(None)
-            assert self._waiter is not None
             self._waiter.join(timeout=_STREAM_TIMEOUT_S)
             if self._waiter.is_alive():  # a hung stream must not hang the job's exit
                 logger.warning(
@@ -383,16 +424,29 @@ class Measurement:
         w.index = self._counts.get(key, 0)
         self._counts[key] = w.index + 1
         w.start_s = self._clock()
-        if self._marker is not None:
-            self._marks.put((w, False, self._marker.record()))
+        self._mark(w, is_end=False)
 
     def _close_window(self, w: Window) -> None:
         if w.end_s is not None:
             return
         w.end_s = self._clock()
-        if self._marker is not None:
-            self._marks.put((w, True, self._marker.record()))
+        self._mark(w, is_end=True)
         self.windows.append(w)
+
+    def _mark(self, w: Window, *, is_end: bool) -> None:
+        """Record a stream marker for a boundary of ``w`` (none: the host time stands).
+
+        The waiter thread starts at the first marker: ``auto`` has none until CUDA is up.
+        """
+        token = None if self._marker is None else self._marker.record()
+        if token is None:
+            return
+        if self._waiter is None:
+            self._waiter = threading.Thread(
+                target=self._wait_marks, name="powerlib-measure-stream", daemon=True
+            )
+            self._waiter.start()
+        self._marks.put((w, is_end, token))
 
     # -- sampling --------------------------------------------------------------------------------
 
@@ -636,35 +690,76 @@ class Measurement:
     # -- plumbing --------------------------------------------------------------------------------
 
     def _open_devices(self) -> None:
-        spec = self._backend_spec
-        if isinstance(spec, Backend):
-            backend = spec
-        elif self._device_spec and all(isinstance(d, Device) for d in self._device_spec):
-            backend = None
-        else:
-            from powerlib.registry import open_backend  # noqa: PLC0415
+        """Open the backend and the devices; without a device named, warn and measure time only.
 
-            backend = open_backend(spec)
-            self._own_backend = True
-        self._backend = backend
-        devices: list[Device] = []
-        if self._device_spec is None:
-            assert backend is not None
-            devices = list(backend.devices())
+        A backend named explicitly (an argument or ``POWERLIB_BACKEND``) that cannot open, and
+        devices listed explicitly that do not exist, raise; otherwise a failure to find a device
+        is one warning and no device (docs/real-gpu.md §7).
+        """
+        spec = self._backend_spec
+        settings: Settings | None = None
+        if isinstance(spec, Backend):
+            named_backend = True
         else:
-            for d in self._device_spec:
-                if isinstance(d, Device):
-                    devices.append(d)
-                else:
-                    assert backend is not None
-                    devices.append(backend.device(d))
+            settings = Settings.from_env()
+            named_backend = (spec if spec is not None else settings.backend) != "auto"
+        named_devices = isinstance(self._device_spec, list)
+        try:
+            devices = self._find_devices(settings)
+        except PowerlibError as err:
+            self._close_backend()
+            self._backend = None
+            opened = self._backend_opened
+            if (named_backend and not opened) or (named_devices and opened):
+                raise
+            warn_no_device(str(err))
+            return
         if not devices:
-            raise InvalidArgumentError("nothing to measure: the backend has no devices")
+            self._close_backend()
+            self._backend = None
+            if named_backend or named_devices:
+                raise InvalidArgumentError("nothing to measure: the backend has no devices")
+            warn_no_device("the backend has no devices")
+            return
         seen: set[str] = set()
         for d in devices:
             if d.device_id not in seen:
                 seen.add(d.device_id)
                 self._tracks.append(_Track(d))
+
+    def _find_devices(self, settings: Settings | None) -> list[Device]:
+        """The backend (opened here unless given) and the devices :attr:`_device_spec` names."""
+        spec = self._backend_spec
+        self._backend_opened = False
+        if isinstance(spec, Backend):
+            backend: Backend | None = spec
+        elif isinstance(self._device_spec, list) and all(
+            isinstance(d, Device) for d in self._device_spec
+        ):
+            backend = None
+        else:
+            from powerlib.registry import open_backend  # noqa: PLC0415
+
+            backend = open_backend(spec, settings)
+            self._own_backend = True
+        self._backend = backend
+        self._backend_opened = True
+        if self._device_spec is None:
+            assert backend is not None
+            return list(backend.devices())
+        if self._device_spec == LOCAL:
+            from powerlib.runtime.options import local_device  # noqa: PLC0415 - runtime imports us
+
+            assert backend is not None
+            return [local_device(backend, settings or Settings.from_env())]
+        devices: list[Device] = []
+        for d in self._device_spec:
+            if isinstance(d, Device):
+                devices.append(d)
+            else:
+                assert backend is not None
+                devices.append(backend.device(d))
+        return devices
 
     def _close_backend(self) -> None:
         if self._own_backend and self._backend is not None:

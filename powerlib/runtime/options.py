@@ -20,14 +20,30 @@ from pathlib import Path
 
 from powerlib.config import Settings
 from powerlib.control import ControlSession
-from powerlib.device import Backend, Device
-from powerlib.errors import DeviceBusyError, InvalidArgumentError, PowerlibError
+from powerlib.device import Backend, Device, DeviceKind
+from powerlib.errors import (
+    BackendUnavailableError,
+    DeviceBusyError,
+    DeviceNotFoundError,
+    InvalidArgumentError,
+    NotSupportedError,
+    PermissionDeniedError,
+    PowerlibError,
+)
 from powerlib.runtime.coordination import Coordinator
 
 DISABLE_ENV = "POWERLIB_DISABLE"
 """Set to 1 to run every session disabled (measure only, no device change)."""
 
-__all__ = ["DISABLE_ENV", "MODES", "RunConfig", "claim_device"]
+__all__ = [
+    "DISABLE_ENV",
+    "MODES",
+    "LazyCudaSync",
+    "RunConfig",
+    "check_control",
+    "claim_device",
+    "local_device",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,21 +58,28 @@ class RunConfig:
         mode: ``auto``, ``profile``, ``plan`` or ``apply``.
         stage: This rank's pipeline stage; default: the rank, when there is one rank per stage.
         backend: A :class:`Backend`, a backend name, or ``None`` (``POWERLIB_BACKEND``).
-        device: The device (index, id or :class:`Device`); default ``LOCAL_RANK`` or 0.
+        device: The device (index, id or :class:`Device`); default this process's CUDA device,
+            else ``LOCAL_RANK`` (:func:`local_device`).
         profile_path: The profile to plan from (``plan`` mode).
         plan_path: The plan to apply (``apply`` mode).
         coordinator: How ranks agree; default ``torch.distributed`` if initialised, else alone.
         clock: Time source in seconds; default ``time.perf_counter``.
         sync: Waits for the device before a time is read; default ``torch.cuda.synchronize``
-            when CUDA is in use, else nothing.
+            once CUDA is initialised, else nothing (decided at each call).
         progress: Print progress to stderr; default on rank 0 only.
-        guardian: Start the watchdog process that restores the device if this process is killed.
+        guardian: Start the watchdog process that restores the device if this process is
+            killed; default: on when the backend changes devices directly and persistently (real
+            hardware, not the agent; docs/real-gpu.md §6).
         overlap_groups: For overlap plans on NCCL: the global ranks of every group the
             overlapped collectives run on; default: the whole world.
         settings: Settings; default from the environment.
         enabled: ``False`` (or ``POWERLIB_DISABLE=1`` in the environment) runs the same hooks
             and measures every iteration's time and energy, but changes no device and takes
             no lock: the A side of an A/B run.
+        force: Take a GPU whose clocks someone else locked (an administrator's
+            ``nvidia-smi -lgc``), although NVML cannot read that lock back: the session's
+            restore then unlocks it (docs/real-gpu.md §1). Without it such a GPU is refused at
+            the ``with`` line.
 
     Raises:
         InvalidArgumentError: An unknown mode, or one that lacks its input file.
@@ -72,10 +95,11 @@ class RunConfig:
     clock: Callable[[], float] | None = None
     sync: Callable[[], None] | None = None
     progress: bool | None = None
-    guardian: bool = False
+    guardian: bool | None = None
     overlap_groups: Sequence[Sequence[int]] | None = None
     settings: Settings | None = None
     enabled: bool = True
+    force: bool = False
 
     @property
     def disabled(self) -> bool:
@@ -110,22 +134,147 @@ class RunConfig:
             raise InvalidArgumentError(f"stage {stage} is out of range for {num_stages} stage(s)")
         return stage
 
-    def selector(self, settings: Settings) -> int | str:
-        """Which device of the backend: :attr:`device`, else ``LOCAL_RANK``, else 0."""
-        if self.device is None:
-            return settings.local_rank or 0
-        assert not isinstance(self.device, Device)  # a Device is used as it is
-        return self.device
+    def select_device(self, backend: Backend, settings: Settings) -> Device:
+        """This session's device: :attr:`device` when given, else :func:`local_device`.
+
+        Raises:
+            DeviceNotFoundError: The named device does not exist, or none can be told apart.
+        """
+        if isinstance(self.device, Device):
+            return self.device
+        if self.device is not None:
+            return backend.device(self.device)
+        return local_device(backend, settings)
 
     def resolve_sync(self) -> Callable[[], None]:
-        """:attr:`sync`, or ``torch.cuda.synchronize`` when torch is imported and CUDA is up."""
+        """:attr:`sync`, or a wait that is ``torch.cuda.synchronize`` once CUDA is initialised.
+
+        The default is decided at each call, not here: a session entered before the model
+        moves to the GPU still waits for kernels later (docs/real-gpu.md §4).
+        """
         if self.sync is not None:
             return self.sync
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            sync: Callable[[], None] = torch.cuda.synchronize
-            return sync
-        return lambda: None
+        return LazyCudaSync()
+
+
+class LazyCudaSync:
+    """``torch.cuda.synchronize`` once CUDA is initialised, nothing before (docs/real-gpu.md §4).
+
+    Never imports torch (a CPU job does not have it); each call before CUDA is up costs a
+    dictionary look-up and one ``is_initialized()``, and the synchronize is kept from then on.
+    """
+
+    def __init__(self) -> None:
+        self._sync: Callable[[], None] | None = None
+
+    def __call__(self) -> None:
+        """Wait for the device when CUDA is up; return at once before."""
+        sync = self._sync
+        if sync is None:
+            torch = sys.modules.get("torch")
+            if torch is None or not torch.cuda.is_initialized():
+                return
+            sync = self._sync = torch.cuda.synchronize
+        sync()
+
+
+def _cuda_uuid() -> str | None:
+    """The UUID of this process's CUDA device, when torch has CUDA up (never on ROCm)."""
+    torch = sys.modules.get("torch")  # never import torch: a CPU job does not have it
+    if torch is None or getattr(getattr(torch, "version", None), "hip", None):
+        return None  # AMD: HIP's UUIDs are not amdsmi's ids; the index decides
+    try:
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return None
+        uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
+    except Exception as err:  # noqa: BLE001 - a broken CUDA leaves the choice to the index
+        logger.info("powerlib: could not read the CUDA device's UUID: %s", err)
+        return None
+    text = str(uuid).strip().lower().removeprefix("gpu-")
+    return text or None
+
+
+def local_device(backend: Backend, settings: Settings) -> Device:
+    """This process's device of ``backend`` when none is named (docs/real-gpu.md §4).
+
+    In order: the device whose id is the UUID of torch's current CUDA device (when CUDA is
+    initialised; NVML ids are ``GPU-<uuid>``); ``LOCAL_RANK`` (else 0) as an index among the
+    visible devices when it is in range; the only visible device (a launcher that gives each
+    process one GPU through ``CUDA_VISIBLE_DEVICES``).
+
+    Raises:
+        DeviceNotFoundError: None of these applies; the message names ``LOCAL_RANK``,
+            ``CUDA_VISIBLE_DEVICES`` and the visible devices.
+    """
+    devices = list(backend.devices())
+    uuid = _cuda_uuid()
+    if uuid is not None:
+        for device in devices:
+            if device.device_id.lower().removeprefix("gpu-") == uuid:
+                return device
+        logger.info(
+            "powerlib: the CUDA device's UUID %s is not among the %s backend's devices; "
+            "choosing by LOCAL_RANK",
+            uuid,
+            backend.name,
+        )
+    index = settings.local_rank or 0
+    if 0 <= index < len(devices):
+        return devices[index]
+    if len(devices) == 1:
+        logger.info(
+            "powerlib: LOCAL_RANK=%s but one device is visible (CUDA_VISIBLE_DEVICES=%s): using %s",
+            settings.local_rank,
+            settings.cuda_visible_devices,
+            devices[0].device_id,
+        )
+        return devices[0]
+    visible = (
+        "unset" if settings.cuda_visible_devices is None else repr(settings.cuda_visible_devices)
+    )
+    rank = "unset" if settings.local_rank is None else settings.local_rank
+    raise DeviceNotFoundError(
+        f"no device for LOCAL_RANK={rank}: the {backend.name} backend sees "
+        f"{len(devices)} device(s) (CUDA_VISIBLE_DEVICES {visible}); pass device= or give "
+        "each process its GPU through CUDA_VISIBLE_DEVICES"
+    )
+
+
+def check_control(backend: Backend, device: Device) -> None:
+    """Refuse, at the ``with`` line, a training session that cannot change its device.
+
+    Runs before any lock or journal, in this order: the device must be a GPU (``auto`` may
+    have fallen back to the CPU sysfs backend), not in MIG mode as the driver reports it, and
+    the process must be allowed to change it (:meth:`Backend.control_refusal
+    <powerlib.device.Backend.control_refusal>`: root, or the agent). Each refusal is one line
+    (docs/real-gpu.md §4, §5).
+
+    Raises:
+        BackendUnavailableError: The device is not a GPU.
+        NotSupportedError: The GPU is in MIG mode.
+        PermissionDeniedError: This process may not change the device.
+    """
+    info = device.info
+    if info.kind != DeviceKind.GPU:
+        raise BackendUnavailableError(
+            f"a training session changes GPU clocks, but the {backend.name} backend was picked "
+            f"and {device.device_id} is a {info.kind.value}: set POWERLIB_BACKEND to a GPU backend "
+            "(nvidia, amd, agent; simulated without a GPU), or pass enabled=False to measure only"
+        )
+    try:
+        mig = device.mig_enabled()
+    except PowerlibError as err:
+        logger.info("powerlib: could not read the MIG mode of %s: %s", device.device_id, err)
+        mig = None
+    if mig:
+        raise NotSupportedError(
+            f"{device.device_id} is in MIG mode: one clock serves every MIG instance's tenant, "
+            "so a training session does not change it; disable MIG (nvidia-smi -i <gpu> -mig 0) "
+            "or pass enabled=False to measure only"
+        )
+    refusal = backend.control_refusal()
+    if refusal is not None:
+        raise PermissionDeniedError(refusal)
 
 
 def claim_device(control: ControlSession, device: Device) -> None:

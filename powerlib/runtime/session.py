@@ -41,6 +41,16 @@ energy than all maximum clocks or run past the allowed slowdown, is not applied:
 in one warning line and every rank runs at the baseline clocks
 (:mod:`powerlib.runtime.planning_step`).
 
+The hooks (``begin``, ``end``, ``instruction``, ``start_iteration``, ``step``) never let a
+:class:`~powerlib.errors.PowerlibError` out into the training loop: a device, driver or
+measurement error inside one (an energy or clock read, a refused or failed clock change) resets
+this rank's clocks and stops powerlib job-wide, through the next collective the ranks share (a
+failed rank keeps joining them, with a flag that stops every rank at the same point), with one
+warning; training continues (docs/real-gpu.md §3). They still raise
+:class:`~powerlib.errors.InvalidArgumentError` for a bug in the calling code that is the same on
+every rank, before any device work: a hook called outside the ``with`` block, an unknown
+instruction kind.
+
 A Kareus overlap plan (instructions with ``execution``/``overlap`` fields) also loads
 :attr:`Session.overlap` (:class:`~powerlib.runtime.launch_control.Overlap`) for this rank's stage when
 the plan arrives: the session's instruction hooks drive it, so an integration asks
@@ -68,6 +78,7 @@ from powerlib.control import ControlSession
 from powerlib.device import Backend, Device
 from powerlib.errors import InvalidArgumentError, PlanError, PowerlibError
 from powerlib.measurement.markers import Stamps, cuda_marker
+from powerlib.measurement.measure import warn_no_device
 from powerlib.measurement.sampler import DeviceSampler
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.profiling.sweep import ProfileRecorder
@@ -78,7 +89,7 @@ from powerlib.runtime.closed_loop import ClosedLoop, MeasureOnly
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, default_coordinator
 from powerlib.runtime.launch_control import Overlap
-from powerlib.runtime.options import MODES, RunConfig, claim_device
+from powerlib.runtime.options import MODES, RunConfig, check_control, claim_device
 from powerlib.runtime.phases import (
     CLOSED,
     DONE,
@@ -130,7 +141,8 @@ class Session(PlanFlow):
             through :meth:`set_layout` when they know them. A saved plan (``apply`` mode) is
             checked against the ones given here or through :meth:`set_layout`.
         backend: A :class:`Backend`, a backend name, or ``None`` (``POWERLIB_BACKEND``).
-        device: The device (index, id or :class:`Device`); default ``LOCAL_RANK`` or 0.
+        device: The device (index, id or :class:`Device`); default this process's CUDA device,
+            else ``LOCAL_RANK`` among the visible ones (docs/real-gpu.md §4).
         policy: ``fastest`` (no slowdown), ``deadline`` or ``min-energy``.
         deadline_s: Straggler iteration time T′ for ``deadline``.
         deadline_ratio: T′ as a multiple of the all-max iteration time.
@@ -157,10 +169,12 @@ class Session(PlanFlow):
         coordinator: How ranks agree; default ``torch.distributed`` if initialised, else alone.
         clock: Time source in seconds; default ``time.perf_counter``.
         sync: Waits for the device before a time is read; default ``torch.cuda.synchronize``
-            when CUDA is in use, else nothing.
+            once CUDA is initialised, else nothing (decided at each call, docs/real-gpu.md §4).
         threaded: Apply frequencies on a controller thread (default) or inline (emulator).
         progress: Print progress to stderr; default on rank 0 only.
-        guardian: Start the watchdog process that restores the device if this process is killed.
+        guardian: Start the watchdog process that restores the device if this process is
+            killed; default: on when the backend changes devices directly and persistently (real
+            hardware, not the agent; docs/real-gpu.md §6).
         prefetch: In the apply phase, request the next instruction's clock when one ends, so the
             switch overlaps the wait between instructions (after the order check).
         plot: Rank 0 also draws ``frontier.png`` in ``out_dir`` (``plot`` extra).
@@ -173,6 +187,8 @@ class Session(PlanFlow):
         check_rounds: Rounds of interleaved all-max and plan windows measured after a plan
             arrives (:mod:`powerlib.runtime.closed_loop`): the saving the session reports is
             measured, and a plan that misses is reverted. 0: no check.
+        force: Take a GPU whose clocks someone else locked although the driver cannot read that
+            lock back (its restore then unlocks; docs/real-gpu.md §1); default: refuse it.
 
     Raises:
         InvalidArgumentError: A bad option (a mode without its input file, bad sweep counts).
@@ -214,12 +230,13 @@ class Session(PlanFlow):
         sync: Callable[[], None] | None = None,
         threaded: bool = True,
         progress: bool | None = None,
-        guardian: bool = False,
+        guardian: bool | None = None,
         prefetch: bool = True,
         plot: bool = False,
         overlap_groups: Sequence[Sequence[int]] | None = None,
         settings: Settings | None = None,
         enabled: bool = True,
+        force: bool = False,
         check_rounds: int = 3,
     ) -> None:
         run = RunConfig(
@@ -237,6 +254,7 @@ class Session(PlanFlow):
             overlap_groups=overlap_groups,
             settings=settings,
             enabled=enabled,
+            force=force,
         )
         spec = PlanSpec(
             num_stages=num_stages,
@@ -410,8 +428,11 @@ class Session(PlanFlow):
         settings = run.settings or Settings.from_env()
         coordinator = self._join_job()
         backend, device = self._open_device(settings)
+        check_control(backend, device)  # one line, before any lock or journal (real-gpu.md §5)
         idle_power_w = device.read_state().power_w  # before any change
-        self.control = control = ControlSession(backend, guardian=run.guardian).start()
+        self.control = control = ControlSession(
+            backend, guardian=run.guardian, force=run.force
+        ).start()
         self.controller = FrequencyController(
             control, device, threaded=self.apply_config.threaded, clock=self._clock
         )
@@ -460,20 +481,24 @@ class Session(PlanFlow):
         if not isinstance(backend, Backend):
             backend = open_backend(backend, settings)
             self._own_backend = backend
-        self.device = (
-            run.device if isinstance(run.device, Device) else backend.device(run.selector(settings))
-        )
+        self.device = run.select_device(backend, settings)  # docs/real-gpu.md §4
         return backend, self.device
 
     def _open_disabled(self) -> None:
         """``enabled=False``: read the device if it can be read; change nothing, lock nothing."""
-        settings = self.run_config.settings or Settings.from_env()
+        run = self.run_config
+        settings = run.settings or Settings.from_env()
         self._join_job()
         try:
             _, device = self._open_device(settings)
             self.sampler = DeviceSampler(device, clock=self._clock)
         except PowerlibError as err:
-            logger.info("powerlib: disabled session measures time only: %s", err)
+            # only what was named explicitly fails: measuring never breaks training (§7)
+            opened = isinstance(run.backend, Backend) or self._own_backend is not None
+            named = isinstance(run.backend, Backend) or (run.backend or settings.backend) != "auto"
+            if (named and not opened) or (opened and run.device is not None):
+                raise
+            warn_no_device(f"disabled session: {err}")
         self._measuring = MeasureOnly(self.sampler, self._clock)
         self._phase = self._measuring
         self._progress.say("disabled: measuring only, no device is changed")
@@ -553,40 +578,56 @@ class Session(PlanFlow):
     def begin(self, kind: str, microbatch: int = 0, chunk: int = 0) -> None:
         """An instruction starts (call right before launching its work).
 
+        A device or measurement error inside never reaches the caller: it stops powerlib on
+        every rank with one warning, and training continues (docs/real-gpu.md §3).
+
         Raises:
-            InvalidArgumentError: Called outside the session's ``with`` block, or an unknown
-                ``kind``.
+            InvalidArgumentError: A bug in the calling code, the same on every rank, raised
+                before any device work: called outside the session's ``with`` block, or an
+                unknown ``kind``.
         """
         if not self._active:
             self._refuse_outside("begin")
+        kind = instruction_kind(kind)  # on every rank and in every phase, before any device work
         if self._phase.position == 0 and (not self._started or self._phase.wants_start):
             self.start_iteration()
         phase = self._phase
-        managed = not isinstance(phase, Idle)
-        if self.overlap.schedule is None and not managed:
+        if self.overlap.schedule is None and isinstance(phase, Idle):
             return
-        kind = instruction_kind(kind)
-        if self.overlap.schedule is not None:
-            self.overlap.begin(kind, microbatch, chunk)
-        phase.begin(kind, microbatch, chunk)
+        try:
+            if self.overlap.schedule is not None:
+                self.overlap.begin(kind, microbatch, chunk)
+            phase.begin(kind, microbatch, chunk)
+        except PowerlibError as err:
+            self._hook_failed("begin", err)
 
     def end(self) -> None:
         """The instruction started last ends (call after its work is issued).
 
+        A device or measurement error inside never reaches the caller (see :meth:`begin`).
+
         Raises:
-            InvalidArgumentError: Called outside the session's ``with`` block.
+            InvalidArgumentError: Called outside the session's ``with`` block (a bug in the
+                calling code).
         """
         if not self._active:
             self._refuse_outside("end")
-        self.overlap.end()
-        self._phase.end()
+        try:
+            self.overlap.end()
+            self._phase.end()
+        except PowerlibError as err:
+            self._hook_failed("end", err)
 
     @contextlib.contextmanager
     def instruction(self, kind: str, microbatch: int = 0, chunk: int = 0) -> Iterator[None]:
         """``with session.instruction("forward", microbatch=3): ...`` = begin + end.
 
+        A device or measurement error inside the hooks never reaches the caller (see
+        :meth:`begin`); an exception of the block itself propagates unchanged.
+
         Raises:
-            InvalidArgumentError: Used outside the session's ``with`` block.
+            InvalidArgumentError: Used outside the session's ``with`` block, or an unknown
+                ``kind`` (bugs in the calling code).
         """
         self.begin(kind, microbatch, chunk)
         try:
@@ -599,30 +640,42 @@ class Session(PlanFlow):
 
         Resolves what the ranks agreed at the last :meth:`step` and sets the clock for the
         iteration. Calling it again before the first instruction retries pending agreements
-        (the emulator, driving every rank from one thread, relies on that).
+        (the emulator, driving every rank from one thread, relies on that). A device or
+        measurement error inside never reaches the caller (see :meth:`begin`).
 
         Raises:
-            InvalidArgumentError: Called outside the session's ``with`` block.
+            InvalidArgumentError: Called outside the session's ``with`` block (a bug in the
+                calling code).
         """
         if not self._active:
             self._refuse_outside("start_iteration")
         self._started = True
-        if self._replanning is not None and self._applying is not None:
-            self._switch_replanned()
-        self._phase.start_iteration()
+        try:
+            if self._replanning is not None and self._applying is not None:
+                self._switch_replanned()
+            self._phase.start_iteration()
+        except PowerlibError as err:
+            self._hook_failed("start_iteration", err)
 
     def step(self) -> None:
         """One training iteration ended (after the optimizer step).
 
+        A device or measurement error inside never reaches the caller (see :meth:`begin`);
+        the iteration is counted whatever happens, so every rank stays at the same one.
+
         Raises:
-            InvalidArgumentError: Called outside the session's ``with`` block.
+            InvalidArgumentError: Called outside the session's ``with`` block (a bug in the
+                calling code).
         """
         if not self._active:
             self._refuse_outside("step")
         if not self._started:
             self.start_iteration()
-        self._phase.step()
-        self.overlap.step()
+        try:
+            self._phase.step()
+            self.overlap.step()
+        except PowerlibError as err:
+            self._hook_failed("step", err)
         self.iteration += 1
         # Agree and set the clock for the next iteration now, at the iteration boundary: a
         # collective inside the next begin hook could deadlock against a rank that waits in a
@@ -630,14 +683,36 @@ class Session(PlanFlow):
         self._started = False
         self.start_iteration()
 
+    def _hook_failed(self, hook: str, err: PowerlibError) -> None:
+        """A hook met a device or measurement error: this rank fails; nothing is raised."""
+        self._disable(f"stage {self.stage}: {type(err).__name__} in session.{hook}(): {err}")
+
     def _disable(self, reason: str, *, job_wide: bool = False) -> None:
         """Stop managing the device: clocks reset, one warning.
 
         Args:
             reason: One line.
-            job_wide: Every rank gets the same reason (rank 0's planning verdict): only rank 0
-                warns, the others log it.
+            job_wide: Every rank gets the same reason (rank 0's planning verdict, the closed
+                loop's, or a failure a rank reported through a collective): only rank 0 warns,
+                the others log it. Otherwise it is this rank's own failure (a refused or
+                failed clock change, an error in a hook): the controller stops (clocks reset,
+                no more requests); while the job still expects this rank in a collective (the
+                sweep's votes, the plan's arrival, the closed loop's exchange) the phase stays,
+                marked failed, and the failure stops every rank there with rank 0's one warning
+                (docs/real-gpu.md §3); with none left, this rank stops alone and warns.
         """
+        if not job_wide:
+            if self._failure is None:
+                self._failure = reason
+                if self.controller is not None:
+                    self.controller.stop()
+            if self._fail_in_phase(reason):
+                logger.info("powerlib: %s; every rank stops at the next agreement", reason)
+                return
+            reason = (
+                f"{reason}; this rank's GPU was reset to its baseline clocks and powerlib "
+                "leaves it alone; training continues"
+            )
         if self.controller is not None:
             self.controller.reset()
         self._stopped(reason, job_wide=job_wide)
@@ -648,7 +723,8 @@ class Session(PlanFlow):
         While the closed loop still measures, the phase stays: the other ranks will gather
         every rank's windows, so this rank keeps counting iterations and sends its part (as
         stopped), and the verdict reverts the plan everywhere (no rank waits in a collective
-        this one skipped).
+        this one skipped). A failure (:meth:`_disable`) keeps the profile sweep and the plan's
+        arrival the same way.
         """
         if not (isinstance(self._phase, ClosedLoop) and self._phase.pending):
             self._phase = Idle(DONE)
