@@ -22,6 +22,7 @@ import click
 
 from powerlib import __version__
 from powerlib.cli.agent import agent
+from powerlib.cli.check import check
 from powerlib.cli.devices import devices, env, reset, set_, status, watch
 from powerlib.cli.emulate import demo, simulate
 from powerlib.cli.exporter import exporter
@@ -92,6 +93,7 @@ def cli(ctx: click.Context, backend: str | None, verbose: int) -> None:
 
 
 for _command in (
+    check,
     env,
     devices,
     status,

@@ -1,0 +1,876 @@
+"""Is this node ready for powerlib? The logic of ``powerlib check`` (docs/real-gpu.md §8).
+
+:func:`check_node` looks at one open backend and each of its devices and says, per device,
+whether a session could change its clocks and measure its energy, and why not:
+
+* the backend and its driver and library versions;
+* permissions: ``root`` (or ``direct`` when the process is not root and the backend needs no
+  privilege, as the simulator), ``agent grant`` (the node agent makes the changes), or ``none``
+  with :meth:`~powerlib.device.Backend.control_refusal`'s line (docs/real-gpu.md §5);
+* persistence mode, MIG (asked of the driver), an existing clock lock or a power limit that is not
+  the default (docs/real-gpu.md §1);
+* the energy counter's update period and the cost of one ``read_state``, *measured*: the device is
+  read back to back for ``duration_s`` (:func:`measure_counter`);
+* with ``load``, the clock-change landing latency, measured under a short load (an idle GPU parks
+  its clock, so its running clock says nothing): a low clock is locked, then a high one, a few
+  times, through a :class:`~powerlib.control.ControlSession` (journaled, always restored); see
+  :func:`measure_landing_latency`;
+* what the power reading covers (the whole board, a Grace Hopper module, a RAPL zone...).
+
+Each device ends with one verdict: ready, or not ready with the reason and the exit code of the
+README's table (4 no permission, 5 MIG or no clock control, 9 device lost, the error's own code
+for any other driver failure). An error in one device's check never stops the others. The
+report's exit code is the first failing device's (3, or the error's code, when the backend
+cannot be opened at all). Nothing here needs click: the CLI (:mod:`powerlib.cli.check`) only
+parses and prints, and the runtime can call :func:`check_node` at start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from powerlib import __version__
+from powerlib.config import Settings
+from powerlib.device import Backend, ClockLockState, Device, DeviceKind
+from powerlib.errors import (
+    DeviceBusyError,
+    DeviceLostError,
+    NotSupportedError,
+    PowerlibError,
+)
+from powerlib.profiling.meter import MIN_INTERVALS, estimate_counter_period_s
+
+__all__ = [
+    "SCHEMA",
+    "CounterCheck",
+    "DeviceCheck",
+    "LatencyCheck",
+    "NodeCheck",
+    "backend_versions",
+    "check_device",
+    "check_node",
+    "check_settings",
+    "measure_counter",
+    "measure_landing_latency",
+    "permission_of",
+    "power_scope",
+]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SCHEMA = "powerlib.check.v1"
+"""The ``schema`` of :meth:`NodeCheck.to_json` (``powerlib check --json``)."""
+
+MAX_COUNTER_READS = 200_000
+"""Reads after which the counter measurement stops early: a read that costs next to nothing (a
+fake) would otherwise make millions, and the period estimate costs time per interval (about
+0.7 s for this many). Real drivers never get there: an NVML read costs milliseconds."""
+
+STUCK_COUNTER_S = 0.5
+"""A counter that did not move in this long is reported (NVML's and RAPL's update every 100 ms
+or faster; a shorter window says too little)."""
+
+LANDING_REPETITIONS = 3
+"""Low-then-high clock pairs the landing latency is measured over (two landings each)."""
+
+LANDING_TIMEOUT_S = 1.0
+"""How long one clock change may take to show in the running clock before it counts as missed."""
+
+LOAD_WARMUP_S = 0.2
+"""How long a real load runs before the first clock change (the clock ramps up from idle)."""
+
+_LIMIT_TOLERANCE_W = 0.5
+
+# Exit codes of the README's table (also the PowerlibError subclasses' exit_code).
+EXIT_PERMISSION = 4
+EXIT_NOT_SUPPORTED = 5
+
+
+# -- results ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CounterCheck:
+    """The energy counter and the read cost, measured by reading the device back to back.
+
+    Attributes:
+        has_counter: The device has a hardware energy counter (else energy is integrated from
+            power readings, and ``period_s`` is ``None``).
+        reads: ``read_state`` calls made.
+        duration_s: How long they took in all.
+        read_cost_median_s: Median time of one ``read_state``.
+        read_cost_p99_s: Its 99th percentile.
+        changes: Read-to-read intervals in which the counter moved.
+        period_s: The counter's update period (:func:`~powerlib.profiling.meter.estimate_counter_period_s`),
+            or ``None`` (no counter, or too few reads).
+        period_bound: ``"estimate"``; ``"at_most"`` (every read saw a new value); ``"at_least"``
+            (the counter never moved: ``period_s`` is the whole duration); ``None`` with no period.
+    """
+
+    has_counter: bool
+    reads: int
+    duration_s: float
+    read_cost_median_s: float
+    read_cost_p99_s: float
+    changes: int
+    period_s: float | None
+    period_bound: str | None
+
+    def to_json(self) -> dict[str, object]:
+        """JSON-ready fields."""
+        return {
+            "has_counter": self.has_counter,
+            "reads": self.reads,
+            "duration_s": self.duration_s,
+            "read_cost_median_s": self.read_cost_median_s,
+            "read_cost_p99_s": self.read_cost_p99_s,
+            "changes": self.changes,
+            "period_s": self.period_s,
+            "period_bound": self.period_bound,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LatencyCheck:
+    """The clock-change landing latency: from a lock request to the running clock showing it.
+
+    Attributes:
+        measured: True when clock changes were made and timed.
+        reason: Why it was not measured (``None`` when it was).
+        load: What ran while it was measured (``"simulated work"``, ``"torch matmul on cuda:0"``).
+        low_mhz: The low clock locked.
+        high_mhz: The high clock locked.
+        samples_s: Each landing's latency, in order (low, high, low, high, ...).
+        missed: Changes that did not show within the timeout (power cap, thermal limit...).
+        median_s: Median of ``samples_s`` (``None`` without samples).
+        max_s: Maximum of ``samples_s`` (``None`` without samples).
+    """
+
+    measured: bool
+    reason: str | None = None
+    load: str | None = None
+    low_mhz: float | None = None
+    high_mhz: float | None = None
+    samples_s: tuple[float, ...] = ()
+    missed: int = 0
+
+    @property
+    def median_s(self) -> float | None:
+        """Median landing latency."""
+        return statistics.median(self.samples_s) if self.samples_s else None
+
+    @property
+    def max_s(self) -> float | None:
+        """Slowest landing."""
+        return max(self.samples_s) if self.samples_s else None
+
+    def to_json(self) -> dict[str, object]:
+        """JSON-ready fields."""
+        return {
+            "measured": self.measured,
+            "reason": self.reason,
+            "load": self.load,
+            "low_mhz": self.low_mhz,
+            "high_mhz": self.high_mhz,
+            "samples_s": list(self.samples_s),
+            "missed": self.missed,
+            "median_s": self.median_s,
+            "max_s": self.max_s,
+        }
+
+
+@dataclass(slots=True, kw_only=True)
+class DeviceCheck:
+    """Everything :func:`check_device` found about one device, and its verdict.
+
+    Attributes:
+        index: The device's index on its backend.
+        device_id: Its stable id.
+        name: Its name.
+        permission: ``"root"``, ``"direct"``, ``"agent grant"`` or ``"none"``.
+        control_refusal: Why this process may not change it (``permission`` ``"none"``).
+        persistence_mode: True/False where the driver reports it, else ``None``.
+        mig_enabled: True/False where the driver reports it, else ``None``.
+        can_lock_sm_clocks: The device can lock its compute clock at all.
+        lock: What the driver reports about the clock lock (``None``: unreadable).
+        power_limit_w: The power limit in force.
+        default_power_limit_w: The device's default limit.
+        counter: The energy counter and read cost (``None``: not measured).
+        latency: The landing latency (``None``: ``load`` was not asked for).
+        power_scope: What the power and energy readings cover.
+        warnings: Findings that do not stop a session (persistence off, an existing lock...).
+        reasons: Why the device is not ready, first the one that sets ``exit_code``.
+        exit_code: 0 when ready, else the README's exit code of the first reason.
+    """
+
+    index: int
+    device_id: str
+    name: str
+    permission: str | None = None
+    control_refusal: str | None = None
+    persistence_mode: bool | None = None
+    mig_enabled: bool | None = None
+    can_lock_sm_clocks: bool = False
+    lock: ClockLockState | None = None
+    power_limit_w: float | None = None
+    default_power_limit_w: float | None = None
+    counter: CounterCheck | None = None
+    latency: LatencyCheck | None = None
+    power_scope: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    exit_code: int = 0
+
+    @property
+    def ready(self) -> bool:
+        """No reason stops a session from controlling this device."""
+        return not self.reasons
+
+    @property
+    def verdict(self) -> str:
+        """``"ready"`` or ``"not ready: <reasons>"``, one line."""
+        return "ready" if self.ready else "not ready: " + "; ".join(self.reasons)
+
+    def fail(self, reason: str, exit_code: int) -> None:
+        """Record a reason the device is not ready (the first one sets the exit code)."""
+        self.reasons.append(reason)
+        if self.exit_code == 0:
+            self.exit_code = exit_code
+
+    def to_json(self) -> dict[str, object]:
+        """JSON-ready fields."""
+        return {
+            "index": self.index,
+            "device_id": self.device_id,
+            "name": self.name,
+            "ready": self.ready,
+            "verdict": self.verdict,
+            "exit_code": self.exit_code,
+            "reasons": list(self.reasons),
+            "warnings": list(self.warnings),
+            "permission": self.permission,
+            "control_refusal": self.control_refusal,
+            "persistence_mode": self.persistence_mode,
+            "mig_enabled": self.mig_enabled,
+            "can_lock_sm_clocks": self.can_lock_sm_clocks,
+            "clock_lock": None if self.lock is None else self.lock.to_json(),
+            "power_limit_w": self.power_limit_w,
+            "default_power_limit_w": self.default_power_limit_w,
+            "energy_counter": None if self.counter is None else self.counter.to_json(),
+            "landing_latency": None if self.latency is None else self.latency.to_json(),
+            "power_scope": self.power_scope,
+        }
+
+
+@dataclass(slots=True, kw_only=True)
+class NodeCheck:
+    """The whole report: the backend, then one :class:`DeviceCheck` per device.
+
+    Attributes:
+        backend: The backend's registry name (what was asked for when it could not open).
+        available: The backend opened.
+        error: Why it could not open (one line), else ``None``.
+        error_code: The exit code of that error (3: backend unavailable).
+        versions: Driver and library versions (``None`` values: unknown).
+        devices: The devices checked.
+        duration_s: How long the counter was read per device.
+        load: Whether the landing latency was measured under load.
+    """
+
+    backend: str
+    available: bool = True
+    error: str | None = None
+    error_code: int = 0
+    versions: dict[str, str | None] = field(default_factory=dict)
+    devices: list[DeviceCheck] = field(default_factory=list)
+    duration_s: float = 0.0
+    load: bool = False
+
+    @property
+    def exit_code(self) -> int:
+        """0 when all is ready, else the backend's error code or the first failing device's."""
+        if not self.available:
+            return self.error_code or 3
+        return next((d.exit_code for d in self.devices if d.exit_code), 0)
+
+    @property
+    def ready(self) -> bool:
+        """The backend opened and every device checked is ready."""
+        return self.exit_code == 0
+
+    def to_json(self) -> dict[str, object]:
+        """The ``powerlib.check.v1`` object."""
+        return {
+            "schema": SCHEMA,
+            "ready": self.ready,
+            "exit_code": self.exit_code,
+            "backend": {
+                "name": self.backend,
+                "available": self.available,
+                "error": self.error,
+                "versions": dict(self.versions),
+            },
+            "duration_s": self.duration_s,
+            "load": self.load,
+            "devices": [d.to_json() for d in self.devices],
+        }
+
+
+# -- backend-wide facts -------------------------------------------------------------------------
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def backend_versions(backend: Backend) -> dict[str, str | None]:
+    """The powerlib version and what the backend can say about its driver and library.
+
+    NVML: ``nvmlSystemGetDriverVersion``, ``nvmlSystemGetNVMLVersion`` and the nvidia-ml-py
+    package; the simulator: its GPU model; the agent: its protocol and backend. A version that
+    cannot be read is ``None``; nothing here raises.
+    """
+    versions: dict[str, str | None] = {"powerlib": __version__}
+    try:
+        versions.update(backend.versions())
+    except Exception as err:  # noqa: BLE001 - a plug-in's versions must not stop the check
+        logger.debug("%s: versions: %s", backend.name, err)
+    if backend.name == "amd":
+        versions["amdsmi"] = _package_version("amdsmi")
+    hello = getattr(backend, "hello", None)
+    if backend.remote and isinstance(hello, Mapping):
+        versions["agent_protocol"] = _text_or_none(hello.get("version"))
+        versions["agent_backend"] = _text_or_none(hello.get("backend"))
+    return versions
+
+
+def _text_or_none(value: object) -> str | None:
+    if value is None:
+        return None
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def permission_of(backend: Backend) -> tuple[str, str | None]:
+    """How this process may change the backend's devices: ``(label, refusal line)``.
+
+    ``"agent grant"`` when the node agent makes the changes (``backend.remote``); else
+    ``"none"`` with :meth:`~powerlib.device.Backend.control_refusal`'s line when it refuses, and
+    ``"root"`` (``"direct"`` for a process that is not root, on a backend that needs no
+    privilege) when it does not (docs/real-gpu.md §5).
+    """
+    if backend.remote:
+        return "agent grant", None
+    refusal = backend.control_refusal()
+    if refusal is not None:
+        return "none", refusal
+    return ("root" if os.geteuid() == 0 else "direct"), None
+
+
+def power_scope(dev: Device, details: Mapping[str, object]) -> str:
+    """What the device's power and energy readings cover, in a few words."""
+    info = dev.info
+    if info.is_simulated:
+        return "simulated"
+    name = info.name.lower()
+    if info.vendor == "nvidia":
+        if "gh200" in name or "grace hopper" in name:
+            return "module (Grace Hopper: NVML may report the CPU+GPU module, not the GPU alone)"
+        return "board (NVML: the whole GPU board, memory included)"
+    if info.vendor == "amd" and info.kind is DeviceKind.GPU:
+        return "socket (amdsmi socket power)"
+    zone = details.get("zone")
+    if zone is not None:
+        zone_name = details.get("zone_name")
+        return f"RAPL zone {zone}" + (f" ({zone_name})" if zone_name else "")
+    return "unknown"
+
+
+# -- measurements -------------------------------------------------------------------------------
+
+
+def _percentile(sorted_values: Sequence[float], fraction: float) -> float:
+    """The ``fraction`` quantile of sorted values (nearest rank)."""
+    rank = max(1, math.ceil(fraction * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+def measure_counter(
+    dev: Device,
+    duration_s: float,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    max_reads: int = MAX_COUNTER_READS,
+) -> CounterCheck:
+    """Read ``dev`` back to back for ``duration_s``: the read cost and the counter's period.
+
+    Every ``read_state`` is timed; the counter's period comes from how often its value changed
+    between reads (:func:`~powerlib.profiling.meter.estimate_counter_period_s`, each interval
+    taken between the middles of two reads). At least ``MIN_INTERVALS + 1`` reads are made,
+    at most ``max_reads``.
+
+    Raises:
+        PowerlibError: A read failed (a lost device: ``DeviceLostError``).
+    """
+    costs_s: list[float] = []
+    middles_s: list[float] = []
+    values: list[float | None] = []
+    start = clock()
+    deadline = start + duration_s
+    while True:
+        t0 = clock()
+        state = dev.read_state()
+        t1 = clock()
+        costs_s.append(t1 - t0)
+        middles_s.append((t0 + t1) / 2)
+        values.append(state.energy_j)
+        if len(costs_s) >= max_reads or (t1 >= deadline and len(costs_s) > MIN_INTERVALS):
+            break
+    elapsed_s = clock() - start
+    has_counter = dev.info.capabilities.has_energy_counter and values[-1] is not None
+    changes = sum(1 for a, b in zip(values, values[1:]) if a != b)
+    period_s: float | None = None
+    bound: str | None = None
+    if has_counter:
+        intervals = [b - a for a, b in zip(middles_s, middles_s[1:])]
+        estimate = estimate_counter_period_s(intervals, changes)
+        if estimate is not None:
+            period_s = estimate[0]
+            bound = "at_most" if estimate[1] else ("at_least" if changes == 0 else "estimate")
+    ordered = sorted(costs_s)
+    return CounterCheck(
+        has_counter=has_counter,
+        reads=len(costs_s),
+        duration_s=elapsed_s,
+        read_cost_median_s=statistics.median(ordered),
+        read_cost_p99_s=_percentile(ordered, 0.99),
+        changes=changes if has_counter else 0,
+        period_s=period_s,
+        period_bound=bound,
+    )
+
+
+class _LoadUnavailable(Exception):
+    """No load can run on this device here; the message says why."""
+
+
+def _cuda_ordinal(torch: Any, dev: Device, backend: Backend) -> int:
+    """The CUDA ordinal of ``dev``: by UUID, else by index when both list the same GPUs."""
+    count = torch.cuda.device_count()
+    uuids = []
+    for i in range(count):
+        uuid = getattr(torch.cuda.get_device_properties(i), "uuid", None)
+        uuids.append(None if uuid is None else str(uuid))
+    wanted = dev.device_id.lower().removeprefix("gpu-")
+    for i, uuid in enumerate(uuids):
+        if uuid is not None and uuid.lower().removeprefix("gpu-") == wanted:
+            return i
+    if all(u is None for u in uuids) and count == len(backend.devices()):
+        return dev.index
+    raise _LoadUnavailable(f"no CUDA device has this GPU's UUID {dev.device_id}")
+
+
+@contextlib.contextmanager
+def _torch_load(dev: Device, backend: Backend) -> Iterator[str]:
+    """A half-precision matmul loop on the device, in a thread, until the block ends."""
+    try:
+        import torch  # noqa: PLC0415 - optional, and slow to import
+    except ImportError as err:
+        raise _LoadUnavailable("torch is not installed") from err
+    if not torch.cuda.is_available():
+        raise _LoadUnavailable("torch has no usable CUDA/ROCm device")
+    ordinal = _cuda_ordinal(torch, dev, backend)
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def spin() -> None:
+        try:
+            cuda = torch.device("cuda", ordinal)
+            a = torch.randn(4096, 4096, device=cuda, dtype=torch.float16)
+            while not stop.is_set():
+                for _ in range(8):
+                    a = torch.matmul(a, a).clamp_(-1.0, 1.0)
+                torch.cuda.synchronize(cuda)
+        except BaseException as err:  # noqa: BLE001 - reported by the caller
+            failure.append(err)
+
+    thread = threading.Thread(target=spin, name="powerlib-check-load", daemon=True)
+    thread.start()
+    try:
+        time.sleep(LOAD_WARMUP_S)
+        if failure:
+            raise _LoadUnavailable(f"the torch load failed: {failure[0]}")
+        yield f"torch float16 matmul on cuda:{ordinal}"
+    finally:
+        stop.set()
+        thread.join(timeout=10.0)
+
+
+@contextlib.contextmanager
+def _load_on(dev: Device, backend: Backend) -> Iterator[str]:
+    """Run a load on ``dev`` for the block; yields what runs. Raises _LoadUnavailable."""
+    own = backend.steady_load(dev)
+    if own is not None:
+        with own as what:
+            yield what
+        return
+    if dev.info.kind is DeviceKind.GPU and dev.info.vendor in ("nvidia", "amd"):
+        with _torch_load(dev, backend) as what:
+            yield what
+        return
+    raise _LoadUnavailable(f"powerlib has no load generator for {dev.info.backend} devices")
+
+
+def _virtual_time(backend: Backend) -> bool:
+    """The backend's time only moves when told to (the simulator on a virtual clock)."""
+    return backend.virtual_time
+
+
+def _landing_tolerance_mhz(supported: Sequence[float], target: float) -> float:
+    """Half the gap to the nearest supported neighbours of ``target`` (at least 1 MHz)."""
+    gaps = [abs(f - target) for f in supported if f != target]
+    return max(1.0, min(gaps) / 2) if gaps else 1.0
+
+
+def _wait_landing(
+    dev: Device, target_mhz: float, tolerance_mhz: float, t0: float, timeout_s: float
+) -> float | None:
+    """Seconds from ``t0`` until the running clock shows ``target_mhz``; ``None``: timed out."""
+    while True:
+        freq = dev.read_state().sm_freq_mhz
+        now = time.perf_counter()
+        if freq is not None and abs(freq - target_mhz) <= tolerance_mhz:
+            return now - t0
+        if now - t0 > timeout_s:
+            return None
+
+
+def measure_landing_latency(
+    backend: Backend,
+    dev: Device,
+    *,
+    repetitions: int = LANDING_REPETITIONS,
+    timeout_s: float = LANDING_TIMEOUT_S,
+) -> LatencyCheck:
+    """Time clock changes from the lock request until the running clock shows them, under load.
+
+    The only device change ``powerlib check`` makes: through a
+    :class:`~powerlib.control.ControlSession` (journaled first, restored when it ends, also on
+    an error or a signal), a clock at a quarter of the supported range is locked, then one at
+    three quarters, ``repetitions`` times, while a load runs (simulated work on the simulator, a
+    torch matmul loop on a GPU). Each landing is timed from just before the request to the
+    first ``read_state`` whose ``sm_freq_mhz`` shows it, so it includes one read's cost.
+
+    Returns:
+        The samples, or the reason nothing was measured (no load generator, no torch...).
+
+    Raises:
+        PowerlibError: A driver error while changing or reading the clock (the session has put
+            the device back by then).
+    """
+    from powerlib.control import ControlSession  # noqa: PLC0415 - control imports much
+
+    freqs = dev.info.supported_sm_freqs_mhz
+    if not freqs:
+        return LatencyCheck(measured=False, reason="the device cannot lock its clock")
+    low, high = freqs[len(freqs) // 4], freqs[(3 * len(freqs)) // 4]
+    if low == high:
+        return LatencyCheck(measured=False, reason="the device supports a single clock")
+    if _virtual_time(backend):
+        return LatencyCheck(
+            measured=False,
+            reason="the simulated clock is virtual (POWERLIB_SIM_CLOCK): nothing lands while "
+            "no work runs",
+        )
+    samples: list[float] = []
+    missed = 0
+    try:
+        # No guardian: its start-up would compete with the seconds being timed, and the session
+        # holds a clock for a few seconds only (a SIGKILL leaves a journal for
+        # `powerlib restore` or the next session, docs/real-gpu.md §6).
+        with _load_on(dev, backend) as what, ControlSession(backend, guardian=False) as session:
+            for _ in range(repetitions):
+                for target in (low, high):
+                    tolerance = _landing_tolerance_mhz(freqs, target)
+                    t0 = time.perf_counter()
+                    session.lock_sm_clocks(dev, target, target)
+                    latency = _wait_landing(dev, target, tolerance, t0, timeout_s)
+                    if latency is None:
+                        missed += 1
+                    else:
+                        samples.append(latency)
+    except _LoadUnavailable as err:
+        return LatencyCheck(measured=False, reason=f"no load: {err}")
+    return LatencyCheck(
+        measured=True,
+        load=what,
+        low_mhz=low,
+        high_mhz=high,
+        samples_s=tuple(samples),
+        missed=missed,
+    )
+
+
+# -- the check ----------------------------------------------------------------------------------
+
+
+def _attempt(check: DeviceCheck, what: str, read: Callable[[], T]) -> T | None:
+    """``read()``; a lost device aborts the device's check, other errors become a warning."""
+    try:
+        return read()
+    except DeviceLostError:
+        raise
+    except NotSupportedError:
+        return None
+    except PowerlibError as err:
+        check.warnings.append(f"{what} could not be read: {err.message}")
+        return None
+
+
+def check_device(
+    backend: Backend,
+    dev: Device,
+    *,
+    duration_s: float = 1.0,
+    load: bool = False,
+    permission: tuple[str, str | None] | None = None,
+    repetitions: int = LANDING_REPETITIONS,
+    landing_timeout_s: float = LANDING_TIMEOUT_S,
+) -> DeviceCheck:
+    """Check one device; never raises for a device or driver error (it becomes the verdict).
+
+    Args:
+        backend: The open backend ``dev`` belongs to.
+        dev: The device.
+        duration_s: How long its counter is read back to back.
+        load: Also measure the clock-change landing latency under a load (changes its clocks,
+            through a ControlSession, and puts them back).
+        permission: :func:`permission_of` the backend, when the caller already asked.
+        repetitions: Low-then-high clock pairs for the landing latency.
+        landing_timeout_s: How long one clock change may take to show.
+    """
+    info = dev.info
+    check = DeviceCheck(index=info.index, device_id=info.device_id, name=info.name)
+    try:
+        _check_into(
+            check, backend, dev, duration_s, load, permission, repetitions, landing_timeout_s
+        )
+    except DeviceLostError as err:
+        check.reasons.insert(0, f"device lost: {err.message}")
+        check.exit_code = err.exit_code
+    except PowerlibError as err:
+        check.fail(err.message, err.exit_code)
+    except Exception as err:  # noqa: BLE001 - one device's bug must not hide the others
+        logger.debug("checking %s failed", info.device_id, exc_info=True)
+        check.fail(f"unexpected {type(err).__name__}: {err}", 1)
+    return check
+
+
+def _check_into(
+    check: DeviceCheck,
+    backend: Backend,
+    dev: Device,
+    duration_s: float,
+    load: bool,
+    permission: tuple[str, str | None] | None,
+    repetitions: int,
+    landing_timeout_s: float,
+) -> None:
+    info = dev.info
+    check.permission, check.control_refusal = (
+        permission_of(backend) if permission is None else permission
+    )
+    check.can_lock_sm_clocks = info.capabilities.can_lock_sm_clocks
+    check.default_power_limit_w = info.default_power_limit_w
+    details = _attempt(check, "details", dev.details) or {}
+    persistence = details.get("persistence_mode")
+    check.persistence_mode = persistence if isinstance(persistence, bool) else None
+    check.power_scope = power_scope(dev, details)
+    check.mig_enabled = _attempt(check, "MIG mode", dev.mig_enabled)
+    check.lock = _attempt(check, "the clock lock", dev.read_sm_lock)
+    state = dev.read_state()  # the one read that must work: a failure is the verdict
+    check.power_limit_w = state.power_limit_w
+    check.counter = measure_counter(dev, duration_s)
+
+    # Verdict: what stops a session, in the order a user has to fix it.
+    if check.permission == "none":
+        check.fail(
+            check.control_refusal or "this process may not change the device", EXIT_PERMISSION
+        )
+    if check.mig_enabled:
+        check.fail(
+            "MIG is enabled: one clock serves every instance's tenant, so powerlib will not "
+            "change it (disable MIG: nvidia-smi -i N -mig 0)",
+            EXIT_NOT_SUPPORTED,
+        )
+    if not check.can_lock_sm_clocks:
+        check.fail(
+            f"no clock control: {info.name} ({info.backend} backend) cannot lock its compute clock",
+            EXIT_NOT_SUPPORTED,
+        )
+
+    # Warnings: a session can run, but the user should know.
+    if check.persistence_mode is False:
+        check.warnings.append(
+            "persistence mode is off: the driver may drop clock locks and power limits when no "
+            "process holds the GPU (nvidia-smi -pm 1, or run nvidia-persistenced)"
+        )
+    existing_lock = check.lock is not None and check.lock.locked is True
+    if existing_lock:
+        assert check.lock is not None
+        shown = (
+            "range not reported by the driver"
+            if check.lock.range_mhz is None
+            else "{:g}-{:g} MHz".format(*check.lock.range_mhz)
+        )
+        check.warnings.append(f"a clock lock is already in force ({shown})")
+    limit, default = check.power_limit_w, check.default_power_limit_w
+    if limit is not None and default is not None and abs(limit - default) > _LIMIT_TOLERANCE_W:
+        check.warnings.append(f"the power limit is {limit:g} W, not the default {default:g} W")
+    counter = check.counter
+    if not counter.has_counter:
+        check.warnings.append(
+            "no energy counter: energy is integrated from power readings (read often)"
+        )
+    elif counter.period_bound == "at_least" and counter.duration_s >= STUCK_COUNTER_S:
+        check.warnings.append(
+            f"the energy counter did not change in {counter.reads} reads over "
+            f"{counter.duration_s:.3g} s (stuck, or it updates less often than that)"
+        )
+    busy = _controlled_by(backend, dev)
+    if busy is not None:
+        check.warnings.append(busy)
+
+    if not load:
+        return
+    skip = None
+    if not check.ready:
+        skip = "the device is not ready"
+    elif existing_lock:
+        skip = "a clock lock is already in force (measuring would replace it)"
+    elif busy is not None:
+        skip = "another powerlib session controls the device"
+    if skip is not None:
+        check.latency = LatencyCheck(measured=False, reason=skip)
+        return
+    try:
+        check.latency = measure_landing_latency(
+            backend, dev, repetitions=repetitions, timeout_s=landing_timeout_s
+        )
+    except DeviceBusyError as err:
+        check.latency = LatencyCheck(measured=False, reason=err.message)
+        return
+    if check.latency.missed:
+        reasons = _attempt(check, "the clock lock", dev.read_sm_lock)
+        why = f" (clock-event reasons: {', '.join(reasons.reasons)})" if reasons else ""
+        check.warnings.append(
+            f"{check.latency.missed} clock change(s) did not show in the running clock within "
+            f"{landing_timeout_s:g} s{why}"
+        )
+
+
+def _controlled_by(backend: Backend, dev: Device) -> str | None:
+    """A line when a running powerlib session holds the device's lock, else ``None``."""
+    from powerlib.control import ensure_not_controlled  # noqa: PLC0415
+
+    try:
+        ensure_not_controlled(backend, dev)
+    except DeviceBusyError as err:
+        return err.message
+    except PowerlibError as err:  # an unusable state folder: the session would say so
+        logger.debug("%s: could not tell whether a session holds it: %s", dev.device_id, err)
+    return None
+
+
+def check_node(
+    backend: Backend,
+    *,
+    selector: int | str | None = None,
+    duration_s: float = 1.0,
+    load: bool = False,
+    repetitions: int = LANDING_REPETITIONS,
+    landing_timeout_s: float = LANDING_TIMEOUT_S,
+) -> NodeCheck:
+    """Check an open backend and its devices (docs/real-gpu.md §8).
+
+    Args:
+        backend: The open backend.
+        selector: One device (index, id or unique id prefix); ``None``: every device.
+        duration_s: How long each device's counter is read back to back.
+        load: Also measure each device's clock-change landing latency under a load.
+        repetitions: Low-then-high clock pairs for the landing latency.
+        landing_timeout_s: How long one clock change may take to show.
+
+    Raises:
+        DeviceNotFoundError: ``selector`` names no device.
+    """
+    devices = list(backend.devices()) if selector is None else [backend.device(selector)]
+    report = NodeCheck(
+        backend=backend.name,
+        versions=backend_versions(backend),
+        duration_s=duration_s,
+        load=load,
+    )
+    try:
+        permission = permission_of(backend)
+    except PowerlibError as err:
+        permission = ("none", err.message)
+    for dev in devices:
+        report.devices.append(
+            check_device(
+                backend,
+                dev,
+                duration_s=duration_s,
+                load=load,
+                permission=permission,
+                repetitions=repetitions,
+                landing_timeout_s=landing_timeout_s,
+            )
+        )
+    return report
+
+
+def check_settings(
+    settings: Settings,
+    *,
+    selector: int | str | None = None,
+    duration_s: float = 1.0,
+    load: bool = False,
+) -> NodeCheck:
+    """Open the backend ``settings`` name and check it; a backend that cannot open is reported.
+
+    Raises:
+        DeviceNotFoundError: ``selector`` names no device.
+        ConfigError: ``settings.backend`` is not a backend name.
+    """
+    from powerlib.errors import ConfigError  # noqa: PLC0415
+    from powerlib.registry import open_backend  # noqa: PLC0415
+
+    try:
+        backend = open_backend(settings=settings)
+    except ConfigError:
+        raise
+    except PowerlibError as err:
+        return NodeCheck(
+            backend=settings.backend,
+            available=False,
+            error=err.message,
+            error_code=err.exit_code,
+            duration_s=duration_s,
+            load=load,
+        )
+    with backend:
+        return check_node(backend, selector=selector, duration_s=duration_s, load=load)
