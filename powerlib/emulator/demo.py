@@ -378,22 +378,7 @@ def simulate_plan(
     base_runs = [emulator.run_iteration(noise_key=k) for k in range(1, iterations + 1)]
     for s in range(plan.num_stages):
         plan.check_frequencies(emulator.devices[s].info.supported_sm_freqs_mhz, s)
-    # The session's own apply phase, one per stage, over inline controllers on the emulated GPUs.
-    # The emulator runs the plan's own order, so there is no order to check: every clock is
-    # prefetched from the first instruction on.
-    with ControlSession(emulator.backend) as control:
-        phases = [
-            ApplyPhase(
-                plan,
-                s,
-                FrequencyController(control, device, threaded=False, clock=emulator.clock),
-                check_order=False,
-            )
-            for s, device in enumerate(emulator.devices)
-        ]
-        emulator.run_iteration(phases)  # the first clocks land
-        runs = [emulator.run_iteration(phases, noise_key=k) for k in range(1, iterations + 1)]
-    emulator.unlock_all()
+    runs = run_plan(emulator, plan, iterations)
     time_s, energy_j = _mean(runs)
     base_time_s, base_energy_j = _mean(base_runs)
     return {
@@ -408,6 +393,30 @@ def simulate_plan(
         "slowdown_percent": 100.0 * (time_s / base_time_s - 1.0),
         "planned": {k: plan.summary.get(k) for k in ("policy", "time_s", "energy_j", "saving")},
     }
+
+
+def run_plan(emulator: Emulator, plan: FrequencyPlan, iterations: int) -> list[IterationResult]:
+    """Run ``plan`` on ``emulator`` for ``iterations`` noise draws ``1..iterations``.
+
+    The session's own apply phase, one per stage, over inline frequency controllers on the
+    emulated GPUs. The emulator runs the plan's own order, so there is no order to check: every
+    clock is prefetched from the first instruction on. One unmeasured iteration first lets the
+    first clocks land; the GPUs are unlocked afterwards.
+    """
+    with ControlSession(emulator.backend) as control:
+        phases = [
+            ApplyPhase(
+                plan,
+                s,
+                FrequencyController(control, device, threaded=False, clock=emulator.clock),
+                check_order=False,
+            )
+            for s, device in enumerate(emulator.devices)
+        ]
+        emulator.run_iteration(phases)  # the first clocks land
+        runs = [emulator.run_iteration(phases, noise_key=k) for k in range(1, iterations + 1)]
+    emulator.unlock_all()
+    return runs
 
 
 def write_timeline(result: IterationResult, path: str | Path, *, title: str = "") -> None:
