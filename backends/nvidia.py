@@ -399,11 +399,25 @@ class NvidiaDevice(Device):
         running_mhz = self._call(
             nvml.nvmlDeviceGetClockInfo, self._handle, nvml.NVML_CLOCK_SM, operation=op
         )
+        locked = True if mask is not None and mask & _REASON_LOCKED else None
+        if locked and self._legacy_app_clocks():
+            locked = None  # the reason is also set by application clocks: it proves no lock
         return ClockLockState(
-            locked=True if mask is not None and mask & _REASON_LOCKED else None,
+            locked=locked,
             running_mhz=float(running_mhz),
             reasons=() if mask is None else _reason_names(mask),
         )
+
+    def _legacy_app_clocks(self) -> bool:
+        """Whether (deprecated) application clocks other than the default are set.
+
+        Reads: nvmlDeviceGetApplicationsClock, nvmlDeviceGetDefaultApplicationsClock (SM, MHz).
+        They set the same clock-event reason as a lock; a GPU that cannot say has none.
+        """
+        nvml, sm = self._nvml, self._nvml.NVML_CLOCK_SM
+        target = self._optional(nvml.nvmlDeviceGetApplicationsClock, self._handle, sm)
+        default = self._optional(nvml.nvmlDeviceGetDefaultApplicationsClock, self._handle, sm)
+        return target is not None and default is not None and int(target) != int(default)
 
     def mig_enabled(self) -> bool | None:
         """Reads: nvmlDeviceGetMigMode -> whether the current (not pending) MIG mode is on.

@@ -61,6 +61,10 @@ TRANSIENT_RETRY_DELAYS_S = (0.01, 0.05, 0.2)
 """Back-off before each retry of a write the driver answered with a transient error (a bounded
 0.26 s in all): NVML's TIMEOUT/IN_USE clear within milliseconds when they clear at all."""
 
+RESET_SETTLE_S = 0.25
+"""How long a reset's read-back may still show the lock before the reset counts as ignored."""
+_RESET_POLL_S = 0.01
+
 LIMITING_REASONS = frozenset(
     {"sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake"}
 )
@@ -521,6 +525,16 @@ class Device(ABC):
             return None
         op = "lock_sm_clocks" if wanted is not None else "reset_sm_clocks"
         if wanted is None:
+            waited_s = 0.0
+            while state.locked and waited_s < RESET_SETTLE_S:
+                # A driver may report the lock's clock-event reason for a moment after a reset
+                # (NVML's reflects the clock now): read again before calling the reset ignored.
+                time.sleep(_RESET_POLL_S)
+                waited_s += _RESET_POLL_S
+                try:
+                    state = self._read_sm_lock()
+                except (NotSupportedError, TransientDeviceError):
+                    return None
             if state.locked:
                 shown = (
                     "" if state.range_mhz is None else " ({:g}-{:g} MHz)".format(*state.range_mhz)

@@ -111,6 +111,7 @@ class _Gpu:
     busy: bool = False
     ignores_power_limit: bool = False  # models a setter that reports success but does nothing
     ignores_lock: bool = False  # likewise for nvmlDevice{Set,Reset}GpuLockedClocks
+    app_clock_mhz: int | None = None  # legacy application clocks (None: the default); tests set it
     minor: int = 0  # /dev/nvidia<minor>; tests may make it differ from the PCI order
     mig_mode: int = 0  # NVML_DEVICE_MIG_DISABLE / _ENABLE (Ampere and newer only)
     mig_mode_pending: int | None = None  # None: the same as mig_mode (no change pending)
@@ -327,10 +328,22 @@ class FakeNvml(types.ModuleType):
             return gpu.mem_locked_mhz[1] if gpu.mem_locked_mhz else max(gpu.spec.mem_clocks_mhz)
         return gpu.sm_clock_mhz()
 
+    def nvmlDeviceGetApplicationsClock(self, handle: _Handle, type: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetApplicationsClock", handle)
+        if type != self.NVML_CLOCK_SM and type != self.NVML_CLOCK_GRAPHICS:
+            return max(gpu.spec.mem_clocks_mhz)
+        return gpu.app_clock_mhz if gpu.app_clock_mhz is not None else max(gpu.spec.gfx_clocks_mhz)
+
+    def nvmlDeviceGetDefaultApplicationsClock(self, handle: _Handle, type: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetDefaultApplicationsClock", handle)
+        if type != self.NVML_CLOCK_SM and type != self.NVML_CLOCK_GRAPHICS:
+            return max(gpu.spec.mem_clocks_mhz)
+        return max(gpu.spec.gfx_clocks_mhz)
+
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: _Handle) -> int:
         gpu = self._gpu("nvmlDeviceGetCurrentClocksEventReasons", handle)
         return (
-            (0x2 if gpu.locked_mhz else 0)
+            (0x2 if gpu.locked_mhz or gpu.app_clock_mhz is not None else 0)
             | (0 if gpu.busy else 0x1)
             | (0x4 if gpu.is_power_capped() else 0)
         )

@@ -128,6 +128,36 @@ def test_a_reset_the_driver_ignores_is_an_error(settings: Settings) -> None:
     assert info.value.operation == "reset_sm_clocks"
 
 
+def test_a_reason_that_clears_shortly_after_a_reset_is_not_an_error(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVML's reasons describe the clock now: the lock's may outlive the reset by a moment."""
+    fake = FakeNvml([H100_SXM5_80GB])
+    dev = _open(settings, fake).device(0)
+    dev.lock_sm_clocks(1000)
+    reads = {"n": 0}
+    real = fake.nvmlDeviceGetCurrentClocksEventReasons
+
+    def lagging(handle: object) -> int:
+        reads["n"] += 1
+        return real(handle) | (0x2 if reads["n"] <= 3 else 0)  # the first reads still see it
+
+    monkeypatch.setattr(fake, "nvmlDeviceGetCurrentClocksEventReasons", lagging)
+    dev.reset_sm_clocks()  # no DeviceError: read again until the reason clears
+    assert fake.gpus[0].locked_mhz is None and reads["n"] == 4
+    assert dev.last_sm_readback is not None and dev.last_sm_readback.locked is None
+
+
+def test_application_clocks_make_the_lock_reason_prove_nothing(settings: Settings) -> None:
+    """Legacy application clocks set the same reason: no lock is claimed, a reset still works."""
+    fake = FakeNvml([H100_SXM5_80GB])
+    fake.gpus[0].app_clock_mhz = 1410
+    dev = _open(settings, fake).device(0)
+    assert dev.read_sm_lock().locked is None
+    dev.reset_sm_clocks()  # the reason stays set, but it is the application clocks'
+    assert "clocks_locked_or_app_clocks" in dev.read_sm_lock().reasons
+
+
 def test_at_the_power_cap_the_top_locks_run_at_one_clock(settings: Settings) -> None:
     fake = FakeNvml([H100_SXM5_80GB])
     gpu = fake.gpus[0]
