@@ -936,6 +936,22 @@ def part_b(rig: Rig, part: dict[str, Any]) -> None:
     """Lock read-back at each clock under a steady load."""
     dev, s, report, control = rig.dev, rig.scale, rig.report, rig.ctl()
     rows = []
+    # Idle first: a session detects an administrator's lock at its `with` line, when the GPU is
+    # usually idle; NVML can only show a lock through the clock-event reason 0x2, which it may
+    # report only while the lock holds the clock down (docs/real-gpu.md §1).
+    idle_freq = rig.freqs[len(rig.freqs) // 2]
+    control.lock_sm_clocks(dev, idle_freq)
+    time.sleep(s.settle_s)
+    idle = dev.read_sm_lock()
+    part["figures"]["idle_lock"] = {"requested_mhz": idle_freq, **idle.to_json()}
+    report.check(
+        "B",
+        "idle_lock_visible",
+        idle.locked is True,
+        f"locked={idle.locked}, {idle.running_mhz} MHz, reasons {list(idle.reasons)}",
+        f"the driver reports a lock at {idle_freq:g} MHz on an idle GPU (without it, a lock "
+        "set before a session starts cannot be detected at its `with` line)",
+    )
     with rig.work.load():
         time.sleep(s.settle_s)
         for freq in rig.freqs:

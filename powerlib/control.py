@@ -180,6 +180,9 @@ class ControlSession:
             change of such a device raises ``DeviceBusyError``; with it the session warns, and
             its restore unlocks the clocks, as the lock it found cannot be put back
             (docs/real-gpu.md §1).
+        warn: :meth:`apply_sm_clocks` warns (``RuntimeWarning`` and a log warning) when it gives
+            up on a device; ``False`` logs it at INFO only, for a caller that reports the
+            failure itself (a training session, from :attr:`degraded`).
 
     Attributes:
         degraded: The devices :meth:`apply_sm_clocks` gave up on, each with one line saying
@@ -199,6 +202,7 @@ class ControlSession:
         guardian: bool | None = None,
         handle_signals: bool = True,
         force: bool = False,
+        warn: bool = True,
     ) -> None:
         self.backend = backend
         self.settings = backend.settings
@@ -212,6 +216,7 @@ class ControlSession:
             guardian = backend.persistent and not getattr(backend, "remote", False)
         self._use_guardian = guardian
         self._force = force
+        self._warn = warn
         self._handle_signals = handle_signals
         self._guardian: subprocess.Popen[bytes] | None = None
         self._is_open = False
@@ -252,7 +257,10 @@ class ControlSession:
             if not _ACTIVE:
                 _remove_signal_handlers()
         if self._guardian is not None:
-            _stop_guardian(self._guardian, clean=os.getpid() == self._owner.pid)
+            # Only a restore that fully succeeded is a clean close: otherwise the guardian
+            # keeps its one retry of the journals left behind.
+            restored = all(o.ok for o in outcomes)
+            _stop_guardian(self._guardian, clean=restored and os.getpid() == self._owner.pid)
             self._guardian = None
         self._is_open = False
         return outcomes
@@ -359,8 +367,11 @@ class ControlSession:
                 f"powerlib stops changing {dev.info.name} ({dev.device_id}) for this session after "
                 f"a driver error: {err}; {state}; training continues"
             )
-        logger.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if self._warn:
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        else:  # the caller reports it (a training session: one warning per failure)
+            logger.info(message)
         return False
 
     # -- restore ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from powerlib.device import Device
-from powerlib.errors import PowerlibError
+from powerlib.errors import DeviceLostError, PowerlibError
 from powerlib.measurement.timeline import EnergyTimeline, build_timeline
 
 __all__ = ["DEFAULT_SAMPLE_PERIOD_S", "BlockReading", "DeviceSampler"]
@@ -37,6 +37,8 @@ reads fall at every phase of the update period and the timeline's fit of the upd
 narrows below one read interval (docs/measurement.md §2)."""
 
 MAX_READS = 1 << 20
+FAILED_READS_IN_A_ROW = 20
+"""Reads failing in a row (0.2 s at the default period) after which the sampler gives up."""
 """Reads kept per device (about 3 hours at the default period); older ones are dropped."""
 
 
@@ -89,6 +91,10 @@ class DeviceSampler:
         self._freq: list[float | None] = []
         self._temp: list[float | None] = []
         self._failures = 0
+        self._in_a_row = 0
+        self.failure: str | None = None
+        """Why the sampler stopped reading (a lost device, or reads failing in a row), else
+        ``None``: the caller stops measuring with this reason instead of blaming the counter."""
         self.has_counter = True
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -109,9 +115,19 @@ class DeviceSampler:
             state = self.device.read_state()
         except PowerlibError as err:
             self._failures += 1
+            self._in_a_row += 1
             if self._failures in (1, 100):
                 logger.warning("powerlib: reading %s failed: %s", self.device.device_id, err)
+            if self.failure is None and (
+                isinstance(err, DeviceLostError) or self._in_a_row >= FAILED_READS_IN_A_ROW
+            ):
+                self.failure = f"reading {self.device.device_id} failed: {err}"
+                self._stop.set()  # a lost device, or one that keeps failing: stop asking
+                if self._cancel is not None:
+                    self._cancel()
+                    self._cancel = None
             return
+        self._in_a_row = 0
         t1 = self._clock()
         with self._lock:
             if len(self._times) >= MAX_READS:

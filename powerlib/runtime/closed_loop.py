@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from powerlib.errors import PlanError, PowerlibError
+from powerlib.errors import DeviceError, PlanError, PowerlibError
 from powerlib.measurement.attribution import t95
 from powerlib.measurement.sampler import DeviceSampler
 from powerlib.runtime.apply_phase import ApplyPhase
@@ -327,7 +327,13 @@ class ClosedLoop:
     # -- the measurement -------------------------------------------------------------------------
 
     def _rounds(self) -> list[list[float]]:
-        """Per round ``[ref J, ref s, plan J, plan s]`` per iteration of this rank."""
+        """Per round ``[ref J, ref s, plan J, plan s]`` per iteration of this rank.
+
+        Raises:
+            DeviceError: The sampler stopped reading the device (lost, or failing in a row).
+        """
+        if self._sampler.failure is not None:
+            raise DeviceError(self._sampler.failure, device=self._sampler.device.device_id)
         timeline = self._sampler.timeline(
             since_s=(self._windows[0][1] - 1.0) if self._windows else -math.inf
         )

@@ -289,6 +289,7 @@ class ProfilePhase:
         sweep = self.sweep
         self._recorded_order, self._order_now = self._order_now, []
         self._check_refusals()
+        self._check_reads()
         if self.failed is not None:
             return t
         measuring = sweep.measuring and bool(self._blocks)
@@ -533,7 +534,17 @@ class ProfilePhase:
         """What every rank sends rank 0 when a rank failed (``reason``: this rank's failure)."""
         return {"stage": self._stage, "stopped": True, "reason": self.failed}
 
+    def _check_reads(self) -> None:
+        """A device the sampler stopped reading fails this rank, with that reason.
+
+        A profile without reads cannot resolve either; naming the device's failure keeps the
+        warning from blaming the counter's resolution (docs/real-gpu.md §3).
+        """
+        if self.failed is None and self.sampler.failure is not None:
+            self._failed_here(f"stage {self._stage}: {self.sampler.failure}")
+
     def _give_up(self) -> None:
+        self._check_reads()
         self.sweep.finished = True
         self._controller.reset()
         self._on_finished(
@@ -548,6 +559,7 @@ class ProfilePhase:
         )
 
     def _finish(self) -> None:
+        self._check_reads()
         self._controller.reset()
         payload: ProfilePayload | dict[str, Any] | None = None
         if self.failed is None:

@@ -173,6 +173,8 @@ class Realized:
 
     def line(self) -> str:
         """One line for the log."""
+        if self.rounds == 0:  # stopped before a round was paired: nothing was measured
+            return f"no paired round measured: {self.verdict}"
         predicted = (
             ""
             if self.predicted_saving_percent is None

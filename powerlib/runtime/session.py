@@ -431,7 +431,7 @@ class Session(PlanFlow):
         check_control(backend, device)  # one line, before any lock or journal (real-gpu.md §5)
         idle_power_w = device.read_state().power_w  # before any change
         self.control = control = ControlSession(
-            backend, guardian=run.guardian, force=run.force
+            backend, guardian=run.guardian, force=run.force, warn=False
         ).start()
         self.controller = FrequencyController(
             control, device, threaded=self.apply_config.threaded, clock=self._clock
