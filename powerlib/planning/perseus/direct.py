@@ -43,7 +43,13 @@ import numpy as np
 from powerlib.errors import BackendUnavailableError, PlanError
 from powerlib.planning.perseus.solver import PhillipsDessouky
 
-__all__ = ["DirectSolution", "DirectSolver", "direct_available"]
+__all__ = [
+    "DirectSolution",
+    "DirectSolver",
+    "check_durations",
+    "direct_available",
+    "lengthen_into_slack",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -250,15 +256,7 @@ class DirectSolver:
         quant = lo if lo == hi else int(round(t_val))
         durations = self._lengthen(durations, quant)
         walk = self._walk
-        makespan = walk.makespan(durations)
-        tables = walk.tables
-        if makespan > quant or any(
-            not (t.q_min <= q <= t.q_max) for t, q in zip(tables, durations)
-        ):
-            raise PlanError(
-                f"internal error: the direct plan solve's durations take {makespan} quanta, "
-                f"past the bound {quant}, or leave a duration range; plan with --solver walk"
-            )
+        check_durations(walk, durations, quant)
         info = h.getInfo()
         return DirectSolution(
             quant_time=quant,
@@ -268,27 +266,66 @@ class DirectSolver:
         )
 
     def _lengthen(self, durations: list[int], quant: int) -> list[int]:
-        """Lengthen each activity into its slack while its cost does not rise.
+        """Lengthen each activity into its slack (:func:`lengthen_into_slack`)."""
+        return lengthen_into_slack(self._walk, durations, quant)
 
-        Latest-first: an activity takes the room its successors (or ``quant``) leave after its
-        earliest start, as long as its cost table does not rise (later nodes keep their start).
-        """
-        walk = self._walk
-        n = walk.num_nodes
-        preds, succs, tables = walk.predecessors, walk.successors, walk.tables
-        order = walk.order
-        start = [0] * n
-        for v in order:
-            start[v] = max((start[u] + durations[u] for u in preds[v]), default=0)
-        for v in reversed(order):
-            finish_by = min((start[w] for w in succs[v]), default=quant)
-            t = tables[v]
-            q = durations[v]
-            room = min(t.q_max, finish_by - start[v])
-            while q < room and t.at(q + 1) <= t.at(q):
-                q += 1
-            durations[v] = q
-        return durations
+
+def lengthen_into_slack(walk: PhillipsDessouky, durations: list[int], quant: int) -> list[int]:
+    """Lengthen each activity into its slack while its cost does not rise.
+
+    Latest-first: an activity takes the room its successors (or ``quant``) leave after its
+    earliest start, as long as its cost table does not rise (later nodes keep their start).
+
+    Args:
+        walk: The DAG and cost tables the durations are for.
+        durations: Every activity's duration, in node order; lengthened in place.
+        quant: The makespan bound ``T`` (time quanta).
+
+    Returns:
+        ``durations``, lengthened.
+    """
+    n = walk.num_nodes
+    preds, succs, tables = walk.predecessors, walk.successors, walk.tables
+    order = walk.order
+    start = [0] * n
+    for v in order:
+        start[v] = max((start[u] + durations[u] for u in preds[v]), default=0)
+    for v in reversed(order):
+        finish_by = min((start[w] for w in succs[v]), default=quant)
+        t = tables[v]
+        q = durations[v]
+        room = min(t.q_max, finish_by - start[v])
+        while q < room and t.at(q + 1) <= t.at(q):
+            q += 1
+        durations[v] = q
+    return durations
+
+
+def check_durations(
+    walk: PhillipsDessouky,
+    durations: Sequence[int],
+    quant: int,
+    *,
+    solve: str = "the direct plan solve",
+) -> None:
+    """Check solved durations against the DAG: critical path ``<= quant``, each in its range.
+
+    Args:
+        walk: The DAG and cost tables the durations are for.
+        durations: Every activity's duration, in node order.
+        quant: The makespan bound ``T`` (time quanta).
+        solve: What produced the durations, for the error message.
+
+    Raises:
+        PlanError: The durations take longer than ``quant`` or leave a duration range.
+    """
+    makespan = walk.makespan(durations)
+    tables = walk.tables
+    if makespan > quant or any(not (t.q_min <= q <= t.q_max) for t, q in zip(tables, durations)):
+        raise PlanError(
+            f"internal error: {solve}'s durations take {makespan} quanta, "
+            f"past the bound {quant}, or leave a duration range; plan with --solver walk"
+        )
 
 
 def solve_points(
