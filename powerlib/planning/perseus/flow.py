@@ -13,6 +13,13 @@ network, for a makespan bound ``T``:
   ``v_out -> t`` where it has no successor, all of cost 0 and unbounded;
 * a return arc ``t -> s`` of cost ``T``, unbounded.
 
+For the minimum of ``Σ cost + w · T`` over ``T`` in ``[lo, hi]`` (:meth:`FlowSolver.cheapest`,
+``T*``) the return arc is two parallel arcs ``t -> s``: one of cost ``lo`` and capacity ``w``
+(nanojoules, as the crash arcs), one of cost ``hi``, unbounded. In the dual they read
+``pi(t) - pi(s) <= hi`` and a penalty ``w · max(0, pi(t) - pi(s) - lo)``, so the optimal
+potentials' makespan ``pi(t) - pi(s)`` is an optimal ``T`` (one circulation, no search). A
+fixed makespan (:meth:`FlowSolver.at`) gives both arcs the cost ``T``.
+
 With ``dist`` the shortest distances from ``s`` in the residual network of an optimal flow, the
 event times ``pi = -dist`` are an optimal dual: ``S_v = pi(v_in)``, ``F_v = pi(v_out)``, with
 ``S_v >= F_u`` on every edge, ``S_v >= 0``, ``F_v <= T`` and ``F_v - S_v >= q_min`` (each an
@@ -29,6 +36,8 @@ certificate is a :class:`~powerlib.errors.PlanError`, never a plan.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -42,7 +51,7 @@ from powerlib.planning.perseus.direct import (
 )
 from powerlib.planning.perseus.solver import PhillipsDessouky
 
-__all__ = ["FlowSolver", "flow_available"]
+__all__ = ["FlowSolver", "flow_available", "flow_solve_points"]
 
 #: Joules to the integer capacity unit (nanojoules).
 _SCALE = 1e9
@@ -92,18 +101,31 @@ class FlowSolver:
     Args:
         walk: The Phillips-Dessouky solver of the DAG and costs (its tables, order and
             critical-path method are shared; it is not run).
+        time_cost_per_quantum: ``w``: the cost of one quantum of makespan in :meth:`cheapest`
+            (``N · P_block · τ`` for the minimum-energy point), joules.
 
     Raises:
         BackendUnavailableError: The compiled min-cost flow extension is not built.
-        PlanError: The finite capacities overflow int64.
+        PlanError: ``time_cost_per_quantum`` is negative or not finite, or the finite
+            capacities overflow int64.
     """
 
-    def __init__(self, walk: PhillipsDessouky) -> None:
+    def __init__(self, walk: PhillipsDessouky, *, time_cost_per_quantum: float = 0.0) -> None:
         if not mincost.available():
             raise BackendUnavailableError(
                 "the flow plan solve needs the compiled min-cost flow extension "
                 "(powerlib.planning.perseus._mincost); reinstall powerlib with a C++ compiler"
             )
+        if not (math.isfinite(time_cost_per_quantum) and time_cost_per_quantum >= 0):
+            raise PlanError(f"time cost must be >= 0, got {time_cost_per_quantum}")
+        w_nj = float(np.rint(float(time_cost_per_quantum) * _SCALE))
+        if w_nj >= 2.0**62:
+            raise PlanError(
+                f"time cost {time_cost_per_quantum:.6g} J per quantum is too large for the flow "
+                "solve's int64 nanojoule capacities"
+            )
+        self._w = float(time_cost_per_quantum)
+        self._w_nj = int(w_nj)
         self._walk = walk
         self.t_min = walk.fastest_makespan()
         self.t_max = walk.makespan([t.q_max for t in walk.tables])
@@ -129,7 +151,7 @@ class FlowSolver:
             counts[v] = arcs[0].shape[0]
         crash_cap = np.concatenate(caps) if caps else np.zeros(0, dtype=np.int64)
         crash_cost = np.concatenate(costs) if costs else np.zeros(0, dtype=np.int64)
-        finite = sum(int(c.sum()) for c in caps)  # exact Python integer
+        finite = sum(int(c.sum()) for c in caps) + self._w_nj  # exact Python integer
         big = finite + 1
         if big > _INT64_MAX // 4:
             raise PlanError(
@@ -147,7 +169,7 @@ class FlowSolver:
             v_out[edge_u],  # precedence
             np.full(sources.shape[0], _SOURCE, dtype=np.int64),
             v_out[sinks],
-            np.array([_SINK], dtype=np.int64),  # return arc, last
+            np.array([_SINK, _SINK], dtype=np.int64),  # return arcs (w at lo, then hi), last
         ]
         head = [
             np.repeat(v_out, counts),
@@ -155,13 +177,21 @@ class FlowSolver:
             v_in[edge_v],
             v_in[sources],
             np.full(sinks.shape[0], _SINK, dtype=np.int64),
-            np.array([_SOURCE], dtype=np.int64),
+            np.array([_SOURCE, _SOURCE], dtype=np.int64),
         ]
-        unbounded = n + edge_u.shape[0] + sources.shape[0] + sinks.shape[0] + 1
+        unbounded = n + edge_u.shape[0] + sources.shape[0] + sinks.shape[0]
         self._tail = np.concatenate(tail)
         self._head = np.concatenate(head)
-        self._capacity = np.concatenate([crash_cap, np.full(unbounded, big, dtype=np.int64)])
-        self._cost = np.concatenate([crash_cost, -q_min, np.zeros(unbounded - n, dtype=np.int64)])
+        self._capacity = np.concatenate(
+            [
+                crash_cap,
+                np.full(unbounded, big, dtype=np.int64),
+                np.array([self._w_nj, big], dtype=np.int64),
+            ]
+        )
+        self._cost = np.concatenate(
+            [crash_cost, -q_min, np.zeros(unbounded - n + 2, dtype=np.int64)]
+        )
         self._num_nodes = 2 + 2 * n
         self._v_in = v_in
         self._v_out = v_out
@@ -186,8 +216,38 @@ class FlowSolver:
         t = int(quant_time)
         if t < self.t_min:
             raise PlanError(f"makespan {t} is below the fastest possible {self.t_min}")
+        return self._solve(t, t)
+
+    def cheapest(self, lo: int, hi: int) -> DirectSolution:
+        """The point of minimum ``cost + w · T`` over makespans ``T`` in ``[lo, hi]``.
+
+        As :meth:`DirectSolver.cheapest <powerlib.planning.perseus.direct.DirectSolver.cheapest>`,
+        in one circulation (the module docstring). Among makespans of equal ``cost + w · T`` the
+        smallest is taken: the shortest distances give the least potentials, so the fastest
+        optimal ``T`` (HiGHS's choice among ties is unspecified; costs agree either way).
+        ``quant_time`` is the chosen ``T``; ``cost`` is Σ activity cost, without ``w · T``.
+
+        Args:
+            lo: The least makespan allowed (raised to ``T_min``).
+            hi: The greatest makespan allowed.
+
+        Returns:
+            The point, as :class:`~powerlib.planning.perseus.direct.DirectSolution`.
+
+        Raises:
+            PlanError: An empty range, the solver refused the instance, the certificate failed,
+                or the durations fail the DAG check.
+        """
+        lo, hi = max(int(lo), self.t_min), int(hi)
+        if hi < lo:
+            raise PlanError(f"no makespan in [{lo}, {hi}] (the fastest possible is {self.t_min})")
+        return self._solve(lo, hi)
+
+    def _solve(self, lo: int, hi: int) -> DirectSolution:
+        """Solve with return arcs of cost ``lo`` (capacity ``w``) and ``hi`` (unbounded)."""
         cost = self._cost.copy()
-        cost[-1] = t  # the return arc
+        cost[-2] = lo
+        cost[-1] = hi
         args = (self._num_nodes, self._tail, self._head, self._capacity, cost)
         result = mincost.min_cost_circulation(*args)
         dist = mincost.potentials(*args, result.flow, _SOURCE)
@@ -196,6 +256,9 @@ class FlowSolver:
             raise PlanError("internal error: an event of the flow solve is unreachable")
         start = -dist[self._v_in]
         finish = -dist[self._v_out]
+        makespan = int(dist[_SOURCE] - dist[_SINK])
+        # Below lo the penalty is 0 and Σ cost cannot fall further: lo is as cheap.
+        t = min(max(makespan, lo), hi)
         durations = np.minimum(finish - start, self._q_max).tolist()
         walk = self._walk
         durations = lengthen_into_slack(walk, durations, t)
@@ -206,3 +269,35 @@ class FlowSolver:
             cost=walk.total_cost(durations),
             simplex_iterations=0,
         )
+
+
+def flow_solve_points(
+    walk: PhillipsDessouky,
+    *,
+    times: Sequence[int] = (),
+    cheapest: Sequence[tuple[int, int]] = (),
+    time_cost_per_quantum: float = 0.0,
+) -> tuple[dict[int, DirectSolution], dict[tuple[int, int], DirectSolution]]:
+    """Solve many points on one network, as :func:`~powerlib.planning.perseus.direct.solve_points`.
+
+    The network is built once; each point is one circulation (no warm start).
+
+    Args:
+        walk: The Phillips-Dessouky solver of the DAG and costs (not run).
+        times: Fixed makespans (:meth:`FlowSolver.at`).
+        cheapest: ``(lo, hi)`` ranges (:meth:`FlowSolver.cheapest`).
+        time_cost_per_quantum: ``w`` for the ``cheapest`` ranges, joules per quantum.
+
+    Returns:
+        ``{T: solution}`` for ``times`` and ``{(lo, hi): solution}`` for ``cheapest``.
+
+    Raises:
+        BackendUnavailableError: The compiled min-cost flow extension is not built.
+        PlanError: As :meth:`FlowSolver.at` and :meth:`FlowSolver.cheapest`.
+    """
+    solver = FlowSolver(walk, time_cost_per_quantum=time_cost_per_quantum)
+    at: dict[int, DirectSolution] = {}
+    for t in sorted(set(times)):
+        at[t] = solver.at(t)
+    best = {rng: solver.cheapest(*rng) for rng in dict.fromkeys(cheapest)}
+    return at, best
