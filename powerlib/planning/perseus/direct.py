@@ -70,8 +70,14 @@ def _highspy() -> Any | None:
 
 
 def direct_available() -> bool:
-    """Whether the direct solve can run here (``highspy`` importable)."""
-    return _highspy() is not None
+    """Whether a direct solve can run here.
+
+    The compiled min-cost flow (:mod:`powerlib.planning.perseus.flow`, built by the default
+    install) or ``highspy`` (extra ``fast``).
+    """
+    from powerlib.planning.perseus import mincost  # noqa: PLC0415 - flow imports this module
+
+    return mincost.available() or _highspy() is not None
 
 
 @dataclass(frozen=True, slots=True)

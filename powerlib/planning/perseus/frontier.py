@@ -21,7 +21,8 @@ import numpy as np
 
 from powerlib.errors import PlanError
 from powerlib.planning.perseus.cost_model import build_cost_model
-from powerlib.planning.perseus.direct import DirectSolver, direct_available
+from powerlib.planning.perseus.direct import direct_available
+from powerlib.planning.perseus.flow import point_solver
 from powerlib.planning.perseus.options import Option, frequency_for, prepare_options
 from powerlib.planning.perseus.replay import (
     IncrementalReplay,
@@ -733,7 +734,7 @@ class _DirectPoints:
         self.t_max = solver.makespan()
         self.t_min = solver.fastest_makespan()
         self.start_cost = solver.total_cost()
-        self.direct = DirectSolver(solver, time_cost_per_quantum=n_block * unit_time_s)
+        self.direct = point_solver(solver, time_cost_per_quantum=n_block * unit_time_s)
         first = next(solver.run())  # T_max - 1, from the all-slowest start
         self.t_first = first.quant_time
         self.found: dict[int, tuple[float, tuple[int, ...]]] = {
