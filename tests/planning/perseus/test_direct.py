@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
+from perseus_cases import profile_or_skip, random_case
 
 from powerlib import PlanError
 from powerlib.planning.choice import Policy, choose
-from powerlib.planning.perseus.cost_model import TableCostModel
 from powerlib.planning.perseus.direct import DirectSolver
 from powerlib.planning.perseus.frontier import (
     Wanted,
@@ -20,42 +19,13 @@ from powerlib.planning.perseus.frontier import (
 from powerlib.planning.perseus.replay import layout_of, replay_options
 from powerlib.planning.perseus.solver import PhillipsDessouky
 from powerlib.planning.pipeline import build_schedule
-from powerlib.planning.profile import Profile
 
 pytest.importorskip("highspy")
-
-SOSP = Path("/work/shared/perseus_validation/sosp24_emulation")
-REPO_PROFILES = Path(__file__).resolve().parents[2] / "data" / "lowtime_frontiers" / "profiles"
-
-
-def _profile(name: str) -> Profile:
-    for folder in (SOSP, REPO_PROFILES):
-        if (folder / name).exists():
-            return Profile.read(folder / name)
-    pytest.skip(f"{name} not available")
-
-
-def _random_case(rng: random.Random) -> tuple[int, list[tuple[int, int]], list[TableCostModel]]:
-    n = rng.randint(2, 14)
-    edges = [(u, v) for v in range(n) for u in range(v) if rng.random() < 0.3]
-    models = []
-    for _ in range(n):
-        q_min = rng.randint(1, 4)
-        q_max = q_min + rng.randint(0, 6)
-        # convex, non-increasing: decreasing positive slopes from q_min up
-        cost, table = rng.uniform(0, 5), {}
-        slopes = sorted((rng.uniform(0, 4) for _ in range(q_max - q_min)), reverse=True)
-        table[q_max] = cost
-        for q, slope in zip(range(q_max - 1, q_min - 1, -1), reversed(slopes)):
-            cost += slope
-            table[q] = cost
-        models.append(TableCostModel(table))
-    return n, edges, models
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_dags_give_the_walks_costs_at_every_makespan(seed: int) -> None:
-    n, edges, models = _random_case(random.Random(seed))
+    n, edges, models = random_case(random.Random(seed))
     walk = PhillipsDessouky(n, edges, models)
     steps = list(PhillipsDessouky(n, edges, models).run())
     direct = DirectSolver(walk, time_cost_per_quantum=0.7)
@@ -72,14 +42,14 @@ def test_random_dags_give_the_walks_costs_at_every_makespan(seed: int) -> None:
 
 
 def test_a_makespan_below_t_min_is_refused() -> None:
-    n, edges, models = _random_case(random.Random(3))
+    n, edges, models = random_case(random.Random(3))
     walk = PhillipsDessouky(n, edges, models)
     with pytest.raises(PlanError, match="below the fastest"):
         DirectSolver(walk).at(walk.fastest_makespan() - 1)
 
 
 def test_a_fractional_solution_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    n, edges, models = _random_case(random.Random(5))
+    n, edges, models = random_case(random.Random(5))
     direct = DirectSolver(PhillipsDessouky(n, edges, models))
     real = direct._h.getSolution
 
@@ -99,7 +69,7 @@ SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)]
 
 @pytest.mark.parametrize(("schedule", "chunks"), SCHEDULES)
 def test_published_profile_direct_points_equal_the_walk(schedule: str, chunks: int) -> None:
-    profile = _profile("profile_gpt3-175b_a100_sxm.csv")
+    profile = profile_or_skip("profile_gpt3-175b_a100_sxm.csv")
     kw = dict(
         schedule_name=schedule,
         num_microbatches=8,
@@ -172,7 +142,7 @@ def test_kareus_style_candidates_solve_directly() -> None:
 
 
 def test_the_sweep_reports_progress_per_point_and_lists_every_point() -> None:
-    profile = _profile("profile_gpt3-175b_a100_sxm.csv")
+    profile = profile_or_skip("profile_gpt3-175b_a100_sxm.csv")
     seen: list[tuple[int, int]] = []
     frontier = compute_frontier(
         profile,
@@ -239,7 +209,7 @@ def test_the_incremental_guard_equals_the_full_replay_guard(
     schedule: str, chunks: int, latency: float
 ) -> None:
     frontier = compute_frontier(
-        _profile("profile_gpt3-175b_a100_sxm.csv"),
+        profile_or_skip("profile_gpt3-175b_a100_sxm.csv"),
         build_schedule(schedule, 8, 16, chunks),
         schedule_name=schedule,
         num_microbatches=16,

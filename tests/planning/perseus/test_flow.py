@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
+from perseus_cases import profile_or_skip, random_case
 
 from powerlib.errors import BackendUnavailableError, PlanError
 from powerlib.planning.perseus import mincost
@@ -23,9 +23,6 @@ pytest.importorskip(
 
 from powerlib.planning.perseus.flow import FlowSolver, flow_solve_points  # noqa: E402
 
-SOSP = Path("/work/shared/perseus_validation/sosp24_emulation")
-REPO_PROFILES = Path(__file__).resolve().parents[2] / "data" / "lowtime_frontiers" / "profiles"
-
 
 def _direct_solver():
     """DirectSolver, or a skip when highspy (extra ``fast``) is missing."""
@@ -33,31 +30,6 @@ def _direct_solver():
     from powerlib.planning.perseus.direct import DirectSolver  # noqa: PLC0415
 
     return DirectSolver
-
-
-def _profile(name: str) -> Profile:
-    for folder in (SOSP, REPO_PROFILES):
-        if (folder / name).exists():
-            return Profile.read(folder / name)
-    pytest.skip(f"{name} not available")
-
-
-def _random_case(rng: random.Random) -> tuple[int, list[tuple[int, int]], list[TableCostModel]]:
-    """A random DAG of convex, non-increasing cost tables (as in test_direct.py)."""
-    n = rng.randint(2, 14)
-    edges = [(u, v) for v in range(n) for u in range(v) if rng.random() < 0.3]
-    models = []
-    for _ in range(n):
-        q_min = rng.randint(1, 4)
-        q_max = q_min + rng.randint(0, 6)
-        cost, table = rng.uniform(0, 5), {}
-        slopes = sorted((rng.uniform(0, 4) for _ in range(q_max - q_min)), reverse=True)
-        table[q_max] = cost
-        for q, slope in zip(range(q_max - 1, q_min - 1, -1), reversed(slopes)):
-            cost += slope
-            table[q] = cost
-        models.append(TableCostModel(table))
-    return n, edges, models
 
 
 def _walk_of_profile(
@@ -119,7 +91,7 @@ def test_parallel_activities_crash_together() -> None:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_dags_equal_highs_at_every_makespan(seed: int) -> None:
-    n, edges, models = _random_case(random.Random(seed))
+    n, edges, models = random_case(random.Random(seed))
     walk = PhillipsDessouky(n, edges, models)
     t_min, t_max = walk.fastest_makespan(), walk.makespan([t.q_max for t in walk.tables])
     _assert_same_as_highs(walk, list(range(t_min, t_max + 2)))
@@ -127,7 +99,7 @@ def test_random_dags_equal_highs_at_every_makespan(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(10))
 def test_random_dags_equal_the_walk(seed: int) -> None:
-    n, edges, models = _random_case(random.Random(100 + seed))
+    n, edges, models = random_case(random.Random(100 + seed))
     walk = PhillipsDessouky(n, edges, models)
     flow = FlowSolver(walk)
     for step in PhillipsDessouky(n, edges, models).run():
@@ -143,7 +115,7 @@ def test_random_dags_equal_the_walk(seed: int) -> None:
 def test_gpt3_a100_profile_equals_highs(
     schedule: str, stages: int, microbatches: int, chunks: int
 ) -> None:
-    profile = _profile("profile_gpt3-175b_a100_sxm.csv")
+    profile = profile_or_skip("profile_gpt3-175b_a100_sxm.csv")
     walk = _walk_of_profile(profile, schedule, stages, microbatches, chunks)
     t_min, t_max = walk.fastest_makespan(), walk.makespan([t.q_max for t in walk.tables])
     assert t_max > t_min
@@ -152,7 +124,7 @@ def test_gpt3_a100_profile_equals_highs(
 
 
 def test_a_makespan_below_t_min_is_refused() -> None:
-    n, edges, models = _random_case(random.Random(3))
+    n, edges, models = random_case(random.Random(3))
     walk = PhillipsDessouky(n, edges, models)
     with pytest.raises(PlanError, match="below the fastest"):
         FlowSolver(walk).at(walk.fastest_makespan() - 1)
@@ -175,7 +147,7 @@ def test_a_failed_certificate_is_an_error(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_without_the_extension_the_solver_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    n, edges, models = _random_case(random.Random(4))
+    n, edges, models = random_case(random.Random(4))
     monkeypatch.setattr(mincost, "available", lambda: False)
     with pytest.raises(BackendUnavailableError, match="min-cost flow"):
         FlowSolver(PhillipsDessouky(n, edges, models))
@@ -229,7 +201,7 @@ def test_cheapest_two_activities_in_series_by_hand() -> None:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_dags_cheapest_equals_highs(seed: int) -> None:
-    n, edges, models = _random_case(random.Random(seed))
+    n, edges, models = random_case(random.Random(seed))
     walk = PhillipsDessouky(n, edges, models)
     t_min, t_max = walk.fastest_makespan(), walk.makespan([t.q_max for t in walk.tables])
     mid = (t_min + t_max) // 2
@@ -245,7 +217,7 @@ def test_random_dags_cheapest_equals_highs(seed: int) -> None:
 def test_gpt3_a100_profile_cheapest_equals_highs(
     schedule: str, stages: int, microbatches: int, chunks: int
 ) -> None:
-    profile = _profile("profile_gpt3-175b_a100_sxm.csv")
+    profile = profile_or_skip("profile_gpt3-175b_a100_sxm.csv")
     walk = _walk_of_profile(profile, schedule, stages, microbatches, chunks)
     t_min, t_max = walk.fastest_makespan(), walk.makespan([t.q_max for t in walk.tables])
     w = stages * _P_BLOCK_W * _UNIT_TIME_S  # N · P_block · τ, as frontier.py gives DirectSolver
@@ -261,7 +233,7 @@ def test_flow_solve_points_equals_solve_points(seed: int) -> None:
     pytest.importorskip("highspy", reason="HiGHS (highspy, extra 'fast') is the reference")
     from powerlib.planning.perseus.direct import solve_points  # noqa: PLC0415
 
-    n, edges, models = _random_case(random.Random(200 + seed))
+    n, edges, models = random_case(random.Random(200 + seed))
     walk = PhillipsDessouky(n, edges, models)
     t_min, t_max = walk.fastest_makespan(), walk.makespan([t.q_max for t in walk.tables])
     kwargs = {
@@ -283,7 +255,7 @@ def test_flow_solve_points_equals_solve_points(seed: int) -> None:
 
 
 def test_cheapest_refuses_an_empty_range_and_a_negative_time_cost() -> None:
-    n, edges, models = _random_case(random.Random(5))
+    n, edges, models = random_case(random.Random(5))
     walk = PhillipsDessouky(n, edges, models)
     with pytest.raises(PlanError, match="no makespan"):
         FlowSolver(walk, time_cost_per_quantum=1.0).cheapest(0, walk.fastest_makespan() - 1)
