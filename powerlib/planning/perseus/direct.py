@@ -34,7 +34,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -340,13 +340,23 @@ def solve_points(
     times: Sequence[int] = (),
     cheapest: Sequence[tuple[int, int]] = (),
     time_cost_per_quantum: float = 0.0,
+    solver_class: Callable[..., Any] | None = None,
 ) -> tuple[dict[int, DirectSolution], dict[tuple[int, int], DirectSolution]]:
     """Solve many points on one model, nearest first (each from the last basis).
+
+    Args:
+        walk: The Phillips-Dessouky solver of the DAG and costs (not run).
+        times: Fixed makespans.
+        cheapest: ``(lo, hi)`` ranges of the minimum-total-energy point.
+        time_cost_per_quantum: ``w`` for the ``cheapest`` ranges, joules per quantum.
+        solver_class: What solves the points: :class:`DirectSolver` (HiGHS, the default) or
+            :class:`~powerlib.planning.perseus.flow.FlowSolver` (the same interface).
 
     Returns:
         ``{T: solution}`` for ``times`` and ``{(lo, hi): solution}`` for ``cheapest``.
     """
-    solver = DirectSolver(walk, time_cost_per_quantum=time_cost_per_quantum)
+    make = DirectSolver if solver_class is None else solver_class
+    solver = make(walk, time_cost_per_quantum=time_cost_per_quantum)
     at: dict[int, DirectSolution] = {}
     for t in sorted(set(times)):
         at[t] = solver.at(t)

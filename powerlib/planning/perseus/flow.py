@@ -37,7 +37,6 @@ certificate is a :class:`~powerlib.errors.PlanError`, never a plan.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -52,7 +51,7 @@ from powerlib.planning.perseus.direct import (
 )
 from powerlib.planning.perseus.solver import PhillipsDessouky
 
-__all__ = ["FlowSolver", "flow_available", "flow_solve_points"]
+__all__ = ["FlowSolver", "flow_available", "point_solver"]
 
 #: Joules to the integer capacity unit (nanojoules).
 _SCALE = 1e9
@@ -284,35 +283,3 @@ class FlowSolver:
             cost=walk.total_cost(durations),
             simplex_iterations=0,
         )
-
-
-def flow_solve_points(
-    walk: PhillipsDessouky,
-    *,
-    times: Sequence[int] = (),
-    cheapest: Sequence[tuple[int, int]] = (),
-    time_cost_per_quantum: float = 0.0,
-) -> tuple[dict[int, DirectSolution], dict[tuple[int, int], DirectSolution]]:
-    """Solve many points on one network, as :func:`~powerlib.planning.perseus.direct.solve_points`.
-
-    The network is built once; each point is one circulation (no warm start).
-
-    Args:
-        walk: The Phillips-Dessouky solver of the DAG and costs (not run).
-        times: Fixed makespans (:meth:`FlowSolver.at`).
-        cheapest: ``(lo, hi)`` ranges (:meth:`FlowSolver.cheapest`).
-        time_cost_per_quantum: ``w`` for the ``cheapest`` ranges, joules per quantum.
-
-    Returns:
-        ``{T: solution}`` for ``times`` and ``{(lo, hi): solution}`` for ``cheapest``.
-
-    Raises:
-        BackendUnavailableError: The compiled min-cost flow extension is not built.
-        PlanError: As :meth:`FlowSolver.at` and :meth:`FlowSolver.cheapest`.
-    """
-    solver = FlowSolver(walk, time_cost_per_quantum=time_cost_per_quantum)
-    at: dict[int, DirectSolution] = {}
-    for t in sorted(set(times)):
-        at[t] = solver.at(t)
-    best = {rng: solver.cheapest(*rng) for rng in dict.fromkeys(cheapest)}
-    return at, best

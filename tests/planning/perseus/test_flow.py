@@ -21,7 +21,7 @@ pytest.importorskip(
     reason="the C++ min-cost flow extension was not built (pip install -e . with a C++ compiler)",
 )
 
-from powerlib.planning.perseus.flow import FlowSolver, flow_solve_points  # noqa: E402
+from powerlib.planning.perseus.flow import FlowSolver  # noqa: E402
 
 
 def _direct_solver():
@@ -229,7 +229,7 @@ def test_gpt3_a100_profile_cheapest_equals_highs(
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_flow_solve_points_equals_solve_points(seed: int) -> None:
+def test_solve_points_by_flow_equals_highs(seed: int) -> None:
     pytest.importorskip("highspy", reason="HiGHS (highspy, extra 'fast') is the reference")
     from powerlib.planning.perseus.direct import solve_points  # noqa: PLC0415
 
@@ -242,7 +242,7 @@ def test_flow_solve_points_equals_solve_points(seed: int) -> None:
         "time_cost_per_quantum": 0.6,
     }
     want_at, want_best = solve_points(walk, **kwargs)
-    got_at, got_best = flow_solve_points(walk, **kwargs)
+    got_at, got_best = solve_points(walk, solver_class=FlowSolver, **kwargs)
     assert got_at.keys() == want_at.keys() and got_best.keys() == want_best.keys()
     for t, want in want_at.items():
         assert got_at[t].quant_time == t
