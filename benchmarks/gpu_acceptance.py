@@ -263,7 +263,23 @@ def pick_clocks(supported: Sequence[float], n: int) -> list[float]:
 # -- the work the GPU runs -------------------------------------------------------------------------
 
 
-class SimWork:
+class _OnOff:
+    """The on/off load of part A, for any work source with ``busy(seconds)``."""
+
+    def busy(self, seconds: float) -> float:  # pragma: no cover - each work source has its own
+        raise NotImplementedError
+
+    def onoff(self, total_s: float, on_s: float, off_s: float) -> float:
+        """Alternate ``on_s`` of load and ``off_s`` idle for ``total_s``; the busy seconds."""
+        busy = 0.0
+        end = time.perf_counter() + total_s
+        while time.perf_counter() < end:
+            busy += self.busy(on_s)
+            time.sleep(off_s)
+        return busy
+
+
+class SimWork(_OnOff):
     """``--smoke``: the simulated GPU's work API (``begin_work``/``end_work``) stands in for kernels.
 
     A unit's duration at the clock in force is slept on the wall clock, so the session, the
@@ -315,15 +331,6 @@ class SimWork:
             self.dev.end_work()
         return elapsed_s
 
-    def onoff(self, total_s: float, on_s: float, off_s: float) -> float:
-        """Alternate ``on_s`` of load and ``off_s`` idle for ``total_s``; the busy seconds."""
-        busy = 0.0
-        end = time.perf_counter() + total_s
-        while time.perf_counter() < end:
-            busy += self.busy(on_s)
-            time.sleep(off_s)
-        return busy
-
     def run(self, kind: str, microbatch: int) -> None:
         """One instruction, to its end."""
         duration_s = self.dev.begin_work(self.units[kind])
@@ -340,7 +347,7 @@ class SimWork:
         """Nothing to free."""
 
 
-class TorchWork:
+class TorchWork(_OnOff):
     """The GPU's work on a real device: a bf16 matmul load and a transformer-layer stack.
 
     The stack is ``torch.nn.TransformerEncoderLayer`` (pre-norm, no dropout, bf16) repeated as many
@@ -444,15 +451,6 @@ class TorchWork:
             self.torch.mm(self.a, self.a, out=self.c)
         self.sync()
         return time.perf_counter() - t0
-
-    def onoff(self, total_s: float, on_s: float, off_s: float) -> float:
-        """Alternate ``on_s`` of matmuls and ``off_s`` idle for ``total_s``; the busy seconds."""
-        busy = 0.0
-        end = time.perf_counter() + total_s
-        while time.perf_counter() < end:
-            busy += self.busy(on_s)
-            time.sleep(off_s)
-        return busy
 
     def run(self, kind: str, microbatch: int) -> None:
         """Launch one instruction (a forward keeps its graph for the backward)."""
