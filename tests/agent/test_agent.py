@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from uid_helpers import NOBODY, NOGROUP, as_uid, spawn_as
 
 import powerlib
 from powerlib.agent import protocol
@@ -46,7 +47,6 @@ pytestmark = pytest.mark.skipif(
     reason="the agent is Linux-only (SO_PEERCRED, pidfd) and these tests start it as root",
 )
 
-NOBODY, NOGROUP = 65534, 65534
 STRANGER = 65533  # a uid no rule names
 GPUS = 3
 
@@ -150,60 +150,6 @@ def node(root_dir: Path) -> Iterator[Node]:
     n = Node(root_dir, allow).start()
     yield n
     n.stop()
-
-
-def spawn_as(uid: int, body: Callable[[int], None]) -> tuple[int, int]:
-    """Fork a child that drops to ``uid`` (gid nogroup) for good and runs ``body(write_fd)``;
-    it never returns into pytest. Returns its pid and the read end of its pipe."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOGROUP)
-            os.setuid(uid)
-            body(w)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    return pid, r
-
-
-def as_uid(uid: int, fn: Callable[[], Any], *, timeout_s: float = 60.0) -> Any:
-    """Run ``fn`` in a forked child that dropped to ``uid`` (gid nogroup); its JSON result."""
-
-    def body(w: int) -> None:
-        try:
-            out = json.dumps({"ok": True, "value": fn()})
-        except BaseException as err:  # noqa: BLE001
-            out = json.dumps({"ok": False, "type": type(err).__name__, "message": str(err)})
-        os.write(w, out.encode())
-
-    pid, r = spawn_as(uid, body)
-    data = _read_all(r, timeout_s)
-    os.waitpid(pid, 0)
-    return json.loads(data)
-
-
-def _read_all(fd: int, timeout_s: float) -> bytes:
-    import select
-
-    chunks = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise AssertionError("the child did not answer in time")
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
 
 
 def _try(fn: Callable[[], Any]) -> str:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from uid_helpers import NOBODY, as_uid
 
 import powerlib.device
 from powerlib import DeviceBusyError, DeviceError, Settings
@@ -27,7 +27,6 @@ from powerlib.testing.fake_nvml import A100_SXM4_40GB, H100_SXM5_80GB, V100_SXM2
 
 pynvml = pytest.importorskip("pynvml")  # nvidia-ml-py, from the test extra
 
-NOBODY, NOGROUP = 65534, 65534
 CAP_SYS_ADMIN_BIT = 1 << 21
 
 
@@ -196,29 +195,6 @@ def test_mig_mode_is_read_from_the_driver(settings: Settings) -> None:
 # -- control_refusal (issue 33 point 5) ------------------------------------------------------------
 
 
-def _in_child_as(uid: int, fn: Callable[[], str | None]) -> str | None:
-    """``fn()`` in a forked child that dropped to ``uid`` (gid nogroup) for good."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOGROUP)
-            os.setuid(uid)
-            os.write(w, json.dumps(fn()).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as pipe:
-        data = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, data
-    return json.loads(data)
-
-
 def _nvidia(settings: Settings) -> Backend:
     return _open(settings, FakeNvml([H100_SXM5_80GB]))
 
@@ -245,7 +221,9 @@ def test_a_non_root_process_is_refused_with_the_ways_out(
     settings: Settings, tmp_path: Path, open_backend, module, what: str
 ) -> None:
     with open_backend(settings) as backend:
-        line = _in_child_as(NOBODY, backend.control_refusal)
+        out = as_uid(NOBODY, backend.control_refusal)
+        assert out["ok"], out
+        line = out["value"]
         assert line is not None and "\n" not in line
         assert what in line and f"not root (uid {NOBODY})" in line
         assert "POWERLIB_BACKEND=agent" in line and "run the job as root" in line

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import shutil
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from uid_helpers import NOBODY, NOGROUP, as_uid
 
 from powerlib.backends.simulated import SimulatedBackend
 from powerlib.cli import cli
@@ -35,8 +33,6 @@ from powerlib.testing.fake_nvml import A100_SXM4_40GB, FakeNvml  # noqa: E402
 NVIDIA = {"POWERLIB_BACKEND": "nvidia"}
 SIM = {"POWERLIB_BACKEND": "simulated", "POWERLIB_SIM_GPUS": "2"}
 SHORT = ("--duration-s", "0.02")
-NOBODY = 65534
-NOGROUP = 65534
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (and CAP_SYS_ADMIN)")
 
@@ -92,43 +88,6 @@ def test_root_nvidia_node_is_ready_with_versions_scope_and_measured_reads(fake: 
     assert "driver 550.54.15" in text.stdout and "node: ready" in text.stdout
 
 
-def _fork_as(uid: int, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-    """Run ``fn`` in a forked child that dropped to ``uid`` for good; its JSON-able result."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOGROUP)
-            os.setuid(uid)
-            try:
-                out = {"ok": True, "value": fn()}
-            except BaseException as err:  # noqa: BLE001
-                out = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-            os.write(w, json.dumps(out).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    chunks = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0 and select.select([r], [], [], left)[0], "the child did not answer"
-            chunk = os.read(r, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-        os.waitpid(pid, 0)
-    return json.loads(b"".join(chunks))
-
-
-@needs_root
 def test_without_root_every_device_is_not_ready_with_the_ways_out() -> None:
     # pytest's tmp_path lies under a folder only root may enter: nobody gets one in /tmp.
     state = Path(tempfile.mkdtemp(prefix="powerlib-check-"))
@@ -148,7 +107,7 @@ def test_without_root_every_device_is_not_ready_with_the_ways_out() -> None:
         }
 
     try:
-        out = _fork_as(NOBODY, check_as_nobody)
+        out = as_uid(NOBODY, check_as_nobody, timeout_s=30.0)
     finally:
         shutil.rmtree(state)
     assert out["ok"], out

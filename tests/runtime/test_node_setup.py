@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from uid_helpers import NOBODY, as_uid
 
 from powerlib.backends.nvidia import NvidiaBackend
 from powerlib.backends.simulated import SimulatedBackend
@@ -32,8 +33,6 @@ from powerlib.runtime.coordination import SingleProcess
 from powerlib.runtime.options import RunConfig
 from powerlib.runtime.session import Session
 from powerlib.testing.fake_nvml import H100_SXM5_80GB, FakeNvml
-
-NOBODY = 65534
 
 # -- fakes -----------------------------------------------------------------------------------------
 
@@ -235,32 +234,20 @@ def test_a_non_root_process_is_refused_by_the_nvidia_backend_at_the_with_line(
     if os.geteuid() != 0:
         pytest.skip("forks a child that drops root")
     _, backend = _nvidia(settings, gpus=1)  # NVML opens as root; the child only enters
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child drops to nobody for good and never returns into pytest
-        code = 1
+
+    def enter() -> str:
         try:
-            os.close(r)
-            try:
-                os.setgroups([])
-                os.setgid(NOBODY)
-                os.setuid(NOBODY)
-                with _session(backend, settings):
-                    out = "entered"
-            except PermissionDeniedError as err:
-                out = str(err)
-            except BaseException as err:  # noqa: BLE001 - reported to the parent
-                out = f"{type(err).__name__}: {err}"
-            os.write(w, out.encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as pipe:
-        out = pipe.read().decode()
-    _, status = os.waitpid(pid, 0)
-    backend.close()
-    assert os.waitstatus_to_exitcode(status) == 0, out
+            with _session(backend, settings):
+                return "entered"
+        except PermissionDeniedError as err:
+            return str(err)
+
+    try:
+        result = as_uid(NOBODY, enter)
+    finally:
+        backend.close()
+    assert result["ok"], result
+    out = result["value"]
     assert "is not root" in out and "POWERLIB_BACKEND=agent" in out and "\n" not in out
     assert _journals(settings) == []
 
