@@ -49,6 +49,7 @@ __all__ = [
     "DeviceKind",
     "PowerState",
     "ProbeResult",
+    "gpu_uuid_key",
     "match_device",
     "normalize_pci",
     "snap_freq_range_mhz",
@@ -708,6 +709,14 @@ class Backend(ABC):
 
 
 _PCI = re.compile(r"^(?:([0-9a-f]{1,8}):)?([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$")
+
+
+def gpu_uuid_key(text: str) -> str:
+    """A GPU UUID as compared across libraries (docs/real-gpu.md §4).
+
+    NVML's ``GPU-<uuid>`` and torch's bare ``<uuid>`` are the same GPU.
+    """
+    return text.strip().lower().removeprefix("gpu-")
 
 
 def normalize_pci(text: str) -> str | None:

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 from powerlib import __version__
 from powerlib.config import Settings
-from powerlib.device import Backend, ClockLockState, Device, DeviceKind
+from powerlib.device import Backend, ClockLockState, Device, DeviceKind, gpu_uuid_key
 from powerlib.errors import (
     DeviceBusyError,
     DeviceLostError,
@@ -474,9 +474,9 @@ def _cuda_ordinal(torch: Any, dev: Device, backend: Backend) -> int:
     for i in range(count):
         uuid = getattr(torch.cuda.get_device_properties(i), "uuid", None)
         uuids.append(None if uuid is None else str(uuid))
-    wanted = dev.device_id.lower().removeprefix("gpu-")
+    wanted = gpu_uuid_key(dev.device_id)
     for i, uuid in enumerate(uuids):
-        if uuid is not None and uuid.lower().removeprefix("gpu-") == wanted:
+        if uuid is not None and gpu_uuid_key(uuid) == wanted:
             return i
     if all(u is None for u in uuids) and count == len(backend.devices()):
         return dev.index

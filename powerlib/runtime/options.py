@@ -20,7 +20,7 @@ from pathlib import Path
 
 from powerlib.config import Settings
 from powerlib.control import ControlSession
-from powerlib.device import Backend, Device, DeviceKind
+from powerlib.device import Backend, Device, DeviceKind, gpu_uuid_key
 from powerlib.errors import (
     BackendUnavailableError,
     DeviceBusyError,
@@ -190,8 +190,7 @@ def _cuda_uuid() -> str | None:
     except Exception as err:  # noqa: BLE001 - a broken CUDA leaves the choice to the index
         logger.info("powerlib: could not read the CUDA device's UUID: %s", err)
         return None
-    text = str(uuid).strip().lower().removeprefix("gpu-")
-    return text or None
+    return gpu_uuid_key(str(uuid)) or None
 
 
 def local_device(backend: Backend, settings: Settings) -> Device:
@@ -210,7 +209,7 @@ def local_device(backend: Backend, settings: Settings) -> Device:
     uuid = _cuda_uuid()
     if uuid is not None:
         for device in devices:
-            if device.device_id.lower().removeprefix("gpu-") == uuid:
+            if gpu_uuid_key(device.device_id) == uuid:
                 return device
         logger.info(
             "powerlib: the CUDA device's UUID %s is not among the %s backend's devices; "
