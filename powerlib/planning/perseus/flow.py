@@ -30,13 +30,19 @@ slack as the direct solve does, checked against the DAG, and priced from the cos
 Capacities are joules: the cumulative slopes ``s_k`` are rounded to int64 nanojoules and then
 differenced, so equal slopes stay equal (ties kept) and the error stays far below ``1e-9``
 relative. "Unbounded" is the sum of the finite capacities plus one, which never binds at an
-optimum. Every solve is certified (:func:`powerlib.planning.perseus.mincost.certify`); a failed
+optimum; the solver sums every capacity in int64, so where that sum would pass 2^62 (64 x 1024)
+the unit grows past a nanojoule (:func:`capacity_scale`). The same network, with breakpoints
+at real durations instead of every quantum, is the slowdown guard's exact-time solve
+(:mod:`powerlib.planning.perseus.guard`). Every solve is certified (:func:`powerlib.planning.perseus.mincost.certify`); a failed
 certificate is a :class:`~powerlib.errors.PlanError`, never a plan.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,9 +57,9 @@ from powerlib.planning.perseus.direct import (
 )
 from powerlib.planning.perseus.solver import PhillipsDessouky
 
-__all__ = ["FlowSolver", "flow_available", "point_solver"]
+__all__ = ["ActivityNetwork", "FlowSolver", "capacity_scale", "flow_available", "point_solver"]
 
-#: Joules to the integer capacity unit (nanojoules).
+#: Joules to the integer capacity unit (nanojoules), unless int64 headroom asks for less.
 _SCALE = 1e9
 _INT64_MAX = int(np.iinfo(np.int64).max)
 _SOURCE = 0
@@ -64,12 +70,13 @@ def point_solver(walk: PhillipsDessouky, *, time_cost_per_quantum: float = 0.0) 
     """The direct solver of a frontier's points: the compiled flow where it is built, else HiGHS.
 
     Both return the same :class:`DirectSolution` at the same optimal cost (tested to 1e-9
-    relative); the flow needs no extra and certifies every solve.
+    relative); the flow needs no extra and certifies every solve. ``POWERLIB_DIRECT_SOLVER=highs``
+    forces HiGHS (for side-by-side benchmarks).
 
     Raises:
         BackendUnavailableError: Neither the extension nor ``highspy`` is available.
     """
-    if flow_available():
+    if flow_available() and os.environ.get("POWERLIB_DIRECT_SOLVER", "") != "highs":
         return FlowSolver(walk, time_cost_per_quantum=time_cost_per_quantum)
     return DirectSolver(walk, time_cost_per_quantum=time_cost_per_quantum)
 
@@ -79,31 +86,171 @@ def flow_available() -> bool:
     return mincost.available()
 
 
-def _activity_arcs(table: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Capacities (nJ, int64) and unit costs of one cost table's crash arcs, zero ones dropped.
+def crash_slopes(times: Any, costs: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The crash arcs of one convex, piecewise-linear activity cost, as float slopes.
 
     Args:
-        table: A cost table (``q_min``, ``q_max``, ``values`` = ``c(q_min) .. c(q_max)``).
+        times: Breakpoint durations, strictly increasing (integer time units).
+        costs: The cost at each breakpoint, non-increasing and convex.
 
     Returns:
-        ``(capacity, cost)`` of the parallel arcs with positive capacity.
+        ``(cumulative, cost)``: for each breakpoint after the first, from the slowest down, the
+        slope of the segment below it (joules per time unit, non-decreasing: the capacities are
+        its increments) and the arc's unit cost ``-time``.
     """
-    vals = np.asarray(table.values, dtype=float)
-    if vals.shape[0] < 2:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    # segment k: crash from q_max - k to q_max - k - 1
-    slopes = np.subtract(vals[-2::-1], vals[:0:-1])
-    cumulative = np.rint(np.maximum(slopes, 0.0) * _SCALE)
-    if cumulative.size and cumulative[-1] >= 2.0**62:
-        raise PlanError(
-            f"an activity's cost slope ({slopes[-1]:.6g} J per quantum) is too large for the "
-            "flow solve's int64 nanojoule capacities"
+    times = np.asarray(times, dtype=np.int64)
+    costs = np.asarray(costs, dtype=float)
+    slopes = (costs[:-1] - costs[1:]) / np.diff(times).astype(float)
+    return np.maximum(slopes[::-1], 0.0), -times[:0:-1]
+
+
+def crash_capacities(cumulative: np.ndarray, scale: float) -> np.ndarray:
+    """Integer capacities of crash arcs from their cumulative slopes (:func:`crash_slopes`).
+
+    The cumulative slopes are rounded to integers and then differenced, so equal slopes stay
+    equal (ties kept) and the error stays far below ``1e-9`` relative.
+    """
+    rounded = np.maximum.accumulate(np.rint(cumulative * scale).astype(np.int64))
+    return np.diff(rounded, prepend=np.int64(0))
+
+
+def capacity_scale(finite_j: float, num_unbounded: int, what: str) -> float:
+    """Joules to integer capacity units: nanojoules, or less where int64 asks for it.
+
+    The solver sums every capacity in int64, and each of the ``num_unbounded`` uncapped arcs
+    carries the sum of the finite ones plus one; at 64 x 1024 that is past int64 in nanojoules.
+    The scale keeps the whole sum below 2^62 (the rounding error stays below 1e-8 relative).
+
+    Raises:
+        PlanError: Even one unit per joule would overflow.
+    """
+    if finite_j <= 0:
+        return _SCALE
+    scale = min(_SCALE, 2.0**62 / (num_unbounded + 2) / finite_j)
+    if scale < 1.0:
+        raise PlanError(f"{what} are too large for the flow solve's int64 capacities")
+    return scale
+
+
+@dataclass(frozen=True, slots=True)
+class ActivityNetwork:
+    """The circulation of an activity DAG (the module docstring), return arcs last.
+
+    Attributes:
+        num_nodes: ``2 + 2 n``: source, sink, then ``v_in, v_out`` per activity.
+        tail: Arc tails.
+        head: Arc heads.
+        capacity: Arc capacities (int64; "unbounded" is the finite sum plus one).
+        cost: Arc unit costs; the two return arcs' costs are set per solve.
+        v_in: Each activity's in-node.
+        v_out: Each activity's out-node.
+    """
+
+    num_nodes: int
+    tail: np.ndarray
+    head: np.ndarray
+    capacity: np.ndarray
+    cost: np.ndarray
+    v_in: np.ndarray
+    v_out: np.ndarray
+
+    @classmethod
+    def build(
+        cls,
+        preds: Sequence[Sequence[int]],
+        succs: Sequence[Sequence[int]],
+        crash: Sequence[tuple[np.ndarray, np.ndarray]],
+        floor: np.ndarray,
+        w: int,
+    ) -> ActivityNetwork:
+        """The network of ``n`` activities.
+
+        Args:
+            preds: Each activity's predecessors.
+            succs: Each activity's successors.
+            crash: Per activity, its crash arcs' ``(capacity, cost)`` (zero capacities allowed).
+            floor: Per activity, its shortest duration (the floor arc's cost is ``-floor``).
+            w: Capacity of the return arc at ``lo`` (the time cost, in capacity units).
+
+        Raises:
+            PlanError: The capacities overflow int64.
+        """
+        n = len(preds)
+        v_in = 2 + 2 * np.arange(n, dtype=np.int64)
+        v_out = v_in + 1
+        counts = np.fromiter((c.shape[0] for c, _ in crash), dtype=np.int64, count=n)
+        crash_cap = np.concatenate([c for c, _ in crash]) if n else np.zeros(0, np.int64)
+        crash_cost = np.concatenate([k for _, k in crash]) if n else np.zeros(0, np.int64)
+        keep = crash_cap > 0
+        edge_u = np.fromiter((u for v in range(n) for u in preds[v]), dtype=np.int64)
+        edge_v = np.fromiter((v for v in range(n) for _ in preds[v]), dtype=np.int64)
+        sources = np.fromiter((v for v in range(n) if not preds[v]), dtype=np.int64)
+        sinks = np.fromiter((v for v in range(n) if not succs[v]), dtype=np.int64)
+        unbounded = n + edge_u.shape[0] + sources.shape[0] + sinks.shape[0]
+        big = int(crash_cap.sum(dtype=object)) + int(w) + 1  # exact Python integer
+        if big * (unbounded + 2) > _INT64_MAX:
+            raise PlanError("the plan's costs are too large for the flow solve's int64 capacities")
+        tail = [
+            np.repeat(v_in, counts)[keep],  # crash arcs
+            v_in,  # floor arcs
+            v_out[edge_u],  # precedence
+            np.full(sources.shape[0], _SOURCE, dtype=np.int64),
+            v_out[sinks],
+            np.array([_SINK, _SINK], dtype=np.int64),  # return arcs (w at lo, then hi), last
+        ]
+        head = [
+            np.repeat(v_out, counts)[keep],
+            v_out,
+            v_in[edge_v],
+            v_in[sources],
+            np.full(sinks.shape[0], _SINK, dtype=np.int64),
+            np.array([_SOURCE, _SOURCE], dtype=np.int64),
+        ]
+        capacity = [
+            crash_cap[keep],
+            np.full(unbounded, big, dtype=np.int64),
+            np.array([w, big], dtype=np.int64),
+        ]
+        cost = [
+            crash_cost[keep],
+            -np.asarray(floor, dtype=np.int64),
+            np.zeros(unbounded - n + 2, dtype=np.int64),
+        ]
+        return cls(
+            2 + 2 * n,
+            np.concatenate(tail),
+            np.concatenate(head),
+            np.concatenate(capacity),
+            np.concatenate(cost),
+            v_in,
+            v_out,
         )
-    cumulative = np.maximum.accumulate(cumulative.astype(np.int64))  # round-off only
-    capacity = np.diff(cumulative, prepend=np.int64(0))
-    cost = -(int(table.q_max) - np.arange(slopes.shape[0], dtype=np.int64))
-    keep = capacity > 0
-    return capacity[keep], cost[keep]
+
+    def events(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Solve with return arcs of cost ``lo`` and ``hi``; certified.
+
+        Returns:
+            ``(start, finish, makespan)``: every activity's optimal event times (the negated
+            residual distances) and ``pi(t) - pi(s)``.
+
+        Raises:
+            PlanError: The solver refused the instance or the certificate failed.
+        """
+        cost = self.cost.copy()
+        cost[-2] = lo
+        cost[-1] = hi
+        args = (self.num_nodes, self.tail, self.head, self.capacity, cost)
+        result = mincost.min_cost_circulation(*args)
+        dist = mincost.potentials(*args, result.flow, _SOURCE)
+        mincost.certify(*args, result.flow, dist)
+        if np.any(dist == mincost.UNREACHABLE):
+            raise PlanError("internal error: an event of the flow solve is unreachable")
+        return -dist[self.v_in], -dist[self.v_out], int(dist[_SOURCE] - dist[_SINK])
+
+    @property
+    def num_arcs(self) -> int:
+        """Arcs in the network."""
+        return int(self.tail.shape[0])
 
 
 class FlowSolver:
@@ -132,14 +279,7 @@ class FlowSolver:
             )
         if not (math.isfinite(time_cost_per_quantum) and time_cost_per_quantum >= 0):
             raise PlanError(f"time cost must be >= 0, got {time_cost_per_quantum}")
-        w_nj = float(np.rint(float(time_cost_per_quantum) * _SCALE))
-        if w_nj >= 2.0**62:
-            raise PlanError(
-                f"time cost {time_cost_per_quantum:.6g} J per quantum is too large for the flow "
-                "solve's int64 nanojoule capacities"
-            )
         self._w = float(time_cost_per_quantum)
-        self._w_nj = int(w_nj)
         self._walk = walk
         self.t_min = walk.fastest_makespan()
         self.t_max = walk.makespan([t.q_max for t in walk.tables])
@@ -149,69 +289,34 @@ class FlowSolver:
         walk = self._walk
         n = walk.num_nodes
         tables = walk.tables
-        v_in = 2 + 2 * np.arange(n, dtype=np.int64)
-        v_out = v_in + 1
-        # Crash arcs, per shared table once.
+        # Crash arcs, per shared table once: segment k crashes from q_max - k to q_max - k - 1.
         per_table: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        caps: list[np.ndarray] = []
-        costs: list[np.ndarray] = []
-        counts = np.empty(n, dtype=np.int64)
-        for v, t in enumerate(tables):
-            arcs = per_table.get(id(t))
-            if arcs is None:
-                arcs = per_table[id(t)] = _activity_arcs(t)
-            caps.append(arcs[0])
-            costs.append(arcs[1])
-            counts[v] = arcs[0].shape[0]
-        crash_cap = np.concatenate(caps) if caps else np.zeros(0, dtype=np.int64)
-        crash_cost = np.concatenate(costs) if costs else np.zeros(0, dtype=np.int64)
-        finite = sum(int(c.sum()) for c in caps) + self._w_nj  # exact Python integer
-        big = finite + 1
-        if big > _INT64_MAX // 4:
-            raise PlanError(
-                "the plan's costs are too large for the flow solve's int64 nanojoule capacities"
-            )
-        preds, succs = walk.predecessors, walk.successors
-        edge_u = np.fromiter((u for v in range(n) for u in preds[v]), dtype=np.int64)
-        edge_v = np.fromiter((v for v in range(n) for _ in preds[v]), dtype=np.int64)
-        sources = np.fromiter((v for v in range(n) if not preds[v]), dtype=np.int64)
-        sinks = np.fromiter((v for v in range(n) if not succs[v]), dtype=np.int64)
-        q_min = np.fromiter((t.q_min for t in tables), dtype=np.int64, count=n)
-        tail = [
-            np.repeat(v_in, counts),  # crash arcs
-            v_in,  # floor arcs
-            v_out[edge_u],  # precedence
-            np.full(sources.shape[0], _SOURCE, dtype=np.int64),
-            v_out[sinks],
-            np.array([_SINK, _SINK], dtype=np.int64),  # return arcs (w at lo, then hi), last
-        ]
-        head = [
-            np.repeat(v_out, counts),
-            v_out,
-            v_in[edge_v],
-            v_in[sources],
-            np.full(sinks.shape[0], _SINK, dtype=np.int64),
-            np.array([_SOURCE, _SOURCE], dtype=np.int64),
-        ]
-        unbounded = n + edge_u.shape[0] + sources.shape[0] + sinks.shape[0]
-        self._tail = np.concatenate(tail)
-        self._head = np.concatenate(head)
-        self._capacity = np.concatenate(
-            [
-                crash_cap,
-                np.full(unbounded, big, dtype=np.int64),
-                np.array([self._w_nj, big], dtype=np.int64),
-            ]
+        slopes = []
+        for t in tables:
+            got = per_table.get(id(t))
+            if got is None:
+                q = np.arange(int(t.q_min), int(t.q_max) + 1, dtype=np.int64)
+                got = per_table[id(t)] = crash_slopes(q, t.values)
+            slopes.append(got)
+        finite_j = sum(float(c.max()) for c, _ in slopes if c.shape[0]) + self._w
+        num_unbounded = 3 * n + sum(len(p) for p in walk.predecessors)
+        scale = capacity_scale(finite_j, num_unbounded, "the plan's cost slopes")
+        arcs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        crash = []
+        for t in tables:
+            got = arcs.get(id(t))
+            if got is None:
+                cumulative, cost = per_table[id(t)]
+                got = arcs[id(t)] = (crash_capacities(cumulative, scale), cost)
+            crash.append(got)
+        self._w_units = int(np.rint(self._w * scale))
+        floor = np.fromiter((t.q_min for t in tables), dtype=np.int64, count=n)
+        self._net = ActivityNetwork.build(
+            walk.predecessors, walk.successors, crash, floor, self._w_units
         )
-        self._cost = np.concatenate(
-            [crash_cost, -q_min, np.zeros(unbounded - n + 2, dtype=np.int64)]
-        )
-        self._num_nodes = 2 + 2 * n
-        self._v_in = v_in
-        self._v_out = v_out
         self._q_max = np.fromiter((t.q_max for t in tables), dtype=np.int64, count=n)
-        self.num_arcs = int(self._tail.shape[0])
-        self.num_nodes = self._num_nodes
+        self.num_arcs = self._net.num_arcs
+        self.num_nodes = self._net.num_nodes
 
     def at(self, quant_time: int) -> DirectSolution:
         """The minimum-cost durations with makespan at most ``quant_time``.
@@ -259,18 +364,7 @@ class FlowSolver:
 
     def _solve(self, lo: int, hi: int) -> DirectSolution:
         """Solve with return arcs of cost ``lo`` (capacity ``w``) and ``hi`` (unbounded)."""
-        cost = self._cost.copy()
-        cost[-2] = lo
-        cost[-1] = hi
-        args = (self._num_nodes, self._tail, self._head, self._capacity, cost)
-        result = mincost.min_cost_circulation(*args)
-        dist = mincost.potentials(*args, result.flow, _SOURCE)
-        mincost.certify(*args, result.flow, dist)
-        if np.any(dist == mincost.UNREACHABLE):
-            raise PlanError("internal error: an event of the flow solve is unreachable")
-        start = -dist[self._v_in]
-        finish = -dist[self._v_out]
-        makespan = int(dist[_SOURCE] - dist[_SINK])
+        start, finish, makespan = self._net.events(lo, hi)
         # Below lo the penalty is 0 and Σ cost cannot fall further: lo is as cheap.
         t = min(max(makespan, lo), hi)
         durations = np.minimum(finish - start, self._q_max).tolist()
