@@ -126,9 +126,13 @@ class Choice:
 
     @property
     def instructions_sped_up(self) -> int:
-        """Instructions the guard moved to a faster option than the point planned."""
+        """Instructions the guard runs faster than the point planned them.
+
+        The guard re-solves on real durations (:mod:`powerlib.planning.perseus.guard`), so it
+        also runs some instructions slower than the quantized point; those are not counted.
+        """
         planned = self.frontier.planned_options(self.point)
-        return sum(1 for a, b in zip(planned, self.options) if a != b)
+        return sum(1 for a, b in zip(planned, self.options) if b.time_s < a.time_s)
 
     def plan(self, *, metadata: dict[str, Any] | None = None) -> FrequencyPlan:
         """The plan a session applies (schema ``powerlib.plan.v1``).

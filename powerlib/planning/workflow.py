@@ -149,17 +149,23 @@ def plan_from_profile(
 
 
 def wanted_for(policy: Policy, *, sweep: int = 0) -> Wanted:
-    """The frontier points a direct solve needs for ``policy``: T_min, T* and the deadline's."""
+    """The frontier points a direct solve needs for ``policy``: T_min, T*, the deadline's, its guard."""
     from powerlib.planning.perseus.frontier import Wanted  # noqa: PLC0415
 
     deadline = (
         () if policy.name != "deadline" or policy.deadline_s is None else (policy.deadline_s,)
+    )
+    guards = (
+        ((policy.deadline_s if policy.name == "deadline" else None, policy.max_slowdown),)
+        if policy.guarded
+        else ()
     )
     return Wanted(
         t_star=True,
         deadlines_s=() if policy.argmin else deadline,
         argmin_deadlines_s=deadline if policy.argmin else (),
         sweep=sweep,
+        guards=guards,
     )
 
 

@@ -394,8 +394,9 @@ def test_a_fine_counter_still_plans_and_applies(tmp_path: Path, counter_period_s
 
 
 # A profile with the marks of a coarse counter: some slower clocks "cost" far more energy than the
-# top clock. The planner's fit smooths that over and lowers clocks that, replayed on these very
-# numbers, spend 7 % more than all maximum clocks.
+# top clock. The planner's fit smooths that over, and T* lowers clocks that, replayed on these
+# very numbers, spend 5 % more than all maximum clocks. (The guarded policies re-solve on the
+# measured numbers themselves since issue 34, so their plan saves energy here.)
 NOISY = """stage,instruction,frequency,time,energy
 0,forward,1410,0.00594,0.632
 0,forward,1200,0.00647,0.700
@@ -425,12 +426,13 @@ def test_a_plan_that_would_spend_more_than_all_max_is_refused_and_not_written(
         switch_latency_s=0.0,
         out_dir=out,
         progress=False,
+        policy="min-energy",
     )
     result = make_plan(spec, [{"profile_path": str(path)}])
     assert result.plan is None
     assert result.baseline_reason == (
-        "the fastest plan would spend 6.6901 J per iteration, 7.06 % more than all "
-        "maximum clocks (6.2492 J at the same iteration time; replayed on the profile)"
+        "the min-energy plan would spend 6.61405 J per iteration, 5.07 % more than all "
+        "maximum clocks (6.2951 J at the same iteration time; replayed on the profile)"
     )
     assert not (out / "plan.json").exists()  # nobody can apply it later by mistake
     assert json.loads((out / "summary.json").read_text())["refused"] == result.baseline_reason
@@ -442,12 +444,32 @@ def test_a_session_planning_from_that_profile_runs_at_the_baseline(tmp_path: Pat
     profile = Profile.read(path)
     emulator = make_emulator(profile, 2, p_block_w=85.0)
     sessions = emulated_sessions(
-        emulator, None, mode="plan", profile_path=path, p_block_w=85.0, switch_latency_s=0.0
+        emulator,
+        None,
+        mode="plan",
+        profile_path=path,
+        p_block_w=85.0,
+        switch_latency_s=0.0,
+        policy="min-energy",
     )
     results, warned = _run(emulator, sessions, 2)
-    assert len(warned) == 1 and "7.06 % more than all maximum clocks" in warned[0]
+    assert len(warned) == 1 and "5.07 % more than all maximum clocks" in warned[0]
     assert all(r.phases == ("done", "done") for r in results)
     assert emulator.devices[0].switches == emulator.devices[1].switches == 0
+
+
+def test_the_guarded_plan_of_that_profile_spends_no_more_than_all_max(tmp_path: Path) -> None:
+    """Before issue 34 the fastest plan of NOISY was refused (7.06 % more than all-max): the
+    guard started from the fitted point. Its exact-time solve now uses the measured numbers,
+    on which nothing beats all-max here: the plan keeps the top clocks."""
+    path = tmp_path / "noisy.csv"
+    path.write_text(NOISY)
+    spec = PlanSpec(
+        num_stages=2, num_microbatches=2, p_block_w=85.0, switch_latency_s=0.0, progress=False
+    )
+    result = make_plan(spec, [{"profile_path": str(path)}])
+    assert result.plan is not None and result.baseline_reason is None
+    assert result.prediction is not None and result.prediction.saving_percent == 0.0
 
 
 def test_a_plan_past_the_allowed_slowdown_is_refused() -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "DirectSolver",
     "check_durations",
     "direct_available",
+    "into_slack",
     "lengthen_into_slack",
 ]
 
@@ -290,21 +291,46 @@ def lengthen_into_slack(walk: PhillipsDessouky, durations: list[int], quant: int
     Returns:
         ``durations``, lengthened.
     """
-    n = walk.num_nodes
-    preds, succs, tables = walk.predecessors, walk.successors, walk.tables
-    order = walk.order
-    start = [0] * n
-    for v in order:
-        start[v] = max((start[u] + durations[u] for u in preds[v]), default=0)
-    for v in reversed(order):
-        finish_by = min((start[w] for w in succs[v]), default=quant)
+    tables = walk.tables
+
+    def take(v: int, room: float) -> None:
         t = tables[v]
         q = durations[v]
-        room = min(t.q_max, finish_by - start[v])
+        room = min(t.q_max, room)
         while q < room and t.at(q + 1) <= t.at(q):
             q += 1
         durations[v] = q
+
+    into_slack(walk.order, walk.predecessors, walk.successors, durations, quant, take)
     return durations
+
+
+def into_slack(
+    order: Sequence[int],
+    preds: Sequence[Sequence[int]],
+    succs: Sequence[Sequence[int]],
+    durations: Sequence[float],
+    bound: float,
+    take: Callable[[int, float], None],
+) -> None:
+    """Offer each activity, latest first, the room its successors leave after its earliest start.
+
+    Earliest starts come from ``durations``; ``take(v, room)`` may lengthen ``v`` up to
+    ``room`` (later activities keep their start, so every offer stays valid).
+
+    Args:
+        order: A topological order.
+        preds: Each activity's predecessors.
+        succs: Each activity's successors.
+        durations: Every activity's duration, in node order.
+        bound: The makespan bound (the room of an activity without successors ends there).
+        take: Called once per activity, in reverse topological order.
+    """
+    start = [0.0] * len(durations)
+    for v in order:
+        start[v] = max((start[u] + durations[u] for u in preds[v]), default=0)
+    for v in reversed(order):
+        take(v, min((start[w] for w in succs[v]), default=bound) - start[v])
 
 
 def check_durations(

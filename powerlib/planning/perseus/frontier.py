@@ -14,19 +14,17 @@ import dataclasses
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from powerlib.errors import PlanError
+from powerlib.planning.perseus import guard
 from powerlib.planning.perseus.cost_model import build_cost_model
 from powerlib.planning.perseus.direct import direct_available
-from powerlib.planning.perseus.flow import point_solver
+from powerlib.planning.perseus.flow import FlowSolver, point_solver
 from powerlib.planning.perseus.options import Option, frequency_for, prepare_options
 from powerlib.planning.perseus.replay import (
-    IncrementalReplay,
-    NoisyReplay,
     critical_path_s,
     replay_options,
 )
@@ -72,12 +70,16 @@ class Wanted:
             with ``argmin``).
         sweep: Evenly spaced points from the slowest to ``T_min`` for frontier outputs (CSV,
             plot); 0: none.
+        guards: ``(deadline_s or None, max_slowdown)`` of slowdown guards to come: their
+            exact-time solves (:func:`powerlib.planning.perseus.guard.exact_start`) run beside
+            the points' (the compiled flow releases the GIL) and wait for the guard.
     """
 
     t_star: bool = True
     deadlines_s: tuple[float, ...] = ()
     argmin_deadlines_s: tuple[float, ...] = ()
     sweep: int = 0
+    guards: tuple[tuple[float | None, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,7 +159,7 @@ class Frontier:
         """
         if self.complete or self.direct is None:
             return self
-        points, extra = self.direct.solve(wanted)
+        points, extra = self.direct.solve(wanted, stub=self)
         return dataclasses.replace(self, points=tuple(points), **extra)
 
     @property
@@ -302,12 +304,11 @@ class Frontier:
         Floor quantization lets a planned duration hide up to one τ of real time per instruction,
         so a frontier plan can realize slightly slower than all-max even at T_min (+0.35 % on the
         reference's synthetic case); a clock change that lands ``switch_latency_s`` late runs the
-        start of an instruction at its predecessor's clock. This replays the plan on the measured
-        profile with that latency (:meth:`realized`) and, while the iteration is too slow, speeds
-        up by one option the instruction that buys time at the lowest energy per second among
-        those on the realized critical path and the predecessors whose late clock change slowed
-        them; all-max itself always qualifies (no clock ever changes), so it terminates, and it
-        keeps most of the saving.
+        start of an instruction at its predecessor's clock. The guard
+        (:mod:`powerlib.planning.perseus.guard`) solves the plan once more on real durations
+        (one min-cost flow), then speeds up the cheapest instructions on the realized critical
+        path while the replay with that latency is too slow; all-max itself always qualifies
+        (no clock ever changes), so it terminates, and it keeps most of the saving.
 
         Args:
             point: A frontier point (normally ``fastest``).
@@ -327,79 +328,15 @@ class Frontier:
             time_se: The relative standard error of a profiled row's mean time: the noise
                 stage also draws the profile's own error (see ``NoisyReplay``'s ``row_se``).
         """
-        chosen = self.planned_options(point)
-        base = self.baseline_time_s if limit_s is None else limit_s
-        limit = base * (1.0 + max_slowdown)
-        replay = IncrementalReplay(self, chosen, switch_latency_s)
-        steps: dict[tuple[tuple[int, str], Option], tuple[Option, float] | None] = {}
-        pinned: set[int] = set()
-
-        def next_faster(v: int) -> tuple[Option, float] | None:
-            """The next faster option of node v and its price (J per second bought)."""
-            if v in pinned:
-                return None
-            ins = self.dag.instructions[v]
-            key = (ins.stage, ins.kind)
-            current = replay.chosen[v]
-            if (key, current) not in steps:
-                faster = [o for o in self.options[key] if o.time_s < current.time_s]
-                if not faster:
-                    steps[(key, current)] = None
-                else:
-                    step = max(faster, key=lambda o: o.time_s)
-                    price = (step.energy_j - current.energy_j) / (current.time_s - step.time_s)
-                    steps[(key, current)] = (step, price)
-            return steps[(key, current)]
-
-        noisy = (
-            _NoiseCheck(self, time_cv, time_se, limit_s, max_slowdown)
-            if time_cv > 0 or time_se > 0
-            else None
+        return guard.within_slowdown(
+            self,
+            point,
+            max_slowdown,
+            switch_latency_s=switch_latency_s,
+            limit_s=limit_s,
+            time_cv=time_cv,
+            time_se=time_se,
         )
-        while True:
-            run = replay.run(energy=False)
-            if run.time_s > limit:  # nominally too slow: the cheapest speed-up on the path
-                # the path, and the predecessors whose late clock change slowed it: on the
-                # stage, or the stage's last instruction for its first (across iterations)
-                wrap = replay.layout.last
-                candidates = set(run.path) | {
-                    run.prev[v] if run.prev[v] >= 0 else wrap.get(v, v)
-                    for v in run.path
-                    if run.penalized[v]
-                }
-                best: tuple[float, int, Option] | None = None
-                for v in sorted(candidates):
-                    got = next_faster(v)
-                    if got is None:
-                        continue
-                    if best is None or got[1] < best[0]:
-                        best = (got[1], v, got[0])
-                if best is None:
-                    # No option is measurably faster (noisy times of near-equal clocks), yet
-                    # late clock changes still slow the path: pin those at their top clock,
-                    # which changes no clock between them (pinned: never moved again, so
-                    # this ends).
-                    moved = False
-                    late = any(run.penalized[v] for v in run.path)
-                    for v in sorted(candidates - pinned) if late else ():
-                        ins = self.dag.instructions[v]
-                        top = self._top_option(ins.stage, ins.kind)
-                        pinned.add(v)
-                        if replay.chosen[v] != top:
-                            replay.set(v, top)
-                            moved = True
-                    if not moved:
-                        return replay.chosen  # everything that matters already runs at maximum
-                    continue
-                replay.set(best[1], best[2])
-                continue
-            if noisy is None:
-                return replay.chosen
-            ranked = noisy.too_slow(replay.chosen, switch_latency_s, next_faster)
-            if not ranked:
-                return replay.chosen
-            for _, v, option in ranked:
-                replay.set(v, option)
 
     def _top_option(self, stage: int, kind: str) -> Option:
         """The option at the highest measured clock: all-max's.
@@ -604,14 +541,6 @@ def compute_frontier(
             models[(stage, kind)] = build_cost_model(opts, kind=cost_model, unit_time_s=unit_time_s)
     costs = [models[(ins.stage, ins.kind)] for ins in dag.instructions]
     solver_pd = PhillipsDessouky(len(dag.instructions), dag.edges, costs)
-    n_block = dag.num_stages * p_block_w
-    extra: dict[str, Any] = {}
-    if solver == "direct":
-        points, extra = _direct_points(
-            solver_pd, wanted or Wanted(), n_block, unit_time_s, max_work, progress
-        )
-    else:
-        points = _walk_points(solver_pd, max_work, n_block, unit_time_s, progress)
     busy: dict[int, tuple[float, float]] = {}
     for stage in range(dag.num_stages):
         t = e = 0.0
@@ -634,8 +563,8 @@ def compute_frontier(
             if f not in at or t < at[f][0]:
                 at[f] = (t, e)
         measured[(stage, kind)] = at
-    return Frontier(
-        points=tuple(points),
+    stub = Frontier(
+        points=(),
         dag=dag,
         schedule_name=schedule_name,
         num_microbatches=num_microbatches,
@@ -651,8 +580,15 @@ def compute_frontier(
         reference_times=(
             None if reference is None else {key: tr for key, (tr, _) in reference.items()}
         ),
-        **extra,
     )
+    n_block = dag.num_stages * p_block_w
+    if solver == "direct":
+        points, extra = _direct_points(
+            solver_pd, wanted or Wanted(), n_block, unit_time_s, max_work, progress, stub
+        )
+    else:
+        points, extra = _walk_points(solver_pd, max_work, n_block, unit_time_s, progress), {}
+    return dataclasses.replace(stub, points=tuple(points), **extra)
 
 
 def _point(
@@ -735,15 +671,21 @@ class _DirectPoints:
         self.t_min = solver.fastest_makespan()
         self.start_cost = solver.total_cost()
         self.direct = point_solver(solver, time_cost_per_quantum=n_block * unit_time_s)
-        first = next(solver.run())  # T_max - 1, from the all-slowest start
-        self.t_first = first.quant_time
-        self.found: dict[int, tuple[float, tuple[int, ...]]] = {
-            self.t_first: (first.cost, first.durations)
-        }
+        # The compiled flow solves concurrently (it releases the GIL and keeps no state
+        # between solves); HiGHS keeps one model.
+        self.concurrent = isinstance(self.direct, FlowSolver)
+        self.found: dict[int, tuple[float, tuple[int, ...]]] = {}
+        if self.concurrent:
+            self.t_first = self.t_max - 1  # solved with T_min in solve(): no scipy import
+        else:
+            first = next(solver.run())  # T_max - 1, from the all-slowest start
+            self.t_first = first.quant_time
+            self.found[self.t_first] = (first.cost, first.durations)
         self.t_star: int | None = None
         self.argmin: dict[int, int] = {}
         self.lock = threading.Lock()
-        self.at(self.t_min)
+        #: limit_s -> the guard's exact-time start, solving in the background
+        self.guard_starts: dict[float, _Background] = {}
 
     def at(self, quant: int) -> None:
         if quant not in self.found:
@@ -756,12 +698,35 @@ class _DirectPoints:
         return got.quant_time
 
     def solve(
-        self, wanted: Wanted, progress: Callable[[int, int], None] | None = None
+        self,
+        wanted: Wanted,
+        progress: Callable[[int, int], None] | None = None,
+        *,
+        stub: Frontier | None = None,
     ) -> tuple[list[FrontierPoint], dict[str, Any]]:
-        """Solve what ``wanted`` adds; ``progress(done, expected)`` after each point."""
+        """Solve what ``wanted`` adds; ``progress(done, expected)`` after each point.
+
+        ``stub``: the frontier (points aside) the guards of ``wanted.guards`` will run on.
+        """
         with self.lock:
+            if stub is not None and self.concurrent and guard.available():
+                for deadline_s, max_slowdown in wanted.guards:
+                    limit = guard.guard_limit(stub, max_slowdown, deadline_s)
+                    if limit not in self.guard_starts:
+                        self.guard_starts[limit] = _Background(guard.exact_start, stub, limit)
             t_min, t_first, tau = self.t_min, self.t_first, self.unit_time_s
-            if wanted.t_star and self.t_star is None:
+            star = wanted.t_star and self.t_star is None
+            if self.concurrent and t_min not in self.found:
+                # T_min beside T_max - 1 and T*: solves of one to two seconds each at 16 x 256
+                with ThreadPoolExecutor(max_workers=1) as pool:
+                    fastest = pool.submit(self.at, t_min)
+                    self.at(t_first)
+                    if star:
+                        self.t_star = self.cheapest(t_min, t_first)
+                    fastest.result()
+            self.at(t_first)
+            self.at(t_min)
+            if star and self.t_star is None:
                 self.t_star = self.cheapest(t_min, t_first)
             for deadline_s in wanted.argmin_deadlines_s:
                 quant = deadline_quant(deadline_s, tau, t_min, t_first)
@@ -808,6 +773,7 @@ def _direct_points(
     unit_time_s: float,
     max_work: int | None = DEFAULT_MAX_WORK,
     progress: Callable[[int, int], None] | None = None,
+    stub: Frontier | None = None,
 ) -> tuple[list[FrontierPoint], dict[str, Any]]:
     """The points ``wanted`` asks for, each by one linear program (docs/perseus.md §2.6)."""
     if solver.makespan() == solver.fastest_makespan():
@@ -818,7 +784,30 @@ def _direct_points(
         unit_segments=sum(t.q_max - t.q_min for t in solver.tables),
         solver="direct",
     ).check(max_work, hint=WORK_HINT)
-    return _DirectPoints(solver, n_block, unit_time_s).solve(wanted, progress)
+    return _DirectPoints(solver, n_block, unit_time_s).solve(wanted, progress, stub=stub)
+
+
+class _Background:
+    """``fn(*args)`` on a daemon thread; :meth:`result` waits and returns or re-raises."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._box: list[Any] = []
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            self._box.append((True, fn(*args)))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller of result()
+            self._box.append((False, err))
+
+    def result(self) -> Any:
+        """The value, or the exception raised, of ``fn(*args)``."""
+        self._thread.join()
+        ok, value = self._box[0]
+        if not ok:
+            raise value
+        return value
 
 
 def sweep_quants(t_min: int, t_first: int, count: int) -> list[int]:
@@ -844,52 +833,3 @@ def deadline_quant(deadline_s: float, unit_time_s: float, t_min: int, t_first: i
     while quant >= t_min and quant * unit_time_s > deadline_s + 1e-12:
         quant -= 1
     return quant if quant >= t_min else None
-
-
-class _NoiseCheck:
-    """The noise stage of :meth:`Frontier.within_slowdown` (see its ``time_cv``).
-
-    The plan's expected time under noise, against all-max's on the same draws
-    (:class:`~powerlib.planning.perseus.replay.NoisyReplay`), must be within the allowed
-    slowdown with one standard error to spare (the draws are a sample).
-    """
-
-    def __init__(
-        self,
-        frontier: Frontier,
-        time_cv: float,
-        time_se: float,
-        limit_s: float | None,
-        max_slowdown: float,
-    ) -> None:
-        self._noisy = NoisyReplay(frontier, time_cv, row_se=time_se)
-        top = [
-            max(frontier.options[(i.stage, i.kind)], key=lambda o: o.freq_mhz)
-            for i in frontier.dag.instructions
-        ]
-        base, _ = self._noisy.run(top, 0.0)
-        self._base = base if limit_s is None else np.full_like(base, limit_s)
-        self._limit_s = limit_s
-        self._allowed = max_slowdown
-        # a batch of speed-ups per replay keeps large DAGs to a few dozen replays
-        self._batch = max(1, len(frontier.dag.instructions) // 200)
-
-    def too_slow(
-        self, chosen: Sequence[Option], switch_latency_s: float, next_faster: Any
-    ) -> list[tuple[float, int, Option]]:
-        """The next speed-ups (cheapest per draw in which the node is critical); none: in bounds."""
-        times, critical = self._noisy.run(chosen, switch_latency_s)
-        if self._limit_s is not None:
-            times = np.maximum(times, self._limit_s)  # the straggler holds the iteration
-        excess = times / self._base - 1.0 - self._allowed
-        margin = float(excess.std(ddof=1)) / math.sqrt(excess.size) if excess.size > 1 else 0.0
-        if float(excess.mean()) + margin <= 0.0:
-            return []
-        ranked = []
-        for v, count in enumerate(critical):
-            if count:
-                got = next_faster(v)
-                if got is not None:
-                    ranked.append((got[1] / count, v, got[0]))
-        ranked.sort(key=lambda item: item[0])
-        return ranked[: self._batch]

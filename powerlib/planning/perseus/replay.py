@@ -322,12 +322,20 @@ class IncrementalReplay:
 
     def set(self, v: int, option: Option) -> None:
         """Give node ``v`` another option and bring both passes up to date."""
-        self.chosen[v] = option
-        dirty = [v]
-        if self._next[v] >= 0:
-            dirty.append(self._next[v])
-        if v in self._first_of_last:
-            dirty.append(self._first_of_last[v])
+        self.set_many([(v, option)])
+
+    def set_many(self, changes: Sequence[tuple[int, Option]]) -> None:
+        """Give each ``(node, option)`` its option, then bring both passes up to date once."""
+        dirty = []
+        for v, option in changes:
+            self.chosen[v] = option
+            dirty.append(v)
+            if self._next[v] >= 0:
+                dirty.append(self._next[v])
+            if v in self._first_of_last:
+                dirty.append(self._first_of_last[v])
+        if not dirty:
+            return
         self._propagate(0, dirty)
         if self._passes == 2:
             old = self._wrap[1]

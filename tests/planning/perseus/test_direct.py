@@ -9,6 +9,7 @@ from perseus_cases import profile_or_skip, random_case
 
 from powerlib import PlanError
 from powerlib.planning.choice import Policy, choose
+from powerlib.planning.perseus import guard
 from powerlib.planning.perseus.direct import DirectSolver
 from powerlib.planning.perseus.frontier import (
     Wanted,
@@ -171,7 +172,7 @@ def test_sweep_and_deadline_quants() -> None:
     assert deadline_quant(0.0099, 1e-3, 10, 20) is None
 
 
-# -- the guard: incremental replay, same result as one full replay per speed-up ----------------
+# -- the guard's greedy: incremental replay, same result as one full replay per speed-up ----------------
 
 
 def _reference_guard(frontier, point, max_slowdown, switch_latency_s):
@@ -219,12 +220,20 @@ def test_the_incremental_guard_equals_the_full_replay_guard(
         solver="direct",
     )
     point = frontier.fastest
-    ours = frontier.within_slowdown(point, 0.0, switch_latency_s=latency)
+    limit = frontier.baseline_time_s
+    planned = frontier.planned_options(point)
+    ours = guard._speed_up(frontier, planned, limit, latency, None, batch=False)
     ref = _reference_guard(frontier, point, 0.0, latency)
     assert ours == ref
     a, b = replay_options(frontier, ours, latency), replay_options(frontier, ref, latency)
     assert (a.time_s, a.energy_j) == (b.time_s, b.energy_j)
-    assert sum(x != y for x, y in zip(frontier.planned_options(point), ours)) > 0
+    assert sum(x != y for x, y in zip(planned, ours)) > 0
+    # The guard itself (exact start, and this greedy below BOTH_STARTS_MAX_NODES) is no worse.
+    got = replay_options(
+        frontier, frontier.within_slowdown(point, 0.0, switch_latency_s=latency), latency
+    )
+    assert got.time_s <= limit * (1 + 1e-12)
+    assert got.energy_j <= b.energy_j
 
 
 def test_the_highs_banner_never_reaches_stdout(capfd: pytest.CaptureFixture[str]) -> None:

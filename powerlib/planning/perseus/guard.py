@@ -1,0 +1,382 @@
+"""The slowdown guard: a plan's per-instruction options that realize within the allowed slowdown.
+
+A frontier point is planned on floor-quantized durations: each instruction may really run up to
+one τ longer than planned, and a clock change that lands late runs the start of an instruction
+at its predecessor's clock. So a ``fastest`` point can realize slower than all-max (+0.35 % on
+the reference's synthetic case). The guard (issue 34, docs/perseus.md §2.7) turns a point into
+options that realize within ``max_slowdown``, replayed on the *measured* profile
+(:mod:`powerlib.planning.perseus.replay`):
+
+1. **One exact-time solve.** The plan's linear program again, but on real durations: per
+   instruction, the lower convex hull of its options' ``(time, energy - P_block · time)``, with
+   every breakpoint's time rounded *up* to a unit of ``τ / 1000`` and the makespan bound rounded
+   *down*. It is the min-cost circulation of :class:`~powerlib.planning.perseus.flow.
+   ActivityNetwork` with one crash arc per hull breakpoint (a handful per instruction, not one
+   per quantum), certified like every flow solve. Each instruction then takes the slowest
+   option whose rounded-up time fits its solved duration, and is lengthened into whatever real
+   slack is left while its energy falls. The rounding makes the plan's realized time without
+   latency at most the bound, by construction.
+2. **Speed-ups for the switch latency.** Replayed with the latency, while the iteration is too
+   slow, the instructions on the realized critical path (and the predecessors whose late clock
+   change slowed it) are sped up one option each, cheapest joules per second first, as many per
+   replay as cover the excess (one replay per round, not per instruction). All-max always
+   qualifies (no clock ever changes), so this ends.
+3. **The noise stage** (issue 32), as before: the expected time under the profiled run-to-run
+   noise against all-max's on the same draws.
+
+On DAGs of up to :data:`BOTH_STARTS_MAX_NODES` instructions, where it costs a fraction of a
+second, the greedy of the previous guard (from the quantized point, one speed-up per replay)
+also runs, and the guard keeps whichever realizes the lower energy: the exact start wins on
+almost every case measured (up to 2.9 % less energy), but its speed-ups for latency and noise
+can cost a few 1e-4 more on some small cases, and the guard promises never to be worse than the
+greedy there (``benchmarks/planner_scale.py`` and tests/planning/perseus/test_guard.py compare
+them). Without the compiled flow solver only the greedy runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from powerlib.planning.perseus import mincost
+from powerlib.planning.perseus.direct import into_slack
+from powerlib.planning.perseus.flow import (
+    ActivityNetwork,
+    capacity_scale,
+    crash_capacities,
+    crash_slopes,
+)
+from powerlib.planning.perseus.replay import IncrementalReplay, NoisyReplay
+
+if TYPE_CHECKING:
+    from powerlib.planning.perseus.frontier import Frontier, FrontierPoint
+    from powerlib.planning.perseus.options import Option
+
+__all__ = [
+    "BOTH_STARTS_MAX_NODES",
+    "available",
+    "exact_start",
+    "guard_limit",
+    "within_slowdown",
+]
+
+#: Up to this many instructions the greedy from the quantized point also runs (module docstring).
+BOTH_STARTS_MAX_NODES = 2048
+
+#: The exact-time solve's time unit, as a fraction of τ.
+_UNIT_PER_TAU = 1e-3
+
+_Step = tuple["Option", float] | None
+
+
+def within_slowdown(
+    frontier: Frontier,
+    point: FrontierPoint,
+    max_slowdown: float,
+    *,
+    switch_latency_s: float = 0.0,
+    limit_s: float | None = None,
+    time_cv: float = 0.0,
+    time_se: float = 0.0,
+) -> list[Option]:
+    """Per-instruction options for ``point``, realized within ``max_slowdown`` (module docstring).
+
+    Arguments as :meth:`Frontier.within_slowdown
+    <powerlib.planning.perseus.frontier.Frontier.within_slowdown>`.
+    """
+    limit = guard_limit(frontier, max_slowdown, limit_s)
+    noisy = (
+        _NoiseCheck(frontier, time_cv, time_se, limit_s, max_slowdown)
+        if time_cv > 0 or time_se > 0
+        else None
+    )
+    starts: list[tuple[list[Option], bool]] = []
+    if available():
+        pending = getattr(frontier.direct, "guard_starts", {}).get(limit)
+        start = exact_start(frontier, limit) if pending is None else pending.result()
+        starts.append((list(start), True))
+    if not starts or len(frontier.dag.instructions) <= BOTH_STARTS_MAX_NODES:
+        starts.append((frontier.planned_options(point), False))
+    best: list[Option] | None = None
+    best_energy = math.inf
+    for chosen, batch in starts:
+        got = _speed_up(frontier, chosen, limit, switch_latency_s, noisy, batch=batch)
+        energy = frontier.realized(got, switch_latency_s).energy_j
+        if best is None or energy < best_energy:
+            best, best_energy = got, energy
+    assert best is not None
+    return best
+
+
+def available() -> bool:
+    """Whether the exact-time start can run here (the compiled min-cost flow loads)."""
+    return mincost.available()
+
+
+def guard_limit(frontier: Frontier, max_slowdown: float, limit_s: float | None) -> float:
+    """The iteration time a guarded plan must realize within: all-max's (or ``limit_s``) + slack."""
+    base = frontier.baseline_time_s if limit_s is None else limit_s
+    return base * (1.0 + max_slowdown)
+
+
+def exact_start(frontier: Frontier, limit_s: float) -> list[Option]:
+    """The cheapest options whose real durations fit ``limit_s`` (step 1 of the module docstring).
+
+    Raises:
+        PlanError: The solver refused the instance or its certificate failed.
+    """
+    dag = frontier.dag
+    n = len(dag.instructions)
+    unit_s = frontier.unit_time_s * _UNIT_PER_TAU
+    p_block = frontier.p_block_w
+    keys = [(ins.stage, ins.kind) for ins in dag.instructions]
+    per_key: dict[tuple[int, str], _Activity] = {}
+    for key in dict.fromkeys(keys):
+        options = list(frontier.options[key])
+        top = frontier._top_option(*key)  # noqa: SLF001 - all-max's option, pruned or not
+        if all(o.freq_mhz != top.freq_mhz for o in options):
+            options.append(top)
+        per_key[key] = _Activity(options, unit_s, p_block)
+    preds: list[list[int]] = [[] for _ in range(n)]
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for u, v in dag.edges:
+        preds[v].append(u)
+        succs[u].append(v)
+    acts = [per_key[k] for k in keys]
+    finite_j = sum(a.max_slope for a in acts)
+    scale = capacity_scale(finite_j, 3 * n + len(dag.edges), "the guard's energy slopes")
+    arcs: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {
+        k: (crash_capacities(a.cumulative, scale), a.arc_cost) for k, a in per_key.items()
+    }
+    floor = np.fromiter((a.floor for a in acts), dtype=np.int64, count=n)
+    net = ActivityNetwork.build(preds, succs, [arcs[k] for k in keys], floor, 0)
+    # The rounded-up fastest durations may not fit a bound of max_slowdown = 0: then the
+    # fastest plan's (the speed-ups and the replay decide the rest).
+    fastest = _longest_path(dag.topological_order(), preds, floor.tolist())
+    bound = max(math.floor(limit_s / unit_s), fastest)
+    start, finish, _ = net.events(bound, bound)
+    chosen = [a.fitting(int(d)) for a, d in zip(acts, finish - start)]
+    return _lengthen(dag.topological_order(), preds, succs, acts, chosen, limit_s, p_block)
+
+
+class _Activity:
+    """One (stage, kind)'s options on the exact-time network."""
+
+    def __init__(self, options: list[Option], unit_s: float, p_block_w: float) -> None:
+        self.options = options
+        # Rounded up, so a plan's real durations never exceed the solved ones.
+        self.units = [math.ceil(o.time_s / unit_s) for o in options]
+        self.eff = [o.energy_j - p_block_w * o.time_s for o in options]
+        hull = _lower_hull(list(zip(self.units, self.eff)))
+        times = [b for b, _ in hull]
+        self.floor = times[0]
+        if len(hull) > 1:
+            self.cumulative, self.arc_cost = crash_slopes(times, [e for _, e in hull])
+            self.max_slope = float(self.cumulative.max())
+        else:
+            self.cumulative = np.zeros(0)
+            self.arc_cost = np.zeros(0, dtype=np.int64)
+            self.max_slope = 0.0
+
+    def fitting(self, duration: int) -> Option:
+        """The slowest option that fits ``duration`` units, unless a faster fitting one is cheaper."""
+        fits = [i for i, b in enumerate(self.units) if b <= duration]
+        if not fits:  # below the fastest: only where the bound itself is (max_slowdown = 0)
+            fits = [min(range(len(self.units)), key=self.units.__getitem__)]
+        return self.options[min(fits, key=lambda i: (self.eff[i], -self.units[i]))]
+
+
+def _lower_hull(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The lower convex hull of ``(time, cost)`` points, fastest first, up to the cheapest."""
+    pts: list[tuple[int, float]] = []
+    for b, e in sorted(points):
+        if pts and pts[-1][0] == b:
+            continue  # sorted: the first of equal times is the cheapest
+        pts.append((b, e))
+    hull: list[tuple[int, float]] = []
+    for b, e in pts:
+        while len(hull) >= 2:
+            (b1, e1), (b2, e2) = hull[-2], hull[-1]
+            if (e2 - e1) * (b - b1) >= (e - e1) * (b2 - b1):  # hull[-1] not below the chord
+                hull.pop()
+            else:
+                break
+        hull.append((b, e))
+    cheapest = min(range(len(hull)), key=lambda i: (hull[i][1], hull[i][0]))
+    return hull[: cheapest + 1]
+
+
+def _longest_path(order: Sequence[int], preds: Sequence[Sequence[int]], dur: list[int]) -> int:
+    finish = [0] * len(dur)
+    for v in order:
+        finish[v] = max((finish[u] for u in preds[v]), default=0) + dur[v]
+    return max(finish, default=0)
+
+
+def _lengthen(
+    order: Sequence[int],
+    preds: Sequence[Sequence[int]],
+    succs: Sequence[Sequence[int]],
+    acts: Sequence[_Activity],
+    chosen: list[Option],
+    limit_s: float,
+    p_block_w: float,
+) -> list[Option]:
+    """Latest-first, each instruction takes the cheapest option its real slack fits."""
+
+    def take(v: int, room: float) -> None:
+        best = chosen[v]
+        best_eff = best.energy_j - p_block_w * best.time_s
+        for o, eff in zip(acts[v].options, acts[v].eff):
+            if o.time_s <= room and eff < best_eff:
+                best, best_eff = o, eff
+        chosen[v] = best
+
+    into_slack(order, preds, succs, [o.time_s for o in chosen], limit_s, take)
+    return chosen
+
+
+def _speed_up(
+    frontier: Frontier,
+    chosen: Sequence[Option],
+    limit: float,
+    switch_latency_s: float,
+    noisy: _NoiseCheck | None,
+    *,
+    batch: bool,
+) -> list[Option]:
+    """Steps 2 and 3 of the module docstring from ``chosen``.
+
+    With ``batch``, each replay takes as many of the cheapest speed-ups as cover the excess;
+    without, one (the previous guard, step for step).
+    """
+    replay = IncrementalReplay(frontier, chosen, switch_latency_s)
+    steps: dict[tuple[tuple[int, str], Option], _Step] = {}
+    pinned: set[int] = set()
+    instructions = frontier.dag.instructions
+
+    def next_faster(v: int) -> _Step:
+        """The next faster option of node v and its price (J per second bought)."""
+        if v in pinned:
+            return None
+        ins = instructions[v]
+        key = (ins.stage, ins.kind)
+        current = replay.chosen[v]
+        if (key, current) not in steps:
+            faster = [o for o in frontier.options[key] if o.time_s < current.time_s]
+            if not faster:
+                steps[(key, current)] = None
+            else:
+                step = max(faster, key=lambda o: o.time_s)
+                price = (step.energy_j - current.energy_j) / (current.time_s - step.time_s)
+                steps[(key, current)] = (step, price)
+        return steps[(key, current)]
+
+    while True:
+        run = replay.run(energy=False)
+        if run.time_s > limit:  # nominally too slow: the cheapest speed-ups on the path
+            # the path, and the predecessors whose late clock change slowed it: on the
+            # stage, or the stage's last instruction for its first (across iterations)
+            wrap = replay.layout.last
+            candidates = set(run.path) | {
+                run.prev[v] if run.prev[v] >= 0 else wrap.get(v, v)
+                for v in run.path
+                if run.penalized[v]
+            }
+            priced = []
+            for v in sorted(candidates):
+                got = next_faster(v)
+                if got is not None:
+                    priced.append((got[1], v, got[0]))
+            if not priced:
+                # No option is measurably faster (noisy times of near-equal clocks), yet
+                # late clock changes still slow the path: pin those at their top clock,
+                # which changes no clock between them (pinned: never moved again, so
+                # this ends).
+                late = any(run.penalized[v] for v in run.path)
+                moves = []
+                for v in sorted(candidates - pinned) if late else ():
+                    ins = instructions[v]
+                    top = frontier._top_option(ins.stage, ins.kind)  # noqa: SLF001
+                    pinned.add(v)
+                    if replay.chosen[v] != top:
+                        moves.append((v, top))
+                if not moves:
+                    return replay.chosen  # everything that matters already runs at maximum
+                replay.set_many(moves)
+                continue
+            if not batch:
+                best = min(priced, key=lambda item: item[0])  # the first of equal prices
+                replay.set(best[1], best[2])
+                continue
+            priced.sort(key=lambda item: (item[0], item[1]))
+            excess = run.time_s - limit
+            moves = []
+            for _, v, option in priced:
+                moves.append((v, option))
+                excess -= replay.chosen[v].time_s - option.time_s
+                if excess <= 0:
+                    break
+            replay.set_many(moves)
+            continue
+        if noisy is None:
+            return replay.chosen
+        ranked = noisy.too_slow(replay.chosen, switch_latency_s, next_faster)
+        if not ranked:
+            return replay.chosen
+        replay.set_many([(v, option) for _, v, option in ranked])
+
+
+class _NoiseCheck:
+    """The noise stage (step 3): the plan's expected time under noise against all-max's.
+
+    Replayed over the same draws (:class:`~powerlib.planning.perseus.replay.NoisyReplay`), it
+    must be within the allowed slowdown with one standard error to spare (the draws are a
+    sample).
+    """
+
+    def __init__(
+        self,
+        frontier: Frontier,
+        time_cv: float,
+        time_se: float,
+        limit_s: float | None,
+        max_slowdown: float,
+    ) -> None:
+        self._noisy = NoisyReplay(frontier, time_cv, row_se=time_se)
+        top = [
+            max(frontier.options[(i.stage, i.kind)], key=lambda o: o.freq_mhz)
+            for i in frontier.dag.instructions
+        ]
+        base, _ = self._noisy.run(top, 0.0)
+        self._base = base if limit_s is None else np.full_like(base, limit_s)
+        self._limit_s = limit_s
+        self._allowed = max_slowdown
+        # a batch of speed-ups per replay keeps large DAGs to a few dozen replays
+        self._batch = max(1, len(frontier.dag.instructions) // 200)
+
+    def too_slow(
+        self,
+        chosen: Sequence[Option],
+        switch_latency_s: float,
+        next_faster: Callable[[int], Any],
+    ) -> list[tuple[float, int, Option]]:
+        """The next speed-ups (cheapest per draw in which the node is critical); none: in bounds."""
+        times, critical = self._noisy.run(chosen, switch_latency_s)
+        if self._limit_s is not None:
+            times = np.maximum(times, self._limit_s)  # the straggler holds the iteration
+        excess = times / self._base - 1.0 - self._allowed
+        margin = float(excess.std(ddof=1)) / math.sqrt(excess.size) if excess.size > 1 else 0.0
+        if float(excess.mean()) + margin <= 0.0:
+            return []
+        ranked = []
+        for v, count in enumerate(critical):
+            if count:
+                got = next_faster(v)
+                if got is not None:
+                    ranked.append((got[1] / count, v, got[0]))
+        ranked.sort(key=lambda item: item[0])
+        return ranked[: self._batch]
