@@ -224,7 +224,9 @@ int solve_impl(const Instance& g, int64_t* flow_out) {
     path.reserve(MAX_PATH_LENGTH + 1);
     std::deque<int64_t> active;
     GlobalUpdate work;
-    const int64_t global_update_skip = 2 * n + k;
+    // A global update every n relabels: 2n + k (arcs) took 3.3x longer on the planner's
+    // 16 x 256 network (22.6M relabels for 16k nodes); n/2, 2n and n/4 were measured too.
+    const int64_t global_update_skip = n;
     int64_t relabels = 0;
     int64_t next_global_update = global_update_skip;
 

@@ -293,13 +293,14 @@ def lengthen_into_slack(walk: PhillipsDessouky, durations: list[int], quant: int
     """
     tables = walk.tables
 
-    def take(v: int, room: float) -> None:
+    def take(v: int, room: float) -> float:
         t = tables[v]
         q = durations[v]
         room = min(t.q_max, room)
         while q < room and t.at(q + 1) <= t.at(q):
             q += 1
         durations[v] = q
+        return q
 
     into_slack(walk.order, walk.predecessors, walk.successors, durations, quant, take)
     return durations
@@ -311,12 +312,18 @@ def into_slack(
     succs: Sequence[Sequence[int]],
     durations: Sequence[float],
     bound: float,
-    take: Callable[[int, float], None],
+    take: Callable[[int, float], float],
+    *,
+    latest: bool = False,
 ) -> None:
     """Offer each activity, latest first, the room its successors leave after its earliest start.
 
     Earliest starts come from ``durations``; ``take(v, room)`` may lengthen ``v`` up to
-    ``room`` (later activities keep their start, so every offer stays valid).
+    ``room`` and returns its new duration. Without ``latest`` the successors keep their
+    earliest start (every offer stays valid). With ``latest`` each activity is moved to end as
+    late as its successors, themselves moved late, allow: the room is then from its earliest
+    start to that latest finish, so slack anywhere downstream reaches it (a predecessor taken
+    later still ends before this activity's latest start).
 
     Args:
         order: A topological order.
@@ -325,12 +332,15 @@ def into_slack(
         durations: Every activity's duration, in node order.
         bound: The makespan bound (the room of an activity without successors ends there).
         take: Called once per activity, in reverse topological order.
+        latest: Offer the room up to the latest finish (above).
     """
     start = [0.0] * len(durations)
     for v in order:
         start[v] = max((start[u] + durations[u] for u in preds[v]), default=0)
+    late_start = list(start)
     for v in reversed(order):
-        take(v, min((start[w] for w in succs[v]), default=bound) - start[v])
+        finish_by = min(((late_start if latest else start)[w] for w in succs[v]), default=bound)
+        late_start[v] = finish_by - take(v, finish_by - start[v])
 
 
 def check_durations(

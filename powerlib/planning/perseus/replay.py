@@ -45,6 +45,8 @@ class Run:
         path: One realized critical path, in order.
         prev: Each node's same-stage predecessor (-1 for none).
         penalized: Whether each node started at its predecessor's clock.
+        busy: Each node's realized duration (its option's time, or longer or shorter where the
+            old clock ran its start).
     """
 
     time_s: float
@@ -52,6 +54,7 @@ class Run:
     path: list[int]
     prev: list[int]
     penalized: list[bool]
+    busy: list[float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +153,7 @@ def replay_options(
     path = [end]
     while via[path[-1]] >= 0:
         path.append(via[path[-1]])
-    return Run(time_s, total, path[::-1], prev, penalized)
+    return Run(time_s, total, path[::-1], prev, penalized, busy)
 
 
 def at_freq(frontier: Frontier, ins: Instruction, freq_mhz: float) -> tuple[float, float]:
@@ -365,7 +368,9 @@ class IncrementalReplay:
         path = [finish.index(time_s)] if n else []
         while path and via[path[-1]] >= 0:
             path.append(via[path[-1]])
-        return Run(time_s, total, path[::-1], self._layout.prev, list(self._pen[p]))
+        return Run(
+            time_s, total, path[::-1], self._layout.prev, list(self._pen[p]), list(self._busy[p])
+        )
 
 
 class NoisyReplay:
