@@ -11,7 +11,6 @@ import logging
 from typing import TYPE_CHECKING
 
 from powerlib.config import Settings
-from powerlib.control import ControlSession, RestoreOutcome, restore_journals
 from powerlib.device import (
     Backend,
     Capabilities,
@@ -38,6 +37,7 @@ from powerlib.errors import (
 from powerlib.registry import backend_names, open_backend, probe_backends
 
 if TYPE_CHECKING:  # loaded on first use (see __getattr__); typed and documented where defined
+    from powerlib.control import ControlSession, RestoreOutcome, restore_journals
     from powerlib.measurement import Measurement, MeasurementResult, measure
     from powerlib.runtime.session import Session, optimize
 
@@ -82,7 +82,15 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def __getattr__(name: str) -> object:
-    """``optimize``, ``Session`` and ``measure`` load their modules (and numpy) on first use."""
+    """``optimize``, ``Session``, ``measure`` and the control plane load on first use.
+
+    A planning-only process (``powerlib plan``) then imports neither numpy-heavy runtime code
+    nor the journal and lock machinery.
+    """
+    if name in ("ControlSession", "RestoreOutcome", "restore_journals"):
+        from powerlib import control  # noqa: PLC0415
+
+        return getattr(control, name)
     if name in ("optimize", "Session"):
         from powerlib import runtime  # noqa: PLC0415
 

@@ -179,3 +179,31 @@ def test_the_wheel_lists_every_package() -> None:
         elif rel[0] == "powerlib":
             found.add(".".join(rel))
     assert found - listed == set()
+
+
+def test_powerlib_plan_loads_no_control_plane_and_no_scipy(tmp_path: Path) -> None:
+    """The planner's whole-process time (issue 34): `powerlib plan` imports only what it uses."""
+    from powerlib.planning.perseus import mincost
+
+    if not mincost.available():
+        pytest.skip("the compiled flow solver is not built (the walk's max flow uses scipy)")
+    profile = Path(__file__).parent / "data" / "lowtime_frontiers" / "profiles"
+    profile = profile / "profile_gpt3-175b_a100_sxm.csv"
+    code = f"""
+import json, sys
+from powerlib.cli import main
+try:
+    main(['plan', {str(profile)!r}, '--stages', '8', '--microbatches', '4', '--p-block-w',
+          '83.64', '--unit-time-s', '0.001', '--json'])
+except SystemExit:
+    pass
+loaded = sorted(m for m in sys.modules if m.startswith(('powerlib.control', 'powerlib.journal',
+                'powerlib.agent', 'powerlib.exporter', 'powerlib.cli.devices', 'scipy')))
+print(json.dumps(loaded), file=sys.stderr)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["solver"] == "direct"
+    assert json.loads(proc.stderr.strip().splitlines()[-1]) == []

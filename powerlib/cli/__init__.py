@@ -12,6 +12,7 @@ error; 11 unreadable journal; 12 untrusted state folder or journal refused; 130 
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import traceback
@@ -21,20 +22,32 @@ from typing import Any, NoReturn
 import click
 
 from powerlib import __version__
-from powerlib.cli.agent import agent
-from powerlib.cli.check import check
-from powerlib.cli.devices import devices, env, reset, set_, status, watch
-from powerlib.cli.emulate import demo, simulate
-from powerlib.cli.exporter import exporter
-from powerlib.cli.kareus import kareus, overlap
-from powerlib.cli.measure import measure
 from powerlib.cli.options import Options, settings_for
-from powerlib.cli.plan import plan
-from powerlib.cli.restore import restore
 from powerlib.errors import PowerlibError
 from powerlib.registry import check_backend_name
 
 __all__ = ["cli", "main"]
+
+# Each command's module is imported when the command runs (or help lists it): `powerlib plan`
+# then loads no control, agent or exporter code (issue 34: the planner's whole-process time).
+_COMMANDS = {
+    "check": ("powerlib.cli.check", "check"),
+    "env": ("powerlib.cli.devices", "env"),
+    "devices": ("powerlib.cli.devices", "devices"),
+    "status": ("powerlib.cli.devices", "status"),
+    "watch": ("powerlib.cli.devices", "watch"),
+    "measure": ("powerlib.cli.measure", "measure"),
+    "exporter": ("powerlib.cli.exporter", "exporter"),
+    "set": ("powerlib.cli.devices", "set_"),
+    "reset": ("powerlib.cli.devices", "reset"),
+    "restore": ("powerlib.cli.restore", "restore"),
+    "plan": ("powerlib.cli.plan", "plan"),
+    "demo": ("powerlib.cli.emulate", "demo"),
+    "simulate": ("powerlib.cli.emulate", "simulate"),
+    "agent": ("powerlib.cli.agent", "agent"),
+    "kareus": ("powerlib.cli.kareus", "kareus"),
+    "overlap": ("powerlib.cli.kareus", "overlap"),
+}
 
 
 class _CliError(click.ClickException):
@@ -49,7 +62,19 @@ class _CliError(click.ClickException):
 
 
 class _Group(click.Group):
-    """Turns PowerlibError into a one-line message and its exit code; Ctrl-C exits 130."""
+    """Turns PowerlibError into a one-line message and its exit code; Ctrl-C exits 130.
+
+    Commands load lazily from :data:`_COMMANDS`.
+    """
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(_COMMANDS))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in _COMMANDS and cmd_name not in self.commands:
+            module, attr = _COMMANDS[cmd_name]
+            self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
+        return super().get_command(ctx, cmd_name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -90,27 +115,6 @@ def cli(ctx: click.Context, backend: str | None, verbose: int) -> None:
     # Every command, `env` and the planning ones included, refuses a bad setting up front:
     # an unknown POWERLIB_BACKEND is a mistake a user must hear about, not a value to print.
     check_backend_name(settings_for(ctx.obj).backend)
-
-
-for _command in (
-    check,
-    env,
-    devices,
-    status,
-    watch,
-    measure,
-    exporter,
-    set_,
-    reset,
-    restore,
-    plan,
-    demo,
-    simulate,
-):
-    cli.add_command(_command)
-cli.add_command(agent)
-cli.add_command(kareus)
-cli.add_command(overlap)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -413,7 +413,10 @@ def test_work_estimate_units() -> None:
 
 
 def _all_commands(group: click.Group, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
-    for name, command in sorted(group.commands.items()):
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):  # the top group loads its commands lazily
+        command = group.get_command(ctx, name)
+        assert command is not None, name
         if isinstance(command, click.Group):
             yield from _all_commands(command, (*prefix, name))
         else:
