@@ -9,7 +9,8 @@
 // efficient implementation of a scaling minimum-cost flow algorithm", J. Algorithms 22(1), 1997),
 // in the style of LEMON's CostScaling (AUGMENT method). Costs are multiplied by (n + 1) so that an
 // epsilon-optimal flow with epsilon = 1 (scaled) is optimal for the integer costs. Epsilon falls
-// by ALPHA = 8 per phase, with global price updates; active nodes are taken in FIFO order.
+// by ALPHA = 8 per phase, with a global price update every n relabels; active nodes are taken in
+// FIFO order.
 //
 // residual_distances(): shortest distances from a source in the residual network of a given flow
 // with the original costs, by a queue-based Bellman-Ford (SPFA) that re-scans only improved nodes.

@@ -40,7 +40,6 @@ certificate is a :class:`~powerlib.errors.PlanError`, never a plan.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +55,7 @@ from powerlib.planning.perseus.direct import (
     lengthen_into_slack,
 )
 from powerlib.planning.perseus.solver import PhillipsDessouky
+from powerlib.planning.perseus.work import direct_kind
 
 __all__ = ["ActivityNetwork", "FlowSolver", "capacity_scale", "flow_available", "point_solver"]
 
@@ -76,7 +76,7 @@ def point_solver(walk: PhillipsDessouky, *, time_cost_per_quantum: float = 0.0) 
     Raises:
         BackendUnavailableError: Neither the extension nor ``highspy`` is available.
     """
-    if flow_available() and os.environ.get("POWERLIB_DIRECT_SOLVER", "") != "highs":
+    if direct_kind() == "flow":
         return FlowSolver(walk, time_cost_per_quantum=time_cost_per_quantum)
     return DirectSolver(walk, time_cost_per_quantum=time_cost_per_quantum)
 

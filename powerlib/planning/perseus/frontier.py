@@ -34,6 +34,7 @@ from powerlib.planning.perseus.work import (
     WORK_HINT,
     WorkEstimate,
     check_quantum,
+    direct_kind,
     estimate_pipeline_work,
 )
 from powerlib.planning.pipeline import KINDS, Instruction, PipelineDAG, Schedule, build_dag
@@ -782,7 +783,7 @@ def _direct_points(
         num_instructions=solver.num_nodes,
         time_steps=solver.makespan() - solver.fastest_makespan(),
         unit_segments=sum(t.q_max - t.q_min for t in solver.tables),
-        solver="direct",
+        solver=direct_kind(),
     ).check(max_work, hint=WORK_HINT)
     return _DirectPoints(solver, n_block, unit_time_s).solve(wanted, progress, stub=stub)
 

@@ -5,13 +5,14 @@ per time quantum over every instruction; the direct solve (docs/perseus.md §2.6
 program with a column per instruction and per unit segment of its cost. Both are held to one
 limit in *work units* of about 10 µs each on one core: for the walk a unit is one
 instruction-step; for the direct solve the units grow with the square of the program's columns
-(measured, below). :func:`estimate_pipeline_work` predicts either from the options alone (no
+under HiGHS and with their 1.5th power under the compiled min-cost flow (measured, below). :func:`estimate_pipeline_work` predicts either from the options alone (no
 DAG), and :class:`WorkEstimate` refuses a solve past the limit.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ __all__ = [
     "WORK_HINT",
     "WorkEstimate",
     "check_quantum",
+    "direct_kind",
     "estimate_pipeline_work",
 ]
 
@@ -39,7 +41,14 @@ _BYTES_PER_UNIT = 10.0
 #: about the square of the columns (4e-10 s per column²), and about 1.4 kB of memory per column.
 _DIRECT_SECONDS_PER_COLUMN_SQ = 4e-10
 _DIRECT_BYTES_PER_COLUMN = 1400.0
-SOLVER_KINDS = ("walk", "direct")
+#: The compiled min-cost flow (issue 34), whole ``powerlib plan`` processes on the same machine
+#: and workload (T_max - 1, T_min, T* and the guard's exact solves on two threads, the guard's
+#: replays): 2.7 s at 141k columns (16 x 256), 19 s at 562k (32 x 512), 164 s at 2.25M
+#: (64 x 1024), about columns^1.5 (5e-8 s per column^1.5), and about 450 bytes per column.
+_FLOW_SECONDS_PER_COLUMN_POW = 5e-8
+_FLOW_EXPONENT = 1.5
+_FLOW_BYTES_PER_COLUMN = 450.0
+SOLVER_KINDS = ("walk", "direct", "flow")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +60,8 @@ class WorkEstimate:
         time_steps: Time quanta between the slowest plan's makespan and the fastest one's.
         unit_segments: Unit segments of every instruction's cost (τ each between its fastest
             and its slowest useful duration): the direct solve's columns besides one per node.
-        solver: ``walk`` or ``direct``: which solve the estimate is for.
+        solver: ``walk``, ``direct`` (HiGHS) or ``flow`` (the compiled min-cost flow, which
+            also solves direct points): which solve the estimate is for.
     """
 
     num_instructions: int
@@ -61,7 +71,7 @@ class WorkEstimate:
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVER_KINDS:
-            raise PlanError(f"unknown solver {self.solver!r}; choose one of walk, direct")
+            raise PlanError(f"unknown solver {self.solver!r}; choose one of walk, direct, flow")
 
     @property
     def lp_columns(self) -> int:
@@ -74,6 +84,9 @@ class WorkEstimate:
         if self.solver == "direct":
             units = _DIRECT_SECONDS_PER_COLUMN_SQ * float(self.lp_columns) ** 2 / _SECONDS_PER_UNIT
             return max(1, math.ceil(min(units, 1e18)))
+        if self.solver == "flow":
+            seconds = _FLOW_SECONDS_PER_COLUMN_POW * float(self.lp_columns) ** _FLOW_EXPONENT
+            return max(1, math.ceil(min(seconds / _SECONDS_PER_UNIT, 1e18)))
         return self.num_instructions * max(self.time_steps, 1)
 
     @property
@@ -86,11 +99,13 @@ class WorkEstimate:
         """Expected memory of the frontier's points (walk) or the linear program (direct)."""
         if self.solver == "direct":
             return self.lp_columns * _DIRECT_BYTES_PER_COLUMN
+        if self.solver == "flow":
+            return self.lp_columns * _FLOW_BYTES_PER_COLUMN
         return self.work * _BYTES_PER_UNIT
 
     def describe(self) -> str:
         """One phrase: the counts, the product and the expected time and memory."""
-        if self.solver == "direct":
+        if self.solver in ("direct", "flow"):
             return (
                 f"{self.num_instructions:,} instructions + {self.unit_segments:,} unit segments "
                 f"= {self.lp_columns:,} columns = {self.work:.3g} work units (about "
@@ -110,7 +125,10 @@ class WorkEstimate:
                 shrink the problem).
         """
         if max_work is not None and self.work > max_work:
-            what = "the plan's linear program" if self.solver == "direct" else "the frontier"
+            what = {
+                "direct": "the plan's linear program",
+                "flow": "the plan's min-cost flow",
+            }.get(self.solver, "the frontier")
             raise PlanError(
                 f"{what} is too much work: {self.describe()}, over the limit of "
                 f"{max_work:.3g}; {hint}"
@@ -175,12 +193,15 @@ def estimate_pipeline_work(
         num_microbatches: Microbatches M.
         num_chunks: Model chunks per stage.
         unit_time_s: The time quantum τ.
-        solver: ``walk`` or ``direct``.
+        solver: ``walk`` or ``direct`` (estimated as ``flow`` where the compiled min-cost flow
+            solves the direct points, see :func:`direct_kind`), or ``flow``.
 
     Raises:
         PlanError: ``unit_time_s`` is not a positive number.
     """
     check_quantum(unit_time_s)
+    if solver == "direct":
+        solver = direct_kind()
     fast_s: list[float] = [0.0]
     slow_s: list[float] = [0.0]
     per_mb = 2
@@ -203,3 +224,15 @@ def estimate_pipeline_work(
         unit_segments=int(min(max(segments, 0), 1e18)),
         solver=solver,
     )
+
+
+def direct_kind() -> str:
+    """What solves direct points here: ``flow`` (the compiled extension) or ``direct`` (HiGHS).
+
+    ``POWERLIB_DIRECT_SOLVER=highs`` forces HiGHS (benchmarks compare both).
+    """
+    from powerlib.planning.perseus import mincost  # noqa: PLC0415 - keep this module light
+
+    if mincost.available() and os.environ.get("POWERLIB_DIRECT_SOLVER", "") != "highs":
+        return "flow"
+    return "direct"
