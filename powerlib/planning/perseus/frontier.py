@@ -685,8 +685,8 @@ class _DirectPoints:
         self.t_star: int | None = None
         self.argmin: dict[int, int] = {}
         self.lock = threading.Lock()
-        #: limit_s -> the guard's exact-time start, solving in the background
-        self.guard_starts: dict[float, _Background] = {}
+        #: (limit_s, held) -> the guard's exact-time start, solving in the background
+        self.guard_starts: dict[tuple[float, bool], _Background] = {}
 
     def at(self, quant: int) -> None:
         if quant not in self.found:
@@ -713,8 +713,11 @@ class _DirectPoints:
             if stub is not None and self.concurrent and guard.available():
                 for deadline_s, max_slowdown in wanted.guards:
                     limit = guard.guard_limit(stub, max_slowdown, deadline_s)
-                    if limit not in self.guard_starts:
-                        self.guard_starts[limit] = _Background(guard.exact_start, stub, limit)
+                    key = (limit, deadline_s is not None)
+                    if key not in self.guard_starts:
+                        self.guard_starts[key] = _Background(
+                            guard.exact_start, stub, limit, None, key[1]
+                        )
             t_min, t_first, tau = self.t_min, self.t_first, self.unit_time_s
             star = wanted.t_star and self.t_star is None
             if self.concurrent and t_min not in self.found:

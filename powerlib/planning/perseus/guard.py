@@ -61,6 +61,7 @@ __all__ = [
     "available",
     "exact_start",
     "guard_limit",
+    "held_energy_j",
     "within_slowdown",
 ]
 
@@ -94,10 +95,11 @@ def within_slowdown(
         if time_cv > 0 or time_se > 0
         else None
     )
+    held = limit_s is not None  # a straggler holds the iteration at the deadline
     starts: list[tuple[list[Option], bool]] = []
     if available():
-        pending = getattr(frontier.direct, "guard_starts", {}).get(limit)
-        start = exact_start(frontier, limit) if pending is None else pending.result()
+        pending = getattr(frontier.direct, "guard_starts", {}).get((limit, held))
+        start = exact_start(frontier, limit, held=held) if pending is None else pending.result()
         if switch_latency_s > 0:
             # Once more with each instruction's latency penalty in this plan (signed: a start
             # at a faster old clock gains time): the flow then covers every path at once, which
@@ -106,7 +108,7 @@ def within_slowdown(
             run = replay_options(frontier, start, switch_latency_s)
             if run.time_s > limit:
                 penalty = [b - o.time_s for b, o in zip(run.busy, start)]
-                start = exact_start(frontier, limit, penalty)
+                start = exact_start(frontier, limit, penalty, held=held)
         starts.append((list(start), True))
     if not starts or len(frontier.dag.instructions) <= BOTH_STARTS_MAX_NODES:
         starts.append((frontier.planned_options(point), False))
@@ -114,7 +116,7 @@ def within_slowdown(
     best_energy = math.inf
     for chosen, batch in starts:
         got = _speed_up(frontier, chosen, limit, switch_latency_s, noisy, batch=batch)
-        energy = frontier.realized(got, switch_latency_s).energy_j
+        energy = held_energy_j(frontier, got, switch_latency_s, limit_s)
         if best is None or energy < best_energy:
             best, best_energy = got, energy
     assert best is not None
@@ -132,8 +134,26 @@ def guard_limit(frontier: Frontier, max_slowdown: float, limit_s: float | None) 
     return base * (1.0 + max_slowdown)
 
 
+def held_energy_j(
+    frontier: Frontier, chosen: Sequence[Option], switch_latency_s: float, hold_s: float | None
+) -> float:
+    """Energy of an iteration of ``chosen``, replayed; held until ``hold_s`` when given.
+
+    Under a straggler (the ``deadline`` policy) the iteration lasts the straggler's time
+    whatever the plan: a plan that ends earlier only waits longer at ``P_block``. Without
+    ``hold_s``: :meth:`Frontier.realized <powerlib.planning.perseus.frontier.Frontier.realized>`.
+    """
+    run = frontier.realized(chosen, switch_latency_s)
+    if hold_s is None or run.time_s >= hold_s:
+        return run.energy_j
+    return run.energy_j + frontier.dag.num_stages * frontier.p_block_w * (hold_s - run.time_s)
+
+
 def exact_start(
-    frontier: Frontier, limit_s: float, penalty_s: Sequence[float] | None = None
+    frontier: Frontier,
+    limit_s: float,
+    penalty_s: Sequence[float] | None = None,
+    held: bool = False,
 ) -> list[Option]:
     """The cheapest options whose real durations fit ``limit_s`` (step 1 of the module docstring).
 
@@ -142,6 +162,9 @@ def exact_start(
         limit_s: The iteration time not to exceed.
         penalty_s: Per instruction, time its start loses (or gains) to a late clock change (a
             replay's realized minus planned duration), added to each of its options' times.
+        held: A straggler holds the iteration at ``limit_s`` (``deadline``): the makespan costs
+            nothing below it. Otherwise it costs ``N · P_block`` per second (the realized
+            energy), so the plan may end earlier where that is cheaper.
 
     Raises:
         PlanError: The solver refused the instance or its certificate failed.
@@ -165,7 +188,8 @@ def exact_start(
         succs[u].append(v)
     acts = [per_key[k] for k in keys]
     # Realized energy is Σ (e_v - P_block t_v) + N P_block T: T costs w per unit below the bound
-    w_j = dag.num_stages * p_block * unit_s
+    # (nothing when a straggler holds the iteration there)
+    w_j = 0.0 if held else dag.num_stages * p_block * unit_s
     finite_j = sum(a.max_slope for a in acts) + w_j
     scale = capacity_scale(finite_j, 3 * n + len(dag.edges), "the guard's energy slopes")
     arcs: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {
@@ -183,13 +207,13 @@ def exact_start(
     order = dag.topological_order()
     fastest = _longest_path(order, preds, floor.tolist())
     bound = max(math.floor(limit_s / unit_s), fastest)
-    start, finish, _ = net.events(fastest, bound)  # T free in [fastest, bound], w per unit
+    start, finish, _ = net.events(bound if held else fastest, bound)  # T free below: w per unit
     chosen = [a.fitting(int(d)) for a, d in zip(acts, finish - start - extra)]
     pad = (extra * unit_s).tolist()
-    # Lengthen within the rounded plan's own makespan: a later end costs N P_block per second.
+    # Unheld, lengthen within the rounded plan's own makespan: a later end costs N P_block per s.
     durations = [o.time_s + p for o, p in zip(chosen, pad)]
-    makespan_s = _longest_path(order, preds, durations)
-    return _lengthen(order, preds, succs, acts, chosen, pad, min(limit_s, makespan_s), p_block)
+    end_s = limit_s if held else min(limit_s, _longest_path(order, preds, durations))
+    return _lengthen(order, preds, succs, acts, chosen, pad, end_s, p_block)
 
 
 class _Activity:
