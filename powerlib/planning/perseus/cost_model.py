@@ -469,7 +469,9 @@ def fit_exponential(options: Sequence[Option], *, unit_time_s: float) -> Exponen
         raise PlanError(f"unit_time_s must be positive, got {unit_time_s!r}")
     qs = np.array([float(o.quant) for o in options])
     ys = np.array([check_finite("eff_energy_j", o.eff_energy_j) for o in options])
-    if np.unique(qs).size < 2:
+    # set(), not np.unique: np.unique's first call imports numpy.ma (15 ms of a small plan)
+    n_distinct = len(set(qs.tolist()))
+    if n_distinct < 2:
         raise PlanError(
             "an exponential cost model needs options with at least two distinct durations"
         )
@@ -478,12 +480,11 @@ def fit_exponential(options: Sequence[Option], *, unit_time_s: float) -> Exponen
     x = (qs - q_min) / span  # in [0, 1]: the fit in scaled form is A·exp(-u·x) + C
     seeds = np.array(_B0_PER_MS) * (tau / 1e-3) * span
 
-    n_distinct = int(np.unique(qs).size)
     if n_distinct == 2:
         u = float(seeds[0])
     else:
         grid = np.concatenate((np.geomspace(_U_MIN, _U_MAX, _SCAN_POINTS), seeds))
-        grid = np.unique(grid[(grid >= _U_MIN) & (grid <= _U_MAX)])
+        grid = np.array(sorted(set(grid[(grid >= _U_MIN) & (grid <= _U_MAX)].tolist())))
         rss = _rss(grid, x, ys)
         k = int(np.argmin(rss))
         lo = math.log(grid[max(k - 1, 0)])
