@@ -37,7 +37,7 @@ sys.path.insert(0, str(HERE.parent))
 from powerlib.planning.choice import Policy  # noqa: E402
 from powerlib.planning.perseus import guard  # noqa: E402
 from powerlib.planning.profile import Profile  # noqa: E402
-from powerlib.planning.workflow import plan_from_profile  # noqa: E402
+from powerlib.planning.workflow import plan_from_profile, wanted_for  # noqa: E402
 
 PROFILES = (
     "profile_gpt3-175b_a100_sxm.csv",
@@ -66,17 +66,9 @@ def one_case(profile: Profile, m: int, policy: str, latency: float, cv: float) -
     ).frontier
     deadline = None
     frontier = fastest
-    if policy == "deadline":
+    if policy == "deadline":  # the same model, one more point
         deadline = fastest.baseline_time_s * 1.05
-        frontier = plan_from_profile(
-            profile,
-            stages=8,
-            microbatches=m,
-            p_block_w=P_BLOCK_W,
-            unit_time_s=1e-3,
-            policy=Policy(name="deadline", deadline_s=deadline),
-            solver="direct",
-        ).frontier
+        frontier = fastest.extend(wanted_for(Policy(name="deadline", deadline_s=deadline)))
     point = frontier.select(policy, deadline)
     limit = guard.guard_limit(frontier, MAX_SLOWDOWN, deadline)
     noisy = guard._NoiseCheck(frontier, cv, 0.0, deadline, MAX_SLOWDOWN) if cv > 0 else None  # noqa: SLF001

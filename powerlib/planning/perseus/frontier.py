@@ -792,7 +792,11 @@ def _direct_points(
 
 
 class _Background:
-    """``fn(*args)`` on a daemon thread; :meth:`result` waits and returns or re-raises."""
+    """``fn(*args)`` on a daemon thread; :meth:`result` waits and returns or re-raises.
+
+    Not a ``ThreadPoolExecutor`` future: its threads are joined at interpreter exit, so a plan
+    refused before its guard ran would still wait for the abandoned solve (seconds at scale).
+    """
 
     def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
         self._box: list[Any] = []

@@ -50,7 +50,12 @@ from powerlib.planning.perseus.flow import (
     crash_capacities,
     crash_slopes,
 )
-from powerlib.planning.perseus.replay import IncrementalReplay, NoisyReplay, replay_options
+from powerlib.planning.perseus.replay import (
+    IncrementalReplay,
+    NoisyReplay,
+    layout_of,
+    replay_options,
+)
 
 if TYPE_CHECKING:
     from powerlib.planning.perseus.frontier import Frontier, FrontierPoint
@@ -181,11 +186,12 @@ def exact_start(
         if all(o.freq_mhz != top.freq_mhz for o in options):
             options.append(top)
         per_key[key] = _Activity(options, unit_s, p_block)
-    preds: list[list[int]] = [[] for _ in range(n)]
+    layout = layout_of(dag)
+    preds, order = layout.preds, layout.topo
     succs: list[list[int]] = [[] for _ in range(n)]
-    for u, v in dag.edges:
-        preds[v].append(u)
-        succs[u].append(v)
+    for v, before in enumerate(preds):
+        for u in before:
+            succs[u].append(v)
     acts = [per_key[k] for k in keys]
     # Realized energy is Σ (e_v - P_block t_v) + N P_block T: T costs w per unit below the bound
     # (nothing when a straggler holds the iteration there)
@@ -204,7 +210,6 @@ def exact_start(
     net = ActivityNetwork.build(preds, succs, crash, floor, int(np.rint(w_j * scale)))
     # The rounded-up fastest durations may not fit a bound of max_slowdown = 0: then the
     # fastest plan's (the speed-ups and the replay decide the rest).
-    order = dag.topological_order()
     fastest = _longest_path(order, preds, floor.tolist())
     bound = max(math.floor(limit_s / unit_s), fastest)
     start, finish, _ = net.events(bound if held else fastest, bound)  # T free below: w per unit
@@ -236,9 +241,13 @@ class _Activity:
             self.max_slope = 0.0
 
     def fitting(self, duration: int) -> Option:
-        """The slowest option that fits ``duration`` units, unless a faster fitting one is cheaper."""
+        """The cheapest option whose rounded-up time fits ``duration`` units (the slowest of equals).
+
+        Below the fastest option's time (only where the bound itself is, ``max_slowdown = 0``):
+        the fastest option.
+        """
         fits = [i for i, b in enumerate(self.units) if b <= duration]
-        if not fits:  # below the fastest: only where the bound itself is (max_slowdown = 0)
+        if not fits:
             fits = [min(range(len(self.units)), key=self.units.__getitem__)]
         return self.options[min(fits, key=lambda i: (self.eff[i], -self.units[i]))]
 
