@@ -29,7 +29,7 @@ from powerlib.agent.client import AgentConnection
 from powerlib.config import Settings
 from powerlib.device import Backend, ClockLockState, Device, PowerState, ProbeResult
 from powerlib.errors import BackendUnavailableError, DeviceLostError
-from powerlib.ownership import show_path
+from powerlib.control import show_path
 
 __all__ = ["AgentBackend", "AgentConnection", "AgentDevice"]  # AgentConnection: re-exported
 

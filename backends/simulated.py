@@ -3,7 +3,7 @@
 Never chosen by ``auto``: select it with ``POWERLIB_BACKEND=simulated``. Pick the model and count
 with ``POWERLIB_SIM_MODEL`` (``a100``, ``h100``, ``a40``) and ``POWERLIB_SIM_GPUS``.
 
-The model (parameters per GPU in :data:`powerlib.gpu_models.GPU_SPECS`, each number cited):
+The model (parameters per GPU in :data:`powerlib.gpu_specs.GPU_SPECS`, each number cited):
 
 * **Clocks.** Supported SM clocks from ``min_freq_mhz`` to ``max_freq_mhz`` in ``freq_step_mhz``
   steps, as NVML lists them.
@@ -72,9 +72,8 @@ from powerlib.device import (
     PowerState,
     ProbeResult,
 )
-from powerlib.dvfs import VoltageCurve
 from powerlib.errors import ConfigError, NotSupportedError, PermissionDeniedError
-from powerlib.gpu_models import GPU_SPECS, GpuSpec
+from powerlib.gpu_specs import GPU_SPECS, GpuSpec, VoltageCurve
 
 __all__ = [
     "GPU_MODELS",
@@ -97,12 +96,12 @@ _MAX_PENDING = 4096  # clock changes in flight that a state file may hold
 class GpuModel(GpuSpec, VoltageCurve):
     """One simulated GPU: its spec with the time and power model the simulated backend runs.
 
-    The parameters are the :class:`~powerlib.gpu_models.GpuSpec` both simulators read. Powers are in W at the maximum clock unless noted.
+    The parameters are the :class:`~powerlib.gpu_specs.GpuSpec` both simulators read. Powers are in W at the maximum clock unless noted.
     """
 
     @classmethod
     def from_spec(cls, spec: GpuSpec) -> GpuModel:
-        """The simulated GPU of one :class:`~powerlib.gpu_models.GpuSpec`."""
+        """The simulated GPU of one :class:`~powerlib.gpu_specs.GpuSpec`."""
         return cls(**{f.name: getattr(spec, f.name) for f in fields(spec)})
 
     @property
@@ -143,7 +142,7 @@ class GpuModel(GpuSpec, VoltageCurve):
 
 
 GPU_MODELS: dict[str, GpuModel] = {key: GpuModel.from_spec(spec) for key, spec in GPU_SPECS.items()}
-"""The simulated GPUs by ``POWERLIB_SIM_MODEL`` key, built from :data:`powerlib.gpu_models.GPU_SPECS`."""
+"""The simulated GPUs by ``POWERLIB_SIM_MODEL`` key, built from :data:`powerlib.gpu_specs.GPU_SPECS`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

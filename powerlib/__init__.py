@@ -37,7 +37,7 @@ from powerlib.errors import (
 from powerlib.registry import backend_names, open_backend, probe_backends
 
 if TYPE_CHECKING:  # loaded on first use (see __getattr__); typed and documented where defined
-    from powerlib.control import ControlSession, RestoreOutcome, restore_journals
+    from powerlib.control import ControlSession, restore_journals, RestoreOutcome
     from powerlib.measurement import Measurement, MeasurementResult, measure
     from powerlib.runtime.session import Session, optimize
 

@@ -93,7 +93,7 @@ def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
     ``$TMPDIR/powerlib-<uid>`` (normally ``/tmp/powerlib-<uid>``). ``/run`` is cleared at boot,
     exactly when device settings revert too, so a journal there never outlives the state it
     describes. The directory is created 0700 by the first session that needs it; one that
-    another user created or can write is refused (see :mod:`powerlib.journal`).
+    another user created or can write is refused (see :mod:`powerlib.control.state`).
     """
     env = os.environ if environ is None else environ
     if os.geteuid() == 0 and os.access("/run", os.W_OK):

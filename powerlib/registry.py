@@ -23,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import sys
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from powerlib.config import Settings
-from powerlib.device import Backend, ProbeResult
-from powerlib.errors import BackendUnavailableError, ConfigError
+from powerlib.device import Backend, Device, ProbeResult, gpu_uuid_key
+from powerlib.errors import BackendUnavailableError, ConfigError, DeviceNotFoundError
 
 if TYPE_CHECKING:
     from importlib import metadata
@@ -40,6 +41,7 @@ __all__ = [
     "backend_names",
     "check_backend_name",
     "load_backend_class",
+    "local_device",
     "open_backend",
     "probe_backends",
 ]
@@ -177,4 +179,65 @@ def open_backend(name: str | None = None, settings: Settings | None = None) -> B
     raise BackendUnavailableError(
         f"no power backend available ({skipped}); "
         "set POWERLIB_BACKEND=simulated to use simulated GPUs"
+    )
+
+
+def _cuda_uuid() -> str | None:
+    """The UUID of this process's CUDA device, when torch has CUDA up (never on ROCm)."""
+    torch = sys.modules.get("torch")  # never import torch: a CPU job does not have it
+    if torch is None or getattr(getattr(torch, "version", None), "hip", None):
+        return None  # AMD: HIP's UUIDs are not amdsmi's ids; the index decides
+    try:
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return None
+        uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
+    except Exception as err:  # noqa: BLE001 - a broken CUDA leaves the choice to the index
+        logger.info("powerlib: could not read the CUDA device's UUID: %s", err)
+        return None
+    return gpu_uuid_key(str(uuid)) or None
+
+
+def local_device(backend: Backend, settings: Settings) -> Device:
+    """This process's device of ``backend`` when none is named (docs/real-gpu.md §4).
+
+    In order: the device whose id is the UUID of torch's current CUDA device (when CUDA is
+    initialised; NVML ids are ``GPU-<uuid>``); ``LOCAL_RANK`` (else 0) as an index among the
+    visible devices when it is in range; the only visible device (a launcher that gives each
+    process one GPU through ``CUDA_VISIBLE_DEVICES``).
+
+    Raises:
+        DeviceNotFoundError: None of these applies; the message names ``LOCAL_RANK``,
+            ``CUDA_VISIBLE_DEVICES`` and the visible devices.
+    """
+    devices = list(backend.devices())
+    uuid = _cuda_uuid()
+    if uuid is not None:
+        for device in devices:
+            if gpu_uuid_key(device.device_id) == uuid:
+                return device
+        logger.info(
+            "powerlib: the CUDA device's UUID %s is not among the %s backend's devices; "
+            "choosing by LOCAL_RANK",
+            uuid,
+            backend.name,
+        )
+    index = settings.local_rank or 0
+    if 0 <= index < len(devices):
+        return devices[index]
+    if len(devices) == 1:
+        logger.info(
+            "powerlib: LOCAL_RANK=%s but one device is visible (CUDA_VISIBLE_DEVICES=%s): using %s",
+            settings.local_rank,
+            settings.cuda_visible_devices,
+            devices[0].device_id,
+        )
+        return devices[0]
+    visible = (
+        "unset" if settings.cuda_visible_devices is None else repr(settings.cuda_visible_devices)
+    )
+    rank = "unset" if settings.local_rank is None else settings.local_rank
+    raise DeviceNotFoundError(
+        f"no device for LOCAL_RANK={rank}: the {backend.name} backend sees "
+        f"{len(devices)} device(s) (CUDA_VISIBLE_DEVICES {visible}); pass device= or give "
+        "each process its GPU through CUDA_VISIBLE_DEVICES"
     )

@@ -197,7 +197,7 @@ try:
           '83.64', '--unit-time-s', '0.001', '--json'])
 except SystemExit:
     pass
-loaded = sorted(m for m in sys.modules if m.startswith(('powerlib.control', 'powerlib.journal',
+loaded = sorted(m for m in sys.modules if m.startswith(('powerlib.control',
                 'powerlib.agent', 'powerlib.exporter', 'powerlib.cli.devices', 'scipy')))
 print(json.dumps(loaded), file=sys.stderr)
 """

@@ -35,7 +35,7 @@ from typing import Any
 
 from powerlib.agent.protocol import one_line
 from powerlib.errors import ConfigError, UntrustedStateError
-from powerlib.ownership import check_trusted, show_path
+from powerlib.control import check_trusted, show_path
 
 __all__ = ["Grant", "Rules", "load_allow_list", "read_grants", "remove_grant", "write_grant"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from powerlib.agent import protocol
 from powerlib.errors import BackendUnavailableError, DeviceLostError
-from powerlib.ownership import show_path
+from powerlib.control import show_path
 
 __all__ = ["AgentConnection"]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from powerlib.device import Backend
 from powerlib.errors import ConfigError, DeviceNotFoundError, UntrustedStateError
-from powerlib.ownership import check_trusted, describe_owner, show_path
+from powerlib.control import check_trusted, describe_owner, show_path
 
 __all__ = ["let_others_traverse", "make_user_state_dir", "uuids_of_minors"]
 

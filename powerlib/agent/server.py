@@ -59,8 +59,8 @@ from powerlib.errors import (
     PermissionDeniedError,
     PowerlibError,
 )
-from powerlib.ownership import check_trusted, show_path
-from powerlib.restore import restore_journals
+from powerlib.control import check_trusted, show_path
+from powerlib.control import restore_journals
 
 __all__ = ["Agent", "AgentEvent", "sd_notify"]
 

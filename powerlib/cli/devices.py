@@ -1,6 +1,6 @@
 """Device commands: ``env``, ``devices``, ``status``, ``watch``, ``set`` and ``reset``.
 
-Each parses its options, makes one call into :mod:`powerlib.inspection` or :mod:`powerlib.manual`
+Each parses its options, makes one call into :mod:`powerlib.inspection` or :mod:`powerlib.control.manual`
 and prints the result (a table, or ``--json``).
 """
 
@@ -24,7 +24,7 @@ from powerlib.inspection import (
     status_json,
     watch_samples,
 )
-from powerlib.manual import reset_devices, set_device
+from powerlib.control import reset_devices, set_device
 from powerlib.registry import AUTO_ORDER
 
 __all__ = ["devices", "env", "reset", "set_", "status", "watch"]

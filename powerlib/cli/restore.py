@@ -12,10 +12,10 @@ import click
 
 from powerlib.cli.options import Options, emit_json, settings_for
 from powerlib.config import NODE_STATE_DIR, Settings, user_state_dirs
-from powerlib.control import RestoreOutcome, restore_failure, restore_journals
+from powerlib.control import restore_failure, restore_journals, RestoreOutcome
 from powerlib.errors import ConfigError, PowerlibError
 from powerlib.inspection import SCHEMA_VERSION
-from powerlib.restore import restore_for_user
+from powerlib.control import restore_for_user
 
 __all__ = ["restore"]
 

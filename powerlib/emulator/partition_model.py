@@ -3,7 +3,7 @@
 The model is docs/kareus.md §5.1 (formulas), calibrated against the phenomena of §5.3 on the real
 workloads of :mod:`powerlib.planning.kareus.partition`. It reads the GPUs' clocks, voltage
 curve, static power, power cap, thermal constants and energy-counter period from the table the
-simulated backend reads (:data:`powerlib.gpu_models.GPU_SPECS`), so the two simulators agree.
+simulated backend reads (:data:`powerlib.gpu_specs.GPU_SPECS`), so the two simulators agree.
 
 **Compute kernel** ``i`` (FLOPs ``F``, HBM bytes ``B``, CTAs ``G``) on ``n`` SMs at clock ``f``
 with HBM bandwidth ``BW_a`` available::

@@ -1,6 +1,6 @@
 """Parameters of the partition model's simulated GPUs (docs/kareus.md §5.1, §5.4).
 
-The numbers the simulated backend shares come from :data:`powerlib.gpu_models.GPU_SPECS`; the
+The numbers the simulated backend shares come from :data:`powerlib.gpu_specs.GPU_SPECS`; the
 partition model's own calibration (HBM and link terms, efficiencies, the power-cap controller,
 overheads) is typed here.
 """
@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from powerlib.dvfs import VoltageCurve
-from powerlib.gpu_models import GPU_SPECS, GpuSpec
+from powerlib.gpu_specs import GPU_SPECS, GpuSpec, VoltageCurve
 
 __all__ = ["A100", "H100", "OverlapDeviceParams"]
 
@@ -115,7 +114,7 @@ class OverlapDeviceParams(VoltageCurve):
 
 
 def _from_spec(spec: GpuSpec, **model: float) -> OverlapDeviceParams:
-    """The simulated GPU's shared parameters (:data:`~powerlib.gpu_models.GPU_SPECS`) plus ``model``.
+    """The simulated GPU's shared parameters (:data:`~powerlib.gpu_specs.GPU_SPECS`) plus ``model``.
 
     ``p_static_w`` is the spec's blocked power (idle plus clock power at ``f_max``), the power cap
     its default power limit; ``model`` holds the partition model's own calibration.

@@ -37,6 +37,7 @@ from powerlib.agent.client import AgentConnection
 from powerlib.backends.agent import AgentBackend
 from powerlib.backends.simulated import SimulatedBackend
 from powerlib.config import Settings
+from powerlib.control.journal import write_journal
 from powerlib.errors import ConfigError, PowerlibError
 
 
@@ -402,7 +403,7 @@ def test_the_contrib_slurm_prolog_and_epilog_end_to_end(root_dir: Path) -> None:
     import shutil
     import tempfile
 
-    from powerlib.journal import Change, JournalEntry, Owner, StateDir
+    from powerlib.control import Change, JournalEntry, Owner, StateDir
 
     repo = Path(__file__).resolve().parents[2]
     state = root_dir / "node"
@@ -444,7 +445,7 @@ def test_the_contrib_slurm_prolog_and_epilog_end_to_end(root_dir: Path) -> None:
         dead = Owner(pid=me.pid, start_time_s=me.start_time_s - 60, hostname=me.hostname)
 
         def leave_journal() -> None:
-            StateDir(folder).prepare().write_journal(JournalEntry(
+            write_journal(StateDir(folder).prepare(), JournalEntry(
                 device_id=uuids[0], device_name="x", backend="simulated", backend_settings={},
                 owner=dead, created_s=1.0,
                 changes=(Change(item="power_limit", original=100.0, target=100.0),),

@@ -27,8 +27,8 @@ import powerlib.errors
 from powerlib.backends.simulated import SimulatedBackend, SimulatedDevice
 from powerlib.cli import cli
 from powerlib.config import Settings
-from powerlib.control import ControlSession
-from powerlib.journal import Change, JournalEntry, Owner, StateDir
+from powerlib.control import Change, ControlSession, JournalEntry, Owner, StateDir
+from powerlib.control.journal import write_journal
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 REPO = README.parent
@@ -89,9 +89,8 @@ class Env:
         with SimulatedBackend(settings) as backend:
             dev = backend.device(0)
             path = (
-                StateDir(self.state_dir)
-                .prepare()
-                .write_journal(
+                write_journal(StateDir(self.state_dir)
+                .prepare(),
                     JournalEntry(
                         device_id=dev.device_id,
                         device_name=dev.info.name,

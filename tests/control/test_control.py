@@ -15,8 +15,18 @@ from click.testing import CliRunner
 from powerlib import DeviceBusyError, PermissionDeniedError, PowerlibError, Settings
 from powerlib.backends.simulated import SimulatedBackend, VirtualClock
 from powerlib.cli import cli
-from powerlib.control import ControlSession, restore_failure, restore_journals
-from powerlib.journal import Change, JournalEntry, JournalError, Owner, StateDir, device_key
+from powerlib.control import (
+    Change,
+    ControlSession,
+    JournalEntry,
+    JournalError,
+    Owner,
+    StateDir,
+    device_key,
+    restore_failure,
+    restore_journals,
+)
+from powerlib.control.journal import journal_path, list_journals, write_journal
 
 
 @pytest.fixture
@@ -33,7 +43,7 @@ def _state(backend: SimulatedBackend, index: int) -> tuple[object, object]:
 
 
 def _journals(settings: Settings) -> list[Path]:
-    return StateDir(settings.state_dir).journals()
+    return list_journals(StateDir(settings.state_dir))
 
 
 def test_restores_the_captured_originals_not_defaults(
@@ -220,7 +230,7 @@ def _leave_journal(backend: SimulatedBackend, settings: Settings, index: int) ->
             Change(item="power_limit", original=400.0, target=175.0),
         ),
     )
-    path = StateDir(settings.state_dir).prepare().write_journal(entry)
+    path = write_journal(StateDir(settings.state_dir).prepare(), entry)
     dev.lock_sm_clocks(600)
     dev.set_power_limit(175)
     return path
@@ -241,7 +251,7 @@ def test_a_corrupted_journal_is_never_guessed_at(
     backend: SimulatedBackend, settings: Settings
 ) -> None:
     state = StateDir(settings.state_dir).prepare()
-    path = state.journal_path(device_key("simulated", backend.device(0).device_id))
+    path = journal_path(state, device_key("simulated", backend.device(0).device_id))
     path.write_text('{"schema": "powerlib.journal.v1", "trunc')
     with ControlSession(backend) as session:
         with pytest.raises(JournalError, match="left in place"):

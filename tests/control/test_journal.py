@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from powerlib import DeviceBusyError, PermissionDeniedError
-from powerlib.errors import UntrustedStateError
-from powerlib.journal import (
+from powerlib.control import (
     Change,
     DeviceLock,
     JournalEntry,
@@ -24,6 +23,8 @@ from powerlib.journal import (
     device_key,
     iter_entries,
 )
+from powerlib.control.journal import journal_path, read_journal, write_journal
+from powerlib.errors import UntrustedStateError
 
 
 def _entry(owner: Owner | None = None, device_id: str = "GPU-1234") -> JournalEntry:
@@ -40,12 +41,12 @@ def _entry(owner: Owner | None = None, device_id: str = "GPU-1234") -> JournalEn
 
 def test_journal_is_written_atomically_and_privately(tmp_path: Path) -> None:
     state = StateDir(tmp_path / "state").prepare()
-    path = state.write_journal(_entry())
+    path = write_journal(state, _entry())
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     for folder in (state.root, state.journal_dir, state.lock_dir):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert [p.name for p in state.journal_dir.iterdir()] == [path.name]  # no temporary left
-    again = state.read_journal(path)
+    again = read_journal(state, path)
     assert again == _entry(owner=again.owner) and again.owner.pid == os.getpid()
 
 
@@ -77,7 +78,7 @@ def test_corrupted_or_truncated_journals_are_reported_and_left(
     path = state.journal_dir / "bad.json"
     path.write_bytes(content)
     with pytest.raises(JournalError, match="bad.json"):
-        state.read_journal(path)
+        read_journal(state, path)
     [(found, error)] = list(iter_entries(state))
     assert found == path and isinstance(error, JournalError)
     assert path.read_bytes() == content
@@ -90,7 +91,7 @@ def test_symlinks_are_not_followed(tmp_path: Path) -> None:
     link = state.journal_dir / "link.json"
     link.symlink_to(target)
     with pytest.raises(UntrustedStateError, match="link.json .*mode 0777 lrwx.*it is a symlink"):
-        state.read_journal(link)
+        read_journal(state, link)
     real = tmp_path / "real"
     real.mkdir()
     (tmp_path / "linked-state").symlink_to(real)
@@ -132,7 +133,7 @@ def test_lock_is_exclusive_within_and_across_processes(tmp_path: Path) -> None:
         DeviceLock(state, "k").acquire(Owner.current())
     assert not DeviceLock.is_free(state, "k")
     code = (
-        "import sys; from pathlib import Path; from powerlib.journal import *\n"
+        "import sys; from pathlib import Path; from powerlib.control import StateDir, DeviceLock, Owner\n"
         f"s = StateDir(Path({str(tmp_path)!r}))\n"
         "try:\n    DeviceLock(s, 'k').acquire(Owner.current())\nexcept Exception as e:\n    print(e); sys.exit(3)\n"
     )
@@ -151,20 +152,20 @@ def test_every_field_survives_the_round_trip(tmp_path: Path) -> None:
     assert entry.change("power_limit") == Change(
         item="power_limit", original=350.0, target=190.0, previous_target=250.0
     )
-    assert state.read_journal(state.write_journal(entry)) == entry
+    assert read_journal(state, write_journal(state, entry)) == entry
 
 
 def test_a_refusal_names_path_owner_with_user_name_and_mode(tmp_path: Path) -> None:
     state = StateDir(tmp_path / "state").prepare()
-    path = state.write_journal(_entry())
+    path = write_journal(state, _entry())
     os.chown(path, 65534, 65534)  # "nobody" in every passwd this runs on
     user = pwd.getpwuid(65534).pw_name
     with pytest.raises(UntrustedStateError) as info:
-        state.read_journal(path)
+        read_journal(state, path)
     line = str(info.value)
     assert "\n" not in line and str(path) in line
     assert f"owner uid 65534 ({user})" in line and "mode 0600 -rw-------" in line
-    assert StateDir(state.root, trusted_uids=[65534]).read_journal(path).device_id == "GPU-1234"
+    assert read_journal(StateDir(state.root, trusted_uids=[65534]), path).device_id == "GPU-1234"
 
 
 def test_the_journal_checked_is_the_journal_read(
@@ -172,16 +173,16 @@ def test_the_journal_checked_is_the_journal_read(
 ) -> None:
     """Owner and mode come from fstat on the opened descriptor, not from a path lookup."""
     state = StateDir(tmp_path / "state").prepare()
-    path = state.write_journal(_entry())
+    path = write_journal(state, _entry())
     trusted_looking = os.lstat(path)
     path.chmod(0o666)
     real_lstat = os.lstat
     monkeypatch.setattr(  # a racing swap: the path lookup sees a good file, the open another
-        "powerlib.journal.os.lstat",
+        "powerlib.control.journal.os.lstat",
         lambda p, *a, **k: trusted_looking if Path(p) == path else real_lstat(p, *a, **k),
     )
     with pytest.raises(UntrustedStateError, match="mode 0666"):
-        state.read_journal(path)
+        read_journal(state, path)
 
 
 @pytest.mark.parametrize(
@@ -200,7 +201,7 @@ def test_hostile_journals_are_one_line_errors_not_crashes(
     path = state.journal_dir / "simulated--GPU-1234.json"
     path.write_bytes(content)
     with pytest.raises(JournalError, match=reason) as info:
-        state.read_journal(path)
+        read_journal(state, path)
     assert "\n" not in str(info.value) and "left in place" in str(info.value)
     assert "POWERLIB_MAX_INPUT_BYTES" not in str(info.value)  # the journal cap is fixed
 
@@ -235,11 +236,11 @@ def test_a_planted_link_at_a_temporary_name_is_never_written_through(tmp_path: P
     victim = tmp_path / "victim"
     victim.write_text("precious")
     entry = _entry()
-    final = state.journal_path(entry.key)
+    final = journal_path(state, entry.key)
     os.link(victim, final.with_name(f".{final.name}.{os.getpid()}.tmp"))
     lock = DeviceLock(state, "k")
     os.link(victim, lock.owner_path.with_name(f".{lock.owner_path.name}.{os.getpid()}.tmp"))
-    assert state.read_journal(state.write_journal(entry)) == entry
+    assert read_journal(state, write_journal(state, entry)) == entry
     lock.acquire(Owner.current())
     lock.release()
     assert victim.read_text() == "precious"

@@ -21,9 +21,17 @@ import pytest
 
 from powerlib import DeviceBusyError, PermissionDeniedError, Settings
 from powerlib.backends.simulated import SimulatedBackend, VirtualClock
-from powerlib.control import ControlSession
-from powerlib.guardian import CLEAN_CLOSE, wait_for_owner_exit
-from powerlib.journal import UNKNOWN_LOCK, DeviceLock, JournalEntry, Owner, StateDir, device_key
+from powerlib.control import (
+    UNKNOWN_LOCK,
+    ControlSession,
+    DeviceLock,
+    JournalEntry,
+    Owner,
+    StateDir,
+    device_key,
+)
+from powerlib.control.guardian import CLEAN_CLOSE, wait_for_owner_exit
+from powerlib.control.journal import list_journals
 
 pynvml = pytest.importorskip("pynvml")
 
@@ -53,7 +61,7 @@ def nvidia(settings: Settings, fake: FakeNvml) -> NvidiaBackend:
 
 
 def _journals(settings: Settings) -> list[Path]:
-    return StateDir(settings.state_dir).journals()
+    return list_journals(StateDir(settings.state_dir))
 
 
 def _is_free(backend: object, settings: Settings, index: int = 0) -> bool:
@@ -267,7 +275,7 @@ def _guardians() -> dict[int, psutil.Process]:
     found = {}
     for p in psutil.Process().children():
         try:
-            if "powerlib.guardian" in " ".join(p.cmdline()) and p.status() != "zombie":
+            if "powerlib.control.guardian" in " ".join(p.cmdline()) and p.status() != "zombie":
                 found[p.pid] = p
         except psutil.NoSuchProcess:
             pass

@@ -33,8 +33,16 @@ from powerlib.agent.node import make_user_state_dir
 from powerlib.backends.simulated import SimulatedBackend
 from powerlib.cli import cli
 from powerlib.config import Settings
-from powerlib.journal import Change, DeviceLock, JournalEntry, Owner, StateDir, device_key
-from powerlib.restore import restore_for_user
+from powerlib.control import (
+    Change,
+    DeviceLock,
+    JournalEntry,
+    Owner,
+    StateDir,
+    device_key,
+    restore_for_user,
+)
+from powerlib.control.journal import write_journal
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="attacks as other uids need root")
 
@@ -131,7 +139,7 @@ def _plant_journal(folder: Path, device_id: str, original_w: float, clocks: list
                 Change(item="power_limit", original=original_w, target=original_w),
             ),
         )
-        return str(StateDir(folder).prepare().write_journal(entry))
+        return str(write_journal(StateDir(folder).prepare(), entry))
 
     return Path(_as(USER, write))
 
@@ -382,7 +390,7 @@ def test_an_item_the_device_cannot_reset_is_skipped_never_a_failure(node: Path) 
                 Change(item="sm_clocks", original=[1005.0, 1005.0]),
             ),
         )
-        return str(StateDir(folder).prepare().write_journal(entry))
+        return str(write_journal(StateDir(folder).prepare(), entry))
 
     journal = Path(_as(USER, write))
     with _backend(node) as backend:

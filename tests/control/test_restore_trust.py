@@ -33,8 +33,9 @@ from click.testing import CliRunner, Result
 from powerlib.backends.simulated import SimulatedBackend, SimulatedDevice
 from powerlib.cli import cli
 from powerlib.config import Settings
+from powerlib.control import Change, DeviceLock, JournalEntry, Owner, StateDir, device_key
+from powerlib.control.journal import write_journal
 from powerlib.errors import PermissionDeniedError, UntrustedStateError
-from powerlib.journal import Change, DeviceLock, JournalEntry, Owner, StateDir, device_key
 from powerlib.registry import open_backend
 
 OTHER_UID = 12345
@@ -79,7 +80,7 @@ def _crashed_session(state_dir: Path) -> Path:
     """What a SIGKILLed session leaves: device 0 modified, its journal naming a dead owner."""
     with _backend(state_dir) as backend:
         dev = backend.device(0)
-        path = StateDir(state_dir).prepare().write_journal(_entry(dev.device_id))
+        path = write_journal(StateDir(state_dir).prepare(), _entry(dev.device_id))
         dev.lock_sm_clocks(900)
         dev.set_power_limit(175)
     assert _device_state(state_dir) == MODIFIED
@@ -456,7 +457,7 @@ def test_a_recorded_sysfs_root_never_redirects_the_restore(tmp_path: Path) -> No
         created_s=1.0,
         changes=(Change(item="power_limit", original=100.0, target=90.0),),
     )
-    journal = StateDir(state).prepare().write_journal(entry)
+    journal = write_journal(StateDir(state).prepare(), entry)
     result = _restore(state, env={"POWERLIB_SYSFS_ROOT": str(trees["invoking"])})
     assert result.exit_code == 12
     line = _one_error_line(result)
@@ -600,7 +601,7 @@ def test_a_driver_that_refuses_exits_with_its_code_and_lists_what_is_still_modif
         created_s=1.0,
         changes=(Change(item="power_limit", original=400.0, target=250.0),),
     )
-    journal = StateDir(state).prepare().write_journal(entry)
+    journal = write_journal(StateDir(state).prepare(), entry)
     fake.fail("nvmlDeviceSetPowerManagementLimit", fake.NVML_ERROR_NO_PERMISSION)
     result = _restore(state, "--json")
     assert result.exit_code == 4, result.output
@@ -642,7 +643,7 @@ def test_a_lock_that_cannot_be_taken_is_a_failure_not_a_skip(
     def refuse(self: object, owner: Owner) -> None:
         raise PermissionDeniedError("cannot open the lock file (Read-only file system)")
 
-    monkeypatch.setattr("powerlib.journal.DeviceLock.acquire", refuse)
+    monkeypatch.setattr("powerlib.control.locks.DeviceLock.acquire", refuse)
     result = _restore(state, "--json")
     assert result.exit_code == 4 and "lock cannot be taken" in _one_error_line(result)
     assert json.loads(result.stdout)["ok"] is False

@@ -482,7 +482,7 @@ def test_h100_params_run(llama_tp8: PartitionWorkload) -> None:
 
 
 def test_parameters_shared_with_the_simulated_backend_agree() -> None:
-    """Both simulators read powerlib.gpu_models: the shared numbers agree."""
+    """Both simulators read powerlib.gpu_specs: the shared numbers agree."""
     from powerlib.backends.simulated import GPU_MODELS
     from powerlib.emulator.partition_model import H100
 

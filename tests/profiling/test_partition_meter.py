@@ -6,8 +6,9 @@ import pytest
 
 from powerlib.backends.simulated import SimulatedBackend, VirtualClock, WorkUnit
 from powerlib.config import Settings
+from powerlib.control import StateDir
+from powerlib.control.journal import list_journals
 from powerlib.errors import InvalidArgumentError, NotSupportedError
-from powerlib.journal import StateDir
 from powerlib.planning.kareus.evaluator import Evaluator, MeasureProtocol
 from powerlib.planning.kareus.partition import (
     MODEL_SHAPES,
@@ -132,14 +133,14 @@ def test_a_journaled_device_is_journaled_while_measured_and_clean_afterwards(
 
     class Journaling(Runner):
         def __call__(self, ptype, config) -> None:
-            journals.append(len(state.journals()))
+            journals.append(len(list_journals(state)))
             super().__call__(ptype, config)
 
     run = Journaling(backend, fail_after=2)
     with pytest.raises(RuntimeError), _evaluator(backend, run) as ev:
         ev.evaluate(ptype, Config(freq_mhz=900.0, sm_count=3, slot=None))
     assert journals and set(journals) == {1}  # the original was on disk before the change
-    assert state.journals() == []
+    assert list_journals(state) == []
     assert backend.devices()[0].read_state().locked_sm_freqs_mhz is None
 
 

@@ -15,7 +15,7 @@ import pytest
 from multiproc import collapse, launch_ranks
 
 from powerlib.config import Settings
-from powerlib.journal import StateDir
+from powerlib.control import StateDir
 from powerlib.planning.profile import Profile
 from powerlib.registry import open_backend
 

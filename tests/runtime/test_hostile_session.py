@@ -26,8 +26,9 @@ from runtime_helpers import FREQS, emulated_sessions, make_emulator, toy_profile
 
 from powerlib.cli import cli
 from powerlib.config import Settings
+from powerlib.control import StateDir
+from powerlib.control.journal import list_journals
 from powerlib.errors import DeviceBusyError, InvalidArgumentError, PlanError
-from powerlib.journal import StateDir
 from powerlib.planning.choice import Policy, objection
 from powerlib.planning.pipeline import build_schedule
 from powerlib.planning.plan import PLAN_SCHEMA
@@ -187,7 +188,7 @@ def test_apply_mismatch_on_the_simulated_backend_changes_nothing(tmp_path: Path)
         after = backend.device(0).read_state()
     assert after.locked_sm_freqs_mhz == before.locked_sm_freqs_mhz is None
     assert after.power_limit_w == before.power_limit_w
-    assert list(StateDir(tmp_path / "state").journals()) == []
+    assert list(list_journals(StateDir(tmp_path / "state"))) == []
     assert not (tmp_path / "out").exists()
 
 
@@ -315,7 +316,7 @@ def test_a_session_on_a_device_another_process_holds_is_refused_naming_it(tmp_pa
     finally:
         holder.communicate("\n", timeout=30)
     assert holder.returncode == 0
-    assert list(StateDir(Path(os.environ["POWERLIB_STATE_DIR"])).journals()) == []
+    assert list(list_journals(StateDir(Path(os.environ["POWERLIB_STATE_DIR"])))) == []
 
 
 # -- 3. profiles too coarse to plan from, plans that would not pay ---------------------------------
@@ -542,7 +543,7 @@ def test_ddp_example_with_a_coarse_counter_warns_once_and_applies_nothing(tmp_pa
         after = [d.read_state() for d in backend.devices()]
     for b, a in zip(before, after):
         assert a.locked_sm_freqs_mhz == b.locked_sm_freqs_mhz and a.power_limit_w == b.power_limit_w
-    assert list(StateDir(state).journals()) == []
+    assert list(list_journals(StateDir(state))) == []
 
 
 # -- the counter-resolution estimate ---------------------------------------------------------------

@@ -38,9 +38,9 @@ from click.testing import CliRunner, Result
 from powerlib.backends.simulated import SimulatedBackend
 from powerlib.cli import cli
 from powerlib.config import Settings
-from powerlib.control import ControlSession
+from powerlib.control import ControlSession, DeviceLock, StateDir, device_key
+from powerlib.control.journal import list_journals
 from powerlib.errors import DeviceBusyError
-from powerlib.journal import DeviceLock, StateDir, device_key
 from powerlib.registry import open_backend
 from powerlib.testing.sysfs import make_cpufreq_tree, make_powercap_tree
 
@@ -123,7 +123,7 @@ class Rig:
         return snap
 
     def journals(self) -> list[Path]:
-        return StateDir(self.state_dir).journals()
+        return list_journals(StateDir(self.state_dir))
 
     def locks_free(self) -> bool:
         state = StateDir(self.state_dir)
@@ -253,7 +253,7 @@ def _guardian_of(child: Child) -> psutil.Process:
     found = [
         p
         for p in psutil.Process(child.pid).children()
-        if "powerlib.guardian" in " ".join(p.cmdline())
+        if "powerlib.control.guardian" in " ".join(p.cmdline())
     ]
     assert len(found) == 1, f"expected one guardian under pid {child.pid}, found {found}"
     return found[0]

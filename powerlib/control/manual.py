@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from powerlib.control import ensure_not_controlled
+from powerlib.control.session import ensure_not_controlled
 from powerlib.device import Backend, Device, PowerState
 from powerlib.errors import NotSupportedError, PowerlibError
 from powerlib.inspection import select_devices

@@ -25,7 +25,7 @@ Restores compare before they write (the GROMACS rule): a power limit that someon
 after powerlib set it is left alone and reported. Restores continue past failures and report each
 one; a journal whose restore failed stays in place for a later ``powerlib restore``. How a device
 is put back, and how the journals a dead session left are read and trusted, is
-:mod:`powerlib.restore`; its names are importable from here too.
+:mod:`powerlib.control.restore`.
 
 During training, :meth:`ControlSession.apply_sm_clocks` never raises on a driver error (a
 transient one included, once the device's own bounded retries are spent): it resets the device's
@@ -35,20 +35,35 @@ later requests for that device, so the job keeps running (docs/real-gpu.md §2).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import signal
 import subprocess
-import sys
 import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any, TypeVar
 
-from powerlib.config import Settings
+from powerlib.control import exits, guardian
+from powerlib.control.journal import (
+    UNKNOWN_LOCK,
+    Change,
+    JournalEntry,
+    JournalError,
+    has_journal,
+    journal_path,
+    now_s,
+    read_journal,
+    remove_journal,
+    write_journal,
+)
+from powerlib.control.locks import DeviceLock
+from powerlib.control.restore import (
+    RestoreOutcome,
+    restore_and_discard,
+)
+from powerlib.control.state import Owner, StateDir, device_key
 from powerlib.device import Backend, Device
 from powerlib.errors import (
     DeviceBusyError,
@@ -58,33 +73,8 @@ from powerlib.errors import (
     PermissionDeniedError,
     PowerlibError,
 )
-from powerlib.journal import (
-    UNKNOWN_LOCK,
-    Change,
-    DeviceLock,
-    JournalEntry,
-    JournalError,
-    Owner,
-    StateDir,
-    device_key,
-    now_s,
-)
-from powerlib.restore import (
-    RestoreOutcome,
-    restore_and_discard,
-    restore_device,
-    restore_failure,
-    restore_journals,
-)
 
-__all__ = [
-    "ensure_not_controlled",
-    "ControlSession",
-    "RestoreOutcome",
-    "restore_device",
-    "restore_failure",
-    "restore_journals",
-]
+__all__ = ["ControlSession", "ensure_not_controlled"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,11 +83,6 @@ T = TypeVar("T")
 _REFUSALS = (PermissionDeniedError, NotSupportedError, InvalidArgumentError)
 _POWER_TOLERANCE_W = 1.0  # as restore's: a limit within a watt of the default is the default
 _CLOCK_TOLERANCE_MHZ = 0.5
-_GUARDIAN_EXIT_WAIT_S = 2.0  # a cleanly closed guardian exits in milliseconds once started
-
-_HANDLED_SIGNALS = tuple(
-    s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None
-)
 
 
 def _backend_settings(backend: Backend) -> dict[str, Any]:
@@ -110,59 +95,6 @@ class _Controlled:
     device: Device
     lock: DeviceLock | None
     entry: JournalEntry
-
-
-# -- process-wide safety nets ---------------------------------------------------------------------
-
-_ACTIVE: list[ControlSession] = []
-_ACTIVE_GUARD = threading.RLock()
-_PREVIOUS_HANDLERS: dict[int, Any] = {}
-_ATEXIT_REGISTERED = False
-
-
-def _restore_all(reason: str) -> None:
-    with _ACTIVE_GUARD:
-        sessions = list(_ACTIVE)
-    for session in reversed(sessions):
-        logger.info("restoring devices: %s", reason)
-        session.close()
-
-
-def _on_signal(signum: int, frame: FrameType | None) -> None:
-    previous = _PREVIOUS_HANDLERS.get(signum, signal.SIG_DFL)  # read first: closing unregisters
-    _restore_all(f"signal {signal.Signals(signum).name}")
-    if callable(previous):
-        previous(signum, frame)  # the host program's handler decides what happens next
-        return
-    raise SystemExit(128 + signum)  # the default action terminates; let finally blocks run
-
-
-def _register_atexit() -> None:
-    global _ATEXIT_REGISTERED
-    if not _ATEXIT_REGISTERED:
-        atexit.register(_restore_all, "interpreter exit")
-        _ATEXIT_REGISTERED = True
-
-
-def _install_signal_handlers() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        logger.debug("not in the main thread: signal handlers not installed (atexit still is)")
-        return
-    for signum in _HANDLED_SIGNALS:
-        current = signal.getsignal(signum)
-        if current is _on_signal or current is signal.SIG_IGN:
-            continue  # already ours, or the host ignores it: then so do we
-        _PREVIOUS_HANDLERS[signum] = current
-        signal.signal(signum, _on_signal)
-
-
-def _remove_signal_handlers() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for signum, previous in list(_PREVIOUS_HANDLERS.items()):
-        if signal.getsignal(signum) is _on_signal:
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        del _PREVIOUS_HANDLERS[signum]
 
 
 class ControlSession:
@@ -240,27 +172,20 @@ class ControlSession:
         if self._is_open:
             return self
         self._ensure_guardian(logging.DEBUG)  # by default, a state dir that is unusable now
-        with _ACTIVE_GUARD:  # refuses the first change instead, where the guardian is retried
-            _ACTIVE.append(self)
-            _register_atexit()
-            if self._handle_signals:
-                _install_signal_handlers()
+        # an unusable state dir refuses the first change instead, where the guardian is retried
+        exits.register(self, handle_signals=self._handle_signals)
         self._is_open = True
         return self
 
     def close(self) -> list[RestoreOutcome]:
         """Restore every device and release the locks. Idempotent; never raises."""
         outcomes = self.restore()
-        with _ACTIVE_GUARD:
-            if self in _ACTIVE:
-                _ACTIVE.remove(self)
-            if not _ACTIVE:
-                _remove_signal_handlers()
+        exits.unregister(self)
         if self._guardian is not None:
             # Only a restore that fully succeeded is a clean close: otherwise the guardian
             # keeps its one retry of the journals left behind.
             restored = all(o.ok for o in outcomes)
-            _stop_guardian(self._guardian, clean=restored and os.getpid() == self._owner.pid)
+            guardian.stop(self._guardian, clean=restored and os.getpid() == self._owner.pid)
             self._guardian = None
         self._is_open = False
         return outcomes
@@ -382,7 +307,7 @@ class ControlSession:
         with self._guard:
             for device_id in reversed(list(self._controlled)):
                 ctl = self._controlled.pop(device_id)
-                journal = None if ctl.lock is None else self._state.journal_path(ctl.entry.key)
+                journal = None if ctl.lock is None else journal_path(self._state, ctl.entry.key)
                 results = restore_and_discard(ctl.device, ctl.entry.changes, self._state, journal)
                 outcomes.extend(results)
                 if not all(r.ok for r in results):
@@ -439,7 +364,7 @@ class ControlSession:
                 original = existing.original if existing is not None else self._capture(dev, item)
                 entry = ctl.entry.with_change(Change(item=item, original=original, target=target))
                 if ctl.lock is not None:
-                    self._state.write_journal(entry)
+                    write_journal(self._state, entry)
             except BaseException:
                 if not ctl.entry.changes:
                     self._forget(ctl)  # refused at claim: the device is not ours after all
@@ -467,7 +392,7 @@ class ControlSession:
                 return
             if ctl.lock is not None:
                 try:
-                    self._state.write_journal(entry)
+                    write_journal(self._state, entry)
                 except PowerlibError as err:  # the old journal still restores a superset
                     logger.debug("%s: journal not rewritten: %s", dev.device_id, err)
                     return
@@ -477,7 +402,7 @@ class ControlSession:
         """Drop a device this session has not changed: delete its journal, release its lock."""
         self._controlled.pop(ctl.device.device_id, None)
         if ctl.lock is not None:
-            self._state.remove_journal(self._state.journal_path(ctl.entry.key))
+            remove_journal(self._state, journal_path(self._state, ctl.entry.key))
             ctl.lock.release()
 
     def _ensure_guardian(self, level: int) -> None:
@@ -490,7 +415,7 @@ class ControlSession:
             return
         try:
             self._state.prepare()
-            self._guardian = _start_guardian(self.settings, self._owner)
+            self._guardian = guardian.start(self.settings, self._owner)
         except (PowerlibError, OSError) as err:
             if self._guardian_forced:
                 raise
@@ -523,10 +448,10 @@ class ControlSession:
 
     def _recover(self, dev: Device, key: str) -> None:
         """Restore a journal a dead owner left for this device (we hold its lock now)."""
-        if not self._state.has_journal(key):
+        if not has_journal(self._state, key):
             return
-        path = self._state.journal_path(key)
-        entry = self._state.read_journal(path)  # JournalError: refuse to guess the original state
+        path = journal_path(self._state, key)
+        entry = read_journal(self._state, path)  # JournalError: refuse to guess the original state
         logger.warning(
             "%s: restoring what pid %d left behind (journal %s)",
             dev.device_id,
@@ -632,61 +557,6 @@ def _reads_as_original(dev: Device, change: Change) -> bool:
         logger.debug("%s: cannot read %s back: %s", dev.device_id, change.item, err)
         return False
     return True  # memory clock locks cannot be read back
-
-
-def _start_guardian(settings: Settings, owner: Owner) -> subprocess.Popen[bytes]:
-    """Start ``python -m powerlib.guardian`` in its own session, holding a pipe from us."""
-    env = dict(os.environ, POWERLIB_STATE_DIR=str(settings.state_dir))
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "powerlib.guardian",
-            "--owner-pid",
-            str(owner.pid),
-            "--owner-start-time",
-            repr(owner.start_time_s),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,  # survives a Ctrl-C or kill of our process group
-        close_fds=True,
-        cwd="/",  # `-m` puts the cwd first on sys.path: never let a job's folder shadow powerlib
-        env=env,
-    )
-
-
-def _stop_guardian(proc: subprocess.Popen[bytes], *, clean: bool) -> None:
-    """Tell the guardian we finished cleanly and close its pipe; reap it off this thread.
-
-    ``clean`` is False in a forked child of the owner that closes a copy of the session: the
-    guardian must keep watching the owner itself. The guardian exits at once on a clean close,
-    so close() waits for it (at most ``_GUARDIAN_EXIT_WAIT_S``: it may still be starting, about
-    0.1 s); one that takes longer is reaped by a daemon thread, so close() never hangs.
-    """
-    from powerlib.guardian import CLEAN_CLOSE  # here: `python -m powerlib.guardian` imports us
-
-    try:
-        if proc.stdin is not None:
-            if clean:
-                proc.stdin.write(CLEAN_CLOSE)
-            proc.stdin.close()
-    except OSError:
-        pass  # it has exited already
-    try:
-        proc.wait(timeout=_GUARDIAN_EXIT_WAIT_S if clean else 0.0)
-    except subprocess.TimeoutExpired:
-        threading.Thread(
-            target=_reap, args=(proc,), name="powerlib-guardian-reaper", daemon=True
-        ).start()
-
-
-def _reap(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def ensure_not_controlled(backend: Backend, dev: Device) -> None:
