@@ -114,44 +114,164 @@ def test_backends_and_core_keep_their_layers() -> None:
             )
 
 
-# The design's layering: what each layer may not import (lazy imports inside functions count).
-LAYER_RULES = {
-    "powerlib/planning": ("powerlib.runtime", "powerlib.profiling", "powerlib.control"),
-    "powerlib/runtime": ("powerlib.emulator",),
-    "backends": ("powerlib.planning",),
-}
+# The design's layering (docs/architecture.md §1): what each part may not import. Lazy imports
+# inside functions and imports under TYPE_CHECKING count: a cycle of types is still a cycle.
+_APPS = ("powerlib.cli", "powerlib.integrations", "powerlib.kareus")
+_FOUNDATION = (
+    "powerlib/errors.py", "powerlib/config.py", "powerlib/units.py", "powerlib/inputs.py",
+    "powerlib/progress.py", "powerlib/gpu_specs.py",
+)  # fmt: skip
+_HAL = (
+    "powerlib/device.py",
+    "powerlib/registry.py",
+    "powerlib/inspection.py",
+    "powerlib/privilege.py",
+)
+_ABOVE_HAL = (
+    "powerlib.control", "powerlib.runtime", "powerlib.planning", "powerlib.measurement",
+    "powerlib.profiling", "powerlib.emulator", "powerlib.agent", *_APPS,
+)  # fmt: skip
+LAYER_RULES: dict[str, tuple[str, ...]] = {
+    **{leaf: ("powerlib.device", "powerlib.registry", *_ABOVE_HAL) for leaf in _FOUNDATION},
+    **{hal: _ABOVE_HAL for hal in _HAL},
+    "powerlib/control": (
+        "powerlib.runtime", "powerlib.planning", "powerlib.measurement", "powerlib.profiling",
+        "powerlib.emulator", "powerlib.agent", *_APPS,
+    ),
+    "powerlib/planning": (
+        "powerlib.runtime", "powerlib.profiling", "powerlib.control", "powerlib.measurement",
+        "powerlib.emulator", "powerlib.agent", "powerlib.registry", *_APPS,
+    ),
+    "powerlib/measurement": ("powerlib.emulator", "powerlib.agent", *_APPS),
+    "powerlib/profiling": ("powerlib.runtime", "powerlib.emulator", "powerlib.agent", *_APPS),
+    "powerlib/runtime": ("powerlib.emulator", "powerlib.agent", *_APPS),
+    "powerlib/emulator": ("powerlib.agent", *_APPS),
+    "powerlib/agent": (
+        "powerlib.runtime", "powerlib.planning", "powerlib.measurement", "powerlib.profiling",
+        "powerlib.emulator", *_APPS,
+    ),
+    "powerlib/testing": ("powerlib.runtime", "powerlib.planning", *_APPS),
+    "powerlib/kareus": ("powerlib.cli", "powerlib.integrations", "powerlib.agent"),
+    "backends": ("powerlib.planning", "powerlib.runtime", "powerlib.measurement", *_APPS),
+    "integrations": ("powerlib.cli", "powerlib.kareus", "powerlib.emulator"),
+}  # fmt: skip
 
 
 def layer_violations(root: Path = ROOT) -> list[str]:
     """Every ``file imports name`` that breaks :data:`LAYER_RULES`."""
     found = []
-    for folder, forbidden in LAYER_RULES.items():
-        for path in sorted((root / folder).rglob("*.py")):
+    for part, forbidden in LAYER_RULES.items():
+        where = root / part
+        paths = [where] if where.suffix == ".py" else sorted(where.rglob("*.py"))
+        for path in paths:
+            if not path.exists():
+                continue
             for name in sorted(_all_imports(path)):
                 if any(name == f or name.startswith(f + ".") for f in forbidden):
                     found.append(f"{path.relative_to(root)} imports {name}")
     return found
 
 
-def test_planning_runtime_and_backends_keep_the_design_layers() -> None:
-    """Planning is pure (no runtime, profiling or control); runtime never imports the emulator
-    (the emulator drives the runtime, not the reverse); backends know nothing of planning."""
+def test_every_part_keeps_the_design_layers() -> None:
+    """Foundation < HAL < control < planning/measurement < runtime < apps (docs/architecture.md
+    §1): the control plane imports no runtime, planning or measurement; planning is pure;
+    nothing imports the CLI or an integration; the core never imports Kareus."""
     assert layer_violations() == []
+
+
+def _importers_of(prefix: str, *, allowed: tuple[str, ...]) -> list[str]:
+    found = []
+    for folder in ("powerlib", "backends", "integrations"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith(allowed):
+                continue
+            found += [
+                f"{rel} imports {n}"
+                for n in _all_imports(path)
+                if n == prefix or n.startswith(prefix + ".")
+            ]
+    return found
+
+
+def test_nobody_imports_the_cli() -> None:
+    assert _importers_of("powerlib.cli", allowed=("powerlib/cli/", "powerlib/__main__.py")) == []
+
+
+def test_the_core_never_imports_kareus() -> None:
+    """Kareus is one optional package that registers itself with the session (docs/kareus.md);
+    only it and the CLI's `kareus` command import it."""
+    assert _importers_of("powerlib.kareus", allowed=("powerlib/kareus/", "powerlib/cli/")) == []
 
 
 def test_the_layer_check_sees_lazy_imports(tmp_path: Path) -> None:
     (tmp_path / "powerlib" / "planning").mkdir(parents=True)
-    (tmp_path / "powerlib" / "runtime").mkdir(parents=True)
+    (tmp_path / "powerlib" / "control").mkdir(parents=True)
     (tmp_path / "backends").mkdir()
     (tmp_path / "powerlib" / "planning" / "bad.py").write_text(
         "def f():\n    from powerlib.runtime.session import Session\n"
     )
-    (tmp_path / "powerlib" / "runtime" / "ok.py").write_text("import powerlib.emulatorx\n")
+    (tmp_path / "powerlib" / "control" / "ok.py").write_text("import powerlib.runtimex\n")
+    (tmp_path / "powerlib" / "control" / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from powerlib.measurement import measure\n"
+    )
+    (tmp_path / "powerlib" / "errors.py").write_text("from powerlib.device import Device\n")
     (tmp_path / "backends" / "bad.py").write_text("import powerlib.planning.plan\n")
     assert layer_violations(tmp_path) == [
+        "powerlib/errors.py imports powerlib.device",
+        "powerlib/control/typed.py imports powerlib.measurement",
         "powerlib/planning/bad.py imports powerlib.runtime.session",
         "backends/bad.py imports powerlib.planning.plan",
     ]
+
+
+_LAYOUT_DOC = ROOT / "docs" / "architecture.md"
+
+
+def layout_listing(text: str) -> set[str]:
+    """The module paths the ``## Layout`` tree of docs/architecture.md names.
+
+    One entry per line: two spaces of indent per level, then a name (``folder/``, ``module.py``
+    or several modules separated by ``, ``), then two or more spaces and what it holds.
+    """
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    listed: set[str] = set()
+    stack: list[str] = []
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        head = line.strip().split("  ", 1)[0]
+        del stack[depth:]
+        for name in (n.strip() for n in head.split(",")):
+            if name.endswith("/"):
+                stack.append(name)
+            elif name.endswith((".py", ".cpp")):
+                listed.add("".join(stack) + name)
+    return listed
+
+
+def test_the_layout_names_every_module() -> None:
+    """docs/architecture.md's layout (the README links it) is the map: every module under
+    powerlib/, backends/ and integrations/ is named there, and nothing that is gone."""
+    on_disk = {
+        p.relative_to(ROOT).as_posix()
+        for folder in ("powerlib", "backends", "integrations")
+        for p in (ROOT / folder).rglob("*")
+        if p.suffix in (".py", ".cpp") and "__pycache__" not in p.parts
+    }
+    listed = layout_listing(_LAYOUT_DOC.read_text())
+    assert sorted(on_disk - listed) == [], "modules the layout does not name"
+    assert sorted(listed - on_disk) == [], "the layout names modules that do not exist"
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/architecture.md" in readme
+
+
+def test_the_layout_parser_reads_nesting() -> None:
+    text = "## Layout\n```\npowerlib/   core\n  a.py, b.py   two\n  sub/   x\n    c.py  y\n  d.py  z\nbackends/\n  e.py  w\n```\n"
+    assert layout_listing(text) == {
+        "powerlib/a.py", "powerlib/b.py", "powerlib/sub/c.py", "powerlib/d.py", "backends/e.py",
+    }  # fmt: skip
 
 
 def test_version_has_one_source() -> None:

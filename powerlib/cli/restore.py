@@ -6,16 +6,16 @@ One call to :func:`powerlib.control.restore_journals`; this module only formats 
 from __future__ import annotations
 
 import os
+import pwd
 from pathlib import Path
 
 import click
 
 from powerlib.cli.options import Options, emit_json, settings_for
 from powerlib.config import NODE_STATE_DIR, Settings, user_state_dirs
-from powerlib.control import restore_failure, restore_journals, RestoreOutcome
+from powerlib.control import RestoreOutcome, restore_failure, restore_for_user, restore_journals
 from powerlib.errors import ConfigError, PowerlibError
 from powerlib.inspection import SCHEMA_VERSION
-from powerlib.control import restore_for_user
 
 __all__ = ["restore"]
 
@@ -24,8 +24,6 @@ def _trust_owner_uids(
     ctx: click.Context, param: click.Parameter, values: tuple[str, ...] | str | None
 ) -> tuple[int, ...]:
     """``--for-user`` / ``--trust-owner`` values (uids or user names) as uids."""
-    import pwd
-
     if values is None:
         return ()
     uids = []

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from powerlib.config import Settings
+from powerlib.control import reset_devices, set_device
 from powerlib.errors import PlanError, PowerlibError
 from powerlib.inspection import env_report, state_json, status_json, watch_samples
-from powerlib.control import reset_devices, set_device
 from powerlib.planning.choice import Policy
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.workflow import plan_from_profile, write_outputs
