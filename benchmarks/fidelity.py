@@ -58,7 +58,7 @@ def _hook_timer() -> dict[str, float]:
     ``start_iteration`` is left out: it is where rank 0 plans once, at the end of the sweep
     (reported by the planner as ``solve_time_s``), not a per-instruction cost.
     """
-    from powerlib.runtime import profile_phase  # noqa: PLC0415
+    from powerlib.runtime import profile_phase
 
     _SPENT["s"], _SPENT["calls"] = 0.0, 0
     cls = profile_phase.ProfilePhase
@@ -81,8 +81,8 @@ def _hook_timer() -> dict[str, float]:
 
 
 def _row_errors(out_dir: Path) -> dict[str, float]:
-    from powerlib.emulator.demo import default_profile  # noqa: PLC0415
-    from powerlib.planning.profile import Profile  # noqa: PLC0415
+    from powerlib.emulator.demo import default_profile
+    from powerlib.planning.profile import Profile
 
     truth = {(r.stage, r.instruction, r.freq_mhz): r for r in default_profile().rows}
     got = Profile.read(out_dir / "profile.csv")
@@ -108,18 +108,18 @@ def _oracle(model: Any, policy: str, straggler: float | None, seed: int) -> dict
     the noise costs, whoever plans.
     """
     from powerlib.emulator.demo import DEFAULT_P_BLOCK_W, default_profile, simulate_plan  # noqa
-    from powerlib.planning.choice import Policy, choose  # noqa: PLC0415
-    from powerlib.planning.perseus.frontier import Wanted, compute_frontier  # noqa: PLC0415
-    from powerlib.planning.pipeline import build_schedule  # noqa: PLC0415
+    from powerlib.planning.choice import Policy, choose
+    from powerlib.planning.perseus.frontier import FrontierSettings, compute_frontier
+    from powerlib.planning.perseus.points import Wanted
+    from powerlib.planning.schedules import build_schedule
 
     profile = default_profile()
     frontier = compute_frontier(
         profile,
         build_schedule("1f1b", profile.num_stages, 12, 1),
+        settings=FrontierSettings(unit_time_s=0.001, p_block_w=DEFAULT_P_BLOCK_W),
         schedule_name="1f1b",
         num_microbatches=12,
-        p_block_w=DEFAULT_P_BLOCK_W,
-        unit_time_s=0.001,
         wanted=Wanted(t_star=True),
     )
     deadline_s = None
@@ -154,11 +154,11 @@ def _oracle(model: Any, policy: str, straggler: float | None, seed: int) -> dict
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """One (period, latency, noise, duty, seed[, policy, straggler, scale]) case."""
-    import logging  # noqa: PLC0415
-    import warnings  # noqa: PLC0415
+    import logging
+    import warnings
 
-    from powerlib.emulator.demo import NVML_LIKE_MODEL, DemoConfig, run_demo  # noqa: PLC0415
-    from powerlib.errors import PowerlibError  # noqa: PLC0415
+    from powerlib.emulator.demo import NVML_LIKE_MODEL, DemoConfig, run_demo
+    from powerlib.errors import PowerlibError
 
     logging.disable(logging.WARNING)
     warnings.simplefilter("ignore")

@@ -70,12 +70,13 @@ def one_case(profile: Profile, m: int, policy: str, latency: float, cv: float) -
         deadline = fastest.baseline_time_s * 1.05
         frontier = fastest.extend(wanted_for(Policy(name="deadline", deadline_s=deadline)))
     point = frontier.select(policy, deadline)
-    limit = guard.guard_limit(frontier, MAX_SLOWDOWN, deadline)
-    noisy = guard._NoiseCheck(frontier, cv, 0.0, deadline, MAX_SLOWDOWN) if cv > 0 else None  # noqa: SLF001
+    reference_s = frontier.baseline_time_s if deadline is None else deadline
+    limit = guard.guard_limit(reference_s, MAX_SLOWDOWN)
+    noisy = guard._NoiseCheck(frontier.model, cv, 0.0, deadline, MAX_SLOWDOWN) if cv > 0 else None
     plans = {}
     started = time.perf_counter()
-    plans["greedy"] = guard._speed_up(  # noqa: SLF001
-        frontier, frontier.planned_options(point), limit, latency, noisy, batch=False
+    plans["greedy"] = guard._speed_up(
+        frontier.model, frontier.planned_options(point), limit, latency, noisy, batch=False
     )
     saved = guard.BOTH_STARTS_MAX_NODES
     try:
@@ -88,12 +89,13 @@ def one_case(profile: Profile, m: int, policy: str, latency: float, cv: float) -
     plans["guard"] = frontier.within_slowdown(
         point, MAX_SLOWDOWN, switch_latency_s=latency, limit_s=deadline, time_cv=cv
     )
-    base = guard.held_energy_j(frontier, plans["greedy"], latency, deadline)
+    base = guard.held_energy_j(frontier.model, plans["greedy"], latency, deadline)
     out: dict = {"wall_s": time.perf_counter() - started}
     for name, chosen in plans.items():
         run = frontier.realized(chosen, latency)
         out[name] = {
-            "rel_energy_vs_greedy": guard.held_energy_j(frontier, chosen, latency, deadline) / base
+            "rel_energy_vs_greedy": guard.held_energy_j(frontier.model, chosen, latency, deadline)
+            / base
             - 1.0,
             "within_limit": run.time_s <= limit * (1 + 1e-12),
         }

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from powerlib.config import Settings
-from powerlib.planning.pipeline import schedule_1f1b
+from powerlib.planning.schedules import schedule_1f1b
 from powerlib.registry import open_backend
 from powerlib.runtime.coordination import SingleProcess
 from powerlib.runtime.session import Session

@@ -92,9 +92,9 @@ def _peak_rss_bytes() -> int:
 
 
 def _solve_powerlib(profile_path: Path, m: int):
-    from powerlib.planning.perseus.frontier import compute_frontier
-    from powerlib.planning.pipeline import build_schedule
+    from powerlib.planning.perseus.frontier import FrontierSettings, compute_frontier
     from powerlib.planning.profile import Profile
+    from powerlib.planning.schedules import build_schedule
 
     profile = Profile.read(profile_path)
     schedule = build_schedule("1f1b", NUM_STAGES, m)
@@ -105,12 +105,14 @@ def _solve_powerlib(profile_path: Path, m: int):
         frontier = compute_frontier(
             profile,
             schedule,
+            settings=FrontierSettings(
+                unit_time_s=UNIT_TIME_S,
+                p_block_w=P_BLOCK_W,
+                order="filter-then-subtract",
+                cost_model="exp",
+            ),
             schedule_name="1f1b",
             num_microbatches=m,
-            p_block_w=P_BLOCK_W,
-            unit_time_s=UNIT_TIME_S,
-            order="filter-then-subtract",
-            cost_model="exp",
         )
         return [(p.quant_time, p.time_s, p.energy_j) for p in frontier.points]
 

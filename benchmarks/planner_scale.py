@@ -118,9 +118,9 @@ def plan_cmd(
 
 def guard_check(profile: Path, n: int, m: int, policy: str, deadline_s: float | None) -> dict:
     """The guard against the greedy it replaced, on one case, in this process."""
-    from powerlib.planning.choice import Policy  # noqa: PLC0415
-    from powerlib.planning.perseus import guard  # noqa: PLC0415
-    from powerlib.planning.workflow import plan_from_profile  # noqa: PLC0415
+    from powerlib.planning.choice import Policy
+    from powerlib.planning.perseus import guard
+    from powerlib.planning.workflow import plan_from_profile
 
     pol = Policy(name=policy, deadline_s=deadline_s)
     frontier = plan_from_profile(
@@ -134,7 +134,8 @@ def guard_check(profile: Path, n: int, m: int, policy: str, deadline_s: float | 
         max_work=None,
     ).frontier
     point = frontier.select(policy, deadline_s)
-    limit = guard.guard_limit(frontier, pol.max_slowdown, deadline_s)
+    reference_s = frontier.baseline_time_s if deadline_s is None else deadline_s
+    limit = guard.guard_limit(reference_s, pol.max_slowdown)
     lat = pol.switch_latency_s
     started = time.perf_counter()
     ours = frontier.within_slowdown(
@@ -143,12 +144,12 @@ def guard_check(profile: Path, n: int, m: int, policy: str, deadline_s: float | 
     guard_s = time.perf_counter() - started
     started = time.perf_counter()
     start = frontier.planned_options(point)
-    greedy = guard._speed_up(frontier, start, limit, lat, None, batch=False)  # noqa: SLF001
+    greedy = guard._speed_up(frontier.model, start, limit, lat, None, batch=False)
     greedy_s = time.perf_counter() - started
     a, b = frontier.realized(ours, lat), frontier.realized(greedy, lat)
     # under a straggler (deadline) the iteration lasts the deadline whatever the plan
-    ea = guard.held_energy_j(frontier, ours, lat, deadline_s)
-    eb = guard.held_energy_j(frontier, greedy, lat, deadline_s)
+    ea = guard.held_energy_j(frontier.model, ours, lat, deadline_s)
+    eb = guard.held_energy_j(frontier.model, greedy, lat, deadline_s)
     return {
         "limit_s": limit,
         "guard": {"time_s": a.time_s, "energy_j": ea, "wall_s": guard_s},
@@ -193,8 +194,8 @@ def main() -> None:
     if source is None:
         sys.exit("no GPT-3 A100 profile found; pass --profile")
     sys.path.insert(0, str(HERE.parent))
-    from powerlib.planning.perseus.work import estimate_pipeline_work  # noqa: PLC0415
-    from powerlib.planning.profile import Profile  # noqa: PLC0415
+    from powerlib.planning.perseus.work import estimate_pipeline_work
+    from powerlib.planning.profile import Profile
 
     # Bytecode first, as any installed package has it (pip compiles at install; lowtime is a
     # wheel): an editable checkout under PYTHONDONTWRITEBYTECODE=1 would otherwise compile every

@@ -28,11 +28,12 @@ from powerlib.errors import PlanError
 from powerlib.planning.perseus.frontier import POLICIES
 
 if TYPE_CHECKING:
-    from powerlib.planning.perseus.frontier import Baseline, Frontier, FrontierPoint
+    from powerlib.planning.perseus.frontier import Baseline, Frontier
     from powerlib.planning.perseus.options import Option
+    from powerlib.planning.perseus.points import FrontierPoint
     from powerlib.planning.plan import FrequencyPlan
 
-__all__ = ["POLICIES", "Choice", "Policy", "check_policy", "choose", "objection"]
+__all__ = ["Choice", "Policy", "check_policy", "choose", "objection"]
 
 
 def check_policy(name: str, *, max_slowdown: float, switch_latency_s: float) -> None:

@@ -12,14 +12,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from powerlib.planning.perseus.frontier import DEFAULT_MAX_WORK
-
-if TYPE_CHECKING:
-    from powerlib.planning.choice import Choice, Policy
-    from powerlib.planning.perseus.frontier import Frontier, Wanted
-    from powerlib.planning.profile import Profile
+from powerlib.errors import PlanError
+from powerlib.planning.choice import Choice, Policy, choose
+from powerlib.planning.perseus.direct import direct_available
+from powerlib.planning.perseus.frontier import SOLVERS, Frontier, FrontierSettings, compute_frontier
+from powerlib.planning.perseus.points import Wanted
+from powerlib.planning.perseus.report import plot_frontier, summary, write_frontier_csv
+from powerlib.planning.perseus.work import DEFAULT_MAX_WORK, WORK_HINT, estimate_pipeline_work
+from powerlib.planning.profile import Profile
+from powerlib.planning.schedules import build_schedule
 
 __all__ = ["PlanResult", "plan_from_profile", "wanted_for", "write_outputs"]
 
@@ -90,19 +93,6 @@ def plan_from_profile(
         PlanError: A profile that cannot plan the pipeline, too much work, or a deadline the
             frontier cannot meet.
     """
-    from powerlib.errors import PlanError  # noqa: PLC0415
-    from powerlib.planning.choice import choose  # noqa: PLC0415 - keep imports light
-    from powerlib.planning.perseus.direct import direct_available  # noqa: PLC0415
-    from powerlib.planning.perseus.frontier import (  # noqa: PLC0415  # noqa: PLC0415
-        SOLVERS,
-        WORK_HINT,
-        compute_frontier,
-        estimate_pipeline_work,
-    )
-    from powerlib.planning.perseus.report import summary  # noqa: PLC0415
-    from powerlib.planning.pipeline import build_schedule  # noqa: PLC0415
-    from powerlib.planning.profile import Profile  # noqa: PLC0415
-
     if solver not in SOLVERS:
         raise PlanError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     if solver == "auto":
@@ -123,19 +113,22 @@ def plan_from_profile(
     ).check(max_work, hint=WORK_HINT)
     sched = build_schedule(schedule, stages, microbatches, num_chunks)
     started = time.perf_counter()
+    settings = FrontierSettings(
+        unit_time_s=unit_time_s,
+        p_block_w=p_block_w,
+        order=order,
+        cost_model=cost_model,
+        solver=solver,
+        max_work=max_work,
+    )
     frontier = compute_frontier(
         profile,
         sched,
+        settings=settings,
         schedule_name=schedule,
         num_microbatches=microbatches,
         num_chunks=num_chunks,
-        p_block_w=p_block_w,
-        unit_time_s=unit_time_s,
-        order=order,
-        cost_model=cost_model,
         progress=progress,
-        max_work=max_work,
-        solver=solver,
         wanted=wanted_for(policy, sweep=sweep),
     )
     solve_time_s = time.perf_counter() - started
@@ -150,8 +143,6 @@ def plan_from_profile(
 
 def wanted_for(policy: Policy, *, sweep: int = 0) -> Wanted:
     """The frontier points a direct solve needs for ``policy``: T_min, T*, the deadline's, its guard."""
-    from powerlib.planning.perseus.frontier import Wanted  # noqa: PLC0415
-
     deadline = (
         () if policy.name != "deadline" or policy.deadline_s is None else (policy.deadline_s,)
     )
@@ -186,11 +177,6 @@ def write_outputs(
         plot_path: Frontier PNG path (needs ``powerlib[plot]``), or ``None``.
         metadata: Extra workload fields for the plan file.
     """
-    from powerlib.planning.perseus.report import (  # noqa: PLC0415
-        plot_frontier,
-        write_frontier_csv,
-    )
-
     if frontier_out:
         write_frontier_csv(choice.frontier, frontier_out)
     if plan_out:

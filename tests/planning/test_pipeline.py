@@ -17,8 +17,10 @@ from powerlib.planning.pipeline import (
     PipelineDAG,
     Schedule,
     build_dag,
-    build_schedule,
     check_deadlock_free,
+)
+from powerlib.planning.schedules import (
+    build_schedule,
     schedule_1f1b,
     schedule_gpipe,
     schedule_interleaved_1f1b,

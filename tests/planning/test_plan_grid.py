@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from powerlib import PlanError
-from powerlib.planning.perseus.frontier import compute_frontier
-from powerlib.planning.pipeline import build_schedule, schedule_1f1b
+from powerlib.planning.perseus.frontier import FrontierSettings, compute_frontier
 from powerlib.planning.plan import FrequencyPlan, PlannedInstruction
 from powerlib.planning.profile import Profile
+from powerlib.planning.schedules import build_schedule, schedule_1f1b
 
 PROFILE = Path(__file__).resolve().parents[2] / "powerlib" / "emulator" / "data"
 GPT3 = PROFILE / "gpt3-175b_a100_sxm.csv"
@@ -93,10 +93,9 @@ def test_a_frontier_plan_draws_every_stage_busy_and_in_dependency_order() -> Non
     frontier = compute_frontier(
         Profile.read(GPT3),
         build_schedule("1f1b", 8, 6),
+        settings=FrontierSettings(unit_time_s=1e-3, p_block_w=80.0),
         schedule_name="1f1b",
         num_microbatches=6,
-        p_block_w=80.0,
-        unit_time_s=1e-3,
     )
     plan = frontier.plan(frontier.fastest, policy="fastest")
     text = plan.grid()

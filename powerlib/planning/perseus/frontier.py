@@ -4,17 +4,18 @@ Energy accounting (reference docs/perseus.md §1.4): with ``P_block`` the power 
 waits, ``E_iter = Σ_v ẽ_v + N · P_block · T`` where ``ẽ_v = e_v - P_block · q_v · τ`` is the
 effective energy the solver minimises. Each frontier point reports both.
 
-The walk's work limit is checked first (:mod:`powerlib.planning.perseus.work`); plans are
-replayed on the measured profile by :mod:`powerlib.planning.perseus.replay`.
+:func:`compute_frontier` takes the workload (a profile or per-instruction candidates, a
+schedule) and :class:`FrontierSettings` (τ, ``P_block``, the solver's knobs). The walk's work
+limit is checked first (:mod:`powerlib.planning.perseus.work`); the points come from the walk or
+the direct solve (:mod:`powerlib.planning.perseus.points`); plans are replayed on the measured
+profile by :mod:`powerlib.planning.perseus.replay`, through :attr:`Frontier.model`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,38 +23,28 @@ from powerlib.errors import PlanError
 from powerlib.planning.perseus import guard
 from powerlib.planning.perseus.cost_model import build_cost_model
 from powerlib.planning.perseus.direct import direct_available
-from powerlib.planning.perseus.flow import FlowSolver, point_solver
-from powerlib.planning.perseus.options import Option, frequency_for, prepare_options
-from powerlib.planning.perseus.replay import (
-    critical_path_s,
-    replay_options,
+from powerlib.planning.perseus.options import Option, prepare_options
+from powerlib.planning.perseus.points import (
+    FrontierPoint,
+    Wanted,
+    deadline_quant,
+    direct_points,
+    walk_points,
 )
+from powerlib.planning.perseus.replay import ReplayModel, critical_path_s, replay_options
 from powerlib.planning.perseus.solver import PhillipsDessouky
-from powerlib.planning.perseus.work import (
-    DEFAULT_MAX_WORK,
-    WORK_HINT,
-    WorkEstimate,
-    check_quantum,
-    direct_kind,
-    estimate_pipeline_work,
-)
+from powerlib.planning.perseus.work import DEFAULT_MAX_WORK, check_quantum
 from powerlib.planning.pipeline import KINDS, Instruction, PipelineDAG, Schedule, build_dag
 from powerlib.planning.plan import FrequencyPlan, PartitionSetting, PlannedInstruction
 from powerlib.planning.profile import Profile
 
 __all__ = [
-    "DEFAULT_MAX_WORK",
     "POLICIES",
     "SOLVERS",
-    "WORK_HINT",
     "Baseline",
     "Frontier",
-    "FrontierPoint",
-    "Wanted",
-    "WorkEstimate",
-    "check_quantum",
+    "FrontierSettings",
     "compute_frontier",
-    "estimate_pipeline_work",
 ]
 
 POLICIES = ("fastest", "deadline", "min-energy")
@@ -61,49 +52,34 @@ SOLVERS = ("walk", "direct", "auto")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Wanted:
-    """Which frontier points a direct solve computes (``T_min`` always).
+class FrontierSettings:
+    """How a frontier is solved: the energy model's constants and the solver's knobs.
+
+    The workload itself (the profile or candidates, the schedule) is passed on its own to
+    :func:`compute_frontier`; these are what ``powerlib plan``'s options set, and the plan
+    file records the first four (its ``workload``).
 
     Attributes:
-        t_star: ``T*``, the minimum-energy point.
-        deadlines_s: Per deadline, the slowest point at or below it (the ``deadline`` policy).
-        argmin_deadlines_s: Per deadline, the minimum-energy point at or below it (``deadline``
-            with ``argmin``).
-        sweep: Evenly spaced points from the slowest to ``T_min`` for frontier outputs (CSV,
-            plot); 0: none.
-        guards: ``(deadline_s or None, max_slowdown)`` of slowdown guards to come: their
-            exact-time solves (:func:`powerlib.planning.perseus.guard.exact_start`) run beside
-            the points' (the compiled flow releases the GIL) and wait for the guard.
+        unit_time_s: The time quantum τ.
+        p_block_w: Power while blocked (waiting), charged to idle time (docs/perseus.md §1.4).
+        order: Pareto filter before or after subtracting blocking energy
+            (:data:`~powerlib.planning.perseus.options.ORDERS`).
+        cost_model: ``exp`` (the paper's exponential fit) or ``convex``.
+        solver: ``walk`` (every point, Phillips-Dessouky), ``direct`` (only the points of
+            :class:`~powerlib.planning.perseus.points.Wanted`, one linear program each; needs
+            ``highspy``, extra ``fast``) or ``auto`` (direct where highspy is installed). A
+            solved frontier records the one that ran.
+        max_work: Refuse a frontier estimated past this many instruction-steps
+            (:class:`~powerlib.planning.perseus.work.WorkEstimate`: the walk's, or the direct
+            solve's exact program size) before it is solved; ``None``: no limit.
     """
 
-    t_star: bool = True
-    deadlines_s: tuple[float, ...] = ()
-    argmin_deadlines_s: tuple[float, ...] = ()
-    sweep: int = 0
-    guards: tuple[tuple[float | None, float], ...] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FrontierPoint:
-    """One point of the frontier (one solver step).
-
-    Attributes:
-        iteration: 1-based solver step.
-        quant_time: Iteration time in units of τ.
-        time_s: Iteration time.
-        effective_energy_j: Σ effective energy of the instructions (the modelled, fitted value).
-        energy_j: ``effective_energy_j + N · P_block · time_s``.
-        cost_change_j: Effective-energy increase over the previous point (J per τ).
-        durations: Planned duration of every instruction, in units of τ, in DAG node order.
-    """
-
-    iteration: int
-    quant_time: int
-    time_s: float
-    effective_energy_j: float
-    energy_j: float
-    cost_change_j: float
-    durations: tuple[int, ...]
+    unit_time_s: float
+    p_block_w: float
+    order: str = "filter-then-subtract"
+    cost_model: str = "exp"
+    solver: str = "walk"
+    max_work: int | None = DEFAULT_MAX_WORK
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,10 +105,7 @@ class Frontier:
     num_microbatches: int
     num_chunks: int
     options: dict[tuple[int, str], list[Option]]
-    unit_time_s: float
-    p_block_w: float
-    order: str
-    cost_model: str
+    settings: FrontierSettings
     baseline_busy: dict[int, tuple[float, float]]  # stage -> (busy time, energy) at max frequency
     measured: dict[tuple[int, str], dict[float, tuple[float, float]]] = field(default_factory=dict)
     """(stage, kind) -> frequency -> measured (time_s, energy_j), every profiled frequency."""
@@ -150,7 +123,8 @@ class Frontier:
     """For an incomplete frontier: a deadline's quant time -> the quant time of the
     minimum-energy point at or below it (``deadline`` with ``argmin``)."""
     direct: Any = field(default=None, compare=False, repr=False)
-    """For an incomplete frontier: its solved model, from which :meth:`extend` adds points."""
+    """For an incomplete frontier: its solved model, from which :meth:`extend` adds points
+    (a :class:`~powerlib.planning.perseus.points.DirectPoints`)."""
 
     def extend(self, wanted: Wanted) -> Frontier:
         """This frontier with the points ``wanted`` asks for added (a complete one: itself).
@@ -160,8 +134,19 @@ class Frontier:
         """
         if self.complete or self.direct is None:
             return self
-        points, extra = self.direct.solve(wanted, stub=self)
+        points, extra = self.direct.solve(wanted)
         return dataclasses.replace(self, points=tuple(points), **extra)
+
+    @property
+    def model(self) -> ReplayModel:
+        """What replays and the slowdown guard read: the DAG, options, measured rows, τ, P_block."""
+        return ReplayModel(
+            dag=self.dag,
+            options=self.options,
+            measured=self.measured,
+            unit_time_s=self.settings.unit_time_s,
+            p_block_w=self.settings.p_block_w,
+        )
 
     @property
     def num_stages(self) -> int:
@@ -195,9 +180,9 @@ class Frontier:
         for p in self.points:
             if p.quant_time == quant:
                 return p
+        time_s = quant * self.settings.unit_time_s
         raise PlanError(
-            f"this frontier was solved without the point at {quant * self.unit_time_s:g} s; "
-            "plan again for it"
+            f"this frontier was solved without the point at {time_s:g} s; plan again for it"
         )
 
     def select(
@@ -233,7 +218,10 @@ class Frontier:
             )
         if not self.complete:
             quant = deadline_quant(
-                deadline_s, self.unit_time_s, self.fastest.quant_time, self.points[0].quant_time
+                deadline_s,
+                self.settings.unit_time_s,
+                self.fastest.quant_time,
+                self.points[0].quant_time,
             )
             if argmin:
                 if quant not in self.argmin_quant:
@@ -258,7 +246,8 @@ class Frontier:
             # A baseline of another execution model (Kareus: sequential) may be slower than the
             # plan; it cannot run faster than its own critical path.
             t = max(t, self.baseline_time_s)
-        energy = sum(e + self.p_block_w * (t - busy) for busy, e in self.baseline_busy.values())
+        p_block_w = self.settings.p_block_w
+        energy = sum(e + p_block_w * (t - busy) for busy, e in self.baseline_busy.values())
         return Baseline(time_s=t, energy_j=energy)
 
     @property
@@ -271,7 +260,8 @@ class Frontier:
         if self.reference_times is not None:
             times = [self.reference_times[(ins.stage, ins.kind)] for ins in self.dag.instructions]
         else:
-            tops = {key: self._top_option(*key).time_s for key in self.options}
+            model = self.model
+            tops = {key: model.top_option(*key).time_s for key in self.options}
             times = [tops[(ins.stage, ins.kind)] for ins in self.dag.instructions]
         return critical_path_s(self.dag, times)
 
@@ -281,10 +271,7 @@ class Frontier:
 
     def planned_options(self, point: FrontierPoint) -> list[Option]:
         """Per-instruction option: the slowest whose quantized time fits the planned duration."""
-        return [
-            frequency_for(self.options[(ins.stage, ins.kind)], q)
-            for ins, q in zip(self.dag.instructions, point.durations)
-        ]
+        return self.model.planned(point.durations)
 
     def frequencies(self, point: FrontierPoint) -> list[float]:
         """Per-instruction frequency of :meth:`planned_options`."""
@@ -330,36 +317,16 @@ class Frontier:
                 stage also draws the profile's own error (see ``NoisyReplay``'s ``row_se``).
         """
         return guard.within_slowdown(
-            self,
-            point,
+            self.model,
+            point.durations,
             max_slowdown,
+            reference_s=self.baseline_time_s if limit_s is None else limit_s,
+            held=limit_s is not None,  # a straggler holds the iteration at the deadline
             switch_latency_s=switch_latency_s,
-            limit_s=limit_s,
             time_cv=time_cv,
             time_se=time_se,
+            started=getattr(self.direct, "guard_starts", None),
         )
-
-    def _top_option(self, stage: int, kind: str) -> Option:
-        """The option at the highest measured clock: all-max's.
-
-        Also where noise in the measured times pruned it from :attr:`options` (a neighbour
-        measured faster).
-        """
-        options = self.options[(stage, kind)]
-        best = max(options, key=lambda o: o.freq_mhz)
-        measured = self.measured.get((stage, kind), {})
-        if measured and max(measured) > best.freq_mhz:
-            freq = max(measured)
-            time_s, energy_j = measured[freq]
-            quant = int(time_s // self.unit_time_s)
-            best = Option(
-                freq_mhz=freq,
-                time_s=time_s,
-                energy_j=energy_j,
-                quant=quant,
-                eff_energy_j=energy_j - self.p_block_w * quant * self.unit_time_s,
-            )
-        return best
 
     def realized(self, chosen: Sequence[Option], switch_latency_s: float = 0.0) -> Baseline:
         """Realized time and energy of per-instruction options, from the measured profile.
@@ -369,7 +336,7 @@ class Frontier:
         at the old clock until the change lands (the runtime requests the next clock when an
         instruction ends; the first instruction follows the previous iteration's last).
         """
-        run = replay_options(self, chosen, switch_latency_s)
+        run = replay_options(self.model, chosen, switch_latency_s)
         return Baseline(time_s=run.time_s, energy_j=run.energy_j)
 
     def replay(self, point: FrontierPoint) -> Baseline:
@@ -406,7 +373,9 @@ class Frontier:
         stages = tuple(
             tuple(
                 _planned(
-                    self.dag.instructions[i], options[i], point.durations[i] * self.unit_time_s
+                    self.dag.instructions[i],
+                    options[i],
+                    point.durations[i] * self.settings.unit_time_s,
                 )
                 for i in self.dag.stage_order(stage)
             )
@@ -421,10 +390,10 @@ class Frontier:
                 "schedule": self.schedule_name,
                 "num_chunks": self.num_chunks,
                 "placement": self.placement,
-                "p_block_w": self.p_block_w,
-                "unit_time_s": self.unit_time_s,
-                "order": self.order,
-                "cost_model": self.cost_model,
+                "p_block_w": self.settings.p_block_w,
+                "unit_time_s": self.settings.unit_time_s,
+                "order": self.settings.order,
+                "cost_model": self.settings.cost_model,
                 **(metadata or {}),
             },
             summary={
@@ -461,19 +430,14 @@ def compute_frontier(
     profile: Profile | None,
     schedule: Schedule,
     *,
+    settings: FrontierSettings,
     schedule_name: str,
     num_microbatches: int,
     num_chunks: int = 1,
     placement: str = "looped",
-    p_block_w: float,
-    unit_time_s: float,
-    order: str = "filter-then-subtract",
-    cost_model: str = "exp",
     progress: Callable[[int, int], None] | None = None,
     candidates: Mapping[tuple[int, str], Sequence[tuple[Any, ...]]] | None = None,
     reference: Mapping[tuple[int, str], tuple[float, float]] | None = None,
-    max_work: int | None = DEFAULT_MAX_WORK,
-    solver: str = "walk",
     wanted: Wanted | None = None,
 ) -> Frontier:
     """Profile + schedule -> the exact frontier of the relaxed (fitted) problem.
@@ -482,14 +446,12 @@ def compute_frontier(
         profile: Measured (stage, instruction, frequency, time, energy) rows, or ``None`` with
             ``candidates``.
         schedule: Per stage, its instructions in execution order.
+        settings: τ, ``P_block``, the filter order, the cost model, the solver and its work
+            limit (:class:`FrontierSettings`).
         schedule_name: Recorded in plans.
         num_microbatches: Microbatches per iteration (recorded).
         num_chunks: Model chunks per stage.
         placement: ``looped`` or ``v``.
-        p_block_w: Power while blocked (waiting), charged to idle time.
-        unit_time_s: The time quantum τ.
-        order: Pareto filter before or after subtracting blocking energy.
-        cost_model: ``exp`` or ``convex``.
         progress: ``(done, expected)`` callback per solver step.
         candidates: Instead of ``profile`` (then ``None``): per ``(stage, kind)``, the
             execution options ``(freq_mhz, time_s, energy_j, knob)``, several per clock allowed
@@ -498,23 +460,20 @@ def compute_frontier(
         reference: With ``candidates``: per ``(stage, kind)``, the ``(time_s, energy_j)`` of
             the baseline the savings are measured against (Kareus: sequential execution at the
             maximum clock). Default: each pair's fastest option.
-        max_work: Refuse a walk estimated past this many instruction-steps
-            (:class:`WorkEstimate`) before it starts; ``None``: no limit. The direct solve is
-            not held to it.
-        solver: ``walk`` (every point, Phillips-Dessouky), ``direct`` (only the points of
-            ``wanted``, one linear program each; needs ``highspy``, extra ``fast``) or
-            ``auto`` (direct where highspy is installed).
         wanted: For the direct solve: which points (default: ``T_min`` and ``T*``).
 
     Raises:
         PlanError: The profile does not cover the schedule, parameters are out of range, or
-            the walk is past ``max_work``.
+            the solve is past ``settings.max_work``.
         BackendUnavailableError: ``solver="direct"`` without highspy.
     """
+    solver = settings.solver
     if solver not in SOLVERS:
         raise PlanError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     if solver == "auto":
         solver = "direct" if direct_available() else "walk"
+        settings = dataclasses.replace(settings, solver=solver)
+    unit_time_s, p_block_w = settings.unit_time_s, settings.p_block_w
     check_quantum(unit_time_s, p_block_w)
     dag = build_dag(schedule, placement)
     used = {(ins.stage, ins.kind) for ins in dag.instructions}
@@ -536,10 +495,12 @@ def compute_frontier(
                 points_of(stage, kind),
                 unit_time_s=unit_time_s,
                 p_block_w=p_block_w,
-                order=order,
+                order=settings.order,
             )
             options[(stage, kind)] = opts
-            models[(stage, kind)] = build_cost_model(opts, kind=cost_model, unit_time_s=unit_time_s)
+            models[(stage, kind)] = build_cost_model(
+                opts, kind=settings.cost_model, unit_time_s=unit_time_s
+            )
     costs = [models[(ins.stage, ins.kind)] for ins in dag.instructions]
     solver_pd = PhillipsDessouky(len(dag.instructions), dag.edges, costs)
     busy: dict[int, tuple[float, float]] = {}
@@ -571,10 +532,7 @@ def compute_frontier(
         num_microbatches=num_microbatches,
         num_chunks=num_chunks,
         options=options,
-        unit_time_s=unit_time_s,
-        p_block_w=p_block_w,
-        order=order,
-        cost_model=cost_model,
+        settings=settings,
         baseline_busy=busy,
         measured=measured,
         placement=placement,
@@ -583,261 +541,18 @@ def compute_frontier(
         ),
     )
     n_block = dag.num_stages * p_block_w
+    max_work = settings.max_work
     if solver == "direct":
-        points, extra = _direct_points(
-            solver_pd, wanted or Wanted(), n_block, unit_time_s, max_work, progress, stub
+        points, extra = direct_points(
+            solver_pd,
+            wanted or Wanted(),
+            n_block,
+            unit_time_s,
+            stub.model,
+            lambda: stub.baseline_time_s,
+            max_work,
+            progress,
         )
     else:
-        points, extra = _walk_points(solver_pd, max_work, n_block, unit_time_s, progress), {}
+        points, extra = walk_points(solver_pd, max_work, n_block, unit_time_s, progress), {}
     return dataclasses.replace(stub, points=tuple(points), **extra)
-
-
-def _point(
-    quant: int,
-    cost: float,
-    change: float,
-    durations: tuple[int, ...],
-    *,
-    t_max: int,
-    n_block: float,
-    unit_time_s: float,
-) -> FrontierPoint:
-    time_s = quant * unit_time_s
-    return FrontierPoint(
-        iteration=t_max - quant,
-        quant_time=quant,
-        time_s=time_s,
-        effective_energy_j=cost,
-        energy_j=cost + n_block * time_s,
-        cost_change_j=change,
-        durations=durations,
-    )
-
-
-def _walk_points(
-    solver: PhillipsDessouky,
-    max_work: int | None,
-    n_block: float,
-    unit_time_s: float,
-    progress: Callable[[int, int], None] | None,
-) -> list[FrontierPoint]:
-    """Every point, slowest first: the Phillips-Dessouky walk."""
-    WorkEstimate(
-        num_instructions=solver.num_nodes,
-        time_steps=solver.makespan() - solver.fastest_makespan(),
-    ).check(max_work, hint=WORK_HINT)
-    t_max = solver.makespan()
-    points = [
-        _point(
-            step.quant_time,
-            step.cost,
-            step.cost_change,
-            step.durations,
-            t_max=t_max,
-            n_block=n_block,
-            unit_time_s=unit_time_s,
-        )
-        for step in solver.run(progress)
-    ]
-    if not points:
-        # Nothing can be sped up or slowed down: the frontier is the single starting point.
-        points.append(
-            _point(
-                t_max,
-                solver.total_cost(),
-                0.0,
-                tuple(solver.durations),
-                t_max=t_max,
-                n_block=n_block,
-                unit_time_s=unit_time_s,
-            )
-        )
-    return points
-
-
-class _DirectPoints:
-    """The points of a direct solve, kept with their model so that more can be added.
-
-    Always ``T_min`` and the walk's first point ``T_max - 1`` (one max-flow step: it gives the
-    slowest time the frontier reaches and the start's cost); ``T*`` if asked; each deadline's
-    point (the slowest at or below it) and, for ``argmin``, its minimum-energy point; and
-    ``wanted.sweep`` evenly spaced points for outputs. ``cost_change_j`` of a point is the
-    average per τ since the next slower point listed. Later solves (:meth:`Frontier.extend`,
-    a session's re-plan) start from the last basis; a lock keeps one solve at a time.
-    """
-
-    def __init__(self, solver: PhillipsDessouky, n_block: float, unit_time_s: float) -> None:
-        self.n_block, self.unit_time_s = n_block, unit_time_s
-        self.t_max = solver.makespan()
-        self.t_min = solver.fastest_makespan()
-        self.start_cost = solver.total_cost()
-        self.direct = point_solver(solver, time_cost_per_quantum=n_block * unit_time_s)
-        # The compiled flow solves concurrently (it releases the GIL and keeps no state
-        # between solves); HiGHS keeps one model.
-        self.concurrent = isinstance(self.direct, FlowSolver)
-        self.found: dict[int, tuple[float, tuple[int, ...]]] = {}
-        if self.concurrent:
-            self.t_first = self.t_max - 1  # solved with T_min in solve(): no scipy import
-        else:
-            first = next(solver.run())  # T_max - 1, from the all-slowest start
-            self.t_first = first.quant_time
-            self.found[self.t_first] = (first.cost, first.durations)
-        self.t_star: int | None = None
-        self.argmin: dict[int, int] = {}
-        self.lock = threading.Lock()
-        #: (limit_s, held) -> the guard's exact-time start, solving in the background
-        self.guard_starts: dict[tuple[float, bool], _Background] = {}
-
-    def at(self, quant: int) -> None:
-        if quant not in self.found:
-            got = self.direct.at(quant)
-            self.found[quant] = (got.cost, got.durations)
-
-    def cheapest(self, lo: int, hi: int) -> int:
-        got = self.direct.cheapest(lo, hi)
-        self.found.setdefault(got.quant_time, (got.cost, got.durations))
-        return got.quant_time
-
-    def solve(
-        self,
-        wanted: Wanted,
-        progress: Callable[[int, int], None] | None = None,
-        *,
-        stub: Frontier | None = None,
-    ) -> tuple[list[FrontierPoint], dict[str, Any]]:
-        """Solve what ``wanted`` adds; ``progress(done, expected)`` after each point.
-
-        ``stub``: the frontier (points aside) the guards of ``wanted.guards`` will run on.
-        """
-        with self.lock:
-            if stub is not None and self.concurrent and guard.available():
-                for deadline_s, max_slowdown in wanted.guards:
-                    limit = guard.guard_limit(stub, max_slowdown, deadline_s)
-                    key = (limit, deadline_s is not None)
-                    if key not in self.guard_starts:
-                        self.guard_starts[key] = _Background(
-                            guard.exact_start, stub, limit, None, key[1]
-                        )
-            t_min, t_first, tau = self.t_min, self.t_first, self.unit_time_s
-            star = wanted.t_star and self.t_star is None
-            if self.concurrent and t_min not in self.found:
-                # T_min beside T_max - 1 and T*: solves of one to two seconds each at 16 x 256
-                with ThreadPoolExecutor(max_workers=1) as pool:
-                    fastest = pool.submit(self.at, t_min)
-                    self.at(t_first)
-                    if star:
-                        self.t_star = self.cheapest(t_min, t_first)
-                    fastest.result()
-            self.at(t_first)
-            self.at(t_min)
-            if star and self.t_star is None:
-                self.t_star = self.cheapest(t_min, t_first)
-            for deadline_s in wanted.argmin_deadlines_s:
-                quant = deadline_quant(deadline_s, tau, t_min, t_first)
-                if quant is not None and quant not in self.argmin:
-                    self.argmin[quant] = self.cheapest(t_min, quant)
-            quants = [deadline_quant(d, tau, t_min, t_first) for d in wanted.deadlines_s]
-            if wanted.sweep > 0:
-                quants += sweep_quants(t_min, t_first, wanted.sweep)
-            todo = sorted({q for q in quants if q is not None} - set(self.found))
-            for done, quant in enumerate(todo, 1):
-                self.at(quant)
-                if progress is not None:
-                    progress(done, len(todo))
-            points = []
-            prev_quant, prev_cost = self.t_max, self.start_cost
-            for quant in sorted(self.found, reverse=True):
-                cost, durations = self.found[quant]
-                change = (cost - prev_cost) / (prev_quant - quant)
-                points.append(
-                    _point(
-                        quant,
-                        cost,
-                        change,
-                        durations,
-                        t_max=self.t_max,
-                        n_block=self.n_block,
-                        unit_time_s=tau,
-                    )
-                )
-                prev_quant, prev_cost = quant, cost
-            extra = {
-                "complete": False,
-                "t_star_quant": self.t_star,
-                "argmin_quant": dict(self.argmin),
-                "direct": self,
-            }
-            return points, extra
-
-
-def _direct_points(
-    solver: PhillipsDessouky,
-    wanted: Wanted,
-    n_block: float,
-    unit_time_s: float,
-    max_work: int | None = DEFAULT_MAX_WORK,
-    progress: Callable[[int, int], None] | None = None,
-    stub: Frontier | None = None,
-) -> tuple[list[FrontierPoint], dict[str, Any]]:
-    """The points ``wanted`` asks for, each by one linear program (docs/perseus.md §2.6)."""
-    if solver.makespan() == solver.fastest_makespan():
-        return _walk_points(solver, None, n_block, unit_time_s, None), {}
-    WorkEstimate(  # the exact program size, before it is built
-        num_instructions=solver.num_nodes,
-        time_steps=solver.makespan() - solver.fastest_makespan(),
-        unit_segments=sum(t.q_max - t.q_min for t in solver.tables),
-        solver=direct_kind(),
-    ).check(max_work, hint=WORK_HINT)
-    return _DirectPoints(solver, n_block, unit_time_s).solve(wanted, progress, stub=stub)
-
-
-class _Background:
-    """``fn(*args)`` on a daemon thread; :meth:`result` waits and returns or re-raises.
-
-    Not a ``ThreadPoolExecutor`` future: its threads are joined at interpreter exit, so a plan
-    refused before its guard ran would still wait for the abandoned solve (seconds at scale).
-    """
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._box: list[Any] = []
-        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        try:
-            self._box.append((True, fn(*args)))
-        except BaseException as err:  # noqa: BLE001 - handed to the caller of result()
-            self._box.append((False, err))
-
-    def result(self) -> Any:
-        """The value, or the exception raised, of ``fn(*args)``."""
-        self._thread.join()
-        ok, value = self._box[0]
-        if not ok:
-            raise value
-        return value
-
-
-def sweep_quants(t_min: int, t_first: int, count: int) -> list[int]:
-    """``count`` quant times evenly spaced from ``t_first`` down to ``t_min``, both included.
-
-    The spacing is ``ceil((t_first - t_min) / (count - 1))`` quanta (every quantum when the
-    span is shorter).
-    """
-    if count <= 1 or t_first <= t_min:
-        return [t_min]
-    step = max(1, math.ceil((t_first - t_min) / (count - 1)))
-    return sorted({*range(t_first, t_min, -step), t_min})
-
-
-def deadline_quant(deadline_s: float, unit_time_s: float, t_min: int, t_first: int) -> int | None:
-    """The slowest frontier quant time with ``quant · τ <= deadline_s`` (the walk's rule).
-
-    ``None`` when the deadline is below ``T_min``.
-    """
-    if not math.isfinite(deadline_s):
-        return None
-    quant = min(t_first, max(t_min - 1, math.floor(deadline_s / unit_time_s) + 1))
-    while quant >= t_min and quant * unit_time_s > deadline_s + 1e-12:
-        quant -= 1
-    return quant if quant >= t_min else None

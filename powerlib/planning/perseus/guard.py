@@ -1,11 +1,12 @@
 """The slowdown guard: a plan's per-instruction options that realize within the allowed slowdown.
 
-A frontier point is planned on floor-quantized durations: each instruction may really run up to
+A planned point is solved on floor-quantized durations: each instruction may really run up to
 one τ longer than planned, and a clock change that lands late runs the start of an instruction
 at its predecessor's clock. So a ``fastest`` point can realize slower than all-max (+0.35 % on
 the reference's synthetic case). The guard (issue 34, docs/perseus.md §2.7) turns a point into
 options that realize within ``max_slowdown``, replayed on the *measured* profile
-(:mod:`powerlib.planning.perseus.replay`):
+(:mod:`powerlib.planning.perseus.replay`; everything here reads its
+:class:`~powerlib.planning.perseus.replay.ReplayModel`, which ``Frontier.model`` builds):
 
 1. **One exact-time solve.** The plan's linear program again, but on real durations: per
    instruction, the lower convex hull of its options' ``(time, energy - P_block · time)``, with
@@ -37,7 +38,7 @@ them). Without the compiled flow solver only the greedy runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -53,12 +54,12 @@ from powerlib.planning.perseus.flow import (
 from powerlib.planning.perseus.replay import (
     IncrementalReplay,
     NoisyReplay,
+    ReplayModel,
     layout_of,
     replay_options,
 )
 
 if TYPE_CHECKING:
-    from powerlib.planning.perseus.frontier import Frontier, FrontierPoint
     from powerlib.planning.perseus.options import Option
 
 __all__ = [
@@ -80,48 +81,63 @@ _Step = tuple["Option", float] | None
 
 
 def within_slowdown(
-    frontier: Frontier,
-    point: FrontierPoint,
+    model: ReplayModel,
+    durations: Sequence[int],
     max_slowdown: float,
     *,
+    reference_s: float,
+    held: bool = False,
     switch_latency_s: float = 0.0,
-    limit_s: float | None = None,
     time_cv: float = 0.0,
     time_se: float = 0.0,
+    started: Mapping[tuple[float, bool], Any] | None = None,
 ) -> list[Option]:
-    """Per-instruction options for ``point``, realized within ``max_slowdown`` (module docstring).
+    """Per-instruction options for a point, realized within ``max_slowdown`` (module docstring).
 
-    Arguments as :meth:`Frontier.within_slowdown
-    <powerlib.planning.perseus.frontier.Frontier.within_slowdown>`.
+    ``Frontier.within_slowdown`` documents the arguments it passes on.
+
+    Args:
+        model: The DAG, options and measured profile the point was planned on.
+        durations: The point's planned durations, in units of τ (the greedy's start).
+        max_slowdown: Allowed realized slowdown over ``reference_s``, as a fraction.
+        reference_s: The time not to exceed (before ``max_slowdown``): all-max's iteration
+            time, or a straggler's with ``held``.
+        held: A straggler holds the iteration at ``reference_s`` (the ``deadline`` policy):
+            energy is counted until then, and the noise stage compares against it.
+        switch_latency_s: Delay between a clock request and its effect.
+        time_cv: Run-to-run spread of instruction times, for the noise stage.
+        time_se: Relative standard error of a profiled row's mean time, for the noise stage.
+        started: Exact-time starts already solving in the background, by ``(limit_s, held)``;
+            each has ``result()`` (the direct solve starts them beside its points).
     """
-    limit = guard_limit(frontier, max_slowdown, limit_s)
+    limit = guard_limit(reference_s, max_slowdown)
+    limit_s = reference_s if held else None
     noisy = (
-        _NoiseCheck(frontier, time_cv, time_se, limit_s, max_slowdown)
+        _NoiseCheck(model, time_cv, time_se, limit_s, max_slowdown)
         if time_cv > 0 or time_se > 0
         else None
     )
-    held = limit_s is not None  # a straggler holds the iteration at the deadline
     starts: list[tuple[list[Option], bool]] = []
     if available():
-        pending = getattr(frontier.direct, "guard_starts", {}).get((limit, held))
-        start = exact_start(frontier, limit, held=held) if pending is None else pending.result()
+        pending = (started or {}).get((limit, held))
+        start = exact_start(model, limit, held=held) if pending is None else pending.result()
         if switch_latency_s > 0:
             # Once more with each instruction's latency penalty in this plan (signed: a start
             # at a faster old clock gains time): the flow then covers every path at once, which
             # the speed-ups do one critical path per replay (32 x 512: 11 s of speed-ups became
             # one 4 s solve and 2 s of speed-ups, at 0.02 % less energy).
-            run = replay_options(frontier, start, switch_latency_s)
+            run = replay_options(model, start, switch_latency_s)
             if run.time_s > limit:
                 penalty = [b - o.time_s for b, o in zip(run.busy, start)]
-                start = exact_start(frontier, limit, penalty, held=held)
+                start = exact_start(model, limit, penalty, held=held)
         starts.append((list(start), True))
-    if not starts or len(frontier.dag.instructions) <= BOTH_STARTS_MAX_NODES:
-        starts.append((frontier.planned_options(point), False))
+    if not starts or len(model.dag.instructions) <= BOTH_STARTS_MAX_NODES:
+        starts.append((model.planned(durations), False))
     best: list[Option] | None = None
     best_energy = math.inf
     for chosen, batch in starts:
-        got = _speed_up(frontier, chosen, limit, switch_latency_s, noisy, batch=batch)
-        energy = held_energy_j(frontier, got, switch_latency_s, limit_s)
+        got = _speed_up(model, chosen, limit, switch_latency_s, noisy, batch=batch)
+        energy = held_energy_j(model, got, switch_latency_s, limit_s)
         if best is None or energy < best_energy:
             best, best_energy = got, energy
     assert best is not None
@@ -133,29 +149,32 @@ def available() -> bool:
     return mincost.available()
 
 
-def guard_limit(frontier: Frontier, max_slowdown: float, limit_s: float | None) -> float:
-    """The iteration time a guarded plan must realize within: all-max's (or ``limit_s``) + slack."""
-    base = frontier.baseline_time_s if limit_s is None else limit_s
-    return base * (1.0 + max_slowdown)
+def guard_limit(reference_s: float, max_slowdown: float) -> float:
+    """The iteration time a guarded plan must realize within: ``reference_s`` + the slack.
+
+    ``reference_s``: all-max's iteration time (``Frontier.baseline_time_s``), or a straggler's
+    deadline.
+    """
+    return reference_s * (1.0 + max_slowdown)
 
 
 def held_energy_j(
-    frontier: Frontier, chosen: Sequence[Option], switch_latency_s: float, hold_s: float | None
+    model: ReplayModel, chosen: Sequence[Option], switch_latency_s: float, hold_s: float | None
 ) -> float:
     """Energy of an iteration of ``chosen``, replayed; held until ``hold_s`` when given.
 
     Under a straggler (the ``deadline`` policy) the iteration lasts the straggler's time
     whatever the plan: a plan that ends earlier only waits longer at ``P_block``. Without
-    ``hold_s``: :meth:`Frontier.realized <powerlib.planning.perseus.frontier.Frontier.realized>`.
+    ``hold_s``: the replay's energy (:func:`~powerlib.planning.perseus.replay.replay_options`).
     """
-    run = frontier.realized(chosen, switch_latency_s)
+    run = replay_options(model, chosen, switch_latency_s)
     if hold_s is None or run.time_s >= hold_s:
         return run.energy_j
-    return run.energy_j + frontier.dag.num_stages * frontier.p_block_w * (hold_s - run.time_s)
+    return run.energy_j + model.dag.num_stages * model.p_block_w * (hold_s - run.time_s)
 
 
 def exact_start(
-    frontier: Frontier,
+    model: ReplayModel,
     limit_s: float,
     penalty_s: Sequence[float] | None = None,
     held: bool = False,
@@ -163,7 +182,7 @@ def exact_start(
     """The cheapest options whose real durations fit ``limit_s`` (step 1 of the module docstring).
 
     Args:
-        frontier: The frontier (DAG, options, measured profile, blocking power).
+        model: The DAG, options, measured profile and blocking power.
         limit_s: The iteration time not to exceed.
         penalty_s: Per instruction, time its start loses (or gains) to a late clock change (a
             replay's realized minus planned duration), added to each of its options' times.
@@ -174,15 +193,15 @@ def exact_start(
     Raises:
         PlanError: The solver refused the instance or its certificate failed.
     """
-    dag = frontier.dag
+    dag = model.dag
     n = len(dag.instructions)
-    unit_s = frontier.unit_time_s * _UNIT_PER_TAU
-    p_block = frontier.p_block_w
+    unit_s = model.unit_time_s * _UNIT_PER_TAU
+    p_block = model.p_block_w
     keys = [(ins.stage, ins.kind) for ins in dag.instructions]
     per_key: dict[tuple[int, str], _Activity] = {}
     for key in dict.fromkeys(keys):
-        options = list(frontier.options[key])
-        top = frontier._top_option(*key)  # noqa: SLF001 - all-max's option, pruned or not
+        options = list(model.options[key])
+        top = model.top_option(*key)  # all-max's option, pruned or not
         if all(o.freq_mhz != top.freq_mhz for o in options):
             options.append(top)
         per_key[key] = _Activity(options, unit_s, p_block)
@@ -310,7 +329,7 @@ def _lengthen(
 
 
 def _speed_up(
-    frontier: Frontier,
+    model: ReplayModel,
     chosen: Sequence[Option],
     limit: float,
     switch_latency_s: float,
@@ -323,10 +342,10 @@ def _speed_up(
     With ``batch``, each replay takes as many of the cheapest speed-ups as cover the excess;
     without, one (the previous guard, step for step).
     """
-    replay = IncrementalReplay(frontier, chosen, switch_latency_s)
+    replay = IncrementalReplay(model, chosen, switch_latency_s)
     steps: dict[tuple[tuple[int, str], Option], _Step] = {}
     pinned: set[int] = set()
-    instructions = frontier.dag.instructions
+    instructions = model.dag.instructions
 
     def next_faster(v: int) -> _Step:
         """The next faster option of node v and its price (J per second bought)."""
@@ -336,7 +355,7 @@ def _speed_up(
         key = (ins.stage, ins.kind)
         current = replay.chosen[v]
         if (key, current) not in steps:
-            faster = [o for o in frontier.options[key] if o.time_s < current.time_s]
+            faster = [o for o in model.options[key] if o.time_s < current.time_s]
             if not faster:
                 steps[(key, current)] = None
             else:
@@ -370,7 +389,7 @@ def _speed_up(
                 moves = []
                 for v in sorted(candidates - pinned) if late else ():
                     ins = instructions[v]
-                    top = frontier._top_option(ins.stage, ins.kind)  # noqa: SLF001
+                    top = model.top_option(ins.stage, ins.kind)
                     pinned.add(v)
                     if replay.chosen[v] != top:
                         moves.append((v, top))
@@ -410,23 +429,23 @@ class _NoiseCheck:
 
     def __init__(
         self,
-        frontier: Frontier,
+        model: ReplayModel,
         time_cv: float,
         time_se: float,
         limit_s: float | None,
         max_slowdown: float,
     ) -> None:
-        self._noisy = NoisyReplay(frontier, time_cv, row_se=time_se)
+        self._noisy = NoisyReplay(model, time_cv, row_se=time_se)
         top = [
-            max(frontier.options[(i.stage, i.kind)], key=lambda o: o.freq_mhz)
-            for i in frontier.dag.instructions
+            max(model.options[(i.stage, i.kind)], key=lambda o: o.freq_mhz)
+            for i in model.dag.instructions
         ]
         base, _ = self._noisy.run(top, 0.0)
         self._base = base if limit_s is None else np.full_like(base, limit_s)
         self._limit_s = limit_s
         self._allowed = max_slowdown
         # a batch of speed-ups per replay keeps large DAGs to a few dozen replays
-        self._batch = max(1, len(frontier.dag.instructions) // 200)
+        self._batch = max(1, len(model.dag.instructions) // 200)
 
     def too_slow(
         self,

@@ -1,38 +1,91 @@
 """Replaying per-instruction options on the measured profile: realized time, energy, critical path.
 
-The frontier plans on fitted, quantized costs; :func:`replay_options` runs a plan's options through the
-instruction DAG with their *measured* times and energies (and, optionally, the clock-change
-latency) to see what the plan would realize. :meth:`Frontier.realized
-<powerlib.planning.perseus.frontier.Frontier.realized>` and the slowdown guard
-(:meth:`Frontier.within_slowdown <powerlib.planning.perseus.frontier.Frontier.within_slowdown>`)
-are built on it.
+The planner works on fitted, quantized costs; :func:`replay_options` runs a plan's options
+through the instruction DAG with their *measured* times and energies (and, optionally, the
+clock-change latency) to see what the plan would realize. Everything here reads a
+:class:`ReplayModel`: only what a replay needs (the DAG, the options, the measured rows, τ and
+``P_block``), which ``Frontier.model`` builds, so that this module and the slowdown guard
+(:mod:`powerlib.planning.perseus.guard`) need nothing else of the planner. ``Frontier.realized``
+and the guard are built on it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from powerlib.planning.perseus.options import Option, frequency_for
 from powerlib.planning.pipeline import Instruction, PipelineDAG
-
-if TYPE_CHECKING:
-    from powerlib.planning.perseus.frontier import Frontier
-    from powerlib.planning.perseus.options import Option
 
 __all__ = [
     "IncrementalReplay",
     "Layout",
     "NoisyReplay",
+    "ReplayModel",
     "Run",
     "at_freq",
     "critical_path_s",
     "layout_of",
     "replay_options",
 ]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayModel:
+    """What a replay and the slowdown guard read of a planned workload.
+
+    Attributes:
+        dag: The instruction DAG.
+        options: (stage, kind) -> its Pareto-optimal, quantized options
+            (:func:`~powerlib.planning.perseus.options.prepare_options`), fastest first.
+        measured: (stage, kind) -> frequency -> measured ``(time_s, energy_j)``, every profiled
+            frequency (the fastest option where a clock has several).
+        unit_time_s: The time quantum τ.
+        p_block_w: Power while blocked (waiting), charged to idle time (docs/perseus.md §1.4).
+    """
+
+    dag: PipelineDAG
+    options: Mapping[tuple[int, str], Sequence[Option]]
+    measured: Mapping[tuple[int, str], Mapping[float, tuple[float, float]]]
+    unit_time_s: float
+    p_block_w: float
+
+    def planned(self, durations: Sequence[int]) -> list[Option]:
+        """Per instruction, the slowest option whose quantized time fits its planned duration.
+
+        Args:
+            durations: Planned duration of every instruction, in units of τ, in DAG node order
+                (a planned point's ``durations``).
+        """
+        return [
+            frequency_for(self.options[(ins.stage, ins.kind)], q)
+            for ins, q in zip(self.dag.instructions, durations)
+        ]
+
+    def top_option(self, stage: int, kind: str) -> Option:
+        """The option at the highest measured clock: all-max's.
+
+        Also where noise in the measured times pruned it from :attr:`options` (a neighbour
+        measured faster).
+        """
+        options = self.options[(stage, kind)]
+        best = max(options, key=lambda o: o.freq_mhz)
+        measured = self.measured.get((stage, kind), {})
+        if measured and max(measured) > best.freq_mhz:
+            freq = max(measured)
+            time_s, energy_j = measured[freq]
+            quant = int(time_s // self.unit_time_s)
+            best = Option(
+                freq_mhz=freq,
+                time_s=time_s,
+                energy_j=energy_j,
+                quant=quant,
+                eff_energy_j=energy_j - self.p_block_w * quant * self.unit_time_s,
+            )
+        return best
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +145,7 @@ def layout_of(dag: PipelineDAG) -> Layout:
 
 
 def replay_options(
-    frontier: Frontier,
+    model: ReplayModel,
     chosen: Sequence[Option],
     switch_latency_s: float,
     layout: Layout | None = None,
@@ -101,15 +154,16 @@ def replay_options(
 
     Every instruction runs its option's measured time and energy; with ``switch_latency_s``, one
     whose clock differs from its stage predecessor's runs at the old clock until the change
-    lands (see :meth:`Frontier.realized <powerlib.planning.perseus.frontier.Frontier.realized>`).
+    lands (the runtime requests an instruction's clock when its stage predecessor ends; an
+    iteration's first instruction follows the previous iteration's last).
 
     Args:
-        frontier: What the options belong to (DAG, measured profile, blocking power).
+        model: What the options belong to (DAG, measured profile, blocking power).
         chosen: One option per DAG node.
         switch_latency_s: Delay between a clock request and its effect.
-        layout: :func:`layout_of` the frontier's DAG, when the caller replays repeatedly.
+        layout: :func:`layout_of` the model's DAG, when the caller replays repeatedly.
     """
-    dag = frontier.dag
+    dag = model.dag
     n = len(dag.instructions)
     layout = layout or layout_of(dag)
     preds, prev, last, topo = layout.preds, layout.prev, layout.last, layout.topo
@@ -135,7 +189,7 @@ def replay_options(
                     if slow_s > 0:
                         penalized[v] = True
                         # v's own work at u's clock
-                        old_t, old_e = at_freq(frontier, dag.instructions[v], chosen[u].freq_mhz)
+                        old_t, old_e = at_freq(model, dag.instructions[v], chosen[u].freq_mhz)
                         work = slow_s / old_t
                         if work >= 1.0:
                             duration, e = old_t, old_e
@@ -148,7 +202,7 @@ def replay_options(
         time_s = max(finish) if n else 0.0
         if pass_no == 0:
             wrap_gap = {first: time_s - finish[lst] for first, lst in last.items()}
-    total = sum(energy) + frontier.p_block_w * (time_s * dag.num_stages - sum(busy))
+    total = sum(energy) + model.p_block_w * (time_s * dag.num_stages - sum(busy))
     end = max(range(n), key=finish.__getitem__)
     path = [end]
     while via[path[-1]] >= 0:
@@ -156,16 +210,16 @@ def replay_options(
     return Run(time_s, total, path[::-1], prev, penalized, busy)
 
 
-def at_freq(frontier: Frontier, ins: Instruction, freq_mhz: float) -> tuple[float, float]:
+def at_freq(model: ReplayModel, ins: Instruction, freq_mhz: float) -> tuple[float, float]:
     """Measured (time, energy) of ``ins``'s kind at ``freq_mhz``.
 
     Without a measurement: the slowest kept option at or above that clock (or the slowest).
     """
     key = (ins.stage, ins.kind)
-    got = frontier.measured.get(key, {}).get(freq_mhz)
+    got = model.measured.get(key, {}).get(freq_mhz)
     if got is not None:
         return got
-    options = frontier.options[key]
+    options = model.options[key]
     above = [o for o in options if o.freq_mhz >= freq_mhz]
     o = min(above, key=lambda o: o.freq_mhz) if above else max(options, key=lambda o: o.time_s)
     return o.time_s, o.energy_j
@@ -180,15 +234,14 @@ def critical_path_s(dag: PipelineDAG, times_s: Sequence[float]) -> float:
 class IncrementalReplay:
     """:func:`replay_options`, kept up to date while options change one instruction at a time.
 
-    The slowdown guard (:meth:`Frontier.within_slowdown
-    <powerlib.planning.perseus.frontier.Frontier.within_slowdown>`) speeds up one instruction
-    per step and replays after each; a full replay per step made it quadratic (3,159 steps of
-    8,192 instructions at 16 stages x 256 microbatches: 62 s). Here a change recomputes only
-    the instructions whose inputs changed — the changed one, its stage successor (whose clock
-    switch it decides), the first instruction of its stage when it is the last (the switch
-    across iterations), and then every instruction a changed finish time reaches, in
-    topological order — with the same arithmetic as the full replay, so every figure is the
-    one :func:`replay_options` would return (bit for bit; tested against it).
+    The slowdown guard (:func:`powerlib.planning.perseus.guard.within_slowdown`) speeds up one
+    instruction per step and replays after each; a full replay per step made it quadratic
+    (3,159 steps of 8,192 instructions at 16 stages x 256 microbatches: 62 s). Here a change
+    recomputes only the instructions whose inputs changed — the changed one, its stage
+    successor (whose clock switch it decides), the first instruction of its stage when it is
+    the last (the switch across iterations), and then every instruction a changed finish time
+    reaches, in topological order — with the same arithmetic as the full replay, so every
+    figure is the one :func:`replay_options` would return (bit for bit; tested against it).
 
     Both passes of a replay with a switch latency are kept: the second depends on the first
     only through each stage's idle time before its first instruction, which is refreshed after
@@ -197,13 +250,13 @@ class IncrementalReplay:
 
     def __init__(
         self,
-        frontier: Frontier,
+        model: ReplayModel,
         chosen: Sequence[Option],
         switch_latency_s: float,
         layout: Layout | None = None,
     ) -> None:
-        dag = frontier.dag
-        self._frontier = frontier
+        dag = model.dag
+        self._model = model
         self._n = n = len(dag.instructions)
         self._layout = layout = layout or layout_of(dag)
         self._latency = switch_latency_s
@@ -250,9 +303,7 @@ class IncrementalReplay:
         key = (self._keys[v], freq_mhz)
         got = self._at.get(key)
         if got is None:
-            got = self._at[key] = at_freq(
-                self._frontier, self._frontier.dag.instructions[v], freq_mhz
-            )
+            got = self._at[key] = at_freq(self._model, self._model.dag.instructions[v], freq_mhz)
         return got
 
     def _propagate(self, p: int, dirty: Sequence[int], *, follow: bool = True) -> bool:
@@ -361,8 +412,8 @@ class IncrementalReplay:
         total = math.nan
         if energy:
             busy = self._busy[p]
-            total = sum(self._energy[p]) + self._frontier.p_block_w * (
-                time_s * self._frontier.dag.num_stages - sum(busy)
+            total = sum(self._energy[p]) + self._model.p_block_w * (
+                time_s * self._model.dag.num_stages - sum(busy)
             )
         via = self._via[p]
         path = [finish.index(time_s)] if n else []
@@ -385,11 +436,10 @@ class NoisyReplay:
     The point (issue 32): a plan that spends the slack of many paths makes them all just
     critical; under noise the iteration waits for the slowest of them, so its *expected* time
     exceeds all-max's although its nominal time does not. The slowdown guard
-    (:meth:`Frontier.within_slowdown
-    <powerlib.planning.perseus.frontier.Frontier.within_slowdown>`) checks the expectation.
+    (:func:`powerlib.planning.perseus.guard.within_slowdown`) checks the expectation.
 
     Args:
-        frontier: The frontier (DAG, measured profile).
+        model: The DAG and the measured profile.
         cv: Relative standard deviation of an instruction's time.
         row_se: Relative standard error of a profiled row's mean time: each draw also scales
             every (stage, kind, clock) by one factor, for the error of the profile itself (a
@@ -400,15 +450,15 @@ class NoisyReplay:
 
     def __init__(
         self,
-        frontier: Frontier,
+        model: ReplayModel,
         cv: float,
         *,
         row_se: float = 0.0,
         samples: int = 128,
         seed: int = 0,
     ) -> None:
-        self._frontier = frontier
-        dag = frontier.dag
+        self._model = model
+        dag = model.dag
         self._layout = layout_of(dag)
         rng = np.random.default_rng(seed)
         n = len(dag.instructions)
@@ -417,7 +467,7 @@ class NoisyReplay:
         self._row_se = row_se
         self._rng = rng
         self._rows: dict[tuple[int, str, float], np.ndarray] = {}
-        self._top = {k: max(o.freq_mhz for o in opts) for k, opts in frontier.options.items()}
+        self._top = {k: max(o.freq_mhz for o in opts) for k, opts in model.options.items()}
 
     def _row(self, stage: int, kind: str, freq_mhz: float) -> np.ndarray | float:
         """The draws' factor for a profiled row (the same wherever the row is used)."""
@@ -446,7 +496,7 @@ class NoisyReplay:
         k = self.samples
         finish = np.zeros((n, k))
         via = np.full((n, k), -1, dtype=np.int64)
-        dag = self._frontier.dag
+        dag = self._model.dag
         for v in topo:
             start = np.zeros(k)
             src = np.full(k, -1, dtype=np.int64)
@@ -462,7 +512,7 @@ class NoisyReplay:
             u = prev[v]
             if switch_latency_s > 0 and u >= 0 and chosen[u].freq_mhz != option.freq_mhz:
                 slow = switch_latency_s - (start - finish[u])
-                old_t, _ = at_freq(self._frontier, ins, chosen[u].freq_mhz)
+                old_t, _ = at_freq(self._model, ins, chosen[u].freq_mhz)
                 old_t *= self.factors[v] * self._row(ins.stage, ins.kind, chosen[u].freq_mhz)
                 work = np.clip(slow / old_t, 0.0, 1.0)
                 penalized = slow > 0

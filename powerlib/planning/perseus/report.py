@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from powerlib.errors import BackendUnavailableError
-from powerlib.planning.perseus.frontier import Frontier, FrontierPoint
+from powerlib.planning.perseus.frontier import Frontier
+from powerlib.planning.perseus.points import FrontierPoint
 
 if TYPE_CHECKING:
     from powerlib.planning.choice import Choice
@@ -62,7 +63,7 @@ def summary(choice: Choice, *, solve_time_s: float) -> dict[str, Any]:
         "num_points": len(frontier.points),
         "t_min_s": frontier.fastest.time_s,
         "t_max_s": first.time_s
-        + frontier.unit_time_s,  # the all-slowest start, which is not a point
+        + frontier.settings.unit_time_s,  # the all-slowest start, which is not a point
         "t_star_s": None if t_star is None else t_star.time_s,
         "t_star_energy_j": None if t_star is None else t_star.energy_j,
         "chosen": {
@@ -117,7 +118,7 @@ def _per_iteration_saving(choice: Choice) -> float | None:
     energy = realized.energy_j
     if realized.time_s < reference_s:  # held until the reference: blocking power meanwhile
         stages = frontier.dag.num_stages
-        energy += frontier.p_block_w * stages * (reference_s - realized.time_s)
+        energy += frontier.settings.p_block_w * stages * (reference_s - realized.time_s)
     return _saving_percent(energy, base)
 
 
@@ -136,7 +137,7 @@ def pyplot() -> Any:
         import matplotlib  # noqa: PLC0415 - optional extra
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional extra, after use("Agg")
     except ImportError as err:
         raise BackendUnavailableError(
             "plotting needs matplotlib: pip install 'powerlib[plot]'"

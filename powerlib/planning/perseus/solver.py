@@ -445,9 +445,13 @@ def _scipy_flow() -> object | None:
     """``scipy.sparse.csgraph.maximum_flow`` if scipy is installed (extra ``fast``), else None."""
     if not _SCIPY:
         try:
-            import numpy as np  # noqa: PLC0415
-            from scipy.sparse import csr_array  # noqa: PLC0415
-            from scipy.sparse.csgraph import breadth_first_order, maximum_flow  # noqa: PLC0415
+            # Optional extra, and scipy costs `powerlib plan` its start-up (tests/test_boundaries.py)
+            import numpy as np  # noqa: PLC0415 - with scipy, only for this flow
+            from scipy.sparse import csr_array  # noqa: PLC0415 - optional extra ``fast``
+            from scipy.sparse.csgraph import (  # noqa: PLC0415 - optional extra ``fast``
+                breadth_first_order,
+                maximum_flow,
+            )
 
             _SCIPY.append((np, csr_array, maximum_flow, breadth_first_order))
         except ImportError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -11,15 +12,11 @@ from powerlib import PlanError
 from powerlib.planning.choice import Policy, choose
 from powerlib.planning.perseus import guard
 from powerlib.planning.perseus.direct import DirectSolver
-from powerlib.planning.perseus.frontier import (
-    Wanted,
-    compute_frontier,
-    deadline_quant,
-    sweep_quants,
-)
+from powerlib.planning.perseus.frontier import FrontierSettings, compute_frontier
+from powerlib.planning.perseus.points import Wanted, deadline_quant, sweep_quants
 from powerlib.planning.perseus.replay import layout_of, replay_options
 from powerlib.planning.perseus.solver import PhillipsDessouky
-from powerlib.planning.pipeline import build_schedule
+from powerlib.planning.schedules import build_schedule
 
 pytest.importorskip("highspy")
 
@@ -71,20 +68,15 @@ SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)]
 @pytest.mark.parametrize(("schedule", "chunks"), SCHEDULES)
 def test_published_profile_direct_points_equal_the_walk(schedule: str, chunks: int) -> None:
     profile = profile_or_skip("profile_gpt3-175b_a100_sxm.csv")
-    kw = dict(
-        schedule_name=schedule,
-        num_microbatches=8,
-        num_chunks=chunks,
-        p_block_w=83.64,
-        unit_time_s=2e-3,
-    )
+    kw = dict(schedule_name=schedule, num_microbatches=8, num_chunks=chunks)
+    settings = FrontierSettings(p_block_w=83.64, unit_time_s=2e-3)
     sched = build_schedule(schedule, 8, 8, chunks)
-    walk = compute_frontier(profile, sched, **kw)
+    walk = compute_frontier(profile, sched, settings=settings, **kw)
     deadline = (walk.fastest.time_s + walk.points[0].time_s) / 2
     direct = compute_frontier(
         profile,
         sched,
-        solver="direct",
+        settings=dataclasses.replace(settings, solver="direct"),
         wanted=Wanted(deadlines_s=(deadline,), argmin_deadlines_s=(deadline,), sweep=9),
         **kw,
     )
@@ -134,10 +126,13 @@ def test_kareus_style_candidates_solve_directly() -> None:
                 t = base * 1410 / f * rng.uniform(0.98, 1.02)
                 opts.append((f, t, t * (80 + f / 10), None))
             candidates[(stage, kind)] = opts
-    kw = dict(schedule_name="1f1b", num_microbatches=6, p_block_w=60.0, unit_time_s=1e-3)
+    kw = dict(schedule_name="1f1b", num_microbatches=6, candidates=candidates)
+    settings = FrontierSettings(p_block_w=60.0, unit_time_s=1e-3)
     sched = build_schedule("1f1b", 3, 6)
-    walk = compute_frontier(None, sched, candidates=candidates, **kw)
-    direct = compute_frontier(None, sched, candidates=candidates, solver="direct", **kw)
+    walk = compute_frontier(None, sched, settings=settings, **kw)
+    direct = compute_frontier(
+        None, sched, settings=dataclasses.replace(settings, solver="direct"), **kw
+    )
     assert direct.fastest.energy_j == pytest.approx(walk.fastest.energy_j, rel=1e-9)
     assert direct.min_energy.energy_j == pytest.approx(walk.min_energy.energy_j, rel=1e-9)
 
@@ -148,11 +143,9 @@ def test_the_sweep_reports_progress_per_point_and_lists_every_point() -> None:
     frontier = compute_frontier(
         profile,
         build_schedule("1f1b", 8, 8),
+        settings=FrontierSettings(unit_time_s=2e-3, p_block_w=83.64, solver="direct"),
         schedule_name="1f1b",
         num_microbatches=8,
-        p_block_w=83.64,
-        unit_time_s=2e-3,
-        solver="direct",
         wanted=Wanted(sweep=12),
         progress=lambda done, expected: seen.append((done, expected)),
     )
@@ -181,7 +174,7 @@ def _reference_guard(frontier, point, max_slowdown, switch_latency_s):
     limit = frontier.baseline_time_s * (1.0 + max_slowdown)
     layout = layout_of(frontier.dag)
     while True:
-        run = replay_options(frontier, chosen, switch_latency_s, layout)
+        run = replay_options(frontier.model, chosen, switch_latency_s, layout)
         if run.time_s <= limit:
             return chosen
         cands = set(run.path) | {
@@ -212,25 +205,26 @@ def test_the_incremental_guard_equals_the_full_replay_guard(
     frontier = compute_frontier(
         profile_or_skip("profile_gpt3-175b_a100_sxm.csv"),
         build_schedule(schedule, 8, 16, chunks),
+        settings=FrontierSettings(unit_time_s=1e-3, p_block_w=83.64, solver="direct"),
         schedule_name=schedule,
         num_microbatches=16,
         num_chunks=chunks,
-        p_block_w=83.64,
-        unit_time_s=1e-3,
-        solver="direct",
     )
     point = frontier.fastest
     limit = frontier.baseline_time_s
     planned = frontier.planned_options(point)
-    ours = guard._speed_up(frontier, planned, limit, latency, None, batch=False)
+    ours = guard._speed_up(frontier.model, planned, limit, latency, None, batch=False)
     ref = _reference_guard(frontier, point, 0.0, latency)
     assert ours == ref
-    a, b = replay_options(frontier, ours, latency), replay_options(frontier, ref, latency)
+    a, b = (
+        replay_options(frontier.model, ours, latency),
+        replay_options(frontier.model, ref, latency),
+    )
     assert (a.time_s, a.energy_j) == (b.time_s, b.energy_j)
     assert sum(x != y for x, y in zip(planned, ours)) > 0
     # The guard itself (exact start, and this greedy below BOTH_STARTS_MAX_NODES) is no worse.
     got = replay_options(
-        frontier, frontier.within_slowdown(point, 0.0, switch_latency_s=latency), latency
+        frontier.model, frontier.within_slowdown(point, 0.0, switch_latency_s=latency), latency
     )
     assert got.time_s <= limit * (1 + 1e-12)
     assert got.energy_j <= b.energy_j
@@ -248,7 +242,7 @@ def test_the_highs_banner_never_reaches_stdout(capfd: pytest.CaptureFixture[str]
             os.write(1, b"Running HiGHS 9.9.9\n")
             self.options: dict[str, object] = {}
 
-        def setOptionValue(self, name: str, value: object) -> None:  # noqa: N802 - highspy's name
+        def setOptionValue(self, name: str, value: object) -> None:  # highspy's name
             self.options[name] = value
 
     class FakeHighspy:

@@ -13,8 +13,9 @@ from powerlib.planning.perseus import mincost
 from powerlib.planning.perseus.cost_model import TableCostModel, build_cost_model
 from powerlib.planning.perseus.options import prepare_options
 from powerlib.planning.perseus.solver import PhillipsDessouky
-from powerlib.planning.pipeline import KINDS, build_dag, build_schedule
+from powerlib.planning.pipeline import KINDS, build_dag
 from powerlib.planning.profile import Profile
+from powerlib.planning.schedules import build_schedule
 
 pytest.importorskip(
     "powerlib.planning.perseus._mincost",
@@ -27,7 +28,7 @@ from powerlib.planning.perseus.flow import FlowSolver  # noqa: E402
 def _direct_solver():
     """DirectSolver, or a skip when highspy (extra ``fast``) is missing."""
     pytest.importorskip("highspy", reason="HiGHS (highspy, extra 'fast') is the reference")
-    from powerlib.planning.perseus.direct import DirectSolver  # noqa: PLC0415
+    from powerlib.planning.perseus.direct import DirectSolver
 
     return DirectSolver
 
@@ -231,7 +232,7 @@ def test_gpt3_a100_profile_cheapest_equals_highs(
 @pytest.mark.parametrize("seed", range(5))
 def test_solve_points_by_flow_equals_highs(seed: int) -> None:
     pytest.importorskip("highspy", reason="HiGHS (highspy, extra 'fast') is the reference")
-    from powerlib.planning.perseus.direct import solve_points  # noqa: PLC0415
+    from powerlib.planning.perseus.direct import solve_points
 
     n, edges, models = random_case(random.Random(200 + seed))
     walk = PhillipsDessouky(n, edges, models)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from powerlib.planning.choice import Policy, choose
-from powerlib.planning.perseus.frontier import Frontier, compute_frontier
-from powerlib.planning.pipeline import schedule_1f1b
+from powerlib.planning.perseus.frontier import Frontier, FrontierSettings, compute_frontier
 from powerlib.planning.plan import FrequencyPlan, PartitionSetting
+from powerlib.planning.schedules import schedule_1f1b
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,9 @@ def _frontier(knobs: bool) -> Frontier:
     return compute_frontier(
         None,
         schedule_1f1b(2, 3),
+        settings=FrontierSettings(unit_time_s=1e-3, p_block_w=50.0),
         schedule_name="1f1b",
         num_microbatches=3,
-        p_block_w=50.0,
-        unit_time_s=1e-3,
         candidates=candidates,
     )
 

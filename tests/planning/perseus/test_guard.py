@@ -9,9 +9,9 @@ from perseus_cases import profile_or_skip
 from powerlib import PlanError
 from powerlib.planning.choice import Policy
 from powerlib.planning.perseus import flow, guard, mincost
-from powerlib.planning.perseus.frontier import Frontier, compute_frontier
+from powerlib.planning.perseus.frontier import Frontier, FrontierSettings, compute_frontier
 from powerlib.planning.perseus.replay import IncrementalReplay, replay_options
-from powerlib.planning.pipeline import build_schedule
+from powerlib.planning.schedules import build_schedule
 from powerlib.planning.workflow import plan_from_profile, wanted_for
 
 pytestmark = pytest.mark.skipif(not mincost.available(), reason="flow extension not built")
@@ -21,28 +21,32 @@ def _frontier(name: str, stages: int = 8, microbatches: int = 12) -> Frontier:
     return compute_frontier(
         profile_or_skip(name),
         build_schedule("1f1b", stages, microbatches, 1),
+        settings=FrontierSettings(unit_time_s=1e-3, p_block_w=83.64, solver="direct"),
         schedule_name="1f1b",
         num_microbatches=microbatches,
-        p_block_w=83.64,
-        unit_time_s=1e-3,
-        solver="direct",
     )
+
+
+def _limit(frontier: Frontier, limit_s: float | None, max_slowdown: float = 0.001) -> float:
+    """The guard's limit: all-max's time, or the straggler's ``limit_s``, plus the slowdown."""
+    reference_s = frontier.baseline_time_s if limit_s is None else limit_s
+    return guard.guard_limit(reference_s, max_slowdown)
 
 
 def _greedy(frontier: Frontier, latency: float, cv: float, limit_s: float | None = None):
     """The guard before issue 34: from the quantized point, one speed-up per replay."""
     point = frontier.fastest if limit_s is None else frontier.select("deadline", limit_s)
-    noisy = guard._NoiseCheck(frontier, cv, 0.0, limit_s, 0.001) if cv > 0 else None
-    limit = guard.guard_limit(frontier, 0.001, limit_s)
+    noisy = guard._NoiseCheck(frontier.model, cv, 0.0, limit_s, 0.001) if cv > 0 else None
+    limit = _limit(frontier, limit_s)
     start = frontier.planned_options(point)
-    return guard._speed_up(frontier, start, limit, latency, noisy, batch=False)
+    return guard._speed_up(frontier.model, start, limit, latency, noisy, batch=False)
 
 
 @pytest.mark.parametrize("name", ["profile_gpt3-175b_a100_sxm.csv", "profile_bloom_a40.csv"])
 def test_the_exact_start_realizes_within_the_limit_without_latency(name: str) -> None:
     frontier = _frontier(name)
-    limit = guard.guard_limit(frontier, 0.001, None)
-    start = guard.exact_start(frontier, limit)
+    limit = guard.guard_limit(frontier.baseline_time_s, 0.001)
+    start = guard.exact_start(frontier.model, limit)
     run = frontier.realized(start, 0.0)
     assert run.time_s <= limit
     # and spends the slack: within 0.2 % of the limit, unlike all-max
@@ -57,7 +61,7 @@ def test_the_exact_start_saves_what_the_greedy_leaves() -> None:
     new = frontier.realized(
         frontier.within_slowdown(frontier.fastest, switch_latency_s=0.005), 0.005
     )
-    limit = guard.guard_limit(frontier, 0.001, None)
+    limit = guard.guard_limit(frontier.baseline_time_s, 0.001)
     assert old.time_s < limit * 0.995
     assert limit * 0.998 < new.time_s <= limit
     assert new.energy_j < old.energy_j * 0.99
@@ -79,10 +83,10 @@ def test_the_guard_is_never_worse_than_the_greedy_and_within_the_limit(
         )
         old = _greedy(frontier, latency, cv, deadline)
         got = frontier.realized(ours, latency)
-        assert got.time_s <= guard.guard_limit(frontier, 0.001, deadline) * (1 + 1e-12)
+        assert got.time_s <= _limit(frontier, deadline) * (1 + 1e-12)
         # under a straggler the iteration lasts the deadline whatever the plan
-        ours_j = guard.held_energy_j(frontier, ours, latency, deadline)
-        assert ours_j <= guard.held_energy_j(frontier, old, latency, deadline) * (1 + 1e-12)
+        ours_j = guard.held_energy_j(frontier.model, ours, latency, deadline)
+        assert ours_j <= guard.held_energy_j(frontier.model, old, latency, deadline) * (1 + 1e-12)
 
 
 def test_the_exact_start_alone_meets_the_limit_with_latency(
@@ -93,7 +97,9 @@ def test_the_exact_start_alone_meets_the_limit_with_latency(
     frontier = _frontier("profile_gpt3-175b_a100_sxm.csv")
     for latency in (0.005, 0.02):
         chosen = frontier.within_slowdown(frontier.fastest, switch_latency_s=latency)
-        assert frontier.realized(chosen, latency).time_s <= guard.guard_limit(frontier, 0.001, None)
+        assert frontier.realized(chosen, latency).time_s <= guard.guard_limit(
+            frontier.baseline_time_s, 0.001
+        )
 
 
 def test_a_failed_certificate_is_an_error_never_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,7 +113,7 @@ def test_a_failed_certificate_is_an_error_never_a_plan(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(mincost, "potentials", off_by_one)
     with pytest.raises(PlanError, match="certificate"):
-        guard.exact_start(frontier, guard.guard_limit(frontier, 0.001, None))
+        guard.exact_start(frontier.model, guard.guard_limit(frontier.baseline_time_s, 0.001))
 
 
 def test_without_the_extension_the_guard_is_the_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,10 +135,10 @@ def test_the_plan_workflow_solves_the_guard_beside_the_points() -> None:
         solver="direct",
     )
     frontier = result.frontier
-    limit = guard.guard_limit(frontier, policy.max_slowdown, None)
+    limit = guard.guard_limit(frontier.baseline_time_s, policy.max_slowdown)
     assert list(frontier.direct.guard_starts) == [(limit, False)]
     got = frontier.direct.guard_starts[(limit, False)].result()
-    assert got == guard.exact_start(frontier, limit)
+    assert got == guard.exact_start(frontier.model, limit)
     frontier.direct.guard_starts.clear()
     again = frontier.within_slowdown(frontier.fastest, switch_latency_s=0.005)
     assert list(result.choice.options) == again
@@ -141,7 +147,7 @@ def test_the_plan_workflow_solves_the_guard_beside_the_points() -> None:
 def test_set_many_equals_one_full_replay() -> None:
     frontier = _frontier("profile_gpt3-175b_a100_sxm.csv", microbatches=8)
     chosen = frontier.planned_options(frontier.fastest)
-    replay = IncrementalReplay(frontier, chosen, 0.02)
+    replay = IncrementalReplay(frontier.model, chosen, 0.02)
     rng = np.random.default_rng(1)
     for _ in range(5):
         moves = []
@@ -152,7 +158,7 @@ def test_set_many_equals_one_full_replay() -> None:
         replay.set_many(moves)
         for v, option in moves:
             chosen[v] = option
-        full = replay_options(frontier, chosen, 0.02)
+        full = replay_options(frontier.model, chosen, 0.02)
         got = replay.run()
         assert (got.time_s, got.energy_j) == (full.time_s, full.energy_j)
 
@@ -175,12 +181,12 @@ def test_under_a_straggler_the_guard_spends_the_deadline() -> None:
     exact start spends the slack up to the deadline instead of paying for a faster plan."""
     frontier = _frontier("profile_gpt3-175b_a100_sxm.csv")
     deadline = frontier.baseline_time_s * 1.15
-    limit = guard.guard_limit(frontier, 0.001, deadline)
-    held = guard.exact_start(frontier, limit, held=True)
-    free = guard.exact_start(frontier, limit)
+    limit = guard.guard_limit(deadline, 0.001)
+    held = guard.exact_start(frontier.model, limit, held=True)
+    free = guard.exact_start(frontier.model, limit)
     assert frontier.realized(held, 0.0).time_s > limit * 0.995
     assert frontier.realized(free, 0.0).time_s <= frontier.realized(held, 0.0).time_s
-    assert guard.held_energy_j(frontier, held, 0.0, deadline) <= guard.held_energy_j(
-        frontier, free, 0.0, deadline
+    assert guard.held_energy_j(frontier.model, held, 0.0, deadline) <= guard.held_energy_j(
+        frontier.model, free, 0.0, deadline
     )
     assert frontier.realized(free, 0.0).energy_j <= frontier.realized(held, 0.0).energy_j

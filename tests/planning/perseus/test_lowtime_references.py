@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from powerlib.planning.perseus.frontier import compute_frontier
-from powerlib.planning.pipeline import build_schedule
+from powerlib.planning.perseus.frontier import FrontierSettings, compute_frontier
 from powerlib.planning.profile import Profile
+from powerlib.planning.schedules import build_schedule
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "lowtime_frontiers"
 PROFILES = DATA / "profiles"
@@ -100,12 +100,14 @@ def test_matches_lowtime(case: Case) -> None:
     frontier = compute_frontier(
         Profile.read(PROFILES / case.profile),
         build_schedule("1f1b", NUM_STAGES, case.num_microbatches),
+        settings=FrontierSettings(
+            unit_time_s=case.unit_time_s,
+            p_block_w=case.p_block_w,
+            order="filter-then-subtract",
+            cost_model="exp",
+        ),
         schedule_name="1f1b",
         num_microbatches=case.num_microbatches,
-        p_block_w=case.p_block_w,
-        unit_time_s=case.unit_time_s,
-        order="filter-then-subtract",
-        cost_model="exp",
     )
     points = frontier.points
     assert len(points) == len(reference)

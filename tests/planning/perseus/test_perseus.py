@@ -14,10 +14,10 @@ from powerlib import PlanError
 from powerlib.cli import cli
 from powerlib.planning.perseus import solver as solver_module
 from powerlib.planning.perseus.cost_model import TableCostModel
-from powerlib.planning.perseus.frontier import Frontier, compute_frontier
+from powerlib.planning.perseus.frontier import Frontier, FrontierSettings, compute_frontier
 from powerlib.planning.perseus.solver import PhillipsDessouky
-from powerlib.planning.pipeline import build_schedule
 from powerlib.planning.profile import Profile
+from powerlib.planning.schedules import build_schedule
 
 SHARED = Path(__file__).resolve().parents[4] / "shared" / "perseus_validation"
 if not SHARED.is_dir():
@@ -113,12 +113,11 @@ def _frontier(
     return compute_frontier(
         Profile.read(profile),
         build_schedule("1f1b", n, m),
+        settings=FrontierSettings(
+            unit_time_s=1e-3, p_block_w=p_block_w, order=order, cost_model=cost_model
+        ),
         schedule_name="1f1b",
         num_microbatches=m,
-        p_block_w=p_block_w,
-        unit_time_s=1e-3,
-        order=order,
-        cost_model=cost_model,
     )
 
 
@@ -203,11 +202,10 @@ def test_frontier_invariants(
     frontier = compute_frontier(
         Profile.read(profile),
         build_schedule(schedule, n, m, chunks),
+        settings=FrontierSettings(unit_time_s=1e-3, p_block_w=p_block_w),
         schedule_name=schedule,
         num_microbatches=m,
         num_chunks=chunks,
-        p_block_w=p_block_w,
-        unit_time_s=1e-3,
     )
     points = frontier.points
     assert len(points) > 10
