@@ -14,7 +14,7 @@ artifact's 15/13 layer split, 8 microbatches, 1F1B, A100 parameters):
    budget (84/112/224 evaluations). Its quality is the hypervolume of the *true* (noise-free)
    values of the configurations it measured, relative to the exhaustive front of the whole
    space, both normalised by the exhaustive min/max with reference point 1.1
-   (:func:`~powerlib.planning.kareus.search.relative_hypervolume`).
+   (:func:`~powerlib.kareus.search.relative_hypervolume`).
 2. **Frontiers.** The measured partitions are composed into instruction options and solved
    with the Perseus solver: Kareus (composed + sequential + stock), Perseus-only ("M+P":
    sequential execution, clock per instruction) and nanobatch+Perseus ("N+P": collective
@@ -32,7 +32,7 @@ artifact's 15/13 layer split, 8 microbatches, 1F1B, A100 parameters):
    truth of the measured configurations, and what those configurations would draw at their
    locked clocks without the limit; how many measurements throttled. A window above the limit
    (plus 1 W for the controller's overshoot) is flagged and makes the run exit with status 1.
-4. **Composition correction.** :func:`~powerlib.planning.kareus.compose.calibrate_correction`
+4. **Composition correction.** :func:`~powerlib.kareus.compose.calibrate_correction`
    fitted from the planner's composed times of the nanobatched instructions of the fastest and
    minimum-energy Kareus plans against the same instructions run in situ (their partitions and
    extra work back to back on the simulated GPU, noise-free, under the power limit). The plans
@@ -44,7 +44,7 @@ artifact's 15/13 layer split, 8 microbatches, 1F1B, A100 parameters):
 Plus **Theorem 1** on the overlapped TP8 attention partition: a run capped at 400 W with the
 clock locked at 1410 MHz against a run locked at the capped run's average clock, same work.
 
-All numbers are simulated (A100 parameter set of :mod:`powerlib.emulator.partition_model`); the
+All numbers are simulated (A100 parameter set of :mod:`powerlib.kareus.sim_model`); the
 planner and the search are the library's, unchanged. JSON goes to stdout (and ``--out``);
 progress to stderr.
 """
@@ -61,34 +61,27 @@ from typing import Any
 
 import numpy as np
 
-from powerlib.emulator.partition_model import (
-    A100,
-    SimulatedOverlapEvaluator,
-    Work,
-    model,
-    model_sequential,
-    run_capped,
-    run_locked,
-    simulate,
-    throttled_clock,
-)
-from powerlib.planning.kareus.compose import (
+from powerlib.kareus.compose import (
     METHODS,
     calibrate_correction,
     compare_frontiers,
     measure_components,
     sample_frontier,
 )
-from powerlib.planning.kareus.evaluator import Measurement
-from powerlib.planning.kareus.partition import (
+from powerlib.kareus.evaluator import Measurement
+from powerlib.kareus.partition import (
     MODEL_SHAPES,
     Parallelism,
     build_workload,
     config_space,
     search_budget,
 )
-from powerlib.planning.kareus.search import relative_hypervolume, search_partition
-from powerlib.planning.kareus.workflow import compose_methods, solve_methods
+from powerlib.kareus.search import relative_hypervolume, search_partition
+from powerlib.kareus.sim_capping import Work, run_capped, run_locked
+from powerlib.kareus.sim_fluid import model, model_sequential, simulate, throttled_clock
+from powerlib.kareus.sim_model import SimulatedOverlapEvaluator
+from powerlib.kareus.sim_params import A100
+from powerlib.kareus.workflow import compose_methods, solve_methods
 
 FREQS = tuple(float(f) for f in range(900, 1411, 30))
 STAGE_LAYERS = (15, 13)

@@ -14,13 +14,13 @@ simulated GPU's, which does not run torch, so neither says anything about a GPU)
 Both layers are built from the same seed with the local spec (``get_gpt_layer_local_spec``) and
 ``nanobatch_layer_spec``. Each runs ``--iters`` forward+backward passes of one microbatch,
 alternating stock and nanobatched rounds so drift hits both alike; the nanobatched layer runs
-under a one-microbatch overlap plan whose launch slots and SM count come from ``--slots`` /
+under a one-microbatch Kareus plan whose launch slots and SM count come from ``--slots`` /
 ``--sm-count`` (default: each partition type's first compute slot after the norm, 8 SMs). Time is
 wall time between device synchronisations (max over ranks), over ``--iters`` passes or more.
 Energy is not the delta of two counter reads around them: NVML publishes its counter about every
 100 ms, so that would be off by up to an update (10 % of a 1 s round). Each round time-stamps one
 counter update before its timed passes and one after (synchronised passes, each followed by a
-read, until the counter moves: :class:`~powerlib.profiling.partition_meter.SpanMeter`, docs/kareus.md
+read, until the counter moves: :class:`~powerlib.kareus.meter.SpanMeter`, docs/kareus.md
 §2.1 "How powerlib measures energy"); energy per pass = the energy between the two updates over
 the time between them × the time per pass, summed over ranks, with ``energy_rel_error``, the
 bound from the updates' brackets. A round runs enough passes for that bound to reach
@@ -98,11 +98,12 @@ def main() -> int:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import powerlib
-    from powerlib.integrations.megatron import nanobatch_layer_spec
+    from powerlib.kareus.launch import LaunchControl
+    from powerlib.kareus.launch_schedule import PartitionSchedule
+    from powerlib.kareus.megatron import nanobatch_layer_spec
+    from powerlib.kareus.meter import SpanMeter
     from powerlib.planning.pipeline import Instruction
     from powerlib.planning.plan import PartitionSetting, PlannedInstruction
-    from powerlib.profiling.partition_meter import SpanMeter
-    from powerlib.runtime.launch_control import Overlap, OverlapSchedule
 
     cuda = torch.cuda.is_available()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -145,10 +146,10 @@ def main() -> int:
         )
         for kind in ("forward", "backward")
     ]
-    overlap = Overlap(OverlapSchedule(planned, source="benchmark"))
-    overlap.groups.prepare({args.sm_count}, None)
+    control = LaunchControl(PartitionSchedule(planned, source="benchmark"))
+    control.groups.prepare({args.sm_count}, None)
     stock = layer(get_gpt_layer_local_spec())
-    nano = layer(nanobatch_layer_spec(overlap=overlap))
+    nano = layer(nanobatch_layer_spec(control=control))
     seq = args.seq_len // (world if args.sequence_parallel else 1)
     x = torch.randn(seq, args.micro_batch, args.hidden, device=device, dtype=dtype)
     mask = torch.triu(torch.ones(args.seq_len, args.seq_len, dtype=torch.bool, device=device), 1)
@@ -168,15 +169,15 @@ def main() -> int:
     def one_pass(module: Any, planned_run: bool) -> None:
         inp = x.detach().requires_grad_(True)
         if planned_run:
-            overlap.begin("forward", 0)
+            control.begin("forward", 0)
         out, _ = module(inp, attention_mask=mask)
         if planned_run:
-            overlap.end()
-            overlap.begin("backward", 0)
+            control.end()
+            control.begin("backward", 0)
         out.backward(torch.ones_like(out))
         if planned_run:
-            overlap.end()
-            overlap.step()
+            control.end()
+            control.step()
         module.zero_grad(set_to_none=True)
 
     def passes(module: Any, n: int, planned_run: bool) -> dict[str, Any]:
@@ -235,7 +236,7 @@ def main() -> int:
 
     stock_t, nano_t = median("stock", "time_s"), median("nanobatch", "time_s")
     stock_e, nano_e = median("stock", "energy_j"), median("nanobatch", "energy_j")
-    report = overlap.report()
+    report = control.report()
     result = {
         "benchmark": "nanobatch_layer",
         "device": torch.cuda.get_device_name(local) if cuda else platform.processor() or "cpu",

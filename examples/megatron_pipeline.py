@@ -45,7 +45,7 @@ if not ON_GPU:
 class _CudaToCpu(TorchFunctionMode):
     """``device="cuda"`` keywords become ``"cpu"`` (the schedules' ``total_num_tokens``)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         device = kwargs.get("device")
         if str(device).startswith("cuda"):
@@ -77,11 +77,11 @@ class Stage(torch.nn.Module):
         return self.body(x if self.input_tensor is None else self.input_tensor)
 
 
-def forward_step(data_iterator, model):  # noqa: ANN001, ANN201
+def forward_step(data_iterator, model):
     """Megatron's ``forward_step_func``: the output and its loss function."""
     x, y = next(data_iterator)
 
-    def loss_func(out: torch.Tensor):  # noqa: ANN202
+    def loss_func(out: torch.Tensor):
         loss = torch.nn.functional.mse_loss(out, y)
         return loss, {"loss": loss.detach()}
 

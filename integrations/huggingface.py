@@ -193,7 +193,7 @@ class _PowerlibCallbackImpl(MeasuredRun):
         if self.devices != "auto":
             return self.devices
         if args.world_size > 1:
-            from powerlib.measurement.measure import LOCAL  # noqa: PLC0415
+            from powerlib.measurement import LOCAL  # noqa: PLC0415
 
             return LOCAL  # this process's GPU, as the session picks it (docs/real-gpu.md §4)
         return None

@@ -84,11 +84,9 @@ __all__ = [
     "attach",
     "current_session",
     "main",
-    "nanobatch_layer_spec",
     "options_from_env",
     "replan",
     "patch_training",
-    "tensor_parallel_ranks",
     "workload_from_args",
 ]
 
@@ -272,25 +270,8 @@ def attach(session: Any, *, enabled: bool = True) -> Iterator[None]:
             setattr(schedules, name, original)
 
 
-def tensor_parallel_ranks() -> list[list[int]]:
-    """The global ranks of every tensor-parallel group of the job: ``overlap_groups=`` for a session.
-
-    A Kareus plan's SM-limited NCCL communicators are made per group the overlapped collectives
-    run on (:mod:`powerlib.runtime.sm_groups`); in Megatron those are the tensor-parallel groups.
-    Collective: every rank calls it (one ``all_gather_object``); needs Megatron's parallel state.
-    :func:`patch_training` passes it for you.
-    """
-    import torch.distributed as dist  # noqa: PLC0415
-    from megatron.core import parallel_state  # noqa: PLC0415
-
-    mine = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sorted(int(r) for r in mine))
-    return [list(g) for g in sorted({tuple(g) for g in every})]
-
-
 def current_session() -> Any:
-    """The session the innermost :func:`attach` drives, or ``None`` (what nanobatched layers follow)."""
+    """The session the innermost :func:`attach` drives, or ``None``."""
     return _ATTACHED[-1] if _ATTACHED else None
 
 
@@ -309,22 +290,6 @@ def replan(deadline_s: float) -> None:
 
         raise InvalidArgumentError("replan: no powerlib session is attached to this training loop")
     session.replan(deadline_s)
-
-
-def nanobatch_layer_spec(overlap: Any = None, **local_spec_kwargs: Any) -> Any:
-    """A layer spec whose layers execute Kareus overlap plans (two overlapped nanobatches).
-
-    ``get_gpt_layer_local_spec(**local_spec_kwargs)`` with megatron-core's ``TransformerLayer``
-    replaced by :class:`~powerlib.integrations.megatron_nanobatch.NanobatchTransformerLayer`:
-    use it wherever the local spec is (``GPTModel(config, transformer_layer_spec=...)``). The
-    layers follow the plan of the session :func:`attach` (or :func:`patch_training`) drives, or
-    ``overlap`` (an ``Overlap``, a session, or a callable returning one); without a plan, or in a
-    ``sequential`` instruction, they are the stock layer. See
-    :mod:`powerlib.integrations.megatron_nanobatch`.
-    """
-    from powerlib.integrations.megatron_nanobatch import layer_spec  # noqa: PLC0415
-
-    return layer_spec(overlap, **local_spec_kwargs)
 
 
 # -- Megatron-LM's own loop ---------------------------------------------------------------------
@@ -457,10 +422,7 @@ def patch_training(*, enabled: bool = True, **options: Any) -> TrainingPatch | N
         workload = workload_from_args(
             get_args(), get_num_microbatches(), parallel_state.get_pipeline_model_parallel_rank()
         )
-        keywords = dict(options)
-        if "overlap_groups" not in keywords:  # SM-limited communicators per tensor-parallel group
-            keywords["overlap_groups"] = tensor_parallel_ranks()
-        with powerlib.optimize(**workload, **keywords) as session, attach(session):
+        with powerlib.optimize(**workload, **options) as session, attach(session):
             patch.sessions.append(session)
             return train(*args, **kwargs)
 

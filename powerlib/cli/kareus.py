@@ -8,7 +8,7 @@ whose instructions carry their partition settings.
 
 Measurements come from the simulated partition evaluator (A100 or H100 parameters). Measuring
 real GPUs needs the partition kernels of the training framework: use
-:class:`powerlib.profiling.partition_meter.DeviceEvaluator` from Python with a callable that runs one
+:class:`powerlib.kareus.meter.DeviceEvaluator` from Python with a callable that runs one
 partition, and the same study layout.
 """
 
@@ -136,14 +136,11 @@ def search(
     Writes STUDY_DIR/study.json and one resumable evaluation log per partition type
     (STUDY_DIR/<type>.jsonl). Rerunning with the same options continues from the logs.
     """
-    from powerlib.emulator.partition_model import (  # noqa: PLC0415 - keep CLI start fast
-        A100,
-        H100,
-        SimulatedOverlapEvaluator,
-    )
-    from powerlib.planning.kareus.evaluator import MeasureProtocol  # noqa: PLC0415
-    from powerlib.planning.kareus.partition import Parallelism  # noqa: PLC0415
-    from powerlib.planning.kareus.workflow import search_study  # noqa: PLC0415
+    from powerlib.kareus.evaluator import MeasureProtocol  # noqa: PLC0415
+    from powerlib.kareus.partition import Parallelism  # noqa: PLC0415
+    from powerlib.kareus.sim_model import SimulatedOverlapEvaluator  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.kareus.sim_params import A100, H100  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.kareus.workflow import search_study  # noqa: PLC0415
 
     par = Parallelism(
         tp=tp, cp=cp, micro_batch=micro_batch, seq_len=seq_len, recompute=not no_recompute
@@ -260,8 +257,8 @@ def plan_(
     nanobatch) and per-partition launch slot and SM count. Savings are against Megatron-LM:
     sequential execution at the highest clock.
     """
+    from powerlib.kareus.workflow import plan_from_study  # noqa: PLC0415
     from powerlib.planning.choice import Policy  # noqa: PLC0415 - keep CLI start fast
-    from powerlib.planning.kareus.workflow import plan_from_study  # noqa: PLC0415
     from powerlib.planning.workflow import write_outputs  # noqa: PLC0415
 
     if policy == "deadline" and deadline_s is None:

@@ -36,11 +36,12 @@ from powerlib.emulator.engine import (
 )
 from powerlib.errors import BackendUnavailableError, InvalidArgumentError
 from powerlib.planning.perseus.direct import direct_available
-from powerlib.planning.perseus.frontier import DEFAULT_MAX_WORK, estimate_pipeline_work
 from powerlib.planning.perseus.report import pyplot
-from powerlib.planning.pipeline import KIND_LETTERS, build_schedule
+from powerlib.planning.perseus.work import DEFAULT_MAX_WORK, estimate_pipeline_work
+from powerlib.planning.pipeline import KIND_LETTERS
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile
+from powerlib.planning.schedules import build_schedule
 from powerlib.progress import Progress
 from powerlib.runtime.apply_phase import ApplyPhase
 from powerlib.runtime.controller import FrequencyController

@@ -32,16 +32,15 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 
+from powerlib.backend import Backend, ProbeResult
 from powerlib.config import Settings
 from powerlib.device import (
-    Backend,
     Capabilities,
     ClockLockState,
     Device,
     DeviceInfo,
     DeviceKind,
     PowerState,
-    ProbeResult,
 )
 
 __all__ = ["EmulatedBackend", "EmulatedDevice", "VirtualTime"]

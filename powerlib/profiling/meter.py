@@ -9,8 +9,9 @@ A counter publishes a new value only every so often (NVML and the simulator: abo
 so the difference of two reads taken closer together than that is mostly zero or one whole update.
 The meter therefore also watches its own reads: how often the value changed between two reads
 tells how often the counter updates (:meth:`EnergyMeter.resolution`,
-:func:`estimate_counter_period_s`), and from that period, an instruction's length and the number
-of samples, :func:`energy_error` bounds how well the profile resolves the instruction's energy.
+:func:`~powerlib.measurement.counter_period.estimate_counter_period_s`), and from that period, an
+instruction's length and the number of samples, :func:`energy_error` bounds how well the profile
+resolves the instruction's energy.
 """
 
 from __future__ import annotations
@@ -19,18 +20,16 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from powerlib.device import Device
 from powerlib.errors import NotSupportedError, PowerlibError
+from powerlib.measurement.counter_period import estimate_counter_period_s
 
-__all__ = ["CounterResolution", "EnergyMeter", "energy_error", "estimate_counter_period_s"]
+__all__ = ["CounterResolution", "EnergyMeter", "energy_error"]
 
 logger = logging.getLogger(__name__)
-
-MIN_INTERVALS = 8
-"""Read intervals below which the counter's period is not estimated."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +40,8 @@ class CounterResolution:
         intervals: Intervals between consecutive reads (of positive length).
         changes: Of those, how many saw the counter move.
         period_s: Estimated update period of the counter (see
-            :func:`estimate_counter_period_s`); ``None`` when energy is integrated from power
-            or too few reads were made.
+            :func:`~powerlib.measurement.counter_period.estimate_counter_period_s`); ``None``
+            when energy is integrated from power or too few reads were made.
         at_most: ``period_s`` is an upper bound (every read saw a new value).
     """
 
@@ -59,48 +58,6 @@ class CounterResolution:
             "period_s": self.period_s,
             "at_most": self.at_most,
         }
-
-
-def estimate_counter_period_s(
-    intervals_s: Sequence[float], changes: int
-) -> tuple[float, bool] | None:
-    """The update period of a counter from how often it moved between reads.
-
-    A counter that updates every ``P`` seconds, read twice ``L`` apart at a random phase, moves
-    with probability ``min(1, L / P)``; the estimate is the ``P`` at which the expected number
-    of moves equals ``changes``.
-
-    Args:
-        intervals_s: Times between consecutive reads (positive).
-        changes: How many of them saw the value change.
-
-    Returns:
-        ``(period_s, at_most)``: when every interval saw a change the period is only known to
-        be at most the shortest interval (``at_most``); when none did, at least their sum (then
-        ``period_s`` is that sum). ``None`` for fewer than :data:`MIN_INTERVALS` intervals.
-    """
-    lengths = [length for length in intervals_s if length > 0]
-    if len(lengths) < MIN_INTERVALS:
-        return None
-    total_s = math.fsum(lengths)
-    if changes <= 0:
-        return total_s, False
-    if changes >= len(lengths):
-        return min(lengths), True
-
-    def expected(period_s: float) -> float:
-        return math.fsum(min(1.0, length / period_s) for length in lengths)
-
-    lo, hi = min(lengths), total_s  # expected(lo) = all intervals, expected(hi) <= 1 <= changes
-    for _ in range(100):  # bisection in log space: the period spans decades
-        mid = math.sqrt(lo * hi)
-        if expected(mid) > changes:
-            lo = mid
-        else:
-            hi = mid
-        if hi / lo < 1.0 + 1e-6:
-            break
-    return math.sqrt(lo * hi), False
 
 
 def energy_error(time_s: float, period_s: float, samples: int) -> float:

@@ -3,7 +3,7 @@
 from powerlib.runtime.apply_phase import ApplyConfig, ApplyPhase
 from powerlib.runtime.controller import AppliedChange, FrequencyController
 from powerlib.runtime.coordination import LocalGroup, SingleProcess, TorchDistributed
-from powerlib.runtime.launch_control import LaunchRecord, Overlap, OverlapSchedule, SMGroups
+from powerlib.runtime.listeners import InstructionListener
 from powerlib.runtime.options import MODES, RunConfig
 from powerlib.runtime.planning_step import PlanSpec, make_plan
 from powerlib.runtime.profile_phase import ProfileConfig, ProfilePhase
@@ -15,15 +15,12 @@ __all__ = [
     "ApplyConfig",
     "ApplyPhase",
     "FrequencyController",
-    "LaunchRecord",
+    "InstructionListener",
     "LocalGroup",
-    "Overlap",
-    "OverlapSchedule",
     "PlanSpec",
     "ProfileConfig",
     "ProfilePhase",
     "RunConfig",
-    "SMGroups",
     "Session",
     "SingleProcess",
     "TorchDistributed",

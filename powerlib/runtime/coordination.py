@@ -86,7 +86,7 @@ def _plan_safely(plan_fn: PlanFn, payloads: list[dict[str, Any]]) -> PlanningOut
         return plan_fn(payloads)
     except PowerlibError as err:
         return PlanningOutcome(error=str(err))
-    except Exception as err:  # a bug on rank 0 must not leave the other ranks waiting forever
+    except Exception as err:  # noqa: BLE001 - a bug on rank 0 must not leave the other ranks waiting forever
         return PlanningOutcome(error=f"planning failed on rank 0: {type(err).__name__}: {err}")
 
 

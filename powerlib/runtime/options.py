@@ -18,19 +18,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from powerlib.backend import Backend
 from powerlib.config import Settings
 from powerlib.control import ControlSession
-from powerlib.device import Backend, Device, DeviceKind, gpu_uuid_key
+from powerlib.device import Device, DeviceKind
 from powerlib.errors import (
     BackendUnavailableError,
     DeviceBusyError,
-    DeviceNotFoundError,
     InvalidArgumentError,
     NotSupportedError,
     PermissionDeniedError,
     PowerlibError,
 )
+from powerlib.registry import local_device
 from powerlib.runtime.coordination import Coordinator
+from powerlib.runtime.listeners import InstructionListener
 
 DISABLE_ENV = "POWERLIB_DISABLE"
 """Set to 1 to run every session disabled (measure only, no device change)."""
@@ -42,7 +44,6 @@ __all__ = [
     "RunConfig",
     "check_control",
     "claim_device",
-    "local_device",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class RunConfig:
         stage: This rank's pipeline stage; default: the rank, when there is one rank per stage.
         backend: A :class:`Backend`, a backend name, or ``None`` (``POWERLIB_BACKEND``).
         device: The device (index, id or :class:`Device`); default this process's CUDA device,
-            else ``LOCAL_RANK`` (:func:`local_device`).
+            else ``LOCAL_RANK`` (:func:`powerlib.registry.local_device`).
         profile_path: The profile to plan from (``plan`` mode).
         plan_path: The plan to apply (``apply`` mode).
         coordinator: How ranks agree; default ``torch.distributed`` if initialised, else alone.
@@ -70,8 +71,8 @@ class RunConfig:
         guardian: Start the watchdog process that restores the device if this process is
             killed; default: on when the backend changes devices directly and persistently (real
             hardware, not the agent; docs/real-gpu.md §6).
-        overlap_groups: For overlap plans on NCCL: the global ranks of every group the
-            overlapped collectives run on; default: the whole world.
+        listeners: Instruction listeners the session registers before it starts
+            (:mod:`powerlib.runtime.listeners`; Kareus's launch control).
         settings: Settings; default from the environment.
         enabled: ``False`` (or ``POWERLIB_DISABLE=1`` in the environment) runs the same hooks
             and measures every iteration's time and energy, but changes no device and takes
@@ -96,7 +97,7 @@ class RunConfig:
     sync: Callable[[], None] | None = None
     progress: bool | None = None
     guardian: bool | None = None
-    overlap_groups: Sequence[Sequence[int]] | None = None
+    listeners: Sequence[InstructionListener] = ()
     settings: Settings | None = None
     enabled: bool = True
     force: bool = False
@@ -176,67 +177,6 @@ class LazyCudaSync:
                 return
             sync = self._sync = torch.cuda.synchronize
         sync()
-
-
-def _cuda_uuid() -> str | None:
-    """The UUID of this process's CUDA device, when torch has CUDA up (never on ROCm)."""
-    torch = sys.modules.get("torch")  # never import torch: a CPU job does not have it
-    if torch is None or getattr(getattr(torch, "version", None), "hip", None):
-        return None  # AMD: HIP's UUIDs are not amdsmi's ids; the index decides
-    try:
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            return None
-        uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
-    except Exception as err:  # noqa: BLE001 - a broken CUDA leaves the choice to the index
-        logger.info("powerlib: could not read the CUDA device's UUID: %s", err)
-        return None
-    return gpu_uuid_key(str(uuid)) or None
-
-
-def local_device(backend: Backend, settings: Settings) -> Device:
-    """This process's device of ``backend`` when none is named (docs/real-gpu.md §4).
-
-    In order: the device whose id is the UUID of torch's current CUDA device (when CUDA is
-    initialised; NVML ids are ``GPU-<uuid>``); ``LOCAL_RANK`` (else 0) as an index among the
-    visible devices when it is in range; the only visible device (a launcher that gives each
-    process one GPU through ``CUDA_VISIBLE_DEVICES``).
-
-    Raises:
-        DeviceNotFoundError: None of these applies; the message names ``LOCAL_RANK``,
-            ``CUDA_VISIBLE_DEVICES`` and the visible devices.
-    """
-    devices = list(backend.devices())
-    uuid = _cuda_uuid()
-    if uuid is not None:
-        for device in devices:
-            if gpu_uuid_key(device.device_id) == uuid:
-                return device
-        logger.info(
-            "powerlib: the CUDA device's UUID %s is not among the %s backend's devices; "
-            "choosing by LOCAL_RANK",
-            uuid,
-            backend.name,
-        )
-    index = settings.local_rank or 0
-    if 0 <= index < len(devices):
-        return devices[index]
-    if len(devices) == 1:
-        logger.info(
-            "powerlib: LOCAL_RANK=%s but one device is visible (CUDA_VISIBLE_DEVICES=%s): using %s",
-            settings.local_rank,
-            settings.cuda_visible_devices,
-            devices[0].device_id,
-        )
-        return devices[0]
-    visible = (
-        "unset" if settings.cuda_visible_devices is None else repr(settings.cuda_visible_devices)
-    )
-    rank = "unset" if settings.local_rank is None else settings.local_rank
-    raise DeviceNotFoundError(
-        f"no device for LOCAL_RANK={rank}: the {backend.name} backend sees "
-        f"{len(devices)} device(s) (CUDA_VISIBLE_DEVICES {visible}); pass device= or give "
-        "each process its GPU through CUDA_VISIBLE_DEVICES"
-    )
 
 
 def check_control(backend: Backend, device: Device) -> None:

@@ -34,7 +34,11 @@ from powerlib.planning.plan import FrequencyPlan
 from powerlib.runtime.apply_phase import ApplyPhase
 from powerlib.runtime.closed_loop import CheckConfig, ClosedLoop
 from powerlib.runtime.coordination import Future
-from powerlib.runtime.launch_control import plan_has_overlap
+from powerlib.runtime.listeners import (
+    plan_has_partitions,
+    registered_listener,
+    unclaimed_partitions,
+)
 from powerlib.runtime.phases import DONE, Idle, Waiting
 from powerlib.runtime.planning_step import (
     PlanningOutcome,
@@ -179,6 +183,8 @@ class PlanFlow:
             )
             return
         try:
+            # every rank at the same boundary: a listener may make a collective (see _try_plan)
+            self._hand_to_listeners(plan)
             plan.check_frequencies(self.device.info.supported_sm_freqs_mhz, self.stage)
         except PlanError as err:
             logger.warning("powerlib: the re-plan for %g s cannot be applied: %s", deadline_s, err)
@@ -199,6 +205,26 @@ class PlanFlow:
             f"switched to the plan for {deadline_s:g} s at iteration {self.iteration}"
             + ("" if saving is None else f" (saves {saving:.2f} % replayed on the profile)")
         )
+
+    def _hand_to_listeners(self, plan: FrequencyPlan) -> None:
+        """Hand ``plan`` to the instruction listeners; one must take its partition settings.
+
+        When none of the session's listeners takes them, the listener registered for
+        ``partitions`` (Kareus's launch control, docs/architecture.md §1) is added and handed the
+        plan. Every rank takes the same path at the same point: a listener may make a
+        collective.
+
+        Raises:
+            PlanError: The plan has partition settings and nothing takes them.
+        """
+        if self._listeners.plan_applied(plan, self.stage) or not plan_has_partitions(plan):
+            return
+        listener = registered_listener("partitions")
+        if listener is not None:
+            self._listeners.add(listener)
+            if listener.plan_applied(plan, self.stage):
+                return
+        raise PlanError(unclaimed_partitions(plan))
 
     def _apply_phase(self, plan: FrequencyPlan) -> ApplyPhase:
         """This rank's stage of ``plan``, through the session's controller."""
@@ -259,10 +285,9 @@ class PlanFlow:
                     f"{plan.source}: the plan has {plan.num_stages} stages, the session has "
                     f"{self.spec.num_stages}"
                 )
-            if plan_has_overlap(plan):
-                # Before any per-rank check: on NCCL this creates communicators, a collective
-                # every rank must join at the same point.
-                self.overlap.load(plan, self.stage, group_ranks=self.run_config.overlap_groups)
+            # Before any per-rank check: a listener may make a collective for the plan (Kareus
+            # creates its NCCL communicators), which every rank must join at the same point.
+            self._hand_to_listeners(plan)
             plan.check_frequencies(self.device.info.supported_sm_freqs_mhz, self.stage)
         except PowerlibError as err:
             if strict:

@@ -26,17 +26,13 @@ from typing import Any
 
 from powerlib.errors import BackendUnavailableError, PlanError
 from powerlib.planning.choice import Policy, check_policy, choose
-from powerlib.planning.perseus.frontier import Frontier, Wanted, compute_frontier
+from powerlib.planning.perseus.frontier import Frontier, FrontierSettings, compute_frontier
+from powerlib.planning.perseus.points import Wanted
 from powerlib.planning.perseus.report import plot_frontier, summary, write_frontier_csv
-from powerlib.planning.pipeline import (
-    PLACEMENTS,
-    Instruction,
-    Schedule,
-    build_dag,
-    build_schedule,
-)
+from powerlib.planning.pipeline import PLACEMENTS, Instruction, Schedule, build_dag
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile, ProfileRow
+from powerlib.planning.schedules import build_schedule
 from powerlib.planning.workflow import wanted_for
 from powerlib.profiling.sweep import aggregate_stage_rows
 from powerlib.progress import Progress
@@ -502,13 +498,11 @@ def make_plan(
     frontier = compute_frontier(
         profile,
         schedule,
+        settings=FrontierSettings(unit_time_s=unit_time_s, p_block_w=p_block_w, solver="auto"),
         schedule_name=spec.schedule,
         num_microbatches=num_microbatches,
         num_chunks=num_chunks,
         placement=spec.placement,
-        p_block_w=p_block_w,
-        unit_time_s=unit_time_s,
-        solver="auto",
         # The deadline is known once the frontier is: its point is added below.
         wanted=Wanted(t_star=True, sweep=_SUMMARY_POINTS if spec.out_dir is not None else 0),
     )

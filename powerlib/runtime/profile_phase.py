@@ -7,8 +7,9 @@ device synchronize and no driver call runs in a hook: the clock changes go throu
 frequency controller, and the device is read by the session's
 :class:`~powerlib.measurement.sampler.DeviceSampler`.
 
-Energy is attributed afterwards, the way :mod:`powerlib.measurement` attributes windows: the
-sampler's reads locate every counter update in time (:mod:`powerlib.measurement.timeline`),
+Energy is attributed afterwards (:mod:`powerlib.runtime.profile_blocks` holds the clock blocks
+and their attribution), the way :mod:`powerlib.measurement` attributes windows: the sampler's
+reads locate every counter update in time (:mod:`powerlib.measurement.timeline`),
 and :func:`~powerlib.measurement.attribution.solve_powers` solves each (kind, clock)'s power
 and the blocking power from which spans and gaps each counter interval covered, each with its
 interval (issue 32; docs/measurement.md). The sweep (:mod:`powerlib.profiling.sweep`) ends a
@@ -39,15 +40,14 @@ from typing import Any
 
 from powerlib.device import Device
 from powerlib.errors import InvalidArgumentError, PowerlibError
-from powerlib.measurement.attribution import REST, Spans, solve_powers
 from powerlib.measurement.markers import Stamps
 from powerlib.measurement.sampler import DeviceSampler
-from powerlib.planning.profile import ProfileRow
 from powerlib.profiling.sweep import FrequencySweep, ProfileRecorder, SweepConfig
 from powerlib.progress import Progress
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future
 from powerlib.runtime.planning_step import GIVE_UP_FACTOR
+from powerlib.runtime.profile_blocks import Blocks
 from powerlib.runtime.records import ProfilePayload
 
 __all__ = ["ProfileConfig", "ProfilePhase"]
@@ -95,32 +95,6 @@ class ProfileConfig:
             stop_after_rises=self.stop_after_rises,
             coarse_stride=self.coarse_stride,
         )
-
-
-@dataclass(slots=True)
-class _Block:
-    """One clock's measured iterations."""
-
-    freq_mhz: float
-    requested_s: float
-    landed_s: float | None = None
-    windows: list[tuple[list[float], list[float]]] | None = None
-    """Each measured iteration's (start, end) cells; measured from the landing on."""
-    iterations: int = 0
-    ran_mhz: float | None = None
-    temperature_c: float | None = None
-    dropped: str | None = None
-    energy_j: float | None = None
-    """Instruction energy per iteration, once the block ended."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "freq_mhz": self.freq_mhz,
-            "iterations": self.iterations,
-            "ran_mhz": self.ran_mhz,
-            "temperature_c": self.temperature_c,
-            "dropped": self.dropped,
-        }
 
 
 class ProfilePhase:
@@ -188,8 +162,9 @@ class ProfilePhase:
         self._on_refused = on_refused
         self.sweep = FrequencySweep(sweep_config)
         self.recorder = ProfileRecorder()
-        self._spans: list[list[tuple[str, list[float], list[float]]]] = []  # per block
-        self._blocks: list[_Block] = []
+        self._record = Blocks(sampler)
+        self._blocks = self._record.blocks  # the record's lists (tests read the blocks)
+        self._spans = self._record.spans
         self._open: tuple[str, list[float]] | None = None
         self._iter_start: list[float] | None = None
         self._vote: Future | None = None
@@ -327,18 +302,6 @@ class ProfilePhase:
             self.fail(reason)
             self._on_refused(reason)
 
-    def _windows(self, block: _Block) -> list[tuple[float, float]]:
-        """The block's measured windows in seconds: resolved, and after its clock landed."""
-        self._land(block)
-        if block.landed_s is None:
-            return []
-        out = []
-        for start, end in block.windows or ():
-            a, b = max(start[0], block.landed_s), end[0]
-            if math.isfinite(a) and math.isfinite(b) and b > a:
-                out.append((a, b))
-        return out
-
     def start_iteration(self) -> None:
         """Resolve a pending vote and lock the iteration's clock (through the controller)."""
         sweep = self.sweep
@@ -371,8 +334,7 @@ class ProfilePhase:
         if self.failed is not None:
             return  # no block, no clock: the device stays at its baseline
         if sweep.measuring and (not self._blocks or self._blocks[-1].freq_mhz != sweep.freq_mhz):
-            self._blocks.append(_Block(sweep.freq_mhz, self._clock(), windows=[]))
-            self._spans.append([])
+            self._record.start(sweep.freq_mhz, self._clock())
         if self._controller.last_requested != sweep.freq_mhz:
             try:
                 self._controller.request(sweep.freq_mhz)
@@ -395,31 +357,21 @@ class ProfilePhase:
         if refused:
             self._failed_here(f"stage {self._stage}: {refused[0].failure()} (while profiling)")
 
-    def _land(self, block: _Block) -> None:
-        """When the block's clock landed, from the sampler's reads (``None``: not yet)."""
-        if block.landed_s is None:
-            if not self.sampler.reports_clock:  # no clock to watch: wait out a late landing
-                block.landed_s = block.requested_s + max(self.latency_s or 0.0, 0.1)
-                return
-            seen = self.sampler.first_clock_at(block.freq_mhz, block.requested_s)
-            if seen is not None:
-                block.landed_s = seen[1]
-
     def _block_vote(self) -> tuple[bool, bool, bool]:
         """``(block done, end the coarse pass, can resolve)`` for the current block."""
         sweep = self.sweep
         index = len(self._blocks) - 1
         block = self._blocks[index]
         target = sweep.config.target_error
-        powers = self._solve([index], recent=True)
-        error = self._block_error(index, powers)
+        powers = self._record.solve([index], recent=True, latency_s=self.latency_s)
+        error = self._record.error(index, powers)
         done = error <= target or sweep.must_end_block()
         resolvable = True
         if sweep.must_end_block() and error > GIVE_UP_FACTOR * target:
             resolvable = False
             n = max(block.iterations, 1)
             more = math.ceil(n * (error / target) ** 2) if math.isfinite(error) else None
-            period = self._counter_period_s()
+            period = self._record.counter_period_s(self._clock())
             self.unresolved = (
                 f"stage {self._stage}: after {n} iterations at {block.freq_mhz:g} MHz its "
                 f"instruction energy is known to +-{_pct(error)} (target "
@@ -435,22 +387,13 @@ class ProfilePhase:
             )
         stop_coarse = False
         if done:
-            block.energy_j = self._iteration_energy(index, powers)
+            block.energy_j = self._record.iteration_energy(index, powers)
             if sweep.coarse:
                 # rises in a row: a block that did not rise starts the count again
                 self._rises = self._rises + 1 if self._energy_rose(index) else 0
                 rises = sweep.config.stop_after_rises
                 stop_coarse = rises > 0 and self._rises >= rises
         return done, stop_coarse, resolvable
-
-    def _block_error(self, index: int, powers: dict[Any, tuple[float, float]]) -> float:
-        """Worst relative 95 % half-width of block ``index``'s rows."""
-        freq = self._blocks[index].freq_mhz
-        kinds = {kind for kind, _, _ in self._spans[index]}
-        errors = [powers[(k, freq)][1] for k in kinds if (k, freq) in powers]
-        if not errors or len(errors) < len(kinds):
-            return math.inf
-        return max(errors)
 
     def _energy_rose(self, index: int) -> bool:
         """Block ``index``'s energy per iteration exceeds the best earlier coarse clock's."""
@@ -461,49 +404,6 @@ class ProfilePhase:
             if b.energy_j is not None and b.freq_mhz in self.sweep.visited
         ]
         return energy is not None and bool(before) and energy > min(before)
-
-    def _iteration_energy(self, index: int, powers: dict[Any, tuple[float, float]]) -> float | None:
-        """Instruction energy per iteration of block ``index`` (power x time of its spans)."""
-        b = self._blocks[index]
-        if not b.iterations:
-            return None
-        total = 0.0
-        for kind, t0, t1 in self._spans[index]:
-            if (kind, b.freq_mhz) not in powers or not math.isfinite(t1[0] - t0[0]):
-                return None
-            total += powers[(kind, b.freq_mhz)][0] * (t1[0] - t0[0])
-        return total / b.iterations
-
-    def _solve(self, blocks: list[int], *, recent: bool) -> dict[Any, tuple[float, float]]:
-        """``{(kind, freq) or REST: (power_w, relative error)}`` over ``blocks``' windows.
-
-        ``recent``: a quick solve from the blocks' own reads (the per-iteration vote); else
-        from the whole sweep's reads.
-        """
-        spans = Spans()
-        start = math.inf
-        for index in blocks:
-            for w0, w1 in self._windows(self._blocks[index]):
-                spans.add_window(w0, w1)
-                start = min(start, w0)
-        if not spans.windows:
-            return {}
-        for index in blocks:
-            freq = self._blocks[index].freq_mhz
-            for kind, t0, t1 in self._spans[index]:
-                if math.isfinite(t0[0]) and math.isfinite(t1[0]):
-                    spans.add((kind, freq), t0[0], t1[0])
-        # Knots from the periodic fit only: the power-shaped placement needs power readings
-        # that follow the workload, which NVML's (averaged) readings do not.
-        timeline = self.sampler.timeline(since_s=start - 0.5 if recent else -math.inf, refine=False)
-        powers, _ = solve_powers(timeline.knot_times_s, timeline.knot_energy_j, spans)
-        return {label: (p.power_w, p.rel_error) for label, p in powers.items()}
-
-    def _counter_period_s(self) -> float | None:
-        tau = self.sampler.timeline(since_s=self._clock() - 5.0, refine=False).knot_times_s
-        if tau.size < 3:
-            return None
-        return float(statistics.median(tau[1:] - tau[:-1]))
 
     def _measure_latency(self) -> None:
         """Request-to-landing time of the warm-up's clock probes (median, and the worst)."""
@@ -572,121 +472,25 @@ class ProfilePhase:
 
     def _profile_payload(self) -> ProfilePayload:
         """This rank's resolved profile (the whole sweep solved at once)."""
-        rows, errors, p_block, p_block_error, time_cv = self._rows()
-        self.recorder.set(rows, errors, p_block, p_block_error)
+        solved = self._record.solve_rows(self._stage, self.sweep.config.freqs_mhz, self.latency_s)
+        self.time_se = solved.time_se
+        rows, p_block, p_block_error = solved.rows, solved.p_block_w, solved.p_block_error
+        self.recorder.set(rows, solved.errors, p_block, p_block_error)
         return ProfilePayload(
             stage=self._stage,
             rows=tuple(rows),
-            errors=errors,
+            errors=solved.errors,
             p_block_w=p_block,
             p_block_error=p_block_error,
             order=tuple(self._recorded_order),  # what the loop really ran
             idle_power_w=self._idle_power_w,
             latency_s=self.latency_s,
             blocks=tuple(b.to_json() for b in self._blocks),
-            counter_period_s=self._counter_period_s(),
-            time_cv=time_cv,
+            counter_period_s=self._record.counter_period_s(self._clock()),
+            time_cv=solved.time_cv,
             time_se=self.time_se,
             target_error=self.sweep.config.target_error,
         )
-
-    def _rows(
-        self,
-    ) -> tuple[
-        list[ProfileRow], dict[tuple[str, float], float], float | None, float | None, float | None
-    ]:
-        """The whole sweep solved at once: every row, its error, and the blocking power."""
-        kept = []
-        step = _clock_step(self.sweep.config.freqs_mhz)
-        windows: dict[int, list[tuple[float, float]]] = {}
-        for index, b in enumerate(self._blocks):
-            windows[index] = self._windows(b)
-            if not windows[index]:
-                b.dropped = b.dropped or "the clock never landed"
-                continue
-            reading = self.sampler.reading(windows[index][0][0], windows[index][-1][1])
-            b.ran_mhz, b.temperature_c = reading.freq_mhz, reading.temperature_c
-            if reading.freq_mhz is not None and reading.freq_mhz < b.freq_mhz - 0.5 * step:
-                b.dropped = f"throttled: ran {reading.freq_mhz:g} MHz"
-                continue
-            kept.append(index)
-        powers = self._solve(kept, recent=False)
-        rows = []
-        spreads: list[float] = []
-        standard_errors: list[float] = []
-        errors: dict[tuple[str, float], float] = {}
-        times: dict[tuple[str, float], list[float]] = {}
-        for bi in kept:
-            freq = self._blocks[bi].freq_mhz
-            for kind, c0, c1 in self._spans[bi]:
-                t0, t1 = c0[0], c1[0]
-                if math.isfinite(t1 - t0) and any(w0 <= t0 and t1 <= w1 for w0, w1 in windows[bi]):
-                    times.setdefault((kind, freq), []).append(t1 - t0)
-        monotone = _monotone_times({key: d for key, d in times.items() if key in powers})
-        for (kind, freq), durations in sorted(times.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
-            if (kind, freq) not in powers:
-                continue
-            power, error = powers[(kind, freq)]
-            time_s = monotone[(kind, freq)]
-            if len(durations) >= 3:
-                spread = statistics.stdev(durations) / time_s
-                spreads.append(spread)
-                standard_errors.append(spread / math.sqrt(len(durations)))
-            rows.append(
-                ProfileRow(
-                    stage=self._stage,
-                    instruction=kind,
-                    freq_mhz=freq,
-                    time_s=time_s,
-                    energy_j=power * time_s,
-                )
-            )
-            errors[(kind, freq)] = error
-        rest = powers.get(REST)
-        # the run-to-run spread of an instruction's time: the guard's noise margin
-        time_cv = statistics.median(spreads) if spreads else None
-        self.time_se = statistics.median(standard_errors) if standard_errors else None
-        return (
-            rows,
-            errors,
-            None if rest is None else rest[0],
-            None if rest is None else rest[1],
-            time_cv,
-        )
-
-
-def _monotone_times(
-    times: dict[tuple[str, float], list[float]],
-) -> dict[tuple[str, float], float]:
-    """Each (kind, clock)'s mean time, made non-increasing in the clock (weighted isotonic fit).
-
-    A higher clock never makes an instruction slower, but with run-to-run noise its mean can
-    measure slower than a neighbour's; the planner would then lower a clock for a "saving" that
-    only the noise promised (the guard compares against all-max, which runs the top clock). The
-    pool-adjacent-violators fit averages such neighbours, weighted by their samples: it leaves a
-    monotone profile alone and pools the noise where the clocks are too close to tell apart.
-    """
-    out: dict[tuple[str, float], float] = {}
-    for kind in {k for k, _ in times}:
-        # from the top clock down, times must not decrease
-        keys = sorted((key for key in times if key[0] == kind), key=lambda key: -key[1])
-        blocks: list[list[float]] = []  # [weighted sum, weight, count of keys]
-        for key in keys:
-            d = times[key]
-            blocks.append([math.fsum(d), float(len(d)), 1.0])
-            while len(blocks) > 1 and (
-                blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]
-            ):
-                total, weight, count = blocks.pop()
-                blocks[-1][0] += total
-                blocks[-1][1] += weight
-                blocks[-1][2] += count
-        i = 0
-        for total, weight, count in blocks:
-            for _ in range(int(count)):
-                out[keys[i]] = total / weight
-                i += 1
-    return out
 
 
 def _probe_pair(freqs_desc: Sequence[float]) -> tuple[float, float] | None:
@@ -694,12 +498,6 @@ def _probe_pair(freqs_desc: Sequence[float]) -> tuple[float, float] | None:
     if len(freqs_desc) < 2:
         return None
     return freqs_desc[len(freqs_desc) // 2], freqs_desc[0]
-
-
-def _clock_step(freqs_desc: Sequence[float]) -> float:
-    if len(freqs_desc) < 2:
-        return 1.0
-    return min(a - b for a, b in zip(freqs_desc, freqs_desc[1:]))
 
 
 def _pct(error: float) -> str:

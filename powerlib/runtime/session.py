@@ -41,62 +41,49 @@ energy than all maximum clocks or run past the allowed slowdown, is not applied:
 in one warning line and every rank runs at the baseline clocks
 (:mod:`powerlib.runtime.planning_step`).
 
-The hooks (``begin``, ``end``, ``instruction``, ``start_iteration``, ``step``) never let a
-:class:`~powerlib.errors.PowerlibError` out into the training loop: a device, driver or
-measurement error inside one (an energy or clock read, a refused or failed clock change) resets
-this rank's clocks and stops powerlib job-wide, through the next collective the ranks share (a
-failed rank keeps joining them, with a flag that stops every rank at the same point), with one
-warning; training continues (docs/real-gpu.md §3). They still raise
-:class:`~powerlib.errors.InvalidArgumentError` for a bug in the calling code that is the same on
-every rank, before any device work: a hook called outside the ``with`` block, an unknown
-instruction kind.
-
-A Kareus overlap plan (instructions with ``execution``/``overlap`` fields) also loads
-:attr:`Session.overlap` (:class:`~powerlib.runtime.launch_control.Overlap`) for this rank's stage when
-the plan arrives: the session's instruction hooks drive it, so an integration asks
-``session.overlap.config(key)`` or wraps partitions in ``session.overlap.partition(...)`` and gets
-the running instruction's settings. Its instruction-order check is its own: a loop that does not
-follow the plan sends every partition down the default path, whatever the clocks do.
+The hooks (``begin``, ``end``, ``instruction``, ``start_iteration``, ``step``; the
+:class:`~powerlib.runtime.hooks.Hooks` half of the session) never let a device or measurement
+error out into the training loop (docs/real-gpu.md §3); optional packages follow the
+instructions through listeners (:meth:`Session.add_instruction_listener`,
+:mod:`powerlib.runtime.listeners`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import time
-import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from powerlib.backend import Backend
 from powerlib.config import Settings
 from powerlib.control import ControlSession
-from powerlib.device import Backend, Device
-from powerlib.errors import InvalidArgumentError, PlanError, PowerlibError
+from powerlib.device import Device
+from powerlib.errors import InvalidArgumentError, PowerlibError
+from powerlib.measurement.exporter_metrics import StageGauges, publish_stages
 from powerlib.measurement.markers import Stamps, cuda_marker
-from powerlib.measurement.measure import warn_no_device
+from powerlib.measurement.reader import warn_no_device
 from powerlib.measurement.sampler import DeviceSampler
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.profiling.sweep import ProfileRecorder
 from powerlib.progress import Progress
 from powerlib.registry import open_backend
 from powerlib.runtime.apply_phase import ApplyConfig, ApplyPhase, InstructionKey
-from powerlib.runtime.closed_loop import ClosedLoop, MeasureOnly
+from powerlib.runtime.closed_loop import MeasureOnly
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, default_coordinator
-from powerlib.runtime.launch_control import Overlap
+from powerlib.runtime.hooks import Hooks
+from powerlib.runtime.listeners import InstructionListener, Listeners
 from powerlib.runtime.options import MODES, RunConfig, check_control, claim_device
 from powerlib.runtime.phases import (
     CLOSED,
-    DONE,
     NOT_STARTED,
     Idle,
     Phase,
-    instruction_kind,
 )
 from powerlib.runtime.plan_flow import PlanFlow
 from powerlib.runtime.planning_step import (
@@ -122,7 +109,26 @@ def active_sessions() -> list[Session]:
     return list(_ACTIVE_SESSIONS)
 
 
-class Session(PlanFlow):
+def _stage_gauges() -> list[StageGauges]:
+    """Each running session's saving and clock, for the in-process exporter (docs/measurement.md §7)."""
+    out = []
+    for s in active_sessions():
+        summary = s.outcome.summary if s.outcome is not None else None
+        pct = ((summary or {}).get("realized") or {}).get("saving_percent")
+        out.append(
+            StageGauges(
+                stage=s.stage,
+                saving_ratio=pct / 100.0 if isinstance(pct, (int, float)) else None,
+                sm_freq_mhz=s.controller.last_requested if s.controller is not None else None,
+            )
+        )
+    return out
+
+
+publish_stages(_stage_gauges)
+
+
+class Session(Hooks, PlanFlow):
     """Profile -> plan -> apply around a training loop: ``with powerlib.optimize(...) as session``.
 
     ``powerlib.optimize`` is this class (:data:`optimize`); :meth:`from_config` takes the same
@@ -178,9 +184,9 @@ class Session(PlanFlow):
         prefetch: In the apply phase, request the next instruction's clock when one ends, so the
             switch overlaps the wait between instructions (after the order check).
         plot: Rank 0 also draws ``frontier.png`` in ``out_dir`` (``plot`` extra).
-        overlap_groups: For overlap plans on NCCL: the global ranks of every group the overlapped
-            collectives run on (every tensor/context-parallel group of the job, the same lists on
-            every rank); default: the whole world. See :mod:`powerlib.runtime.launch_control`.
+        listeners: Instruction listeners to register before the session starts (see
+            :meth:`add_instruction_listener`; Kareus:
+            ``[powerlib.kareus.launch.LaunchControl(...)]``).
         settings: Settings; default from the environment.
         enabled: ``False`` (or ``POWERLIB_DISABLE=1``): the same hooks, every iteration timed
             and metered, no device changed and no lock taken (the A side of an A/B run).
@@ -233,7 +239,7 @@ class Session(PlanFlow):
         guardian: bool | None = None,
         prefetch: bool = True,
         plot: bool = False,
-        overlap_groups: Sequence[Sequence[int]] | None = None,
+        listeners: Sequence[InstructionListener] = (),
         settings: Settings | None = None,
         enabled: bool = True,
         force: bool = False,
@@ -251,7 +257,7 @@ class Session(PlanFlow):
             sync=sync,
             progress=progress,
             guardian=guardian,
-            overlap_groups=overlap_groups,
+            listeners=tuple(listeners),
             settings=settings,
             enabled=enabled,
             force=force,
@@ -360,8 +366,7 @@ class Session(PlanFlow):
         self.apply_started_iteration: int | None = None
         self.outcome: PlanningOutcome | None = None
         """What rank 0 sent at the end of profiling (plan, planner summary, or why none)."""
-        self.overlap = Overlap()
-        """Overlap plans' runtime (:mod:`powerlib.runtime.launch_control`); inactive without one."""
+        self._listeners = Listeners(run.listeners)
         self._replanner: Replanner | None = None
         self._replanning: Replanning | None = None
         self._planner_thread: ThreadPoolExecutor | None = None
@@ -503,17 +508,10 @@ class Session(PlanFlow):
         self._phase = self._measuring
         self._progress.say("disabled: measuring only, no device is changed")
 
-    def _refuse_outside(self, call: str) -> None:
-        """Raise: a hook was called before ``__enter__`` or after ``__exit__``."""
-        when = "before it was entered" if self.phase == NOT_STARTED else "after it ended"
-        raise InvalidArgumentError(
-            f"session.{call}() was called {when}: call the session's hooks inside "
-            "`with powerlib.optimize(...) as session:`"
-        )
-
     def _close(self) -> None:
         self._active = False
         _ACTIVE_SESSIONS.discard(self)
+        self._listeners.close()
         if self._replanning is not None:
             self._replanning.cancel()
             self._replanning = None
@@ -537,206 +535,6 @@ class Session(PlanFlow):
             self._closed_logged = True
             logger.info("powerlib: %s", self.realized.line())
 
-    def set_layout(
-        self,
-        *,
-        schedule: str | None = None,
-        num_chunks: int | None = None,
-        placement: str | None = None,
-    ) -> None:
-        """Describe the pipeline the hooks will see (integrations call it when they attach).
-
-        Args:
-            schedule: See :class:`Session`; ``recorded`` for orders with no built-in generator.
-            num_chunks: Model chunks per stage.
-            placement: ``looped`` or ``v``.
-
-        Raises:
-            InvalidArgumentError: An instruction already ran, or the layout is invalid.
-            PlanError: The saved plan being applied was made for another layout (nothing was
-                changed).
-        """
-        if self.iteration or self._phase.position:
-            raise InvalidArgumentError("set_layout must be called before the first instruction")
-        changes = {"schedule": schedule, "num_chunks": num_chunks, "placement": placement}
-        given: dict[str, Any] = {k: v for k, v in changes.items() if v is not None}
-        try:
-            self.spec = dataclasses.replace(self.spec, **given)
-        except PlanError as err:
-            raise InvalidArgumentError(str(err)) from None
-        self._layout_given |= set(given)
-        if self.mode == "apply" and self.plan is not None:
-            try:
-                self.spec.check_saved_plan(self.plan, self._layout_given)
-            except PlanError:
-                self.plan, self._applying = None, None  # nothing was applied
-                self._phase = Idle(DONE)
-                raise
-
-    # -- hooks -----------------------------------------------------------------------------------
-
-    def begin(self, kind: str, microbatch: int = 0, chunk: int = 0) -> None:
-        """An instruction starts (call right before launching its work).
-
-        A device or measurement error inside never reaches the caller: it stops powerlib on
-        every rank with one warning, and training continues (docs/real-gpu.md §3).
-
-        Raises:
-            InvalidArgumentError: A bug in the calling code, the same on every rank, raised
-                before any device work: called outside the session's ``with`` block, or an
-                unknown ``kind``.
-        """
-        if not self._active:
-            self._refuse_outside("begin")
-        kind = instruction_kind(kind)  # on every rank and in every phase, before any device work
-        if self._phase.position == 0 and (not self._started or self._phase.wants_start):
-            self.start_iteration()
-        phase = self._phase
-        if self.overlap.schedule is None and isinstance(phase, Idle):
-            return
-        try:
-            if self.overlap.schedule is not None:
-                self.overlap.begin(kind, microbatch, chunk)
-            phase.begin(kind, microbatch, chunk)
-        except PowerlibError as err:
-            self._hook_failed("begin", err)
-
-    def end(self) -> None:
-        """The instruction started last ends (call after its work is issued).
-
-        A device or measurement error inside never reaches the caller (see :meth:`begin`).
-
-        Raises:
-            InvalidArgumentError: Called outside the session's ``with`` block (a bug in the
-                calling code).
-        """
-        if not self._active:
-            self._refuse_outside("end")
-        try:
-            self.overlap.end()
-            self._phase.end()
-        except PowerlibError as err:
-            self._hook_failed("end", err)
-
-    @contextlib.contextmanager
-    def instruction(self, kind: str, microbatch: int = 0, chunk: int = 0) -> Iterator[None]:
-        """``with session.instruction("forward", microbatch=3): ...`` = begin + end.
-
-        A device or measurement error inside the hooks never reaches the caller (see
-        :meth:`begin`); an exception of the block itself propagates unchanged.
-
-        Raises:
-            InvalidArgumentError: Used outside the session's ``with`` block, or an unknown
-                ``kind`` (bugs in the calling code).
-        """
-        self.begin(kind, microbatch, chunk)
-        try:
-            yield
-        finally:
-            self.end()
-
-    def start_iteration(self) -> None:
-        """Prepare the next iteration (:meth:`step` and the first :meth:`begin` call it).
-
-        Resolves what the ranks agreed at the last :meth:`step` and sets the clock for the
-        iteration. Calling it again before the first instruction retries pending agreements
-        (the emulator, driving every rank from one thread, relies on that). A device or
-        measurement error inside never reaches the caller (see :meth:`begin`).
-
-        Raises:
-            InvalidArgumentError: Called outside the session's ``with`` block (a bug in the
-                calling code).
-        """
-        if not self._active:
-            self._refuse_outside("start_iteration")
-        self._started = True
-        try:
-            if self._replanning is not None and self._applying is not None:
-                self._switch_replanned()
-            self._phase.start_iteration()
-        except PowerlibError as err:
-            self._hook_failed("start_iteration", err)
-
-    def step(self) -> None:
-        """One training iteration ended (after the optimizer step).
-
-        A device or measurement error inside never reaches the caller (see :meth:`begin`);
-        the iteration is counted whatever happens, so every rank stays at the same one.
-
-        Raises:
-            InvalidArgumentError: Called outside the session's ``with`` block (a bug in the
-                calling code).
-        """
-        if not self._active:
-            self._refuse_outside("step")
-        if not self._started:
-            self.start_iteration()
-        try:
-            self._phase.step()
-            self.overlap.step()
-        except PowerlibError as err:
-            self._hook_failed("step", err)
-        self.iteration += 1
-        # Agree and set the clock for the next iteration now, at the iteration boundary: a
-        # collective inside the next begin hook could deadlock against a rank that waits in a
-        # pipeline receive before its own first begin.
-        self._started = False
-        self.start_iteration()
-
-    def _hook_failed(self, hook: str, err: PowerlibError) -> None:
-        """A hook met a device or measurement error: this rank fails; nothing is raised."""
-        self._disable(f"stage {self.stage}: {type(err).__name__} in session.{hook}(): {err}")
-
-    def _disable(self, reason: str, *, job_wide: bool = False) -> None:
-        """Stop managing the device: clocks reset, one warning.
-
-        Args:
-            reason: One line.
-            job_wide: Every rank gets the same reason (rank 0's planning verdict, the closed
-                loop's, or a failure a rank reported through a collective): only rank 0 warns,
-                the others log it. Otherwise it is this rank's own failure (a refused or
-                failed clock change, an error in a hook): the controller stops (clocks reset,
-                no more requests); while the job still expects this rank in a collective (the
-                sweep's votes, the plan's arrival, the closed loop's exchange) the phase stays,
-                marked failed, and the failure stops every rank there with rank 0's one warning
-                (docs/real-gpu.md §3); with none left, this rank stops alone and warns.
-        """
-        if not job_wide:
-            if self._failure is None:
-                self._failure = reason
-                if self.controller is not None:
-                    self.controller.stop()
-            if self._fail_in_phase(reason):
-                logger.info("powerlib: %s; every rank stops at the next agreement", reason)
-                return
-            reason = (
-                f"{reason}; this rank's GPU was reset to its baseline clocks and powerlib "
-                "leaves it alone; training continues"
-            )
-        if self.controller is not None:
-            self.controller.reset()
-        self._stopped(reason, job_wide=job_wide)
-
-    def _stopped(self, reason: str, *, job_wide: bool = False) -> None:
-        """The session manages nothing more (the clocks are already reset); warn once.
-
-        While the closed loop still measures, the phase stays: the other ranks will gather
-        every rank's windows, so this rank keeps counting iterations and sends its part (as
-        stopped), and the verdict reverts the plan everywhere (no rank waits in a collective
-        this one skipped). A failure (:meth:`_disable`) keeps the profile sweep and the plan's
-        arrival the same way.
-        """
-        if not (isinstance(self._phase, ClosedLoop) and self._phase.pending):
-            self._phase = Idle(DONE)
-        if not self._warned:
-            self._warned = True
-            message = f"powerlib: {reason}"
-            if job_wide and self.rank != 0:
-                logger.info(message)
-                return
-            logger.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-
     def report(self) -> dict[str, Any]:
         """What this session did, as JSON data."""
         applied = self.controller.applied if self.controller is not None else []
@@ -752,7 +550,6 @@ class Session(PlanFlow):
             "frequency_changes": len(applied),
             "plan": None if self.plan is None else dict(self.plan.summary),
             "replans": list(self.replans),
-            "overlap": self.overlap.report() if self.overlap.schedule is not None else None,
             "measured_latency_s": None if self._profiling is None else self._profiling.latency_s,
             "realized": None if self.realized is None else self.realized.to_json(),
             "predicted": None

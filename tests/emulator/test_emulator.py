@@ -8,19 +8,19 @@ from runtime_helpers import make_emulator, toy_profile
 from powerlib.emulator.demo import default_profile
 from powerlib.emulator.device import EmulatedDevice, VirtualTime
 from powerlib.emulator.engine import Emulator
-from powerlib.planning.perseus.frontier import compute_frontier
-from powerlib.planning.pipeline import Instruction, build_schedule
+from powerlib.planning.perseus.frontier import FrontierSettings, compute_frontier
+from powerlib.planning.pipeline import Instruction
 from powerlib.planning.profile import Profile, ProfileRow
+from powerlib.planning.schedules import build_schedule
 
 
 def _frontier(profile, stages: int, mb: int, p_block_w: float, tau: float = 1e-3):
     return compute_frontier(
         profile,
         build_schedule("1f1b", stages, mb),
+        settings=FrontierSettings(unit_time_s=tau, p_block_w=p_block_w),
         schedule_name="1f1b",
         num_microbatches=mb,
-        p_block_w=p_block_w,
-        unit_time_s=tau,
     )
 
 
@@ -226,12 +226,11 @@ def test_a_zero_bubble_v_schedule_realizes_what_the_planner_replays() -> None:
     frontier = compute_frontier(
         profile,
         schedule,
+        settings=FrontierSettings(unit_time_s=1e-3, p_block_w=80.0),
         schedule_name="recorded",
         num_microbatches=4,
         num_chunks=2,
         placement="v",
-        p_block_w=80.0,
-        unit_time_s=1e-3,
     )
     emulator = Emulator(profile, schedule, placement="v", p_block_w=80.0)
     base = emulator.run_iteration()

@@ -12,7 +12,7 @@ from runtime_helpers import make_emulator, toy_profile
 
 from powerlib.emulator.device import EmulatedDevice, VirtualTime
 from powerlib.emulator.engine import IDEAL_MODEL, NVML_LIKE_MODEL, Emulator, NvmlLikeModel
-from powerlib.planning.pipeline import build_schedule
+from powerlib.planning.schedules import build_schedule
 
 FAST, SLOW = 1000.0, 500.0
 

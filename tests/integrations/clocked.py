@@ -34,12 +34,12 @@ class Delay(torch.autograd.Function):
         time.sleep(BASE_S * f_max / (locked[1] if locked else f_max))
 
     @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
+    def forward(ctx, x):
         Delay.sleep()
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         Delay.sleep()
         return grad
 
@@ -48,11 +48,11 @@ class WeightDelay(torch.autograd.Function):
     """Free in forward; in backward it delays the weight gradient (the W of a split backward)."""
 
     @staticmethod
-    def forward(ctx, w):  # noqa: ANN001, ANN205
+    def forward(ctx, w):
         return w.view_as(w)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         Delay.sleep()
         return grad
 
@@ -183,7 +183,7 @@ def tampered_plan(plan_path: Path, out: Path, rank: int) -> Path:
 
     Collective: every rank waits at a barrier until the file exists.
     """
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed as dist
 
     if rank == 0:
         data = json.loads(plan_path.read_text())

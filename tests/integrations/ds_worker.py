@@ -50,7 +50,7 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
 
-def _batches():  # noqa: ANN202
+def _batches():
     while True:
         yield torch.randn(MICRO, 16), torch.randn(MICRO, 16)
 
@@ -68,7 +68,7 @@ def _config(zero_stage: int = 0) -> dict:
     }
 
 
-def _engine(model: torch.nn.Module, zero_stage: int = 0):  # noqa: ANN202
+def _engine(model: torch.nn.Module, zero_stage: int = 0):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_config(zero_stage))
     return engine

@@ -70,17 +70,17 @@ class Chunk(torch.nn.Module):
         self.pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.force_all_reduce = False
 
-    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+    def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def set_input_tensor(self, tensor) -> None:  # noqa: ANN001
+    def set_input_tensor(self, tensor) -> None:
         self.module.set_input_tensor(tensor)
 
     def zero_grad_buffer(self) -> None:
         for p in self.parameters():
             p.grad = None
 
-    def start_grad_sync(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def start_grad_sync(self, *args, **kwargs) -> None:
         pass
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
@@ -95,7 +95,7 @@ class Optimizer:
 
     is_stub_optimizer = False
 
-    def __init__(self, params) -> None:  # noqa: ANN001
+    def __init__(self, params) -> None:
         self.opt = torch.optim.SGD(params, lr=0.01)
 
     @property
@@ -123,7 +123,7 @@ class Scheduler:
         pass
 
 
-def _data():  # noqa: ANN202
+def _data():
     g = torch.Generator().manual_seed(1)
     while True:
         tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
@@ -133,19 +133,19 @@ def _data():  # noqa: ANN202
 _MASK = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
 
 
-def _forward_step(data_iterator, model):  # noqa: ANN001, ANN202
+def _forward_step(data_iterator, model):
     tokens, labels = next(data_iterator)
     positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
     output = model(tokens, positions, _MASK, labels=labels)
 
-    def loss_func(output_tensor: torch.Tensor):  # noqa: ANN202
+    def loss_func(output_tensor: torch.Tensor):
         loss = output_tensor.float().mean()
         return loss, {"lm loss": loss.detach()}
 
     return output, loss_func
 
 
-def _megatron_args(world: int):  # noqa: ANN202
+def _megatron_args(world: int):
     """Megatron-LM's arguments, parsed and validated by Megatron, and its globals set."""
     from megatron.training import arguments, global_vars
 
@@ -206,7 +206,6 @@ def _summary(session: powerlib.Session) -> dict:
         "profiled_freqs_mhz": session.report()["profiled_freqs_mhz"],
         "order_source": plan.workload.get("order_source") if plan else None,
         **plan_rows(session),
-        "overlap_groups": session.run_config.overlap_groups,
         "spec": {
             "num_stages": session.spec.num_stages,
             "num_microbatches": session.spec.num_microbatches,
@@ -215,7 +214,7 @@ def _summary(session: powerlib.Session) -> dict:
     }
 
 
-def _pretrain(chunk: Chunk, optimizer: Optimizer, options: dict, result: dict):  # noqa: ANN202
+def _pretrain(chunk: Chunk, optimizer: Optimizer, options: dict, result: dict):
     """Megatron-LM's ``train()``, called by name as ``pretrain()`` calls it, while patched."""
     from megatron.training import training
 
@@ -233,7 +232,7 @@ def _pretrain(chunk: Chunk, optimizer: Optimizer, options: dict, result: dict): 
     return patch.sessions[-1]
 
 
-def _core(chunk: Chunk, optimizer: Optimizer, options: dict, world: int, result: dict):  # noqa: ANN202
+def _core(chunk: Chunk, optimizer: Optimizer, options: dict, world: int, result: dict):
     """megatron-core's schedule in a hand-written loop, with ``attach``: until the plan applies,
     then two more iterations (``clocked.drive``)."""
     session = powerlib.optimize(

@@ -95,7 +95,7 @@ class StageModule(torch.nn.Module):
     """
 
     def __init__(self, body: torch.nn.Module, config: Any) -> None:
-        from megatron.core.enums import ModelType  # noqa: PLC0415
+        from megatron.core.enums import ModelType
 
         super().__init__()
         self.body = body
@@ -123,13 +123,13 @@ def sequence_parallel_norms() -> Callable[[], None]:
     parameters tagged ``sequence_parallel = True``, the tag ``finalize_model_grads`` all-reduces
     by. Returns a function that puts the original back.
     """
-    import copy  # noqa: PLC0415
+    import copy
 
-    from megatron.core.transformer import torch_norm  # noqa: PLC0415
+    from megatron.core.transformer import torch_norm
 
     original = torch_norm.WrappedTorchNorm.__new__
 
-    def build(cls, config, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def build(cls, config, *args, **kwargs):
         if not config.sequence_parallel:
             return original(cls, config, *args, **kwargs)
         plain = copy.copy(config)
@@ -156,7 +156,7 @@ def checkpoint_rng() -> Callable[[], None]:
     run draws from: the CUDA state is stood in for by a copy of it, and setting it does nothing.
     Returns a function that puts the originals back.
     """
-    from megatron.core.tensor_parallel import random  # noqa: PLC0415
+    from megatron.core.tensor_parallel import random
 
     saved = (random._get_cuda_rng_state, random._set_cuda_rng_state)
     random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()

@@ -42,17 +42,17 @@ SEQ, MBS, HIDDEN = 4, 2, 16
 # installed": imported above, so the warning does not land in the sessions' warning records.
 
 
-def _forward_step_func(data_iterator, model):  # noqa: ANN001, ANN202
+def _forward_step_func(data_iterator, model):
     x, y = next(data_iterator)  # every chunk reads the microbatch; only the first uses x
 
-    def loss_func(out: torch.Tensor):  # noqa: ANN202
+    def loss_func(out: torch.Tensor):
         loss = ((out - y) ** 2).mean()
         return loss, {"loss": loss.detach()}
 
     return model(x), loss_func
 
 
-def _training(kind: str, world: int):  # noqa: ANN202
+def _training(kind: str, world: int):
     """The model chunks of this rank and one training iteration (plus an eval pass)."""
     vp = 2 if kind == "interleaved" else None
     parallel_state.destroy_model_parallel()

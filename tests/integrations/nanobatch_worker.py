@@ -6,18 +6,18 @@ builds two megatron-core ``GPTModel`` s (2 layers,
 hidden 32, 4 heads, sequence 8, micro-batch 4, vocabulary 64, RoPE, fp32, dropout 0) on a
 TP=2 group over gloo from the same seed: one from ``get_gpt_layer_local_spec()``, one from
 ``nanobatch_layer_spec()``. It runs the same M=4 microbatches through both (forward, then
-backward, each microbatch inside its instruction of an overlap plan: ``PLAN`` ``all`` nanobatches
+backward, each microbatch inside its instruction of a Kareus plan: ``PLAN`` ``all`` nanobatches
 every instruction, ``mixed`` nanobatches some and runs the others sequentially), with sequence
 parallelism (``SP`` 1) or not, with full activation recompute (``RECOMPUTE`` 1) or not, and
 writes ``rank<R>.json``: per-microbatch losses of both models, the largest gradient difference
-of every parameter, and the overlap runtime's launch records, per case. ``PLAN`` ``none`` is an
-:class:`Overlap` without a schedule (the layer must be the stock one).
+of every parameter, and the launch control's launch records, per case. ``PLAN`` ``none`` is a
+:class:`LaunchControl` without a schedule (the layer must be the stock one).
 
 ``nanobatch_worker.py OUT train PLAN_FILE`` (TP=2 x PP=2, four ranks) trains a GPT of the
 nanobatched spec for :data:`ITERATIONS` iterations with megatron-core's 1F1B schedule inside
-``powerlib.optimize(mode="apply", plan_path=PLAN_FILE)`` and ``attach``, on the simulated backend:
-the layers take the plan from the attached session. Writes the session's overlap report and launch
-records and whether the device came back to its clocks.
+``powerlib.optimize(mode="apply", plan_path=PLAN_FILE)`` and ``attach``, on the simulated backend,
+with Kareus's launch control attached to the session: the layers take the plan from it. Writes the
+launch control's report and launch records and whether the device came back to its clocks.
 """
 
 from __future__ import annotations
@@ -40,19 +40,22 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import powerlib
-from powerlib.integrations.megatron import attach, nanobatch_layer_spec
-from powerlib.integrations.megatron_nanobatch import (
+from powerlib.integrations.megatron import attach
+from powerlib.kareus import launch
+from powerlib.kareus.evaluator import MeasureProtocol
+from powerlib.kareus.launch import LaunchControl
+from powerlib.kareus.launch_schedule import PartitionSchedule
+from powerlib.kareus.megatron import nanobatch_layer_spec, tensor_parallel_ranks
+from powerlib.kareus.megatron_measure import (
     gpt_compute_runner,
     group_agreement,
     group_measurement,
 )
-from powerlib.planning.kareus.evaluator import MeasureProtocol
-from powerlib.planning.kareus.partition import MODEL_SHAPES, Config, Parallelism, build_workload
-from powerlib.planning.kareus.workflow import search_study
+from powerlib.kareus.meter import DeviceEvaluator
+from powerlib.kareus.partition import MODEL_SHAPES, Config, Parallelism, build_workload
+from powerlib.kareus.workflow import search_study
 from powerlib.planning.pipeline import Instruction
 from powerlib.planning.plan import PartitionSetting, PlannedInstruction
-from powerlib.profiling.partition_meter import DeviceEvaluator
-from powerlib.runtime.launch_control import Overlap, OverlapSchedule
 
 M, MBS, SEQ, VOCAB, HIDDEN = 4, 4, 8, 64, 32
 _MASK = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
@@ -85,7 +88,7 @@ def plan(kind: str) -> list[PlannedInstruction]:
     return out
 
 
-def model(spec, sp: bool, recompute: bool) -> GPTModel:  # noqa: ANN001
+def model(spec, sp: bool, recompute: bool) -> GPTModel:
     config = TransformerConfig(
         num_layers=2,
         hidden_size=HIDDEN,
@@ -115,9 +118,9 @@ def numerics(case: str) -> dict:
     fields = case.split(":")
     kind, sp, recompute = fields[0], fields[1] == "1", fields[2] == "1"
     mbs = int(fields[3]) if len(fields) > 3 else MBS  # PLAN:SP:RECOMPUTE[:MICRO_BATCH]
-    overlap = Overlap(OverlapSchedule(plan(kind))) if kind != "none" else Overlap()
+    control = LaunchControl(PartitionSchedule(plan(kind))) if kind != "none" else LaunchControl()
     stock = model(get_gpt_layer_local_spec(), sp, recompute)
-    nano = model(nanobatch_layer_spec(overlap=overlap), sp, recompute)
+    nano = model(nanobatch_layer_spec(control=control), sp, recompute)
     same_init = all(torch.equal(a, b) for a, b in zip(stock.parameters(), nano.parameters()))
     g = torch.Generator().manual_seed(7)
     batches = [torch.randint(0, VOCAB, (mbs, SEQ), generator=g) for _ in range(M)]
@@ -128,7 +131,7 @@ def numerics(case: str) -> dict:
         for name, gpt in (("stock", stock), ("nano", nano)):
             for mb, tokens in enumerate(batches):
                 labels = torch.roll(tokens, -1, 1)
-                live = overlap if name == "nano" else None
+                live = control if name == "nano" else None
                 if live:
                     live.begin("forward", mb)
                 loss = gpt(tokens, positions, _MASK, labels=labels).float().mean()
@@ -139,7 +142,7 @@ def numerics(case: str) -> dict:
                 if live:
                     live.end()
                 losses[name].append(loss.item())
-        consistent = overlap.step()
+        consistent = control.step()
     diffs = {}
     for (pname, a), b in zip(stock.named_parameters(), nano.parameters()):
         scale = float(a.grad.abs().max()) or 1.0
@@ -149,8 +152,8 @@ def numerics(case: str) -> dict:
         "losses": losses,
         "grad_rel_diff": diffs,
         "consistent": consistent,
-        "report": overlap.report(),
-        "records": [r.to_json() for r in overlap.records],
+        "report": control.report(),
+        "records": [r.to_json() for r in control.records],
         "warnings": [str(w.message) for w in seen if "powerlib" in str(w.message)],
     }
 
@@ -193,7 +196,7 @@ def device_evaluator(rank: int) -> dict:
     before = device.read_state().locked_sm_freqs_mhz
     runs: list[list[dict]] = []
 
-    def run(ptype, cfg) -> None:  # noqa: ANN001
+    def run(ptype, cfg) -> None:
         runs.append([r.to_json() for r in runner(ptype, cfg).records])
 
     protocol = MeasureProtocol(settle_s=0.0, warmup_s=0.01, window_s=0.05, cooldown_s=0.0)
@@ -297,12 +300,12 @@ def train(plan_file: str, rank: int) -> dict:
     optimizer = torch.optim.SGD(gpt.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(7)
 
-    def data():  # noqa: ANN202
+    def data():
         while True:
             tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
             yield tokens, torch.roll(tokens, -1, 1)
 
-    def forward_step(iterator, model):  # noqa: ANN001, ANN202
+    def forward_step(iterator, model):
         tokens, labels = next(iterator)
         positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
         output = model(tokens, positions, _MASK, labels=labels)
@@ -315,10 +318,12 @@ def train(plan_file: str, rank: int) -> dict:
         num_stages=2, num_microbatches=M, stage=stage, mode="apply", plan_path=plan_file,
         device=rank, progress=False,
     )  # fmt: skip
+    control = launch.attach(session, group_ranks=tensor_parallel_ranks())
     iterator = data()
     with warnings.catch_warnings(record=True) as seen, shims.cuda_to_cpu():
         warnings.simplefilter("always")
         with session, attach(session):
+            assert launch.active_control() is control
             schedule = get_forward_backward_func()
             for _ in range(ITERATIONS):
                 schedule(
@@ -327,17 +332,18 @@ def train(plan_file: str, rank: int) -> dict:
                 )  # fmt: skip
                 optimizer.step()
                 optimizer.zero_grad()
-            report = session.overlap.report()
-            records = [r.to_json() for r in session.overlap.records]
+            report = control.report()
+            records = [r.to_json() for r in control.records]
             planned = [
                 {"kind": p.instruction.kind, "microbatch": p.instruction.microbatch,
                  "execution": p.execution, "overlap": {k: v.to_json() for k, v in p.overlap.items()}}
-                for p in session.overlap.schedule.instructions
+                for p in control.schedule.instructions
             ]  # fmt: skip
     return {
         "stage": stage,
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
         "phase": session.phase,
+        "group_ranks": control.group_ranks,
         "report": report,
         "records": records,
         "planned": planned,

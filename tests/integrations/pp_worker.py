@@ -67,7 +67,7 @@ def _pipeline(kind: str, rank: int, world: int):
     opt = torch.optim.SGD(params, lr=0.01)
     first, last = 0, 0 if v_shape else (world * chunks - 1) % world
 
-    def run(call) -> None:  # noqa: ANN001
+    def run(call) -> None:
         x, y = torch.randn(M * 2, 16), torch.randn(M * 2, 16)
         if rank == first and rank == last:
             call(x, target=y, losses=[])
@@ -112,7 +112,7 @@ def main() -> int:
             opt.step()
             opt.zero_grad()
 
-        def attach(session):  # noqa: ANN001, ANN202
+        def attach(session):
             return attach_module(session, model, opt)
 
         microbatches = 2
@@ -124,7 +124,7 @@ def main() -> int:
             kind, "interleaved" if kind == "loopedbfs" else "recorded"
         )
 
-        def attach(session):  # noqa: ANN001, ANN202
+        def attach(session):
             return attach_pipeline(session, schedule)
 
     common = {

@@ -28,8 +28,8 @@ def no_device(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "amdsmi", None)
     (tmp_path / "empty-sys").mkdir()
     monkeypatch.setenv("POWERLIB_SYSFS_ROOT", str(tmp_path / "empty-sys"))
-    measure = importlib.import_module("powerlib.measurement.measure")
-    monkeypatch.setattr(measure, "_NO_DEVICE_WARNED", False, raising=False)
+    reader = importlib.import_module("powerlib.measurement.reader")
+    monkeypatch.setattr(reader, "_NO_DEVICE_WARNED", False)
 
 
 def _hf_trainer(tmp_path: Path, callbacks: list, max_steps: int = 4):

@@ -14,8 +14,8 @@ Multi-process tests on gloo (megatron on CPU through ``megatron_shims.py``):
 - **A plan end to end** (TP=2 x PP=2, four ranks): ``powerlib overlap search`` and
   ``powerlib overlap plan`` write a plan; a GPT of the nanobatched spec trains three iterations
   of megatron-core's 1F1B inside ``powerlib.optimize(mode="apply", plan_path=...)`` and
-  ``attach``; every collective of every nanobatched instruction launched at its planned slot
-  and every step-end consistency check passed.
+  ``attach``, Kareus's launch control attached; every collective of every nanobatched
+  instruction launched at its planned slot and every step-end consistency check passed.
 """
 
 from __future__ import annotations
@@ -187,6 +187,7 @@ def test_a_searched_plan_trains_a_megatron_gpt(tmp_path: Path) -> None:
         assert report["loaded"] and report["active"] and report["disabled"] is None, report
         assert report["iterations"] == 3  # every step-end consistency check passed
         assert rank["phase"] == "closed" and rank["restored"]
+        assert rank["group_ranks"] == [[0, 1], [2, 3]]  # tensor_parallel_ranks(): every TP group
         assert not [w for w in rank["warnings"] if "gloo" not in w], rank["warnings"]
         records = rank["records"]
         overlapped = [r for r in records if r["path"] == "overlap"]

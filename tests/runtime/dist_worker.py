@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import powerlib
-from powerlib.planning.pipeline import schedule_1f1b
+from powerlib.planning.schedules import schedule_1f1b
 
 BASE_S = 0.015  # well above a simulated clock change (~1 ms), so no request is superseded
 MICROBATCHES = 4

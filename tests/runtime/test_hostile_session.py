@@ -30,9 +30,9 @@ from powerlib.control import StateDir
 from powerlib.control.journal import list_journals
 from powerlib.errors import DeviceBusyError, InvalidArgumentError, PlanError
 from powerlib.planning.choice import Policy, objection
-from powerlib.planning.pipeline import build_schedule
 from powerlib.planning.plan import PLAN_SCHEMA
 from powerlib.planning.profile import Profile
+from powerlib.planning.schedules import build_schedule
 from powerlib.registry import open_backend
 from powerlib.runtime.coordination import SingleProcess
 from powerlib.runtime.planning_step import PlanSpec, make_plan
@@ -474,16 +474,15 @@ def test_the_guarded_plan_of_that_profile_spends_no_more_than_all_max(tmp_path: 
 
 
 def test_a_plan_past_the_allowed_slowdown_is_refused() -> None:
-    from powerlib.planning.perseus.frontier import compute_frontier
+    from powerlib.planning.perseus.frontier import FrontierSettings, compute_frontier
 
     profile = toy_profile(2)
     frontier = compute_frontier(
         profile,
         build_schedule("1f1b", 2, 2),
+        settings=FrontierSettings(unit_time_s=0.001, p_block_w=80.0),
         schedule_name="1f1b",
         num_microbatches=2,
-        p_block_w=80.0,
-        unit_time_s=0.001,
     )
     slowest = [frontier.options[(i.stage, i.kind)][-1] for i in frontier.dag.instructions]
     fastest = Policy(name="fastest", max_slowdown=0.001, switch_latency_s=0.0)
@@ -560,7 +559,7 @@ def _reads(period_s: float, intervals_s: list[float], phase_s: float = 0.0123) -
 
 @pytest.mark.parametrize("period_s", [0.1, 0.02, 0.001])
 def test_the_counter_period_is_estimated_from_how_often_reads_saw_it_move(period_s: float) -> None:
-    from powerlib.profiling.meter import estimate_counter_period_s
+    from powerlib.measurement.counter_period import estimate_counter_period_s
 
     rng = random.Random(7)
     intervals = [
@@ -573,7 +572,8 @@ def test_the_counter_period_is_estimated_from_how_often_reads_saw_it_move(period
 
 
 def test_the_estimate_says_what_it_cannot_know() -> None:
-    from powerlib.profiling.meter import energy_error, estimate_counter_period_s
+    from powerlib.measurement.counter_period import estimate_counter_period_s
+    from powerlib.profiling.meter import energy_error
 
     assert estimate_counter_period_s([0.01] * 7, 3) is None  # too few reads
     assert estimate_counter_period_s([0.01, 0.02] * 10, 20) == (0.01, True)  # moved every time

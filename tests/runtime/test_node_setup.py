@@ -85,10 +85,8 @@ def no_vendor_libs(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def warn_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The no-device warning is once per process: let this test see it."""
-    module = importlib.import_module(
-        "powerlib.measurement.measure"
-    )  # the package's measure() hides it
-    monkeypatch.setattr(module, "_NO_DEVICE_WARNED", False, raising=False)
+    module = importlib.import_module("powerlib.measurement.reader")
+    monkeypatch.setattr(module, "_NO_DEVICE_WARNED", False)
 
 
 def _nvidia(settings: Settings, gpus: int = 2, **overrides: Any) -> tuple[FakeNvml, NvidiaBackend]:

@@ -10,9 +10,9 @@ import pytest
 from runtime_helpers import toy_profile
 
 from powerlib.errors import PlanError
-from powerlib.planning.perseus.frontier import compute_frontier
-from powerlib.planning.pipeline import build_schedule
+from powerlib.planning.perseus.frontier import FrontierSettings, compute_frontier
 from powerlib.planning.plan import FrequencyPlan
+from powerlib.planning.schedules import build_schedule
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +21,9 @@ def plan_data() -> dict:
     frontier = compute_frontier(
         profile,
         build_schedule("1f1b", 4, 4),
+        settings=FrontierSettings(unit_time_s=1e-3, p_block_w=80.0),
         schedule_name="1f1b",
         num_microbatches=4,
-        p_block_w=80.0,
-        unit_time_s=1e-3,
     )
     return frontier.plan(frontier.fastest, policy="fastest").to_json()
 

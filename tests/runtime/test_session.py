@@ -275,7 +275,7 @@ def test_kinds_accept_short_names_and_reject_others(tmp_path: Path) -> None:
 def test_the_plan_follows_the_order_the_loop_really_ran(tmp_path: Path) -> None:
     profile = toy_profile()
     from powerlib.emulator.engine import Emulator
-    from powerlib.planning.pipeline import build_schedule
+    from powerlib.planning.schedules import build_schedule
 
     emulator = Emulator(profile, build_schedule("gpipe", 4, 4), p_block_w=80.0)
     sessions = emulated_sessions(emulator, tmp_path / "out", schedule="1f1b")  # says 1f1b: wrong

@@ -1,6 +1,6 @@
 """The simulated partition evaluator reproduces the phenomena Kareus exploits (docs/kareus.md §5.3).
 
-Every phenomenon is checked on the real workloads of :mod:`powerlib.planning.kareus.partition`
+Every phenomenon is checked on the real workloads of :mod:`powerlib.kareus.partition`
 with the noise-free model; the evaluator's protocol (thermal bias, counter, noise, determinism) and
 Theorem 1 (docs/kareus.md §2.4) are checked in virtual time.
 """
@@ -13,22 +13,9 @@ from dataclasses import replace
 
 import pytest
 
-from powerlib.emulator.partition_model import (
-    A100,
-    SimulatedOverlapEvaluator,
-    Work,
-    model,
-    model_compute,
-    model_power,
-    model_sequential,
-    run_capped,
-    run_locked,
-    simulate,
-    simulate_capped,
-)
 from powerlib.errors import PlanError
-from powerlib.planning.kareus.evaluator import Evaluator, MeasureProtocol
-from powerlib.planning.kareus.partition import (
+from powerlib.kareus.evaluator import Evaluator, MeasureProtocol
+from powerlib.kareus.partition import (
     MODEL_SHAPES,
     Config,
     Parallelism,
@@ -37,6 +24,17 @@ from powerlib.planning.kareus.partition import (
     build_workload,
     config_space,
 )
+from powerlib.kareus.sim_capping import Work, run_capped, run_locked
+from powerlib.kareus.sim_fluid import (
+    model,
+    model_compute,
+    model_power,
+    model_sequential,
+    simulate,
+    simulate_capped,
+)
+from powerlib.kareus.sim_model import SimulatedOverlapEvaluator
+from powerlib.kareus.sim_params import A100
 
 SMS = range(1, 31)
 
@@ -472,7 +470,7 @@ def test_bad_input(llama_tp8: PartitionWorkload) -> None:
 
 
 def test_h100_params_run(llama_tp8: PartitionWorkload) -> None:
-    from powerlib.emulator.partition_model import H100
+    from powerlib.kareus.sim_params import H100
 
     ptype = llama_tp8.partition("fwd_attn")
     t_a, _ = model(ptype, Config(1410, 18, "norm_0"))
@@ -483,8 +481,8 @@ def test_h100_params_run(llama_tp8: PartitionWorkload) -> None:
 
 def test_parameters_shared_with_the_simulated_backend_agree() -> None:
     """Both simulators read powerlib.gpu_specs: the shared numbers agree."""
-    from powerlib.backends.simulated import GPU_MODELS
-    from powerlib.emulator.partition_model import H100
+    from powerlib.backends.simulated_model import GPU_MODELS
+    from powerlib.kareus.sim_params import H100
 
     for params, key in ((A100, "a100"), (H100, "h100")):
         sim = GPU_MODELS[key]

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from powerlib.backends.simulated import SimulatedBackend, VirtualClock, WorkUnit
+from powerlib.backends.simulated import SimulatedBackend, VirtualClock
+from powerlib.backends.simulated_model import WorkUnit
 from powerlib.config import Settings
 from powerlib.control import StateDir
 from powerlib.control.journal import list_journals
 from powerlib.errors import InvalidArgumentError, NotSupportedError
-from powerlib.planning.kareus.evaluator import Evaluator, MeasureProtocol
-from powerlib.planning.kareus.partition import (
+from powerlib.kareus.evaluator import Evaluator, MeasureProtocol
+from powerlib.kareus.meter import DeviceEvaluator
+from powerlib.kareus.partition import (
     MODEL_SHAPES,
     Config,
     Parallelism,
     PartitionType,
     build_workload,
 )
-from powerlib.profiling.partition_meter import DeviceEvaluator
 
 WORK = WorkUnit(time_at_max_s=0.04, compute_fraction=0.8, sm_activity=0.9, memory_activity=0.2)
 PROTOCOL = MeasureProtocol(settle_s=2.0, warmup_s=1.0, window_s=5.0, cooldown_s=5.0)

@@ -1,11 +1,11 @@
-"""One rank of the overlap test: two gloo ranks form one tensor-parallel group of a 1-stage job.
+"""One rank of the launch-control test: two gloo ranks, one tensor-parallel group, a 1-stage job.
 
-Launched by ``test_overlap.py`` (``tests/multiproc.launch_ranks``) with the plan file and an output
-folder. The session applies the plan (``mode="apply"``, simulated GPU) and drives the overlap
-schedule from its instruction hooks. Each instruction runs two layers of Kareus-style partitions
+Launched by ``test_launch.py`` (``tests/multiproc.launch_ranks``) with the plan file and an output
+folder. The session applies the plan (``mode="apply"``, simulated GPU) and drives Kareus's launch
+control (attached before the ``with`` block) from its instruction hooks. Each instruction runs two layers of Kareus-style partitions
 (forward: attention and MLP; backward: the recomputed forward partitions, then the backward
 ones); every partition announces its launch slots, does some CPU matmuls per slot, and its
-collective is a real asynchronous ``all_reduce`` launched from the overlap runtime's callback.
+collective is a real asynchronous ``all_reduce`` launched from the launch control's callback.
 After the partition's join the reduced tensor must equal the sum over ranks. Writes
 ``rank<R>.json``: the runtime's launch records next to the slot the worker itself saw each launch
 happen at, the runtime's report, and whether every all-reduce was correct.
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import powerlib
+from powerlib.kareus.launch import LaunchControl, attach
 
 LAYERS = 2
 ITERATIONS = 2
@@ -51,7 +52,7 @@ def main() -> int:
     weight = torch.randn(32, 32) / 8
     state: dict[str, Any] = {"slot": None, "checked": 0, "correct": True, "slots": []}
 
-    def partition(overlap: powerlib.runtime.Overlap, key: str, seed: int) -> None:
+    def partition(control: LaunchControl, key: str, seed: int) -> None:
         base = torch.arange(64, dtype=torch.float32) + seed
         buf = base * (rank + 1)  # this rank's contribution: sum over ranks is base * 3
 
@@ -61,7 +62,7 @@ def main() -> int:
 
         x = torch.randn(16, 32)
         state["slot"] = None
-        with overlap.partition(key, launch=launch) as part:
+        with control.partition(key, launch=launch) as part:
             for slot in SLOTS[key]:
                 state["slot"] = slot
                 part.slot(slot)
@@ -71,7 +72,7 @@ def main() -> int:
         state["checked"] += 1
         state["correct"] = state["correct"] and bool(torch.equal(buf, expected))
 
-    with powerlib.optimize(
+    session = powerlib.optimize(
         num_stages=1,
         num_microbatches=2,
         stage=0,
@@ -79,7 +80,9 @@ def main() -> int:
         plan_path=plan_path,
         out_dir=None,
         progress=False,
-    ) as session:
+    )
+    control = attach(session)
+    with session:
         seed = 0
         for _ in range(ITERATIONS):
             for kind, mb in ORDER:
@@ -87,13 +90,12 @@ def main() -> int:
                     for _layer in range(LAYERS):
                         for key in PARTITIONS[kind]:
                             seed += 1
-                            partition(session.overlap, key, seed)
+                            partition(control, key, seed)
             session.step()
-        overlap = session.overlap
         records = [
-            r.to_json() | {"worker_slot": s} for r, s in zip(overlap.records, state["slots"])
+            r.to_json() | {"worker_slot": s} for r, s in zip(control.records, state["slots"])
         ]
-        report = overlap.report()
+        report = control.report()
         assert len(records) == len(state["slots"]) == state["checked"]
     (out / f"rank{rank}.json").write_text(
         json.dumps(

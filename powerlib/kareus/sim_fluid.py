@@ -1,6 +1,6 @@
 """The noise-free fluid model of one GPU running a partition: exact ground truth for searches.
 
-The formulas are in :mod:`powerlib.emulator.partition_model`'s docstring. :func:`simulate` is the
+The formulas are in :mod:`powerlib.kareus.sim_model`'s docstring. :func:`simulate` is the
 physics at one clock; :func:`model`, :func:`model_power`, :func:`model_sequential` and
 :func:`model_compute` keep the device's power limit in force, as a real GPU does: work that would
 draw more than the limit at its locked clock runs at the lower clock where it fits
@@ -16,9 +16,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from powerlib.emulator.partition_params import A100, OverlapDeviceParams
 from powerlib.errors import PlanError
-from powerlib.planning.kareus.partition import Collective, Config, Op, PartitionType, Segment
+from powerlib.kareus.partition import Collective, Config, Op, PartitionType, Segment
+from powerlib.kareus.sim_params import A100, OverlapDeviceParams
 
 __all__ = [
     "OverlapResult",
@@ -269,7 +269,7 @@ def throttled_clock(
     A GPU whose average power exceeds its limit lowers its clock until the power fits
     (docs/kareus.md §2.4); in steady state the clock averages the one where the work's average
     power ``power_at_w(f)`` meets the limit (off the supported grid in general: the controller
-    of :func:`~powerlib.emulator.partition_capping.run_capped` oscillates around it, and by
+    of :func:`~powerlib.kareus.sim_capping.run_capped` oscillates around it, and by
     Theorem 1 a lock at that average takes the same time). Returns ``freq_lock_mhz`` when the
     work fits at the lock, the highest clock in ``[min_freq_mhz, freq_lock_mhz]`` whose power
     fits (bisection to 0.01 MHz) otherwise, and ``min_freq_mhz`` if even that clock does not fit.

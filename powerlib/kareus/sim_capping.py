@@ -11,10 +11,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from powerlib.emulator.partition_fluid import _check_freq, _check_sms, _prepare, _run, simulate
-from powerlib.emulator.partition_params import A100, OverlapDeviceParams
 from powerlib.errors import PlanError
-from powerlib.planning.kareus.partition import Config, Op, PartitionType
+from powerlib.kareus.partition import Config, Op, PartitionType
+from powerlib.kareus.sim_fluid import _check_freq, _check_sms, _prepare, _run, simulate
+from powerlib.kareus.sim_params import A100, OverlapDeviceParams
 
 __all__ = ["CappedRun", "LockedRun", "Work", "WorkLike", "run_capped", "run_locked"]
 

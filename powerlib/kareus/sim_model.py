@@ -1,7 +1,7 @@
 """Simulated partition evaluator: a fluid model of one GPU running Kareus's overlap partitions.
 
 The model is docs/kareus.md §5.1 (formulas), calibrated against the phenomena of §5.3 on the real
-workloads of :mod:`powerlib.planning.kareus.partition`. It reads the GPUs' clocks, voltage
+workloads of :mod:`powerlib.kareus.partition`. It reads the GPUs' clocks, voltage
 curve, static power, power cap, thermal constants and energy-counter period from the table the
 simulated backend reads (:data:`powerlib.gpu_specs.GPU_SPECS`), so the two simulators agree.
 
@@ -42,9 +42,9 @@ the limit (:func:`throttled_clock`). :func:`simulate` and :meth:`Work.at` stay t
 one clock. Theorem 1 (docs/kareus.md §2.4) is reproduced by :func:`run_capped` and
 :func:`run_locked`.
 
-The parameters are in :mod:`~powerlib.emulator.partition_params`, the noise-free model in
-:mod:`~powerlib.emulator.partition_fluid`, repeated and capped runs in
-:mod:`~powerlib.emulator.partition_capping`; this module holds the evaluator and re-exports their
+The parameters are in :mod:`~powerlib.kareus.sim_params`, the noise-free model in
+:mod:`~powerlib.kareus.sim_fluid`, repeated and capped runs in
+:mod:`~powerlib.kareus.sim_capping`; this module holds the evaluator and re-exports their
 public names. Pure Python + numpy (for the seeded random generator); no sleeping.
 """
 
@@ -57,53 +57,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from powerlib.emulator.partition_capping import (
-    CappedRun,
-    LockedRun,
+from powerlib.errors import PlanError
+from powerlib.kareus.evaluator import Measurement, MeasureProtocol
+from powerlib.kareus.partition import Config, Op, PartitionType, Segment
+from powerlib.kareus.sim_capping import (
     Work,
     WorkLike,
     _Phases,
     _phases_fn,
     _Throttle,
-    run_capped,
-    run_locked,
 )
-from powerlib.emulator.partition_fluid import (
-    OverlapResult,
+from powerlib.kareus.sim_fluid import (
     _check_freq,
     _check_sms,
-    model,
-    model_compute,
-    model_power,
-    model_sequential,
     simulate,
-    simulate_capped,
-    throttled_clock,
 )
-from powerlib.emulator.partition_params import A100, H100, OverlapDeviceParams
-from powerlib.errors import PlanError
-from powerlib.planning.kareus.evaluator import Measurement, MeasureProtocol
-from powerlib.planning.kareus.partition import Config, Op, PartitionType, Segment
+from powerlib.kareus.sim_params import A100, OverlapDeviceParams
 
-__all__ = [
-    "A100",
-    "H100",
-    "CappedRun",
-    "LockedRun",
-    "OverlapDeviceParams",
-    "OverlapResult",
-    "SimulatedOverlapEvaluator",
-    "Work",
-    "model",
-    "model_compute",
-    "model_power",
-    "model_sequential",
-    "run_capped",
-    "run_locked",
-    "simulate",
-    "simulate_capped",
-    "throttled_clock",
-]
+__all__ = ["SimulatedOverlapEvaluator"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Measuring Kareus partitions on real devices: the :class:`Evaluator` behind the per-partition search.
 
-:class:`DeviceEvaluator` implements :class:`~powerlib.planning.kareus.evaluator.Evaluator` through
+:class:`DeviceEvaluator` implements :class:`~powerlib.kareus.evaluator.Evaluator` through
 the device contract. The caller supplies what only the framework can do, a callable that runs one
 partition on the GPU and waits for it (``run(ptype, config)``: both nanobatches' compute with the
 collective launched at ``config.slot`` on ``config.sm_count`` SMs, then a device synchronise); the
-evaluator follows :class:`~powerlib.planning.kareus.evaluator.MeasureProtocol` around it
+evaluator follows :class:`~powerlib.kareus.evaluator.MeasureProtocol` around it
 (docs/kareus.md §2.1 "Measurement", §6.1 item 3):
 
 1. lock the SM clock of every device to ``config.freq_mhz`` (min = max), through a
@@ -44,11 +44,12 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from powerlib.backend import Backend
 from powerlib.control import ControlSession
-from powerlib.device import Backend, Device
+from powerlib.device import Device
 from powerlib.errors import DeviceError, InvalidArgumentError, NotSupportedError
-from powerlib.planning.kareus.evaluator import Measurement, MeasureProtocol
-from powerlib.planning.kareus.partition import Config, Op, PartitionType, Segment
+from powerlib.kareus.evaluator import Measurement, MeasureProtocol
+from powerlib.kareus.partition import Config, Op, PartitionType, Segment
 from powerlib.profiling.meter import EnergyMeter
 
 __all__ = [

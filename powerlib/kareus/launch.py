@@ -1,4 +1,4 @@
-"""The runtime side of Kareus overlap plans: which partition runs how, and when its collective starts.
+"""Kareus's launch control: which partition runs how, and when its collective starts.
 
 A Kareus plan (docs/kareus.md §3.1, §6.1 item 7) gives every instruction of a stage an execution mode
 (``sequential`` or ``nanobatch``) and, when nanobatched, one :class:`PartitionSetting` per
@@ -8,19 +8,28 @@ runtime does (docs/kareus.md §3.2), through callbacks an integration places in 
 
 ::
 
-    overlap = session.overlap                      # or Overlap.from_plan(plan, stage)
-    with session.instruction("forward", microbatch=mb):
-        for layer in layers:
-            with overlap.partition("fwd_attn", launch=start_allreduce, group=tp_group) as part:
-                part.slot("norm_0");   x = norm(x)           # right before each slot's first kernel
-                part.slot("linear_0"); x = qkv(x)
-                part.slot("rope_0");   x = rope(x)
-                ...                                          # the collective is joined at exit
+    control = powerlib.kareus.launch.attach(session)      # before `with session:`; every rank
+    with session:
+        with session.instruction("forward", microbatch=mb):
+            for layer in layers:
+                with control.partition("fwd_attn", launch=start_allreduce, group=tp_group) as part:
+                    part.slot("norm_0");   x = norm(x)       # right before each slot's first kernel
+                    part.slot("linear_0"); x = qkv(x)
+                    part.slot("rope_0");   x = rope(x)
+                    ...                                      # the collective is joined at exit
 
     def start_allreduce(group, setting):                     # called exactly once per partition
         return torch.distributed.all_reduce(buf, group=group, async_op=True)
 
-Partition keys are the plan's: ``fwd_attn``, ``bwd_qkv_rs``, ... (:mod:`powerlib.planning.kareus.
+**The session** knows nothing of Kareus: :class:`LaunchControl` is an instruction listener
+(:mod:`powerlib.runtime.listeners`). :func:`attach` registers it (or pass
+``listeners=[LaunchControl(...)]`` to ``powerlib.optimize``); the session then hands it every plan
+it applies (:meth:`LaunchControl.plan_applied`) and calls its ``begin``/``end``/``step`` at its
+own hooks. A plan with partition settings that no launch control takes is refused when it is
+applied. Without a session, :meth:`LaunchControl.from_plan` and explicit ``begin``/``end``/``step``
+calls do the same.
+
+Partition keys are the plan's: ``fwd_attn``, ``bwd_qkv_rs``, ... (:mod:`powerlib.kareus.
 partition`). A backward instruction with activation checkpointing configures the forward
 partitions it recomputes separately, under ``recompute_<key>`` (``recompute_fwd_attn``): the
 integration's recompute path asks for those keys.
@@ -31,22 +40,24 @@ kernel: on CUDA the communicator's stream waits for the compute stream at that p
 artifact's event-gated launch), or at partition exit when there is nothing to overlap (no plan, a
 sequential instruction, a partition type the plan does not configure, a ``None`` slot). At exit
 the runtime waits on the handle ``launch`` returned (the end-of-partition join; on CUDA a
-stream wait, not a CPU block). Integrations that schedule themselves ask :meth:`Overlap.config`.
+stream wait, not a CPU block). Integrations that schedule themselves ask
+:meth:`LaunchControl.config`.
 
 **Never crash the job** (docs/architecture.md §5): a problem with the plan at run time degrades to the
 framework's default path with one warning, never an exception in the training loop:
 
 - the loop runs another instruction order than the plan (checked at every instruction, like the
   artifact's name check) or a different number of instructions per iteration (checked at every
-  :meth:`Overlap.step`, the step-end consistency check): the schedule is switched off for the
-  rest of the run and every partition takes the default path;
+  :meth:`LaunchControl.step`, the step-end consistency check): the schedule is switched off for
+  the rest of the run and every partition takes the default path
+  (:class:`~powerlib.kareus.launch_schedule.PartitionSchedule`);
 - a planned slot the integration never announces (a slot name the plan has but the code does
   not): the collective is launched at partition exit, with one warning per (type, slot);
 - ``part.slot`` with a name that is not a slot name (``<group>_<index>``, e.g. ``rope_0``): one
   warning, the call is ignored.
 
-**SM shares** come from SM-limited communicators (:class:`~powerlib.runtime.sm_groups.SMGroups`,
-:mod:`powerlib.runtime.sm_groups`), all created when the plan is loaded (:meth:`Overlap.load`).
+**SM shares** come from SM-limited communicators (:class:`~powerlib.kareus.sm_groups.SMGroups`),
+all created when the plan is loaded (:meth:`LaunchControl.load`).
 
 Every rank of a group must run the same stage plan (tensor- and context-parallel ranks share a
 stage), so they launch the same collectives on the same communicators in the same order, as NCCL
@@ -58,195 +69,42 @@ torch is not imported by this module.
 
 from __future__ import annotations
 
-import logging
 import re
-import warnings
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from powerlib.errors import InvalidArgumentError, PlanError
+from powerlib.errors import InvalidArgumentError
+from powerlib.kareus.launch_schedule import PartitionSchedule, warn_degraded
+from powerlib.kareus.sm_groups import SMGroups
 from powerlib.planning.pipeline import KINDS, InstructionKey
 from powerlib.planning.plan import FrequencyPlan, PartitionSetting, PlannedInstruction
-from powerlib.runtime.sm_groups import SMGroups, nccl_options
+from powerlib.runtime.listeners import plan_has_partitions
 
 __all__ = [
+    "GroupRanks",
+    "LaunchControl",
     "LaunchFn",
     "LaunchRecord",
-    "Overlap",
-    "OverlapSchedule",
     "Partition",
-    "SMGroups",
-    "nccl_options",
-    "plan_has_overlap",
+    "active_control",
+    "attach",
 ]
-
-logger = logging.getLogger(__name__)
 
 LaunchFn = Callable[[Any, "PartitionSetting | None"], Any]
 """``launch(group, setting) -> work | None``: enqueue one partition's collective on ``group``."""
 
+GroupRanks = Sequence[Sequence[int]] | Callable[[], Sequence[Sequence[int]]] | None
+"""Global ranks of every group the partitions' collectives run on (a zero-argument callable is
+asked when a plan with partition settings is applied); ``None``: the whole world."""
+
 _SLOT_NAME = re.compile(r"^[a-z][a-z0-9]*_[0-9]+$")
 
-
-def _warn(message: str) -> None:
-    """Log and warn (``RuntimeWarning``), as the session does for a degraded feature."""
-    logger.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def _fmt(key: InstructionKey) -> str:
-    stage, chunk, mb, kind = key
-    return f"{kind} mb{mb}" + (f" chunk{chunk}" if chunk else "")
-
-
-def plan_has_overlap(plan: FrequencyPlan) -> bool:
-    """Whether any instruction of any stage is nanobatched (a Kareus overlap plan)."""
-    return any(p.execution == "nanobatch" for stage in plan.stages for p in stage)
-
-
-# --------------------------------------------------------------------------------------------
-# The schedule: per instruction, its execution mode and partition settings
-# --------------------------------------------------------------------------------------------
-
-
-class OverlapSchedule:
-    """One stage's overlap plan, consumed one instruction at a time.
-
-    Args:
-        instructions: The stage's planned instructions in execution order (one iteration).
-        source: Where the plan came from, for messages.
-        warn: How a problem is reported (default: log and ``RuntimeWarning``).
-
-    Raises:
-        PlanError: No instructions, or instructions of several stages.
-    """
-
-    def __init__(
-        self,
-        instructions: Sequence[PlannedInstruction],
-        *,
-        source: str = "<plan>",
-        warn: Callable[[str], None] = _warn,
-    ) -> None:
-        planned = tuple(instructions)
-        if not planned:
-            raise PlanError(f"{source}: an overlap schedule needs at least one instruction")
-        stages = {p.instruction.stage for p in planned}
-        if len(stages) != 1:
-            raise PlanError(
-                f"{source}: an overlap schedule is one stage's, got stages {sorted(stages)}"
-            )
-        self.instructions = planned
-        self.stage = planned[0].instruction.stage
-        self.source = source
-        self._warn = warn
-        self._keys = [p.key for p in planned]
-        self.position = 0  # instructions begun in this iteration
-        self.iteration = 0  # completed (stepped) iterations
-        self.current: PlannedInstruction | None = None
-        self.disabled: str | None = None  # why the schedule was switched off
-        self._missing: set[tuple[str, str]] = set()
-
-    @classmethod
-    def from_plan(cls, plan: FrequencyPlan, stage: int) -> OverlapSchedule:
-        """``stage``'s schedule from a plan.
-
-        Raises:
-            PlanError: The plan has no such stage.
-        """
-        return cls(plan.stage(stage), source=plan.source)
-
-    @property
-    def active(self) -> bool:
-        """False once a mismatch switched the schedule off (every partition: default path)."""
-        return self.disabled is None
-
-    @property
-    def sm_counts(self) -> tuple[int, ...]:
-        """Distinct SM counts of this stage's nanobatched instructions, ascending."""
-        return tuple(sorted({s.sm_count for p in self.instructions for s in p.overlap.values()}))
-
-    def begin(self, key: InstructionKey) -> PlannedInstruction | None:
-        """The instruction ``key = (stage, chunk, microbatch, kind)`` starts.
-
-        Returns:
-            Its planned entry, or ``None`` when the schedule is off (now or before).
-        """
-        self.current = None
-        if self.disabled is not None:
-            return None
-        pos = self.position
-        if pos >= len(self._keys):
-            self._disable(f"instruction {pos} {_fmt(key)} is beyond the plan's {len(self._keys)}")
-            return None
-        if key != self._keys[pos]:
-            self._disable(
-                f"instruction {pos} is {_fmt(key)}, the plan expects {_fmt(self._keys[pos])}"
-            )
-            return None
-        self.position = pos + 1
-        self.current = self.instructions[pos]
-        return self.current
-
-    def end(self) -> None:
-        """The current instruction ends: :meth:`config` answers ``None`` until the next begins."""
-        self.current = None
-
-    def end_step(self) -> bool:
-        """The iteration ended: check the plan was consumed exactly, then rewind.
-
-        An iteration in which no instruction began (an evaluation step, whose hooks are skipped as
-        in the artifact) is not checked.
-
-        Returns:
-            False if the iteration did not run the whole plan (the schedule is then off).
-        """
-        self.current = None
-        ran, self.position = self.position, 0
-        if self.disabled is not None:
-            return False
-        if ran == 0:
-            return True
-        self.iteration += 1
-        if ran != len(self._keys):
-            self._disable(f"the iteration ran {ran} instruction(s), the plan has {len(self._keys)}")
-            return False
-        return True
-
-    def config(self, key: str) -> PartitionSetting | None:
-        """Partition type ``key``'s setting in the current instruction, or ``None``: default path.
-
-        ``None`` when no instruction is running, the schedule is off, the instruction is
-        sequential, or the plan does not configure ``key`` (logged once per instruction kind and
-        key: trail partitions, for one, keep the framework's default).
-        """
-        current = self.current
-        if current is None or current.execution != "nanobatch":
-            return None
-        setting = current.overlap.get(key)
-        if setting is None:
-            seen = (current.instruction.kind, key)
-            if seen not in self._missing:
-                self._missing.add(seen)
-                logger.info(
-                    "%s: the plan has no setting for partition %r in %s instructions; it takes the "
-                    "default path",
-                    self.source,
-                    key,
-                    current.instruction.kind,
-                )
-        return setting
-
-    def _disable(self, detail: str) -> None:
-        self.disabled = detail
-        self.current = None
-        self._warn(
-            f"powerlib: stage {self.stage}: the training loop does not run the overlap plan's "
-            f"instruction order ({detail}); every partition takes the default path from now on"
-        )
+_CURRENT: list[LaunchControl] = []
+"""The launch controls sessions applied plans to and have not closed, innermost last."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,7 +156,7 @@ class LaunchRecord:
 
 
 class Partition:
-    """One running partition (made by :meth:`Overlap.partition`; use it as a context manager).
+    """One running partition (made by :meth:`LaunchControl.partition`; a context manager).
 
     Attributes:
         key: Partition type.
@@ -308,14 +166,14 @@ class Partition:
 
     def __init__(
         self,
-        overlap: Overlap,
+        control: LaunchControl,
         key: str,
         launch: LaunchFn,
         group: Any,
         setting: PartitionSetting | None,
         path: str,
     ) -> None:
-        self._overlap = overlap
+        self._control = control
         self.key = key
         self._launch = launch
         self._group = group
@@ -343,7 +201,7 @@ class Partition:
         A name that is not a slot name (``<group>_<index>``) is ignored with one warning.
         """
         if not isinstance(name, str) or not _SLOT_NAME.match(name):
-            self._overlap._warn_once(
+            self._control._warn_once(
                 ("badslot", repr(name)),
                 f"powerlib: part.slot({name!r}) in partition {self.key!r} is not a launch slot "
                 "name like 'rope_0'; ignored",
@@ -369,7 +227,7 @@ class Partition:
             path = self._path
             if self._target is not None:
                 path = "slot-not-reached"
-                self._overlap._warn_once(
+                self._control._warn_once(
                     ("unreached", self.key, self._target),
                     f"powerlib: partition {self.key!r} never announced its planned launch slot "
                     f"{self._target!r}; its collective runs after the compute",
@@ -384,19 +242,27 @@ class Partition:
         setting = self.setting
         group, enforced = self._group, False
         if at is not None and setting is not None:
-            group, enforced = self._overlap.groups.lookup(self._group, setting.sm_count)
-        self._overlap._record(self.key, setting, at, enforced, path)
+            group, enforced = self._control.groups.lookup(self._group, setting.sm_count)
+        self._control._record(self.key, setting, at, enforced, path)
         self.handle = self._launch(group, setting)
 
 
-class Overlap:
-    """Applies one stage's overlap plan: per-instruction settings and partition launch points.
+class LaunchControl:
+    """Applies one stage's Kareus plan: per-instruction settings and partition launch points.
 
     Without a schedule (no plan yet, a Perseus plan, or after a mismatch) every partition takes
     the default path: ``launch(group, None)`` at partition exit, on the integration's group.
 
+    As a session's instruction listener (:func:`attach`), it takes every plan the session
+    applies (:meth:`plan_applied`) and follows its instructions; it is then what
+    :func:`active_control` returns until the session closes.
+
     Args:
         schedule: The stage's schedule, or ``None``.
+        group_ranks: For plans a session applies: global ranks of every group the partitions'
+            collectives run on, the same lists on every rank (every tensor/context-parallel
+            group of the job), or a zero-argument callable that returns them (asked when a plan
+            with partition settings is applied, on every rank); default: the whole world.
         groups: The SM-limited communicators (default: a fresh :class:`SMGroups`).
         record_limit: How many launch records to keep (oldest dropped first).
         warn: How problems are reported (default: log and ``RuntimeWarning``, once each).
@@ -404,12 +270,14 @@ class Overlap:
 
     def __init__(
         self,
-        schedule: OverlapSchedule | None = None,
+        schedule: PartitionSchedule | None = None,
         *,
+        group_ranks: GroupRanks = None,
         groups: SMGroups | None = None,
         record_limit: int = 100_000,
-        warn: Callable[[str], None] = _warn,
+        warn: Callable[[str], None] = warn_degraded,
     ) -> None:
+        self.group_ranks = group_ranks
         self._warn = warn
         self._warned: set[Any] = set()
         self.schedule = schedule
@@ -425,14 +293,14 @@ class Overlap:
         *,
         group_ranks: Sequence[Sequence[int]] | None = None,
         groups: SMGroups | None = None,
-    ) -> Overlap:
-        """An :class:`Overlap` for ``stage`` of ``plan``, its communicators prepared.
+    ) -> LaunchControl:
+        """A :class:`LaunchControl` for ``stage`` of ``plan``, its communicators prepared.
 
         Collective on NCCL: every rank of the job calls it at the same point (see :meth:`load`).
         """
-        overlap = cls(groups=groups)
-        overlap.load(plan, stage, group_ranks=group_ranks)
-        return overlap
+        control = cls(groups=groups)
+        control.load(plan, stage, group_ranks=group_ranks)
+        return control
 
     def load(
         self,
@@ -441,7 +309,7 @@ class Overlap:
         *,
         group_ranks: Sequence[Sequence[int]] | None = None,
     ) -> bool:
-        """Take ``stage``'s schedule from ``plan`` if it is an overlap plan; prepare communicators.
+        """Take ``stage``'s schedule from ``plan`` if it is a Kareus plan; prepare communicators.
 
         On NCCL this creates one communicator per (group, SM count) from the distinct SM counts of
         *every* stage, so every rank of the job must call it at the same point with the same
@@ -450,17 +318,17 @@ class Overlap:
         Args:
             plan: The plan (all stages).
             stage: This rank's stage.
-            group_ranks: Global ranks of every group the overlapped collectives run on (every
+            group_ranks: Global ranks of every group the partitions' collectives run on (every
                 tensor/context-parallel group of the job); default: the whole world.
 
         Returns:
-            True if the plan is an overlap plan (nanobatched instructions somewhere).
+            True if the plan is a Kareus plan (nanobatched instructions somewhere).
 
         Raises:
             PlanError: The plan has no such stage.
         """
-        schedule = OverlapSchedule.from_plan(plan, stage)  # validates the stage first
-        if not plan_has_overlap(plan):
+        schedule = PartitionSchedule.from_plan(plan, stage)  # validates the stage first
+        if not plan_has_partitions(plan):
             self.schedule = None
             return False
         schedule._warn = self._warn_message
@@ -469,6 +337,32 @@ class Overlap:
         counts = {s.sm_count for st in plan.stages for p in st for s in p.overlap.values()}
         self.groups.prepare(counts, group_ranks)
         return True
+
+    # -- as a session's instruction listener --------------------------------------------------
+
+    def plan_applied(self, plan: FrequencyPlan, stage: int) -> bool:
+        """A session applies ``plan`` to ``stage``: :meth:`load` it with :attr:`group_ranks`.
+
+        The session calls it on every rank at the same point (the plan's arrival, or
+        :func:`attach` to a session that applies one already).
+
+        Returns:
+            True if the plan is a Kareus plan (this control carries out its partitions).
+
+        Raises:
+            PlanError: The plan has no such stage.
+        """
+        ranks = self.group_ranks
+        if callable(ranks) and plan_has_partitions(plan):
+            ranks = ranks()
+        taken = self.load(plan, stage, group_ranks=None if callable(ranks) else ranks)
+        if not any(other is self for other in _CURRENT):
+            _CURRENT.append(self)
+        return taken
+
+    def close(self) -> None:
+        """The session ended: this control is no longer :func:`active_control` (idempotent)."""
+        _CURRENT[:] = [other for other in _CURRENT if other is not self]
 
     # -- per-instruction hooks ----------------------------------------------------------------
 
@@ -513,7 +407,7 @@ class Overlap:
             self.schedule.end()
 
     def step(self) -> bool:
-        """The iteration ends: the step-end consistency check (see :meth:`OverlapSchedule.end_step`).
+        """The iteration ends: the step-end consistency check (:meth:`PartitionSchedule.end_step`).
 
         Returns:
             False if the schedule is (now) off.
@@ -527,7 +421,7 @@ class Overlap:
     # -- partitions ---------------------------------------------------------------------------
 
     def partition(self, key: str, launch: LaunchFn, *, group: Any = None) -> Partition:
-        """One execution of partition type ``key``: ``with overlap.partition(...) as part:``.
+        """One execution of partition type ``key``: ``with control.partition(...) as part:``.
 
         Args:
             key: Partition type (``fwd_attn``, ``bwd_qkv_rs``, ...).
@@ -586,7 +480,7 @@ class Overlap:
         return {k: sorted(v) for k, v in sorted(out.items())}
 
     def report(self) -> dict[str, Any]:
-        """What the overlap runtime did, as JSON data."""
+        """What the launch control did, as JSON data."""
         schedule = self.schedule
         paths: dict[str, int] = {}
         for r in self.records:
@@ -610,3 +504,59 @@ class Overlap:
         if what not in self._warned:
             self._warned.add(what)
             self._warn(message)
+
+
+def attach(session: Any, *, group_ranks: GroupRanks = None) -> LaunchControl:
+    """Kareus's launch control on ``session``: it follows the session's instructions and plans.
+
+    Call it on every rank at the same point, before the ``with`` block when the session applies
+    a saved Kareus plan (the session refuses such a plan if nothing takes its partition
+    settings when it is applied), or at least before the first instruction. A session that
+    already has a launch control keeps it: that one is returned.
+
+    Args:
+        session: A :class:`powerlib.Session` (anything with ``add_instruction_listener``).
+        group_ranks: See :class:`LaunchControl` (in Megatron:
+            ``powerlib.kareus.megatron.tensor_parallel_ranks()``).
+
+    Returns:
+        The :class:`LaunchControl` (``partition``, ``config``, ``records``, ``report``).
+
+    Raises:
+        InvalidArgumentError: The session has run an instruction already, or has ended.
+        PlanError: The plan the session applies has no part for this rank's stage.
+    """
+    for listener in session.instruction_listeners:
+        if isinstance(listener, LaunchControl):
+            return listener
+    control = LaunchControl(group_ranks=group_ranks)
+    session.add_instruction_listener(control)
+    return control
+
+
+def for_partition_plans() -> LaunchControl:
+    """The launch control a session adds itself for a Kareus plan nothing else took.
+
+    Registered as the entry point ``powerlib.instruction_listeners:partitions``
+    (:func:`powerlib.runtime.listeners.registered_listener`): a session that applies a plan with
+    partition settings needs no :func:`attach`. Its collectives' groups are Megatron's
+    tensor-parallel groups when Megatron's parallel state is up, else the whole world.
+    """
+    return LaunchControl(group_ranks=_job_groups)
+
+
+def _job_groups() -> list[list[int]] | None:
+    state = sys.modules.get("megatron.core.parallel_state")
+    if state is None or not state.model_parallel_is_initialized():
+        return None
+    from powerlib.kareus.megatron import tensor_parallel_ranks  # noqa: PLC0415 - Megatron only
+
+    return tensor_parallel_ranks()
+
+
+def active_control() -> LaunchControl | None:
+    """The launch control of the innermost open session that applied a plan to it, or ``None``.
+
+    What :func:`powerlib.kareus.megatron.nanobatch_layer_spec`'s layers follow by default.
+    """
+    return _CURRENT[-1] if _CURRENT else None

@@ -1,17 +1,18 @@
-"""SM-limited communicators for Kareus overlap plans: one NCCL process group per SM count.
+"""SM-limited communicators for Kareus plans: one NCCL process group per SM count.
 
 **SM shares.** On NCCL a collective's SM share is a property of its communicator
 (``ncclConfig_t`` ``minCTAs``/``maxCTAs``, docs/kareus.md §3.3): :class:`SMGroups` creates one process
 group per (ranks, SM count) with ``ProcessGroupNCCL.Options().config.min_ctas = max_ctas =
 sm_count``. ``new_group`` is collective over the *whole* job and every rank must create groups in
-the same order, so they are all created when the plan is loaded (:meth:`powerlib.runtime.launch_control.Overlap.load`), from the
+the same order, so they are all created when the plan is loaded
+(:meth:`powerlib.kareus.launch.LaunchControl.load`), from the
 distinct SM counts of *every* stage of the plan (sorted) and every group in ``group_ranks``
 (default: the whole world), on every rank, before any training instruction: never lazily inside
 a partition, where a rank of another pipeline stage would never join. The block size cannot be
 set per communicator on NCCL (``NCCL_NTHREADS`` is process-wide): it is recorded only. On gloo
 (and any backend other than NCCL), and without an initialised process group, SM counts cannot be
 enforced: the collective runs on the group the integration passed, the requested count is
-recorded (:attr:`powerlib.runtime.launch_control.Overlap.records`), and one warning says so.
+recorded (:attr:`powerlib.kareus.launch.LaunchControl.records`), and one warning says so.
 
 torch is not imported by this module (only :func:`nccl_options` called without ``dist`` does): the
 process group comes from ``sys.modules``, so nothing is enforced unless the job itself initialised
@@ -219,8 +220,8 @@ class SMGroups:
             self._warn_once(
                 f"missing{ranks}",
                 f"powerlib: no SM-limited communicator for ranks {list(ranks)} with {sm_count} "
-                "SMs (pass every overlap group as overlap_groups): that collective uses its "
-                "default group",
+                "SMs (pass every tensor/context-parallel group as group_ranks): that collective "
+                "uses its default group",
             )
             return group, False
         return pg, True

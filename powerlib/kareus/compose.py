@@ -1,0 +1,487 @@
+"""From partition measurements to per-instruction options, and from those to one frontier.
+
+Composition (docs/kareus.md §2.2, Alg. 2): an instruction (the forward or backward of one microbatch on
+one stage) runs at **one clock**, and every partition type in it runs **one configuration** across
+all its layers and both nanobatches. For each clock ``f``:
+
+1. Take each partition type's measured configurations at ``f`` and keep their Pareto set in
+   (time, dynamic energy).
+2. Add them up over the types the instruction runs, each counted ``per_layer × layers`` times
+   (a backward with activation checkpointing also re-runs the forward types). Sums of Pareto sets
+   are pruned after every type, which is exact: a dominated partial sum stays dominated whatever
+   is added to it. The artifact enumerates the full cartesian product instead.
+3. Multiply by ``correction`` (the artifact hard-codes 1.15 for the gap between isolated and
+   in-situ partitions; here it is a parameter, calibrated by :func:`calibrate_correction`, and
+   1.0 on the simulator where partitions compose exactly).
+4. Add the non-partition work of the stage (embedding; output layer and loss).
+5. Add two more candidates per clock: **sequential** execution of the whole microbatch
+   (execution-model switching, docs/kareus.md §4.5) and the **stock** nanobatched configuration
+   (collective launched as soon as possible with the library's default SM count: plain
+   nanobatching). Both are measured, so the composed set can only be better than either.
+
+The options then go into the same Phillips–Dessouky solver as Perseus
+(:func:`~powerlib.planning.perseus.frontier.compute_frontier` with ``candidates=``): each option's
+knob is its execution mode plus the configuration of every partition type (:class:`Knob`), and
+its cost is dynamic energy, static energy being charged once as ``stages · P_static · T``.
+
+Pure: measurements in, options and frontiers out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from powerlib.errors import PlanError
+from powerlib.kareus.evaluator import Evaluator, Measurement
+from powerlib.kareus.partition import BLOCK_SIZE, Config, PartitionType, PartitionWorkload
+from powerlib.planning.perseus.frontier import Frontier, FrontierSettings, compute_frontier
+from powerlib.planning.perseus.points import FrontierPoint
+from powerlib.planning.perseus.work import DEFAULT_MAX_WORK
+from powerlib.planning.pipeline import BACKWARD, FORWARD, Schedule
+
+__all__ = [
+    "METHODS",
+    "STOCK_SM_COUNT",
+    "Components",
+    "Knob",
+    "calibrate_correction",
+    "compare_frontiers",
+    "compose_options",
+    "measure_components",
+    "method_frontier",
+    "pareto_indices",
+    "sample_frontier",
+]
+
+STOCK_SM_COUNT = 24
+"""SMs a stock collective (NCCL choosing its own channels) occupies: the sequential and plain
+nanobatching baselines use it. [assumption] NCCL on NVSwitch A100 commonly runs 16-32 channels."""
+
+METHODS = ("kareus", "perseus", "nanobatch")
+"""``kareus``: composed options + sequential + stock; ``perseus``: sequential only (Megatron-LM +
+Perseus, "M+P"); ``nanobatch``: stock nanobatching only ("N+P")."""
+
+_KINDS = (FORWARD, BACKWARD)
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """What an instruction option sets besides its clock.
+
+    Attributes:
+        execution: ``sequential`` or ``nanobatch``.
+        configs: Per partition type key, its configuration (nanobatch only).
+        source: ``search`` (composed from measured configurations), ``stock`` or ``sequential``.
+    """
+
+    execution: str
+    configs: tuple[tuple[str, Config], ...] = ()
+    source: str = "search"
+
+    def to_plan(self) -> dict[str, Any]:
+        """Plan fields: ``execution`` and ``overlap`` (slot, SM count, block size per type)."""
+        return {
+            "execution": self.execution,
+            "overlap": {
+                key: {"slot": c.slot, "sm_count": c.sm_count, "block_size": BLOCK_SIZE}
+                for key, c in self.configs
+            },
+            "option_source": self.source,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Components:
+    """Everything measured besides the searched partitions, per clock.
+
+    Attributes:
+        p_static_w: Static power the dynamic energies were computed with.
+        sequential: ``(phase, freq) ->`` one layer without nanobatching, microbatch-sized.
+        extras: ``(stage, kind, freq) ->`` the stage's non-partition work.
+        stock: ``(partition key, freq) ->`` the stock configuration of that partition type.
+        stock_sm_count: SM count of the stock collective.
+    """
+
+    p_static_w: float
+    sequential: Mapping[tuple[str, float], Measurement]
+    extras: Mapping[tuple[int, str, float], Measurement]
+    stock: Mapping[tuple[str, float], Measurement]
+    stock_sm_count: int = STOCK_SM_COUNT
+    freqs_mhz: tuple[float, ...] = field(default=())
+
+
+def _stock_config(ptype: PartitionType, freq_mhz: float, sm_count: int) -> Config:
+    """Plain nanobatching: launch as soon as possible (first slot), stock SM count."""
+    return Config(freq_mhz=freq_mhz, sm_count=sm_count, slot=ptype.slots[0])
+
+
+def measure_components(
+    workload: PartitionWorkload,
+    evaluator: Evaluator,
+    freqs_mhz: Sequence[float],
+    *,
+    stock_sm_count: int = STOCK_SM_COUNT,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> Components:
+    """Measure the sequential layers, the non-partition work and the stock configurations.
+
+    Args:
+        workload: The model, parallelism and stages.
+        evaluator: What measures (simulator or GPUs).
+        freqs_mhz: Clocks (those the partitions were searched at).
+        stock_sm_count: SMs of a stock collective.
+        progress: ``(done, total, what)`` callback.
+    """
+    freqs = sorted({float(f) for f in freqs_mhz})
+    if not freqs:
+        raise PlanError("measure_components needs at least one clock")
+    jobs: list[tuple[str, Any]] = []
+    for f in freqs:
+        for phase in ("fwd", "bwd"):
+            jobs.append(("sequential", (phase, f)))
+        for st in workload.stages:
+            for kind, ops in ((FORWARD, st.extra_forward), (BACKWARD, st.extra_backward)):
+                if ops:
+                    jobs.append(("extra", (st.stage, kind, f, ops)))
+        for p in workload.partitions:
+            jobs.append(("stock", (p, f)))
+    sequential: dict[tuple[str, float], Measurement] = {}
+    extras: dict[tuple[int, str, float], Measurement] = {}
+    stock: dict[tuple[str, float], Measurement] = {}
+    for n, (what, arg) in enumerate(jobs, 1):
+        if what == "sequential":
+            phase, f = arg
+            sequential[(phase, f)] = evaluator.evaluate_sequential(
+                workload.sequential[phase], f, stock_sm_count
+            )
+        elif what == "extra":
+            stage, kind, f, ops = arg
+            extras[(stage, kind, f)] = evaluator.evaluate_compute(ops, f)
+        else:
+            p, f = arg
+            stock[(p.key, f)] = evaluator.evaluate(p, _stock_config(p, f, stock_sm_count))
+        if progress is not None:
+            progress(n, len(jobs), what)
+    return Components(
+        p_static_w=evaluator.p_static_w,
+        sequential=sequential,
+        extras=extras,
+        stock=stock,
+        stock_sm_count=stock_sm_count,
+        freqs_mhz=tuple(freqs),
+    )
+
+
+def pareto_indices(times: Sequence[float], costs: Sequence[float]) -> list[int]:
+    """Indices of the non-dominated ``(time, cost)`` points, fastest first (ties: cheapest).
+
+    A point is dropped if another is no slower and no costlier and differs in one of them;
+    of exact duplicates the first is kept.
+    """
+    order = sorted(range(len(times)), key=lambda i: (times[i], costs[i], i))
+    keep: list[int] = []
+    best = math.inf
+    for i in order:
+        if costs[i] < best:
+            keep.append(i)
+            best = costs[i]
+    return keep
+
+
+_Partial = tuple[float, float, tuple[tuple[str, Config], ...]]
+
+
+def _pareto(items: list[_Partial]) -> list[_Partial]:
+    idx = pareto_indices([t for t, _, _ in items], [e for _, e, _ in items])
+    return [items[i] for i in idx]
+
+
+def _types_of(
+    workload: PartitionWorkload, kind: str, layers: int
+) -> list[tuple[str, PartitionType, int]]:
+    """(plan key, partition type, multiplicity) of one instruction.
+
+    The forward types a backward recomputes get the plan key ``recompute_<key>``.
+    """
+    out = []
+    for ptype, per_layer in workload.instruction_types(kind):
+        key = ptype.key
+        if kind == BACKWARD and ptype.phase == "fwd":
+            key = f"recompute_{key}"
+        out.append((key, ptype, per_layer * layers))
+    return out
+
+
+def compose_options(
+    workload: PartitionWorkload,
+    records: Mapping[str, Iterable[tuple[Config, float, float]]],
+    components: Components,
+    *,
+    method: str = "kareus",
+    correction: float = 1.0,
+) -> dict[tuple[int, str], list[tuple[float, float, float, Knob]]]:
+    """Per ``(stage, kind)``, the instruction options ``(freq_mhz, time_s, energy_j, knob)``.
+
+    Args:
+        workload: The model, parallelism and stages.
+        records: Per partition type key, every measured ``(config, time_s, dynamic_energy_j)``
+            (the whole evaluation log, not only its Pareto set; docs/kareus.md §2.1). Needed for
+            ``method="kareus"`` only.
+        components: Sequential, extra and stock measurements (:func:`measure_components`).
+        method: One of :data:`METHODS`.
+        correction: Factor on composed partition sums (time and dynamic energy).
+
+    Returns:
+        Options whose energy is total energy (dynamic + ``P_static · time``), Pareto-pruned in
+        (time, dynamic energy) per ``(stage, kind)``.
+
+    Raises:
+        PlanError: Unknown method, a non-positive correction, or a clock some partition type
+            was not measured at.
+    """
+    if method not in METHODS:
+        raise PlanError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if not (math.isfinite(correction) and correction > 0):
+        raise PlanError(f"correction must be a positive number, got {correction!r}")
+    p_s = components.p_static_w
+    freqs = list(components.freqs_mhz)
+    by_type: dict[str, dict[float, list[_Partial]]] = {}
+    if method == "kareus":
+        for p in workload.partitions:
+            got = records.get(p.key)
+            if got is None:
+                raise PlanError(f"no search results for partition type {p.key!r}")
+            per_f: dict[float, list[_Partial]] = {}
+            for config, time_s, dyn_j in got:
+                per_f.setdefault(float(config.freq_mhz), []).append(
+                    (float(time_s), float(dyn_j), ((p.key, config),))
+                )
+            by_type[p.key] = {f: _pareto(items) for f, items in per_f.items()}
+        common = set(freqs)
+        for per_f in by_type.values():
+            common &= set(per_f)
+        if not common:
+            raise PlanError("the partition types were not measured at any common clock")
+        freqs = sorted(common)
+
+    out: dict[tuple[int, str], list[tuple[float, float, float, Knob]]] = {}
+    for st in workload.stages:
+        for kind in _KINDS:
+            types = _types_of(workload, kind, st.layers)
+            cands: list[tuple[float, float, float, Knob]] = []  # (f, t, dyn, knob)
+            for f in freqs:
+                ext = components.extras.get((st.stage, kind, f))
+                ext_t = ext.time_s if ext else 0.0
+                ext_d = ext.dynamic_energy_j if ext else 0.0
+                if method in ("kareus", "perseus"):
+                    phases = workload.phases(kind)
+                    t = sum(components.sequential[(ph, f)].time_s for ph in phases) * st.layers
+                    d = sum(components.sequential[(ph, f)].dynamic_energy_j for ph in phases)
+                    cands.append(
+                        (f, t + ext_t, d * st.layers + ext_d, Knob("sequential", (), "sequential"))
+                    )
+                if method in ("kareus", "nanobatch"):
+                    t = d = 0.0
+                    stock_configs: list[tuple[str, Config]] = []
+                    for key, ptype, mult in types:
+                        m = components.stock[(ptype.key, f)]
+                        t += mult * m.time_s
+                        d += mult * m.dynamic_energy_j
+                        stock_configs.append(
+                            (key, _stock_config(ptype, f, components.stock_sm_count))
+                        )
+                    cands.append(
+                        (
+                            f,
+                            correction * t + ext_t,
+                            correction * d + ext_d,
+                            Knob("nanobatch", tuple(stock_configs), "stock"),
+                        )
+                    )
+                if method == "kareus":
+                    acc: list[_Partial] = [(0.0, 0.0, ())]
+                    for key, ptype, mult in types:
+                        opts = by_type[ptype.key][f]
+                        acc = _pareto(
+                            [
+                                (ta + mult * tb, ea + mult * eb, ca + ((key, cb[0][1]),))
+                                for ta, ea, ca in acc
+                                for tb, eb, cb in opts
+                            ]
+                        )
+                    for t, d, configs in acc:
+                        cands.append(
+                            (
+                                f,
+                                correction * t + ext_t,
+                                correction * d + ext_d,
+                                Knob("nanobatch", configs, "search"),
+                            )
+                        )
+            keep = pareto_indices([c[1] for c in cands], [c[2] for c in cands])
+            out[(st.stage, kind)] = [
+                (cands[i][0], cands[i][1], cands[i][2] + p_s * cands[i][1], cands[i][3])
+                for i in sorted(keep, key=lambda i: (cands[i][1], cands[i][0]))
+            ]
+    return out
+
+
+def calibrate_correction(pairs: Iterable[tuple[float, float]]) -> float:
+    """The composition correction from ``(composed_time_s, measured_in_situ_time_s)`` pairs.
+
+    Least squares through the origin: ``Σ composed·measured / Σ composed²``. The artifact's
+    1.15 is such a ratio for its testbed; on the simulator, where partitions compose exactly,
+    it comes out at 1.
+
+    Raises:
+        PlanError: With no pairs or non-positive times.
+    """
+    num = den = 0.0
+    n = 0
+    for composed, measured in pairs:
+        if not (composed > 0 and measured > 0):
+            raise PlanError(f"calibration times must be positive, got {(composed, measured)}")
+        num += composed * measured
+        den += composed * composed
+        n += 1
+    if n == 0:
+        raise PlanError("calibrate_correction needs at least one (composed, measured) pair")
+    return num / den
+
+
+def reference_options(
+    workload: PartitionWorkload, components: Components
+) -> dict[tuple[int, str], tuple[float, float]]:
+    """Megatron-LM's point per ``(stage, kind)``: sequential at the highest clock."""
+    seq = compose_options(workload, {}, components, method="perseus")
+    return {key: max(opts, key=lambda o: o[0])[1:3] for key, opts in seq.items()}
+
+
+def method_frontier(
+    workload: PartitionWorkload,
+    options: Mapping[tuple[int, str], Sequence[tuple[float, float, float, Knob]]],
+    components: Components,
+    schedule: Schedule,
+    *,
+    schedule_name: str,
+    num_microbatches: int,
+    unit_time_s: float = 1e-3,
+    cost_model: str = "convex",
+    progress: Callable[[int, int], None] | None = None,
+    max_work: int | None = DEFAULT_MAX_WORK,
+) -> Frontier:
+    """The iteration frontier of one method's options on the Perseus solver.
+
+    Savings are against Megatron-LM (sequential at the highest clock). ``cost_model="convex"``
+    (the lower convex hull of each instruction's options) makes frontiers of nested option sets
+    nest too: more options can only lower the hull, so Kareus's frontier weakly dominates the
+    baselines' at every time.
+    """
+    return compute_frontier(
+        None,
+        schedule,
+        settings=FrontierSettings(
+            unit_time_s=unit_time_s,
+            p_block_w=components.p_static_w,
+            order="subtract-then-filter",
+            cost_model=cost_model,
+            max_work=max_work,
+        ),
+        schedule_name=schedule_name,
+        num_microbatches=num_microbatches,
+        progress=progress,
+        candidates=options,
+        reference=reference_options(workload, components),
+    )
+
+
+def sample_frontier(points: Sequence[FrontierPoint], n: int = 10) -> list[FrontierPoint]:
+    """``n`` plans along the solver trajectory, denser toward the fast end (docs/kareus.md §2.3).
+
+    The artifact takes 15 strided samples and drops positions 0, 2, 4, 6 and 8; this does the
+    same for ``n = 10`` and keeps the fastest point last.
+    """
+    if not points:
+        return []
+    m = n + n // 2
+    picks = sorted({round(i * (len(points) - 1) / (m - 1)) for i in range(m)})
+    drop = set(range(0, 2 * (m - n), 2))
+    sampled = [points[j] for k, j in enumerate(picks) if k not in drop] or list(points)
+    if sampled[-1] is not points[-1]:
+        sampled.append(points[-1])
+    return sampled
+
+
+def _lowest_energy_within(points: Sequence[FrontierPoint], time_s: float) -> FrontierPoint | None:
+    fits = [p for p in points if p.time_s <= time_s + 1e-12]
+    return min(fits, key=lambda p: (p.energy_j, p.time_s)) if fits else None
+
+
+def compare_frontiers(
+    kareus: Frontier, perseus: Frontier, nanobatch: Frontier | None = None, *, samples: int = 10
+) -> dict[str, Any]:
+    """The paper's metrics (docs/kareus.md §4 "Metrics") on planner frontiers.
+
+    - ``iso_time_energy_reduction``: the lowest energy Kareus reaches with ``T ≤`` the fastest
+      Perseus-only (M+P) time, against that M+P point's energy.
+    - ``iso_energy_time_reduction``: the shortest Kareus time with ``E ≤`` the minimum-energy
+      M+P point's energy, against that point's time.
+    - ``max_throughput``: each method's fastest plan, replayed on the measurements, against
+      Megatron-LM (sequential, highest clock, the frontiers' common baseline): time and energy
+      reductions.
+    - ``dominates``: per baseline, whether at each of its ``samples`` sampled points Kareus has a
+      point no slower and no costlier (weak dominance), with the worst margin.
+    """
+    out: dict[str, Any] = {}
+    mp_fast = perseus.fastest
+    got = _lowest_energy_within(kareus.points, mp_fast.time_s)
+    out["iso_time_energy_reduction"] = (
+        None if got is None else 1.0 - got.energy_j / mp_fast.energy_j
+    )
+    out["iso_time"] = {
+        "time_s": mp_fast.time_s,
+        "perseus_energy_j": mp_fast.energy_j,
+        "kareus_energy_j": None if got is None else got.energy_j,
+        "kareus_time_s": None if got is None else got.time_s,
+    }
+    mp_min = perseus.min_energy
+    fits = [p for p in kareus.points if p.energy_j <= mp_min.energy_j + 1e-9]
+    fastest = min(fits, key=lambda p: p.time_s) if fits else None
+    out["iso_energy_time_reduction"] = (
+        None if fastest is None else 1.0 - fastest.time_s / mp_min.time_s
+    )
+    base = perseus.baseline()
+    methods = {"kareus": kareus, "perseus": perseus}
+    if nanobatch is not None:
+        methods["nanobatch"] = nanobatch
+    out["megatron"] = {"time_s": base.time_s, "energy_j": base.energy_j}
+    out["max_throughput"] = {}
+    for name, f in methods.items():
+        # Replayed on the measurements (real, not floor-quantized, durations), so that the
+        # comparison with Megatron-LM's critical path is like for like.
+        run = f.replay(f.fastest)
+        out["max_throughput"][name] = {
+            "time_s": run.time_s,
+            "energy_j": run.energy_j,
+            "planned_time_s": f.fastest.time_s,
+            "time_reduction": 1.0 - run.time_s / base.time_s,
+            "energy_reduction": 1.0 - run.energy_j / base.energy_j,
+        }
+    dominance: dict[str, Any] = {}
+    for name, f in methods.items():
+        if name == "kareus":
+            continue
+        margins = []
+        for p in sample_frontier(f.points, samples):
+            k = _lowest_energy_within(kareus.points, p.time_s)
+            margins.append(-math.inf if k is None else (p.energy_j - k.energy_j) / p.energy_j)
+        dominance[name] = {
+            "weakly_dominated": all(m >= -1e-9 for m in margins),
+            "min_margin": min(margins),
+            "samples": len(margins),
+        }
+    out["dominance"] = dominance
+    return out
