@@ -178,7 +178,7 @@ def _status_code(smi: Any, err: BaseException) -> int | None:
         return None
     try:
         code = err.get_error_code()  # type: ignore[attr-defined]
-    except Exception:  # a wrapper without the method: fall back to the attribute
+    except Exception:  # noqa: BLE001 - a wrapper without the method: fall back to the attribute
         code = getattr(err, "err_code", None)
     return int(code) if isinstance(code, int) else None
 
@@ -195,7 +195,7 @@ def _translate(
             cls, hint = DeviceLostError, "the GPU is gone: it fell off the bus or was reset"
         try:
             status = " ".join(str(err.get_error_info(detailed=False)).split())  # type: ignore[attr-defined]
-        except Exception:  # older wrappers
+        except Exception:  # noqa: BLE001 - older wrappers
             status = f"status {code}"
         return cls(f"{name}: {status}: {hint}", vendor_code=code, **context)
     if _is_instance(err, smi, "AmdSmiParameterException"):

@@ -16,7 +16,9 @@ import errno
 import logging
 import os
 import posixpath
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from powerlib.errors import (
     DeviceError,
@@ -26,9 +28,11 @@ from powerlib.errors import (
     PowerlibError,
 )
 
-__all__ = ["SysfsIO", "translate_oserror"]
+__all__ = ["SysfsIO", "soft", "translate_oserror"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 _PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
 _UNSUPPORTED_ERRNOS = frozenset({errno.ENODATA, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
@@ -210,3 +214,12 @@ class SysfsIO:
             os.write(fd, value.encode())
         finally:
             os.close(fd)
+
+
+def soft(read: Callable[[str], _T], rel: str) -> _T | None:
+    """``read(rel)``, or ``None`` when the file is absent, unsupported or not readable."""
+    try:
+        return read(rel)
+    except (NotSupportedError, PermissionDeniedError) as err:
+        logger.debug("treating %s as absent: %s", rel, err)
+        return None

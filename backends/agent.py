@@ -26,12 +26,13 @@ from typing import Any, ClassVar
 
 from powerlib.agent import protocol
 from powerlib.agent.client import AgentConnection
+from powerlib.backend import Backend, ProbeResult
 from powerlib.config import Settings
-from powerlib.device import Backend, ClockLockState, Device, PowerState, ProbeResult
-from powerlib.errors import BackendUnavailableError, DeviceLostError
 from powerlib.control import show_path
+from powerlib.device import ClockLockState, Device, PowerState
+from powerlib.errors import BackendUnavailableError, DeviceLostError
 
-__all__ = ["AgentBackend", "AgentConnection", "AgentDevice"]  # AgentConnection: re-exported
+__all__ = ["AgentBackend", "AgentDevice"]
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """AMD GPUs through ``amdsmi`` (the ROCm SMI library's Python wrapper; extra ``amd``).
 
 Importing ``amdsmi`` without ROCm prints to stdout and raises ``KeyError``; with a library that
-lacks a symbol it raises ``AttributeError``. :func:`import_amdsmi` swallows the stdout noise (it
+lacks a symbol it raises ``AttributeError``. :func:`~powerlib.backends._amd_api.import_amdsmi` swallows the stdout noise (it
 would corrupt ``--json`` output) and turns every failure into ``BackendUnavailableError`` with a
 hint. The module can also be passed in (``AmdBackend(settings, smi=fake)``); tests use
 :mod:`powerlib.testing.fake_amdsmi`.
@@ -51,20 +51,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
+from powerlib.backend import Backend, ProbeResult
 from powerlib.backends import _amd_api as api
-from powerlib.backends._amd_api import import_amdsmi
 from powerlib.backends._amd_enumeration import Gpu, enumerate_gpus
 from powerlib.config import Settings
-from powerlib.device import (
-    Backend,
-    Capabilities,
-    ClockLockState,
-    Device,
-    DeviceInfo,
-    DeviceKind,
-    PowerState,
-    ProbeResult,
-)
+from powerlib.device import Capabilities, ClockLockState, Device, DeviceInfo, DeviceKind, PowerState
 from powerlib.errors import (
     BackendUnavailableError,
     DeviceError,
@@ -75,7 +66,7 @@ from powerlib.errors import (
 from powerlib.privilege import admin_refusal
 from powerlib.units import from_uj, from_uw, to_uw
 
-__all__ = ["AmdBackend", "AmdDevice", "import_amdsmi"]
+__all__ = ["AmdBackend", "AmdDevice"]
 
 logger = logging.getLogger(__name__)
 
@@ -497,7 +488,7 @@ class AmdBackend(Backend):
 
     Args:
         settings: Visibility variables (``ROCR_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES``).
-        smi: The amdsmi module; defaults to :func:`import_amdsmi`. Tests pass a fake.
+        smi: The amdsmi module; defaults to :func:`~powerlib.backends._amd_api.import_amdsmi`. Tests pass a fake.
 
     Raises:
         BackendUnavailableError: No wrapper or library, amdsmi failed to start, or no AMD GPU.
@@ -553,7 +544,7 @@ class AmdBackend(Backend):
                 api.release(smi)
         except PowerlibError as err:
             return ProbeResult(backend=cls.name, is_available=False, reason=err.message)
-        except Exception as err:  # probe must never raise
+        except Exception as err:  # noqa: BLE001 - probe must never raise
             reason = f"amdsmi probe failed: {type(err).__name__}: {api.one_line(err)}"
             return ProbeResult(backend=cls.name, is_available=False, reason=reason)
         if not found.gpus:

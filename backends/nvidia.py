@@ -1,7 +1,7 @@
 """NVIDIA GPUs through NVML (the ``pynvml`` module of ``nvidia-ml-py``, extra ``nvidia``).
 
-The binding is imported lazily and never from the deprecated ``pynvml`` shim distribution (its import
-warning is silenced here). Every NVML call goes through :func:`_call`, the one place where
+The binding is imported lazily and never from the deprecated ``pynvml`` shim distribution. Every
+NVML call goes through :func:`powerlib.backends._nvml_api.call`, the one place where
 ``pynvml.NVMLError`` becomes a powerlib error (the NVML code is kept as ``vendor_code``).
 
 Device order is CUDA's, so that ``--device 0`` (and a framework's ``cuda:0``) is the same GPU:
@@ -32,173 +32,33 @@ another controller owning the GPU.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import threading
 import time
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any, ClassVar
 
+from powerlib.backend import Backend, ProbeResult
+from powerlib.backends import _nvml_api as api
 from powerlib.backends._visible import select_visible
 from powerlib.config import Settings
-from powerlib.device import (
-    Backend,
-    Capabilities,
-    ClockLockState,
-    Device,
-    DeviceInfo,
-    DeviceKind,
-    PowerState,
-    ProbeResult,
-)
+from powerlib.device import Capabilities, ClockLockState, Device, DeviceInfo, DeviceKind, PowerState
 from powerlib.errors import (
-    BackendUnavailableError,
     DeviceError,
-    DeviceLostError,
-    DeviceNotFoundError,
-    InvalidArgumentError,
     NotSupportedError,
     PermissionDeniedError,
     PowerlibError,
-    TransientDeviceError,
 )
 from powerlib.privilege import admin_refusal
 from powerlib.units import from_mj, from_mw, to_mw
 
-__all__ = ["NvidiaBackend", "NvidiaDevice", "import_pynvml"]
+__all__ = ["NvidiaBackend", "NvidiaDevice"]
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'powerlib[nvidia]' (nvidia-ml-py) and an NVIDIA driver"
-
-# NVML return codes (nvml.h) -> powerlib error class and what to tell the user.
-_NVML_ERRORS: Mapping[int, tuple[type[PowerlibError], str]] = {
-    1: (BackendUnavailableError, "NVML is not initialised"),
-    2: (InvalidArgumentError, "NVML rejected an argument"),
-    3: (NotSupportedError, "not supported by this GPU or driver"),
-    4: (
-        PermissionDeniedError,
-        "needs root, and in a container also CAP_SYS_ADMIN (docker run --cap-add SYS_ADMIN)",
-    ),
-    6: (DeviceNotFoundError, "NVML found no such object"),
-    9: (BackendUnavailableError, "the NVIDIA kernel driver is not loaded"),
-    10: (TransientDeviceError, "the GPU did not answer in time"),
-    12: (BackendUnavailableError, "libnvidia-ml.so.1 not found: install the NVIDIA driver"),
-    13: (NotSupportedError, "the driver is too old for this NVML call"),
-    15: (DeviceLostError, "the GPU fell off the bus or stopped answering"),
-    16: (DeviceError, "the GPU needs a reset"),
-    18: (
-        BackendUnavailableError,
-        "NVML and kernel driver versions differ (driver upgraded without a reboot?)",
-    ),
-    19: (TransientDeviceError, "the GPU is busy with an operation that excludes this one"),
-    24: (InvalidArgumentError, "the GPU does not support this frequency"),
-    26: (NotSupportedError, "the NVML call is deprecated"),
-    27: (TransientDeviceError, "the GPU or driver is not ready for this request yet"),
-    28: (DeviceNotFoundError, "the GPU was not found"),
-}
-
-# nvmlDeviceGetCurrentClocksEventReasons bits (nvml.h).
-_REASON_LOCKED = 0x2  # "applications clocks setting": also set while locked clocks hold the clock
-_EVENT_REASONS = (
-    (0x1, "gpu_idle"),
-    (0x2, "clocks_locked_or_app_clocks"),
-    (0x4, "sw_power_cap"),
-    (0x8, "hw_slowdown"),
-    (0x10, "sync_boost"),
-    (0x20, "sw_thermal"),
-    (0x40, "hw_thermal"),
-    (0x80, "hw_power_brake"),
-    (0x100, "display_clocks"),
-)
-
-_ARCH_VOLTA = 5
-_ARCH_AMPERE = 7
-_ARCH_NAMES = {
-    2: "kepler",
-    3: "maxwell",
-    4: "pascal",
-    5: "volta",
-    6: "turing",
-    7: "ampere",
-    8: "ada",
-    9: "hopper",
-    10: "blackwell",
-}
 _READBACK_TOLERANCE_W = 1.0
 _PROC_STATUS_PATH = Path("/proc/self/status")  # where control_refusal reads CapEff (tests move it)
-
-
-def import_pynvml() -> ModuleType:
-    """Import NVIDIA's ``pynvml`` module, silencing the deprecated ``pynvml`` shim's warning.
-
-    Raises:
-        BackendUnavailableError: The module is not installed, or is not NVIDIA's binding.
-    """
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
-            import pynvml  # noqa: PLC0415 - lazy by design
-    except ImportError as err:
-        raise BackendUnavailableError(
-            f"the pynvml module is not installed: {INSTALL_HINT}"
-        ) from err
-    if not hasattr(pynvml, "_nvmlGetFunctionPointer"):
-        raise BackendUnavailableError(
-            f"the installed pynvml module ({getattr(pynvml, '__file__', '?')}) is not NVIDIA's "
-            "nvidia-ml-py binding; uninstall nvidia-ml-py3/py3nvml and pip install nvidia-ml-py"
-        )
-    return pynvml
-
-
-def _call(
-    nvml: Any,
-    fn: Callable[..., Any],
-    *args: Any,
-    device: str | None = None,
-    operation: str | None = None,
-) -> Any:
-    """Call one NVML function; the one place NVML errors become powerlib errors."""
-    try:
-        return fn(*args)
-    except nvml.NVMLError as err:
-        code = getattr(err, "value", None)
-        cls, hint = _NVML_ERRORS.get(code, (DeviceError, "NVML reported an error"))  # type: ignore[arg-type]
-        name = getattr(fn, "__name__", "nvml call")
-        raise cls(
-            f"{name}: {err}: {hint}", device=device, operation=operation, vendor_code=code
-        ) from err
-
-
-def _reason_names(mask: int) -> tuple[str, ...]:
-    """The names of the clock-event reason bits set in ``mask``."""
-    return tuple(name for bit, name in _EVENT_REASONS if mask & bit)
-
-
-def _package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _cuda_order(names: Sequence[str], settings: Settings) -> list[int]:
-    """NVML indices in CUDA ordinal order (see the module docstring)."""
-    if settings.cuda_device_order == "FASTEST_FIRST" and len(set(names)) > 1:
-        logger.warning(
-            "GPUs of different models (%s) with CUDA_DEVICE_ORDER=FASTEST_FIRST: CUDA's order may "
-            "differ from NVML's PCI order, which powerlib uses; set CUDA_DEVICE_ORDER=PCI_BUS_ID "
-            "or list GPU UUIDs in CUDA_VISIBLE_DEVICES",
-            ", ".join(sorted(set(names))),
-        )
-    return list(range(len(names)))
 
 
 class NvidiaDevice(Device):
@@ -219,8 +79,8 @@ class NvidiaDevice(Device):
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._nvml, self._handle, self._monotonic = nvml, handle, monotonic
-        uuid = _text(_call(nvml, nvml.nvmlDeviceGetUUID, handle))
-        name = _text(_call(nvml, nvml.nvmlDeviceGetName, handle))
+        uuid = api.text(api.call(nvml, nvml.nvmlDeviceGetUUID, handle))
+        name = api.text(api.call(nvml, nvml.nvmlDeviceGetName, handle))
         self._arch = self._optional(nvml.nvmlDeviceGetArchitecture, handle)
         mem_mhz = sorted(set(self._optional(nvml.nvmlDeviceGetSupportedMemoryClocks, handle) or []))
         gfx_mhz: list[int] = []
@@ -240,8 +100,8 @@ class NvidiaDevice(Device):
         self._power_source = self._detect_power_source()
         has_temp = self._read_temperature_c() is not None
         self._persistence = self._optional(nvml.nvmlDeviceGetPersistenceMode, handle)
-        is_volta_plus = self._arch is not None and self._arch >= _ARCH_VOLTA
-        is_ampere_plus = self._arch is not None and self._arch >= _ARCH_AMPERE
+        is_volta_plus = self._arch is not None and self._arch >= api.ARCH_VOLTA
+        is_ampere_plus = self._arch is not None and self._arch >= api.ARCH_AMPERE
         range_w = None if limits_mw is None else (from_mw(limits_mw[0]), from_mw(limits_mw[1]))
         default_w = None if default_mw is None or range_w is None else from_mw(default_mw)
         super().__init__(
@@ -285,12 +145,12 @@ class NvidiaDevice(Device):
         """Call ``fn``; ``None`` when the GPU or driver does not support it."""
         info = getattr(self, "_info", None)  # absent while the constructor reads static facts
         try:
-            return _call(self._nvml, fn, *args, device=None if info is None else info.device_id)
+            return api.call(self._nvml, fn, *args, device=None if info is None else info.device_id)
         except NotSupportedError:
             return None
 
     def _call(self, fn: Callable[..., Any], *args: Any, operation: str) -> Any:
-        return _call(self._nvml, fn, *args, device=self.device_id, operation=operation)
+        return api.call(self._nvml, fn, *args, device=self.device_id, operation=operation)
 
     def _detect_power_source(self) -> str | None:
         if self._read_instant_power_mw() is not None:
@@ -399,13 +259,13 @@ class NvidiaDevice(Device):
         running_mhz = self._call(
             nvml.nvmlDeviceGetClockInfo, self._handle, nvml.NVML_CLOCK_SM, operation=op
         )
-        locked = True if mask is not None and mask & _REASON_LOCKED else None
+        locked = True if mask is not None and mask & api.REASON_LOCKED else None
         if locked and self._legacy_app_clocks():
             locked = None  # the reason is also set by application clocks: it proves no lock
         return ClockLockState(
             locked=locked,
             running_mhz=float(running_mhz),
-            reasons=() if mask is None else _reason_names(mask),
+            reasons=() if mask is None else api.reason_names(mask),
         )
 
     def _legacy_app_clocks(self) -> bool:
@@ -437,10 +297,10 @@ class NvidiaDevice(Device):
         reasons = self._optional(nvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
         minor = self._optional(nvml.nvmlDeviceGetMinorNumber, handle)
         return {
-            "architecture": _ARCH_NAMES.get(self._arch, str(self._arch))
+            "architecture": api.ARCH_NAMES.get(self._arch, str(self._arch))
             if self._arch is not None
             else None,
-            "pci_bus_id": None if pci is None else _text(pci.busId),
+            "pci_bus_id": None if pci is None else api.text(pci.busId),
             "minor_number": None if minor is None else int(minor),  # /dev/nvidia<N>: Slurm's
             "max_mem_freq_mhz": self._max_mem_mhz,
             "enforced_power_limit_w": None if enforced_mw is None else from_mw(enforced_mw),
@@ -449,7 +309,7 @@ class NvidiaDevice(Device):
                 "instant": "instantaneous (field 186)",
                 "usage": "nvmlDeviceGetPowerUsage",
             }.get(self._power_source or "", None),
-            "clock_event_reasons": None if reasons is None else list(_reason_names(reasons)),
+            "clock_event_reasons": None if reasons is None else list(api.reason_names(reasons)),
             "mig_enabled": self.mig_enabled(),
         }
 
@@ -534,12 +394,12 @@ class NvidiaBackend(Backend):
     """
 
     name: ClassVar[str] = "nvidia"
-    install_hint: ClassVar[str] = INSTALL_HINT
+    install_hint: ClassVar[str] = api.INSTALL_HINT
 
     def __init__(self, settings: Settings, nvml: Any = None) -> None:
         super().__init__(settings)
-        self._nvml = import_pynvml() if nvml is None else nvml
-        _call(self._nvml, self._nvml.nvmlInit)
+        self._nvml = api.import_pynvml() if nvml is None else nvml
+        api.call(self._nvml, self._nvml.nvmlInit)
         self._is_open = True
         try:
             self._devices = self._open_devices()
@@ -550,14 +410,14 @@ class NvidiaBackend(Backend):
     def _open_devices(self) -> list[NvidiaDevice]:
         nvml = self._nvml
         handles = []
-        for i in range(_call(nvml, nvml.nvmlDeviceGetCount)):
+        for i in range(api.call(nvml, nvml.nvmlDeviceGetCount)):
             try:
-                handles.append(_call(nvml, nvml.nvmlDeviceGetHandleByIndex, i))
+                handles.append(api.call(nvml, nvml.nvmlDeviceGetHandleByIndex, i))
             except PermissionDeniedError:  # a GPU this container's cgroup hides from us
                 logger.info("NVML device %d is not accessible to this process; skipped", i)
-        uuids = [_text(_call(nvml, nvml.nvmlDeviceGetUUID, h)) for h in handles]
-        names = [_text(_call(nvml, nvml.nvmlDeviceGetName, h)) for h in handles]
-        order = _cuda_order(names, self.settings)
+        uuids = [api.text(api.call(nvml, nvml.nvmlDeviceGetUUID, h)) for h in handles]
+        names = [api.text(api.call(nvml, nvml.nvmlDeviceGetName, h)) for h in handles]
+        order = api.cuda_order(names, self.settings)
         visible = select_visible(
             self.settings.cuda_visible_devices, [uuids[i] for i in order], "CUDA_VISIBLE_DEVICES"
         )
@@ -593,11 +453,11 @@ class NvidiaBackend(Backend):
         ):
             fn = getattr(self._nvml, fn_name, None)
             try:
-                out[key] = None if fn is None else _text(_call(self._nvml, fn))
+                out[key] = None if fn is None else api.text(api.call(self._nvml, fn))
             except PowerlibError as err:
                 logger.debug("%s: %s", fn_name, err)
                 out[key] = None
-        out["nvidia-ml-py"] = _package_version("nvidia-ml-py")
+        out["nvidia-ml-py"] = api.package_version("nvidia-ml-py")
         return out
 
     def devices(self) -> Sequence[NvidiaDevice]:
@@ -616,6 +476,6 @@ class NvidiaBackend(Backend):
         if getattr(self, "_is_open", False):
             self._is_open = False
             try:
-                _call(self._nvml, self._nvml.nvmlShutdown)
+                api.call(self._nvml, self._nvml.nvmlShutdown)
             except PowerlibError as err:
                 logger.debug("nvmlShutdown failed: %s", err)

@@ -3,21 +3,11 @@
 Never chosen by ``auto``: select it with ``POWERLIB_BACKEND=simulated``. Pick the model and count
 with ``POWERLIB_SIM_MODEL`` (``a100``, ``h100``, ``a40``) and ``POWERLIB_SIM_GPUS``.
 
-The model (parameters per GPU in :data:`powerlib.gpu_specs.GPU_SPECS`, each number cited):
+The model: clocks, voltage, power and time from the equations of
+:mod:`powerlib.backends.simulated_model` (parameters per GPU in
+:data:`powerlib.gpu_specs.GPU_SPECS`, each number cited), the power cap as a clock throttled to
+fit under the limit, and besides:
 
-* **Clocks.** Supported SM clocks from ``min_freq_mhz`` to ``max_freq_mhz`` in ``freq_step_mhz``
-  steps, as NVML lists them.
-* **Voltage.** Piecewise linear: flat at ``v_min_ratio`` of the maximum up to the knee clock, then
-  linear to 1 at the maximum clock. Below the knee, lowering the clock stops saving dynamic energy.
-* **Power.** ``P = P_idle + (P_clock + u · P_dyn) · φ(f) + m · P_mem · r`` with
-  ``φ(f) = (f / f_max) · (V(f) / V_max)²``: idle (board, leakage), the clock tree that runs whenever
-  the clock does, SM switching at SM activity ``u``, and memory traffic at HBM activity ``m``
-  scaled by ``r``, the traffic rate relative to full clock (the same bytes move in a longer time).
-* **Time.** A unit of work with compute-bound fraction ``α`` takes
-  ``t(f) = t_max · (α · f_max / f + (1 − α))``: only the compute-bound part scales with the clock.
-* **Power cap.** Under load, the clock runs at the highest supported value at or below the target
-  (the locked maximum, else ``f_max``) whose power fits under the power limit (steady-state view
-  of the driver's throttling loop).
 * **Temperature.** First-order thermal model ``C·dθ/dt = P − (θ − θ_amb)/R``.
 * **Energy counter.** The exact integral of power over time, published like NVML's counter: it
   updates every ``energy_update_period_s`` (``POWERLIB_SIM_ENERGY_PERIOD_S``) and counts whole
@@ -35,9 +25,9 @@ What NVML adds besides (issue 32; the emulator models the same, :mod:`powerlib.e
 * **Read cost.** Each ``read_state`` takes ``POWERLIB_SIM_READ_COST_S`` (slept on the wall clock,
   advanced on a :class:`VirtualClock`). Default 0, because tests on the wall clock read often;
   NVML's is 2.6–3.1 ms on an H200 (``benchmarks/results/measure_h200.json``).
-* **Run-to-run noise.** ``POWERLIB_SIM_NOISE`` (σ, default 0) scales each :class:`WorkUnit`'s
-  duration and energy by independent ``1 + N(0, σ)`` factors clipped to ±3 σ, drawn from
-  ``POWERLIB_SIM_SEED`` (default 0).
+* **Run-to-run noise.** ``POWERLIB_SIM_NOISE`` (σ, default 0) scales each
+  :class:`~powerlib.backends.simulated_model.WorkUnit`'s duration and energy by independent
+  ``1 + N(0, σ)`` factors clipped to ±3 σ, drawn from ``POWERLIB_SIM_SEED`` (default 0).
 
 Time is either wall-clock time (the default: state persists in ``POWERLIB_STATE_DIR`` so that
 ``powerlib set`` is seen by the next ``powerlib status``) or a :class:`VirtualClock` that advances only
@@ -48,144 +38,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
-import json
-import logging
 import math
-import os
 import random
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar, Protocol
 
-from powerlib.config import Settings
-from powerlib.device import (
-    Backend,
-    Capabilities,
-    ClockLockState,
-    Device,
-    DeviceInfo,
-    DeviceKind,
-    PowerState,
-    ProbeResult,
+from powerlib.backend import Backend, ProbeResult
+from powerlib.backends._simulated_state import (
+    SimState,
+    load_state,
+    prepare_state_dir,
+    save_state,
+    state_lock,
 )
-from powerlib.errors import ConfigError, NotSupportedError, PermissionDeniedError
-from powerlib.gpu_specs import GPU_SPECS, GpuSpec, VoltageCurve
+from powerlib.backends.simulated_model import GPU_MODELS, GpuModel, WorkResult, WorkUnit
+from powerlib.config import Settings
+from powerlib.device import Capabilities, ClockLockState, Device, DeviceInfo, DeviceKind, PowerState
+from powerlib.errors import ConfigError, NotSupportedError
 
-__all__ = [
-    "GPU_MODELS",
-    "GpuModel",
-    "SimulatedBackend",
-    "SimulatedDevice",
-    "VirtualClock",
-    "WallClock",
-    "WorkResult",
-    "WorkUnit",
-]
-
-logger = logging.getLogger(__name__)
-
-_STATE_SCHEMA = 1  # later fields are optional: a file without them still loads
-_MAX_PENDING = 4096  # clock changes in flight that a state file may hold
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GpuModel(GpuSpec, VoltageCurve):
-    """One simulated GPU: its spec with the time and power model the simulated backend runs.
-
-    The parameters are the :class:`~powerlib.gpu_specs.GpuSpec` both simulators read. Powers are in W at the maximum clock unless noted.
-    """
-
-    @classmethod
-    def from_spec(cls, spec: GpuSpec) -> GpuModel:
-        """The simulated GPU of one :class:`~powerlib.gpu_specs.GpuSpec`."""
-        return cls(**{f.name: getattr(spec, f.name) for f in fields(spec)})
-
-    @property
-    def name(self) -> str:
-        """The device name the backend reports."""
-        return f"Simulated NVIDIA {self.product}"
-
-    @property
-    def dynamic_power_w(self) -> float:
-        """Extra power with every SM busy at ``max_freq_mhz``: ``num_sms × sm_power_w``."""
-        return self.num_sms * self.sm_power_w
-
-    def duration_s(self, work: WorkUnit, freq_mhz: float) -> float:
-        """How long ``work`` takes at ``freq_mhz``."""
-        a = work.compute_fraction
-        return work.time_at_max_s * (a * self.max_freq_mhz / freq_mhz + (1.0 - a))
-
-    def power_w(self, freq_mhz: float, work: WorkUnit | None = None) -> float:
-        """Power at ``freq_mhz`` while running ``work`` (idle at that clock when ``None``)."""
-        p = self.idle_power_w + self.clock_power_w * self.phi(freq_mhz)
-        if work is None:
-            return p
-        p += work.sm_activity * self.dynamic_power_w * self.phi(freq_mhz)
-        if work.time_at_max_s > 0:
-            rate = work.time_at_max_s / self.duration_s(work, freq_mhz)
-            p += work.memory_activity * self.memory_power_w * rate
-        return p
-
-    def throttled_freq_mhz(
-        self, target_mhz: float, power_limit_w: float, work: WorkUnit | None
-    ) -> float:
-        """Highest supported clock ≤ ``target_mhz`` whose power fits under ``power_limit_w``."""
-        freqs = [f for f in self.supported_freqs_mhz if f <= target_mhz + 1e-9]
-        for freq in reversed(freqs):
-            if self.power_w(freq, work) <= power_limit_w + 1e-9:
-                return freq
-        return self.supported_freqs_mhz[0]
-
-
-GPU_MODELS: dict[str, GpuModel] = {key: GpuModel.from_spec(spec) for key, spec in GPU_SPECS.items()}
-"""The simulated GPUs by ``POWERLIB_SIM_MODEL`` key, built from :data:`powerlib.gpu_specs.GPU_SPECS`."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorkUnit:
-    """A unit of simulated work (one pipeline instruction, one kernel...).
-
-    Attributes:
-        time_at_max_s: Duration at the maximum SM clock with no throttling.
-        compute_fraction: Share of that time that scales with the SM clock (α in [0, 1]).
-        sm_activity: Average SM activity while running (u in [0, 1]).
-        memory_activity: Average memory-traffic activity at full clock (m in [0, 1]).
-    """
-
-    time_at_max_s: float
-    compute_fraction: float = 1.0
-    sm_activity: float = 1.0
-    memory_activity: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.time_at_max_s) and self.time_at_max_s >= 0):
-            raise ValueError(f"time_at_max_s must be finite and >= 0, got {self.time_at_max_s}")
-        for name in ("compute_fraction", "sm_activity", "memory_activity"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorkResult:
-    """What running a :class:`WorkUnit` cost.
-
-    Attributes:
-        time_s: Duration.
-        energy_j: Exact energy used (the counter shows it quantized).
-        freq_mhz: SM clock it ran at (after power-cap throttling); the time-weighted mean
-            when a clock change landed while it ran.
-        power_w: Average power.
-    """
-
-    time_s: float
-    energy_j: float
-    freq_mhz: float
-    power_w: float
+__all__ = ["SimulatedBackend", "SimulatedDevice", "VirtualClock", "WallClock"]
 
 
 class SimClock(Protocol):
@@ -219,67 +93,6 @@ class VirtualClock:
         if not (math.isfinite(duration_s) and duration_s >= 0):
             raise ValueError(f"can only advance by a finite, non-negative time, got {duration_s}")
         self._now_s += duration_s
-
-
-@dataclass(slots=True, kw_only=True)
-class _State:
-    """Mutable per-device state; what the state file holds."""
-
-    locked_mhz: tuple[float, float] | None  # the setting (NVML's applied clocks)
-    power_limit_w: float
-    energy_j: float  # exact integral up to t_s
-    counter_j: float  # value the counter last published
-    t_s: float
-    temperature_c: float
-    running_mhz: tuple[float, float] | None = None  # the lock the clock runs at (landed)
-    # clock changes requested but not landed yet: (landing time, lock), by landing time
-    pending: list[tuple[float, tuple[float, float] | None]] = field(default_factory=list)
-    switches: int = 0  # clock requests so far: each one's latency draw is keyed by it
-
-    def to_json(self) -> dict[str, object]:
-        data = asdict(self)
-        data["schema"] = _STATE_SCHEMA
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, object]) -> _State:
-        if data.get("schema") != _STATE_SCHEMA:
-            raise ValueError(f"unknown schema {data.get('schema')!r}")
-        locked = _lock_from_json(data["locked_mhz"])
-        # A file from before clock-change latency: its lock has landed, nothing is in flight.
-        running = _lock_from_json(data["running_mhz"]) if "running_mhz" in data else locked
-        raw_pending = data.get("pending", [])
-        if not isinstance(raw_pending, list) or len(raw_pending) > _MAX_PENDING:
-            raise ValueError(f"pending must be a list of at most {_MAX_PENDING} clock changes")
-        pending = []
-        for land_t, lock in raw_pending:
-            land_t = float(land_t)
-            if not math.isfinite(land_t):
-                raise ValueError(f"a clock change lands at {land_t}")
-            pending.append((land_t, _lock_from_json(lock)))
-        switches = data.get("switches", 0)
-        if not isinstance(switches, int) or isinstance(switches, bool) or switches < 0:
-            raise ValueError(f"switches must be a count, got {switches!r}")
-        return cls(
-            locked_mhz=locked,
-            power_limit_w=float(data["power_limit_w"]),  # type: ignore[arg-type]
-            energy_j=float(data["energy_j"]),  # type: ignore[arg-type]
-            counter_j=float(data["counter_j"]),  # type: ignore[arg-type]
-            t_s=float(data["t_s"]),  # type: ignore[arg-type]
-            temperature_c=float(data["temperature_c"]),  # type: ignore[arg-type]
-            running_mhz=running,
-            pending=sorted(pending, key=lambda change: change[0]),
-            switches=switches,
-        )
-
-
-def _lock_from_json(value: object) -> tuple[float, float] | None:
-    """A ``[min, max]`` clock lock from a state file (``None``: unlocked)."""
-    if value is None:
-        return None
-    if not isinstance(value, list) or len(value) != 2:
-        raise ValueError(f"a clock lock is [min, max], got {value!r}")
-    return float(value[0]), float(value[1])
 
 
 class SimulatedDevice(Device):
@@ -345,16 +158,16 @@ class SimulatedDevice(Device):
         self._state_path = state_path
         self._work: WorkUnit | None = None
         self._power_scale = 1.0  # the running work's energy noise over its time noise
-        self._memory_state: _State | None = None
+        self._memory_state: SimState | None = None
         with self._transaction():  # the device exists, and draws idle power, from now on
             pass
 
     # -- model state ---------------------------------------------------------------------------
 
-    def _fresh_state(self) -> _State:
+    def _fresh_state(self) -> SimState:
         now = self._clock.now()
         idle_w = self.model.power_w(self.model.min_freq_mhz)
-        return _State(
+        return SimState(
             locked_mhz=None,
             power_limit_w=self.model.default_power_limit_w,
             energy_j=0.0,
@@ -364,7 +177,7 @@ class SimulatedDevice(Device):
         )
 
     @contextlib.contextmanager
-    def _transaction(self, *, save: bool = True) -> Iterator[_State]:
+    def _transaction(self, *, save: bool = True) -> Iterator[SimState]:
         """Load the state, bring it up to now, let the caller change it, save it.
 
         A read (``save=False``) leaves the file alone: bringing a state up to now is the same
@@ -378,41 +191,17 @@ class SimulatedDevice(Device):
             self._advance(self._memory_state)
             yield self._memory_state
             return
-        lock_path = self._state_path.with_suffix(".lock")
-        with open(lock_path, "a+") as lock_file:
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
-            try:
-                state, fresh = self._load()
-                self._advance(state)
-                yield state
-                if save or fresh:  # a missing or unreadable file is rewritten even by a read
-                    self._save(state)
-            finally:
-                fcntl.flock(lock_file, fcntl.LOCK_UN)
+        with state_lock(self._state_path):
+            state = load_state(self._state_path)
+            fresh = state is None
+            if state is None:
+                state = self._fresh_state()
+            self._advance(state)
+            yield state
+            if save or fresh:  # a missing or unreadable file is rewritten even by a read
+                save_state(self._state_path, state)
 
-    def _load(self) -> tuple[_State, bool]:
-        """The saved state, and whether it had to start afresh (missing or unreadable)."""
-        assert self._state_path is not None
-        try:
-            with open(self._state_path, encoding="utf-8") as f:
-                return _State.from_json(json.load(f)), False
-        except FileNotFoundError:
-            return self._fresh_state(), True
-        except (ValueError, KeyError, TypeError, IndexError) as err:
-            logger.warning(
-                "simulated state %s is unreadable (%s); starting afresh", self._state_path, err
-            )
-            return self._fresh_state(), True
-
-    def _save(self, state: _State) -> None:
-        assert self._state_path is not None
-        tmp = self._state_path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(state.to_json(), f)
-        os.replace(tmp, self._state_path)
-
-    def _freq_mhz(self, state: _State) -> float:
+    def _freq_mhz(self, state: SimState) -> float:
         """The SM clock now: the one the running (landed) lock gives."""
         return self._freq_under(state.running_mhz, state.power_limit_w)
 
@@ -427,11 +216,11 @@ class SimulatedDevice(Device):
         target = lock[1] if lock else self.model.max_freq_mhz
         return self.model.throttled_freq_mhz(target, power_limit_w, self._work)
 
-    def _power_w(self, state: _State) -> float:
+    def _power_w(self, state: SimState) -> float:
         power_w = self.model.power_w(self._freq_mhz(state), self._work)
         return power_w if self._work is None else power_w * self._power_scale
 
-    def _advance(self, state: _State) -> None:
+    def _advance(self, state: SimState) -> None:
         """Bring ``state`` up to now: land the clock changes due, integrate between them."""
         now = self._clock.now()
         while state.pending and state.pending[0][0] <= now:
@@ -440,7 +229,7 @@ class SimulatedDevice(Device):
             state.running_mhz = lock
         self._integrate(state, now)
 
-    def _integrate(self, state: _State, now: float) -> None:
+    def _integrate(self, state: SimState, now: float) -> None:
         """Integrate energy and temperature from ``state.t_s`` to ``now`` at the current power."""
         dt = now - state.t_s
         if dt <= 0:
@@ -462,7 +251,7 @@ class SimulatedDevice(Device):
 
     # -- Device hooks ----------------------------------------------------------------------------
 
-    def _schedule(self, state: _State, lock: tuple[float, float] | None) -> None:
+    def _schedule(self, state: SimState, lock: tuple[float, float] | None) -> None:
         """Request ``lock``: the setting changes now, the running clock when the change lands.
 
         The change lands ``switch_latency_s * U(1 - spread, 1 + spread)`` from now, drawn from
@@ -708,7 +497,7 @@ class SimulatedBackend(Backend):
         if persist is None:
             persist = isinstance(clock, WallClock)
         self.persistent = persist  # in-memory devices vanish with the process: nothing to journal
-        state_dir = _prepare_state_dir(settings.state_dir / "simulated") if persist else None
+        state_dir = prepare_state_dir(settings.state_dir / "simulated") if persist else None
         self._devices = [
             SimulatedDevice(
                 index=i,
@@ -766,23 +555,3 @@ class SimulatedBackend(Backend):
         if not isinstance(device, SimulatedDevice) or device not in self._devices:
             return None
         return self._busy(device)
-
-
-def _prepare_state_dir(path: Path) -> Path:
-    """Create ``path`` (mode 0700) if needed and check that it is a writable real directory."""
-    try:
-        # The state folder itself is created 0700 too, not with the umask (it would be if
-        # mkdir(parents=True) made it on the way to simulated/).
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path.mkdir(mode=0o700, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(
-            f"cannot create the state directory {path}: {err.strerror}; set POWERLIB_STATE_DIR"
-        ) from err
-    if path.is_symlink() or not path.is_dir():
-        raise ConfigError(f"state directory {path} is not a real directory; set POWERLIB_STATE_DIR")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionDeniedError(
-            f"state directory {path} is not writable; set POWERLIB_STATE_DIR to a writable directory"
-        )
-    return path

@@ -42,20 +42,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import ClassVar
 
-from powerlib.backends._sysfs_io import SysfsIO
+from powerlib.backend import Backend, ProbeResult
+from powerlib.backends._sysfs_io import SysfsIO, soft
+from powerlib.backends._sysfs_topology import Policy, Zone, scan
 from powerlib.config import Settings
-from powerlib.device import (
-    Backend,
-    Capabilities,
-    Device,
-    DeviceInfo,
-    DeviceKind,
-    PowerState,
-    ProbeResult,
-)
+from powerlib.device import Capabilities, Device, DeviceInfo, DeviceKind, PowerState
 from powerlib.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
@@ -69,16 +62,8 @@ __all__ = ["SysfsBackend", "SysfsCpuPackage"]
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-
-_POWERCAP_DIRS = ("class/powercap", "devices/virtual/powercap/intel-rapl")
-_CPU_DIR = "devices/system/cpu"
-_CPUFREQ_DIR = f"{_CPU_DIR}/cpufreq"
-_ZONE_RE = re.compile(r"^intel-rapl:([0-9a-f]+)$")
 _SUBZONE_RE = re.compile(r"^intel-rapl:[0-9a-f]+:([0-9a-f]+)$")
-_PACKAGE_NAME_RE = re.compile(r"^package-(\d+)(?:-die-(\d+))?$")
 _CONSTRAINT_NAME_RE = re.compile(r"^constraint_(\d+)_name$")
-_POLICY_RE = re.compile(r"^policy(\d+)$")
 _PSTATE_VENDORS = {"intel_pstate": "intel", "intel_cpufreq": "intel", "amd-pstate": "amd"}
 
 _MIN_POWER_LIMIT_W = 1.0
@@ -87,141 +72,8 @@ _MIN_POWER_INTERVAL_S = 0.010
 _WRAP_SAFE_POWER_W = 500.0
 
 
-@dataclass(frozen=True, slots=True)
-class _Zone:
-    rel: str  # e.g. "class/powercap/intel-rapl:0"
-    dir_name: str
-    name: str
-    package: int
-    die: int  # 0 unless the zone is named package-N-die-D
-    is_per_die: bool
-
-
-@dataclass(frozen=True, slots=True)
-class _Policy:
-    rel: str  # e.g. "devices/system/cpu/cpufreq/policy0"
-    name: str
-    cpus: tuple[int, ...]
-    package: int
-    die: int
-    cpuinfo_min_khz: int
-    cpuinfo_max_khz: int
-    table_khz: tuple[int, ...]
-    driver: str | None
-
-
-def _soft(read: Callable[[str], _T], rel: str) -> _T | None:
-    """``read(rel)``, or ``None`` when the file is absent, unsupported or not readable."""
-    try:
-        return read(rel)
-    except (NotSupportedError, PermissionDeniedError) as err:
-        logger.debug("treating %s as absent: %s", rel, err)
-        return None
-
-
 def _maybe(convert: Callable[[int], float], value: int | None) -> float | None:
     return None if value is None else convert(value)
-
-
-def _parse_cpu_list(text: str) -> tuple[int, ...]:
-    """Parse ``"0 1 2"`` or ``"0-3,8"`` into CPU numbers."""
-    cpus: list[int] = []
-    for token in text.replace(",", " ").split():
-        first, _, last = token.partition("-")
-        if first.isdigit() and (not last or last.isdigit()):
-            cpus.extend(range(int(first), int(last or first) + 1))
-    return tuple(cpus)
-
-
-def _discover_zones(io: SysfsIO) -> tuple[str, list[_Zone], int]:
-    """Top-level RAPL package zones: (directory searched, zones, number of top-level zones)."""
-    base, entries = _POWERCAP_DIRS[0], []
-    for candidate in _POWERCAP_DIRS:
-        entries = [e for e in io.listdir(candidate) if _ZONE_RE.match(e)]
-        if entries:
-            base = candidate
-            break
-    zones = []
-    for entry in sorted(entries, key=lambda e: int(e.rpartition(":")[2], 16)):
-        rel = f"{base}/{entry}"
-        name = _soft(io.read_text, f"{rel}/name") or ""
-        match = _PACKAGE_NAME_RE.match(name)
-        if match is None:
-            logger.debug("skipping powercap zone %s (%r): not a CPU package", entry, name)
-            continue
-        zones.append(
-            _Zone(rel, entry, name, int(match[1]), int(match[2] or 0), match[2] is not None)
-        )
-    return base, zones, len(entries)
-
-
-def _discover_policies(io: SysfsIO, die_packages: set[int]) -> list[_Policy]:
-    """Cpufreq policies, each assigned to the package (and die) of its CPUs."""
-    policies = []
-    for entry in io.listdir(_CPUFREQ_DIR):
-        match = _POLICY_RE.match(entry)
-        rel = f"{_CPUFREQ_DIR}/{entry}"
-        lo_khz, hi_khz = (
-            _soft(io.read_int, f"{rel}/cpuinfo_min_freq"),
-            _soft(io.read_int, f"{rel}/cpuinfo_max_freq"),
-        )
-        if match is None or lo_khz is None or hi_khz is None:
-            continue
-        cpu_text = _soft(io.read_text, f"{rel}/related_cpus")
-        cpu_text = cpu_text or _soft(io.read_text, f"{rel}/affected_cpus")
-        cpus = _parse_cpu_list(cpu_text or match[1]) or (int(match[1]),)
-        topology = f"{_CPU_DIR}/cpu{cpus[0]}/topology"
-        package = max(_soft(io.read_int, f"{topology}/physical_package_id") or 0, 0)
-        die = 0
-        if package in die_packages:  # dies matter only where RAPL has per-die zones
-            die = max(_soft(io.read_int, f"{topology}/die_id") or 0, 0)
-        table = (_soft(io.read_text, f"{rel}/scaling_available_frequencies") or "").split()
-        policies.append(
-            _Policy(
-                rel=rel,
-                name=entry,
-                cpus=cpus,
-                package=package,
-                die=die,
-                cpuinfo_min_khz=lo_khz,
-                cpuinfo_max_khz=hi_khz,
-                table_khz=tuple(sorted({int(t) for t in table if t.isdigit()})),
-                driver=_soft(io.read_text, f"{rel}/scaling_driver"),
-            )
-        )
-    return sorted(policies, key=lambda p: int(p.name[len("policy") :]))
-
-
-@dataclass(frozen=True, slots=True)
-class _Topology:
-    zones: list[_Zone]
-    policies: list[_Policy]
-    reason: str  # one line: what was found, or what is missing, under which root
-
-    @property
-    def packages(self) -> list[tuple[int, int]]:
-        """``(package, die)`` keys of every device, in index order."""
-        keys = {(z.package, z.die) for z in self.zones}
-        keys |= {(p.package, p.die) for p in self.policies}
-        return sorted(keys)
-
-
-def _scan(io: SysfsIO) -> _Topology:
-    """Find the RAPL package zones and cpufreq policies under ``io.root``."""
-    base, zones, num_top_zones = _discover_zones(io)
-    policies = _discover_policies(io, {z.package for z in zones if z.is_per_die})
-    if zones or policies:
-        reason = (
-            f"found {len(zones)} RAPL package zone(s) and {len(policies)} cpufreq policy(ies) "
-            f"under {io.root}"
-        )
-    else:
-        what = "RAPL package zones" if num_top_zones else "powercap zones"
-        reason = (
-            f"no {what} under {io.root / base} and no cpufreq policies under "
-            f"{io.root / _CPUFREQ_DIR}"
-        )
-    return _Topology(zones, policies, reason)
 
 
 class _EnergyCounter:
@@ -282,8 +134,8 @@ class SysfsCpuPackage(Device):
         io: SysfsIO,
         index: int,
         package: int,
-        zone: _Zone | None,
-        policies: Sequence[_Policy],
+        zone: Zone | None,
+        policies: Sequence[Policy],
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._io, self._zone, self._policies, self._monotonic = io, zone, tuple(policies), monotonic
@@ -296,12 +148,12 @@ class SysfsCpuPackage(Device):
             for entry in io.listdir(zone.rel):
                 has_constraint_files |= entry.startswith("constraint_")
                 if (match := _CONSTRAINT_NAME_RE.match(entry)) is not None:
-                    name = _soft(io.read_text, f"{zone.rel}/{entry}")
+                    name = soft(io.read_text, f"{zone.rel}/{entry}")
                     if name:
                         self._constraints.setdefault(name, int(match[1]))
                 elif _SUBZONE_RE.match(entry):
                     self._subzones.append(
-                        (entry, _soft(io.read_text, f"{zone.rel}/{entry}/name") or "")
+                        (entry, soft(io.read_text, f"{zone.rel}/{entry}/name") or "")
                     )
         dram = next((d for d, n in self._subzones if n == "dram"), None)
         self._dram_rel = f"{zone.rel}/{dram}" if zone is not None and dram is not None else None
@@ -345,7 +197,7 @@ class SysfsCpuPackage(Device):
         """A counter for ``zone_rel/energy_uj`` primed with one reading; ``None`` if unreadable."""
         if zone_rel is None or not self._io.exists(f"{zone_rel}/energy_uj"):
             return None
-        counter = _EnergyCounter(_soft(self._io.read_int, f"{zone_rel}/max_energy_range_uj"), label)
+        counter = _EnergyCounter(soft(self._io.read_int, f"{zone_rel}/max_energy_range_uj"), label)
         try:
             counter.update(self._io.read_int(f"{zone_rel}/energy_uj"), self._monotonic())
         except (PermissionDeniedError, NotSupportedError) as err:
@@ -360,10 +212,10 @@ class SysfsCpuPackage(Device):
         if self._zone is None or self._long_term is None:
             return None, None
         prefix = f"{self._zone.rel}/constraint_{self._long_term}"
-        max_uw = _soft(self._io.read_int, f"{prefix}_max_power_uw")
+        max_uw = soft(self._io.read_int, f"{prefix}_max_power_uw")
         if not max_uw:  # absent, or 0 = unknown
             return None, None
-        min_uw = _soft(self._io.read_int, f"{prefix}_min_power_uw")
+        min_uw = soft(self._io.read_int, f"{prefix}_min_power_uw")
         min_w = from_uw(min_uw) if min_uw else min(_MIN_POWER_LIMIT_W, from_uw(max_uw))
         return (min_w, from_uw(max_uw)), from_uw(max_uw)
 
@@ -483,7 +335,7 @@ class SysfsCpuPackage(Device):
                     "policy": p.name,
                     "cpus": list(p.cpus),
                     "driver": p.driver,
-                    "governor": _soft(io.read_text, f"{p.rel}/scaling_governor"),
+                    "governor": soft(io.read_text, f"{p.rel}/scaling_governor"),
                     "min_mhz": _maybe(from_khz, self._read_opt(f"{p.rel}/scaling_min_freq")),
                     "max_mhz": _maybe(from_khz, self._read_opt(f"{p.rel}/scaling_max_freq")),
                     "cpuinfo_min_mhz": from_khz(p.cpuinfo_min_khz),
@@ -581,7 +433,7 @@ class SysfsBackend(Backend):
     ) -> None:
         super().__init__(settings)
         self._io = SysfsIO(settings.sysfs_root) if io is None else io
-        topology = _scan(self._io)
+        topology = scan(self._io)
         if not topology.packages:
             raise BackendUnavailableError(
                 f"sysfs backend unavailable: {topology.reason}; {self.install_hint}"
@@ -598,8 +450,8 @@ class SysfsBackend(Backend):
     def probe(cls, settings: Settings) -> ProbeResult:
         """Look for RAPL package zones and cpufreq policies; never raises."""
         try:
-            topology = _scan(SysfsIO(settings.sysfs_root))
-        except Exception as err:  # probe must never raise
+            topology = scan(SysfsIO(settings.sysfs_root))
+        except Exception as err:  # noqa: BLE001 - probe must never raise
             reason = f"cannot scan {settings.sysfs_root}: {err}"
             return ProbeResult(backend=cls.name, is_available=False, reason=reason)
         return ProbeResult(

@@ -10,16 +10,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from powerlib.backend import Backend, ProbeResult
 from powerlib.config import Settings
-from powerlib.device import (
-    Backend,
-    Capabilities,
-    Device,
-    DeviceInfo,
-    DeviceKind,
-    PowerState,
-    ProbeResult,
-)
+from powerlib.device import Capabilities, Device, DeviceInfo, DeviceKind, PowerState
 from powerlib.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -37,7 +30,7 @@ from powerlib.errors import (
 from powerlib.registry import backend_names, open_backend, probe_backends
 
 if TYPE_CHECKING:  # loaded on first use (see __getattr__); typed and documented where defined
-    from powerlib.control import ControlSession, restore_journals, RestoreOutcome
+    from powerlib.control import ControlSession, RestoreOutcome, restore_journals
     from powerlib.measurement import Measurement, MeasurementResult, measure
     from powerlib.runtime.session import Session, optimize
 

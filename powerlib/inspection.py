@@ -17,8 +17,9 @@ from importlib import metadata
 from typing import Any
 
 from powerlib import __version__
+from powerlib.backend import Backend, ProbeResult
 from powerlib.config import Settings
-from powerlib.device import Backend, Device, PowerState, ProbeResult
+from powerlib.device import Device, PowerState
 from powerlib.registry import AUTO_ORDER, backend_names, probe_backends
 
 __all__ = [

@@ -11,7 +11,7 @@ vendor libraries). Third parties add backends through the ``powerlib.backends`` 
     [project.entry-points."powerlib.backends"]
     mygpu = "mypkg.powerlib_backend:MyGpuBackend"
 
-The class must subclass :class:`powerlib.device.Backend`. Built-in names cannot be shadowed.
+The class must subclass :class:`powerlib.backend.Backend`. Built-in names cannot be shadowed.
 
 ``agent`` sends every change to the node agent (docs/agent.md) and reads through it too;
 ``agent:NAME`` (``agent:nvidia``) sends changes to the agent and reads locally through ``NAME``,
@@ -27,8 +27,9 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from powerlib.backend import Backend, ProbeResult, gpu_uuid_key
 from powerlib.config import Settings
-from powerlib.device import Backend, Device, ProbeResult, gpu_uuid_key
+from powerlib.device import Device
 from powerlib.errors import BackendUnavailableError, ConfigError, DeviceNotFoundError
 
 if TYPE_CHECKING:
@@ -127,7 +128,7 @@ def load_backend_class(name: str) -> type[Backend]:
         ) from err
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise BackendUnavailableError(
-            f"backend {name!r} ({target}) is not a powerlib.device.Backend subclass"
+            f"backend {name!r} ({target}) is not a powerlib.backend.Backend subclass"
         )
     return cls
 
@@ -135,7 +136,7 @@ def load_backend_class(name: str) -> type[Backend]:
 def _safe_probe(name: str, settings: Settings) -> ProbeResult:
     try:
         return load_backend_class(name).probe(settings)
-    except Exception as err:  # a broken plug-in must not break `powerlib env`
+    except Exception as err:  # noqa: BLE001 - a broken plug-in must not break `powerlib env`
         return ProbeResult(backend=name, is_available=False, reason=f"probe failed: {err}")
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from powerlib.emulator.engine import Emulator
-from powerlib.planning.pipeline import build_schedule
 from powerlib.planning.profile import Profile, ProfileRow
+from powerlib.planning.schedules import build_schedule
 
 FREQS = (1410.0, 1305.0, 1200.0, 1095.0, 990.0, 885.0, 780.0)
 

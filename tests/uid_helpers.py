@@ -38,7 +38,7 @@ def as_uid(uid: int, fn: Callable[[], Any], *, timeout_s: float = 60.0) -> Any:
     def body(w: int) -> None:
         try:
             out = json.dumps({"ok": True, "value": fn()})
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             out = json.dumps({"ok": False, "type": type(err).__name__, "message": str(err)})
         os.write(w, out.encode())
 

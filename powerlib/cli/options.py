@@ -28,8 +28,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from powerlib.backend import Backend
     from powerlib.config import Settings
-    from powerlib.device import Backend
 
 
 @dataclass(slots=True)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from powerlib.backend import Backend
 from powerlib.control.session import ensure_not_controlled
-from powerlib.device import Backend, Device, PowerState
+from powerlib.device import Device, PowerState
 from powerlib.errors import NotSupportedError, PowerlibError
 from powerlib.inspection import select_devices
 

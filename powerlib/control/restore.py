@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from powerlib.backend import Backend
 from powerlib.config import Settings
 from powerlib.control.journal import (
     UNKNOWN_LOCK,
@@ -40,7 +41,7 @@ from powerlib.control.journal import (
 from powerlib.control.locks import DeviceLock
 from powerlib.control.state import Owner, StateDir
 from powerlib.control.trust import show_path
-from powerlib.device import Backend, ClockLockState, Device
+from powerlib.device import ClockLockState, Device
 from powerlib.errors import (
     DeviceNotFoundError,
     PermissionDeniedError,

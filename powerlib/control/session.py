@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, TypeVar
 
+from powerlib.backend import Backend
 from powerlib.control import exits, guardian
 from powerlib.control.journal import (
     UNKNOWN_LOCK,
@@ -64,7 +65,7 @@ from powerlib.control.restore import (
     restore_and_discard,
 )
 from powerlib.control.state import Owner, StateDir, device_key
-from powerlib.device import Backend, Device
+from powerlib.device import Device
 from powerlib.errors import (
     DeviceBusyError,
     DeviceNotFoundError,

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from powerlib.backend import match_device
 from powerlib.config import Settings, user_state_dirs
 from powerlib.control.journal import (
     Change,
@@ -25,7 +26,7 @@ from powerlib.control.locks import DeviceLock
 from powerlib.control.restore import RestoreOutcome, journal_note, restore_device
 from powerlib.control.state import Owner, StateDir, device_key
 from powerlib.control.trust import describe_owner, show_path
-from powerlib.device import Device, match_device
+from powerlib.device import Device
 from powerlib.errors import DeviceBusyError, DeviceNotFoundError, PowerlibError
 from powerlib.registry import open_backend
 

@@ -102,7 +102,9 @@ class AmdSmiTimeoutException(AmdSmiLibraryException):
 class AmdSmiParameterException(AmdSmiException):
     """An argument of the wrong Python type (raised before the library is called)."""
 
-    def __init__(self, receivedValue: object, expectedType: object, msg: str | None = None) -> None:  # noqa: N803 - amdsmi's names
+    def __init__(
+        self, receivedValue: object, expectedType: object, msg: str | None = None
+    ) -> None:  # amdsmi's names
         super().__init__(msg)
         self.err_code = None
         self.actualType = type(receivedValue)

@@ -33,7 +33,8 @@ from powerlib import (
     open_backend,
 )
 from powerlib.backends import _amd_api as amd_api
-from powerlib.backends.amd import AmdBackend, import_amdsmi
+from powerlib.backends._amd_api import import_amdsmi
+from powerlib.backends.amd import AmdBackend
 from powerlib.cli import cli
 from powerlib.device import ClockLockState
 from powerlib.errors import TransientDeviceError

@@ -31,7 +31,10 @@ from powerlib.cli import cli
 from powerlib.testing.fake_nvml import A100_SXM4_40GB, H100_SXM5_80GB, V100_SXM2_16GB, FakeNvml
 
 pynvml = pytest.importorskip("pynvml")  # nvidia-ml-py, from the test extra
-BACKEND_SOURCE = Path(__file__).resolve().parents[2] / "backends" / "nvidia.py"
+BACKEND_SOURCES = [
+    Path(__file__).resolve().parents[2] / "backends" / name
+    for name in ("nvidia.py", "_nvml_api.py")
+]
 
 
 def _open(settings: Settings, fake: FakeNvml, **changes: object) -> NvidiaBackend:
@@ -39,10 +42,10 @@ def _open(settings: Settings, fake: FakeNvml, **changes: object) -> NvidiaBacken
 
 
 def _nvml_calls_in_backend() -> set[str]:
-    tree = ast.parse(BACKEND_SOURCE.read_text())
     return {
         node.attr
-        for node in ast.walk(tree)
+        for path in BACKEND_SOURCES
+        for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Attribute)
         and re.match(r"^nvml(Init|Shutdown|Device|System)", node.attr)
     }

@@ -16,11 +16,12 @@ from uid_helpers import NOBODY, as_uid
 
 import powerlib.device
 from powerlib import DeviceBusyError, DeviceError, Settings
+from powerlib.backend import Backend
 from powerlib.backends import amd as amd_backend
 from powerlib.backends import nvidia as nvidia_backend
 from powerlib.backends.amd import AmdBackend
 from powerlib.backends.nvidia import NvidiaBackend
-from powerlib.device import Backend, ClockLockState
+from powerlib.device import ClockLockState
 from powerlib.errors import TransientDeviceError
 from powerlib.testing.fake_amdsmi import make_fake_amdsmi
 from powerlib.testing.fake_nvml import A100_SXM4_40GB, H100_SXM5_80GB, V100_SXM2_16GB, FakeNvml

@@ -1,8 +1,8 @@
 """The simulated GPU's physics and persistence.
 
 These check the phenomena the planners rely on (clock-time scaling, the energy floor below the
-voltage knee, power-cap throttling, a quantized energy counter) against the model's equations and
-the reference numbers cited in backends/simulated.py.
+voltage knee, power-cap throttling, a quantized energy counter) against the model's equations
+(backends/simulated_model.py) and the reference numbers cited in powerlib/gpu_specs.py.
 """
 
 from __future__ import annotations
@@ -15,14 +15,8 @@ from pathlib import Path
 import pytest
 
 from powerlib import ConfigError, NotSupportedError, Settings
-from powerlib.backends.simulated import (
-    GPU_MODELS,
-    SimulatedBackend,
-    SimulatedDevice,
-    VirtualClock,
-    WallClock,
-    WorkUnit,
-)
+from powerlib.backends.simulated import SimulatedBackend, SimulatedDevice, VirtualClock, WallClock
+from powerlib.backends.simulated_model import GPU_MODELS, WorkUnit
 
 
 def _backend(

@@ -16,13 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from powerlib import ConfigError, Settings
-from powerlib.backends.simulated import (
-    GPU_MODELS,
-    SimulatedBackend,
-    SimulatedDevice,
-    VirtualClock,
-    WorkUnit,
-)
+from powerlib.backends.simulated import SimulatedBackend, SimulatedDevice, VirtualClock
+from powerlib.backends.simulated_model import GPU_MODELS, WorkUnit
 from powerlib.cli import cli
 
 A100 = GPU_MODELS["a100"]

@@ -36,11 +36,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from powerlib.backend import Backend
 from powerlib.backends._sysfs_io import SysfsIO
 from powerlib.backends.sysfs import SysfsBackend
 from powerlib.config import Settings
 from powerlib.control import ControlSession
-from powerlib.device import Backend, Device
+from powerlib.device import Device
 from powerlib.registry import open_backend
 
 STEP_PAUSE_S = 0.003  # so that a random SIGKILL lands between and inside changes alike
