@@ -119,7 +119,7 @@ def _load(sock: Path, seconds: float, aligned: bool) -> dict[str, Any]:
 
 def _in_memory_load(root: Path, seconds: float) -> dict[str, Any]:
     from powerlib.agent.authz import Rules
-    from powerlib.agent.server import Agent
+    from powerlib.agent.transport import Agent
     from powerlib.backends.simulated import SimulatedBackend
     from powerlib.config import Settings
 
@@ -160,7 +160,7 @@ def main() -> int:
 
     from powerlib.agent.authz import Rules
     from powerlib.agent.client import AgentConnection
-    from powerlib.agent.server import Agent
+    from powerlib.agent.transport import Agent
     from powerlib.backends.agent import AgentBackend
     from powerlib.backends.simulated import SimulatedBackend
     from powerlib.config import Settings
@@ -210,7 +210,7 @@ def main() -> int:
                 while time.monotonic() < deadline:
                     done = [
                         e
-                        for e in list(agent.events)
+                        for e in list(agent.leases.events)
                         if e.pid == p.pid and e.restore_started_s == e.restore_started_s
                     ]
                     if done:

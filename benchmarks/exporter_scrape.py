@@ -28,7 +28,7 @@ from pathlib import Path
 
 from powerlib.backends.simulated import SimulatedBackend
 from powerlib.config import Settings
-from powerlib.exporter import Exporter
+from powerlib.measurement.exporter import Exporter
 
 
 def _pct(values: list[float], q: float) -> float:

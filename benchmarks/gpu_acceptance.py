@@ -18,7 +18,8 @@ short still leaves what it measured:
 
 A. **Environment and read costs**: device, driver, persistence, MIG, permission; the cost of
    each read through the backend (``read_state``, ``read_sm_lock``, ``details``: median, p99);
-   the energy counter's update period (:func:`~powerlib.profiling.meter.estimate_counter_period_s`);
+   the energy counter's update period
+   (:func:`~powerlib.measurement.counter_period.estimate_counter_period_s`);
    whether NVML's field timestamps follow the counter's updates; the counter's energy of a
    10 ms on / 10 ms off load against the power readings integrated over it, and against steady
    load and idle power; the default clock under load (what G compares with).
@@ -86,8 +87,8 @@ import powerlib
 from powerlib.control import ControlSession
 from powerlib.device import ClockLockState, Device
 from powerlib.errors import PlanError, PowerlibError
+from powerlib.measurement.counter_period import estimate_counter_period_s
 from powerlib.measurement.sampler import DEFAULT_SAMPLE_PERIOD_S
-from powerlib.profiling.meter import estimate_counter_period_s
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import SingleProcess
 
@@ -287,7 +288,7 @@ class SimWork(_OnOff):
     """
 
     def __init__(self, dev: Any) -> None:
-        from powerlib.backends.simulated import WorkUnit  # noqa: PLC0415
+        from powerlib.backends.simulated_model import WorkUnit
 
         self.dev = dev
         self.units = {
@@ -303,7 +304,7 @@ class SimWork(_OnOff):
     def describe(self) -> dict[str, Any]:
         """What stands in for the GPU's work."""
         return {
-            "kind": "simulated work units (backends/simulated.py WorkUnit), slept on the wall clock",
+            "kind": "simulated work units (backends/simulated_model.py WorkUnit), slept on the wall clock",
             **{k: dataclasses.asdict(u) for k, u in self.units.items()},
             "matmul_load": dataclasses.asdict(self.matmul),
         }
@@ -1084,7 +1085,7 @@ def part_c(rig: Rig, part: dict[str, Any]) -> None:
 def _torch_on_cpu(rig: Rig) -> None:
     """--smoke: build the layer stack on the CPU and run each kind once (the GPU path's code)."""
     try:
-        import torch  # noqa: PLC0415
+        import torch
     except ImportError:
         rig.report.check(
             "D",
@@ -1114,7 +1115,7 @@ def _torch_on_cpu(rig: Rig) -> None:
 
 def _run_profile(rig: Rig, order: Sequence[Any], out_dir: Path) -> dict[str, Any]:
     """D's runtime profile: ``powerlib.optimize(mode="profile")`` around the layer stack."""
-    from powerlib.planning.profile import Profile  # noqa: PLC0415
+    from powerlib.planning.profile import Profile
 
     s, work = rig.scale, rig.work
     iteration_s: list[float] = []
@@ -1207,7 +1208,7 @@ def _reference(rig: Rig) -> dict[str, Any]:
 
 def part_d(rig: Rig, part: dict[str, Any]) -> None:
     """A real per-instruction profile against a 3 s reference per kind and clock."""
-    from powerlib.planning.pipeline import build_schedule  # noqa: PLC0415
+    from powerlib.planning.schedules import build_schedule
 
     s, report, figures = rig.scale, rig.report, part["figures"]
     if rig.smoke:
@@ -1320,7 +1321,7 @@ def part_d(rig: Rig, part: dict[str, Any]) -> None:
 
 def _profile8(rows: dict[tuple[str, float], tuple[float, float]]) -> Any:
     """One stage's curves as every stage of the emulated pipeline."""
-    from powerlib.planning.profile import Profile, ProfileRow  # noqa: PLC0415
+    from powerlib.planning.profile import Profile, ProfileRow
 
     return Profile(
         [
@@ -1357,8 +1358,8 @@ def emulate_plan(
     iterations on the same noise draws (:func:`powerlib.emulator.demo.simulate_plan`), plus
     what F needs: each stage's energy and its instructions' release times.
     """
-    from powerlib.emulator.demo import run_plan  # noqa: PLC0415
-    from powerlib.emulator.engine import Emulator  # noqa: PLC0415
+    from powerlib.emulator.demo import run_plan
+    from powerlib.emulator.engine import Emulator
 
     schedule = [[p.instruction for p in plan.stage(s)] for s in range(plan.num_stages)]
     emulator = Emulator(truth, schedule, p_block_w=p_block_w, model=model, seed=0)
@@ -1401,9 +1402,9 @@ def emulate_plan(
 
 def part_e(rig: Rig, part: dict[str, Any]) -> None:
     """The 8-stage pipeline emulated from D's curves: predicted against realized."""
-    from powerlib.emulator.engine import NvmlLikeModel  # noqa: PLC0415
-    from powerlib.planning.plan import FrequencyPlan  # noqa: PLC0415
-    from powerlib.runtime.planning_step import PlanSpec, make_plan  # noqa: PLC0415
+    from powerlib.emulator.engine import NvmlLikeModel
+    from powerlib.planning.plan import FrequencyPlan
+    from powerlib.runtime.planning_step import PlanSpec, make_plan
 
     curves, report, figures = rig.curves, rig.report, part["figures"]
     if curves is None:
@@ -1938,7 +1939,7 @@ def open_rig(
             work: Any = SimWork(dev)
         else:
             try:
-                import torch  # noqa: PLC0415
+                import torch
             except ImportError:
                 return "torch is not installed: the run needs CUDA torch (or use --smoke)"
             if not torch.cuda.is_available():
@@ -1989,7 +1990,7 @@ def open_rig(
 def _nvml_handle(device_id: str) -> tuple[Any, Any] | None:
     """pynvml and the handle of the GPU with this UUID (A's field-timestamp reads)."""
     try:
-        from powerlib.backends.nvidia import import_pynvml  # noqa: PLC0415
+        from powerlib.backends._nvml_api import import_pynvml
 
         nvml = import_pynvml()
         nvml.nvmlInit()

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import powerlib
-from powerlib.profiling.meter import estimate_counter_period_s
+from powerlib.measurement.counter_period import estimate_counter_period_s
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
-    import torch  # noqa: PLC0415
+    import torch
 
     cuda = torch.cuda.is_available() and not args.smoke
     backend = powerlib.open_backend("simulated" if args.smoke else None)

@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 
 import powerlib
-from powerlib.backends.simulated import SimulatedBackend, WorkUnit
+from powerlib.backends.simulated import SimulatedBackend
+from powerlib.backends.simulated_model import WorkUnit
 from powerlib.config import Settings
 
 
@@ -47,7 +48,7 @@ def _work(step_s: float, gil: bool) -> None:
         while time.perf_counter() < end:
             x += 1
         return
-    import torch  # noqa: PLC0415
+    import torch
 
     torch.set_num_threads(1)  # a GPU job's host thread launches; it does not spin a CPU pool
     a = torch.ones(128, 128)

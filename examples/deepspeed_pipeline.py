@@ -51,7 +51,7 @@ def main() -> None:
         },
     )
 
-    def batches():  # noqa: ANN202
+    def batches():
         while True:
             yield torch.randn(32, 1024), torch.randn(32, 1024)
 

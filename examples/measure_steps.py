@@ -15,7 +15,8 @@ import json
 import time
 
 import powerlib
-from powerlib.backends.simulated import SimulatedDevice, WorkUnit
+from powerlib.backends.simulated import SimulatedDevice
+from powerlib.backends.simulated_model import WorkUnit
 
 
 def fake_step(devices: list, seconds: float, activity: float) -> None:
@@ -58,7 +59,7 @@ def main() -> None:
             f"{s['energy_per_token_j'] * 1e3:.3f} mJ/token; eval {res.window('eval')[0].energy_j:.0f} J"
         )
     if args.plot:
-        from powerlib.cli.measure import plot_power  # noqa: PLC0415
+        from powerlib.measurement.plot import plot_power  # noqa: PLC0415
 
         plot_power(m.power_series(), res, args.plot, title="examples/measure_steps.py")
 

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.agent.protocol import one_line
-from powerlib.errors import ConfigError, UntrustedStateError
 from powerlib.control import check_trusted, show_path
+from powerlib.errors import ConfigError, UntrustedStateError
 
 __all__ = ["Grant", "Rules", "load_allow_list", "read_grants", "remove_grant", "write_grant"]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.agent import protocol
-from powerlib.errors import BackendUnavailableError, DeviceLostError
 from powerlib.control import show_path
+from powerlib.errors import BackendUnavailableError, DeviceLostError
 
 __all__ = ["AgentConnection"]
 

@@ -64,7 +64,7 @@ class BoundedQueueHandler(logging.handlers.QueueHandler):
         except queue.Full:
             self._drop()
 
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+    def handleError(self, record: logging.LogRecord) -> None:  # logging's name
         """A record that could not be prepared: counted, not printed to a stderr that may block."""
         self._drop()
 
@@ -166,14 +166,14 @@ class QueueLogging:
             return
         self._started = False
         atexit.unregister(self.stop)
-        thread = self.listener._thread  # noqa: SLF001 - QueueListener keeps it there
+        thread = self.listener._thread  # QueueListener keeps it there
         if thread is not None:
             try:
-                self.queue.put(self.listener._sentinel, timeout=timeout_s)  # noqa: SLF001
+                self.queue.put(self.listener._sentinel, timeout=timeout_s)
             except queue.Full:
                 pass
             thread.join(timeout_s)
-            self.listener._thread = None  # noqa: SLF001
+            self.listener._thread = None
         self.target.removeHandler(self.handler)
         for h in self.handlers:
             if h is not logging.lastResort:

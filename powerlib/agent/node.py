@@ -17,9 +17,9 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from powerlib.device import Backend
-from powerlib.errors import ConfigError, DeviceNotFoundError, UntrustedStateError
+from powerlib.backend import Backend
 from powerlib.control import check_trusted, describe_owner, show_path
+from powerlib.errors import ConfigError, DeviceNotFoundError, UntrustedStateError
 
 __all__ = ["let_others_traverse", "make_user_state_dir", "uuids_of_minors"]
 

@@ -140,7 +140,7 @@ def serve(
     powerlib agent serve --kubernetes      # a DaemonSet: pods get the GPUs the kubelet gave them
     """
     from powerlib.agent.authz import Rules, load_allow_list  # noqa: PLC0415
-    from powerlib.agent.server import Agent  # noqa: PLC0415
+    from powerlib.agent.transport import Agent  # noqa: PLC0415
 
     if os.geteuid() != 0 and not allow_non_root:
         raise PermissionDeniedError(

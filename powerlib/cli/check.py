@@ -1,15 +1,20 @@
 """``powerlib check``: is this node ready? (docs/real-gpu.md §8).
 
-Parses the options, makes one call into :func:`powerlib.node_check.check_settings` and prints the
-report (a block per device ending in its verdict, or ``--json``); exits with the report's code.
+Parses the options, makes one call into :func:`powerlib.measurement.node_check.check_settings`
+and prints the report (a block per device ending in its verdict, or ``--json``); exits with the
+report's code.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from powerlib.cli.options import Number, Options, emit_json, settings_for
-from powerlib.node_check import DeviceCheck, NodeCheck, check_settings
+
+if TYPE_CHECKING:
+    from powerlib.measurement.node_check import DeviceCheck, NodeCheck
 
 __all__ = ["check"]
 
@@ -41,6 +46,9 @@ def check(
     Exit code: 0 every device ready; else the first failing device's (4 no permission, 5 MIG or
     no clock control, 9 device lost; 3 when the backend is unavailable).
     """
+    # powerlib.measurement loads numpy: not when `powerlib --help` lists this command
+    from powerlib.measurement.node_check import check_settings  # noqa: PLC0415
+
     opts: Options = ctx.obj
     report = check_settings(settings_for(opts), selector=selector, duration_s=duration_s, load=load)
     if as_json:

@@ -16,6 +16,7 @@ import click
 from powerlib import __version__
 from powerlib.cli.format import CAPABILITY_LABELS, fmt, freq_summary, table
 from powerlib.cli.options import Number, Options, emit_json, open_backend_for, settings_for
+from powerlib.control import reset_devices, set_device
 from powerlib.inspection import (
     SCHEMA_VERSION,
     env_report,
@@ -24,7 +25,6 @@ from powerlib.inspection import (
     status_json,
     watch_samples,
 )
-from powerlib.control import reset_devices, set_device
 from powerlib.registry import AUTO_ORDER
 
 __all__ = ["devices", "env", "reset", "set_", "status", "watch"]

@@ -12,8 +12,9 @@
     m.result(reduce="world")             # every rank, each physical device once
 
 The training thread only records boundary times (a clock read and a list append: about a
-microsecond, ``benchmarks/measure_overhead.py``). A sampler thread reads every device's energy
-counter and power every ``sample_period_s``; energy is attributed to the windows afterwards by
+microsecond, ``benchmarks/measure_overhead.py``). A sampler thread
+(:mod:`powerlib.measurement.reader`) reads every device's energy counter and power every
+``sample_period_s``; energy is attributed to the windows afterwards by
 :mod:`powerlib.measurement.timeline`, which reads a counter's exact deltas between its updates
 and splits them at boundaries by the sampled power. No device call and no
 ``torch.cuda.synchronize`` run on the training thread.
@@ -32,17 +33,14 @@ cannot be opened raise.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import queue
-import random
 import socket
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -51,69 +49,32 @@ from typing import Any
 
 import numpy as np
 
-from powerlib.config import Settings
-from powerlib.device import Backend, Device
-from powerlib.errors import InvalidArgumentError, PowerlibError
-from powerlib.inputs import json_depth
+from powerlib.backend import Backend
+from powerlib.device import Device
+from powerlib.errors import InvalidArgumentError
+from powerlib.measurement.events import EVENTS_ENV, write_events
 from powerlib.measurement.markers import StreamMarker, cuda_marker
+from powerlib.measurement.reader import LOCAL, DeviceReads, open_devices
 from powerlib.measurement.result import (
     DeviceEnergy,
     MeasurementResult,
     WindowEnergy,
     reduce_results,
 )
-from powerlib.measurement.timeline import EnergyTimeline, build_timeline
 
 __all__ = [
-    "EVENTS_ENV",
-    "LOCAL",
     "Measurement",
-    "StreamMarker",
     "Window",
     "active_measurements",
     "measure",
-    "read_events",
-    "warn_no_device",
 ]
 
 logger = logging.getLogger(__name__)
-
-EVENTS_ENV = "POWERLIB_MEASURE_EVENTS"
-"""When set (``powerlib measure`` sets it for its child), measurements append their windows to
-this file as JSON lines, so the parent can mark and attribute the child's steps."""
-
-MAX_DUTY = 0.05
-"""Most of a core the sampler thread may keep busy; slower reads stretch its period."""
 
 _STREAM_TIMEOUT_S = 30.0
 """How long the exit waits for the device stream to reach its last marker."""
 
 _ACTIVE: weakref.WeakSet[Measurement] = weakref.WeakSet()
-
-LOCAL = "local"
-"""``devices=LOCAL``: this process's device, chosen as a session chooses its own
-(:func:`powerlib.runtime.options.local_device`, docs/real-gpu.md §4)."""
-
-_NO_DEVICE_WARNED = False
-
-
-def warn_no_device(reason: str) -> None:
-    """Say once per process that measuring goes on without a device: time only, no energy.
-
-    One logged warning and one ``RuntimeWarning`` (as a session's own warnings), the first
-    time; later calls log at INFO (docs/real-gpu.md §7).
-    """
-    global _NO_DEVICE_WARNED
-    if _NO_DEVICE_WARNED:
-        logger.info("powerlib: measuring time only, no device: %s", reason)
-        return
-    _NO_DEVICE_WARNED = True
-    message = (
-        f"powerlib: measuring time only, no energy: {reason} (set POWERLIB_BACKEND to measure a "
-        "device; POWERLIB_BACKEND=simulated for simulated GPUs)"
-    )
-    logger.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def active_measurements() -> list[Measurement]:
@@ -155,35 +116,6 @@ class Window:
         tb: TracebackType | None,
     ) -> None:
         self._m._close_window(self)
-
-
-class _Track:
-    """One device's reads."""
-
-    __slots__ = ("counter", "device", "has_counter", "power", "read_s", "times", "wrap_j")
-
-    def __init__(self, device: Device) -> None:
-        self.device = device
-        self.has_counter = device.read_state().energy_j is not None
-        self.wrap_j: float | None = getattr(device, "energy_counter_wrap_j", None)
-        self.times: list[float] = []
-        self.read_s: list[float] = []
-        """How long each read took: the device was read at some instant of it."""
-        self.counter: list[float | None] = []
-        self.power: list[float | None] = []
-
-
-def _updated_after(track: _Track, end_s: float) -> bool:
-    """Whether two reads that both began after ``end_s`` show different counter values."""
-    n = min(len(track.times), len(track.read_s), len(track.counter))
-    seen: set[float] = set()
-    for i in range(n - 1, -1, -1):  # newest first: the flush runs after a long measurement
-        if track.times[i] - 0.5 * track.read_s[i] < end_s:
-            break
-        value = track.counter[i]
-        if value is not None:
-            seen.add(value)
-    return len(seen) > 1
 
 
 class Measurement:
@@ -240,7 +172,7 @@ class Measurement:
                 f"devices must be {LOCAL!r}, None or a list of devices, got {devices!r}"
             )
         self._device_spec: list[Device | int | str] | str | None = (
-            devices if devices is None or devices == LOCAL else list(devices)  # type: ignore[arg-type]
+            devices if devices is None or devices == LOCAL else list(devices)
         )
         self._backend_spec = backend
         self.sample_period_s = float(sample_period_s)
@@ -258,8 +190,7 @@ class Measurement:
         self._marker_override = stream_marker
         self._backend: Backend | None = None
         self._own_backend = False
-        self._backend_opened = False
-        self._tracks: list[_Track] = []
+        self._reads = DeviceReads([], self._clock, self.sample_period_s)
         self.windows: list[Window] = []
         """Closed windows, in the order they ended."""
         self._counts: dict[tuple[str, str], int] = {}
@@ -267,11 +198,8 @@ class Measurement:
         self._marker: StreamMarker | None = None
         self._marks: queue.SimpleQueue[tuple[Window, bool, object] | None] = queue.SimpleQueue()
         self._waiter: threading.Thread | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._flushing = False
         self._events_written = 0
+        self._next_events_s = math.inf
         self.start_s = math.nan
         self.end_s: float | None = None
         self.start_unix_s = math.nan
@@ -285,8 +213,10 @@ class Measurement:
     def __enter__(self) -> Measurement:
         if self.running or self.end_s is not None:
             raise InvalidArgumentError("a measurement is entered once; make a new one")
+        opened = open_devices(self._device_spec, self._backend_spec)
+        self._backend, self._own_backend = opened.backend, opened.own_backend
         try:
-            self._open_devices()
+            self._reads = DeviceReads(opened.devices, self._clock, self.sample_period_s)
         except BaseException:
             self._close_backend()
             raise
@@ -300,10 +230,8 @@ class Measurement:
         self.running = True
         _ACTIVE.add(self)
         if self._sampler_mode == "thread":
-            self._thread = threading.Thread(
-                target=self._sample_loop, name="powerlib-measure", daemon=True
-            )
-            self._thread.start()
+            self._next_events_s = self._clock() + 0.5
+            self._reads.start(on_tick=self._tick)
         return self
 
     def __exit__(
@@ -338,14 +266,7 @@ class Measurement:
             if end_window.end_s is not None:
                 self.end_s = max(self.end_s, end_window.end_s)
         self.running = False
-        if self._thread is not None:
-            self._flush()
-            self._stop.set()
-            self._wake.set()
-            self._thread.join()
-            self._thread = None
-        else:
-            self.poll()
+        self._reads.stop(self.end_s, self.flush_timeout_s)
         self._write_events()
         _ACTIVE.discard(self)
         self._close_backend()
@@ -410,10 +331,7 @@ class Measurement:
 
     def power_series(self) -> dict[str, tuple[list[float], list[float | None]]]:
         """Per device id: read times (s after the start) and power (W), for plots."""
-        return {
-            t.device.device_id: ([x - self.start_s for x in t.times], list(t.power))
-            for t in self._tracks
-        }
+        return self._reads.power_series(self.start_s)
 
     def _open(self, w: Window) -> None:
         if not self.running:
@@ -452,67 +370,13 @@ class Measurement:
 
     def poll(self) -> None:
         """Read every device once (the sampler thread calls this; so do ``manual`` tests)."""
-        for track in self._tracks:
-            t0 = self._clock()
-            try:
-                state = track.device.read_state()
-            except PowerlibError as err:
-                logger.warning("reading %s failed: %s", track.device.device_id, err)
-                continue
-            t1 = self._clock()
-            track.times.append(0.5 * (t0 + t1))
-            track.read_s.append(t1 - t0)
-            track.counter.append(state.energy_j)
-            track.power.append(state.power_w)
+        self._reads.poll()
 
-    def _sample_loop(self) -> None:
-        next_write = self._clock() + 0.5
-        wait_s = self.sample_period_s
-        # Dithered periods: reads at a fixed period keep the same phase against the counter's
-        # own update period, so every update is bracketed alike and the brackets' intersection
-        # (timeline._energy_consistent) stays as wide as one of them; random phases narrow it.
-        dither = random.Random()
-        while True:
-            if self._wake.wait(wait_s * dither.uniform(0.6, 1.4)):
-                self._wake.clear()
-            if self._stop.is_set():
-                return
-            # The sampler's own CPU time, not its wall time: a read that waited for the GIL
-            # (the training thread held it) stole nothing from the loop, and counting the wait
-            # stretched the period to hundreds of ms on a busy CPU loop.
-            t0 = time.thread_time()
-            self.poll()
-            busy_s = time.thread_time() - t0
-            # Keep the sampler's share of a core under MAX_DUTY: slow reads (many devices, a
-            # slow driver) stretch the period instead of stealing the loop's time. The flush
-            # after the end reads at the base period: the loop is no longer running.
-            wait_s = (
-                self.sample_period_s
-                if self._flushing
-                else max(self.sample_period_s, busy_s / MAX_DUTY - busy_s)
-            )
-            if self._events_path is not None and self._clock() >= next_write:
-                self._write_events()
-                next_write = self._clock() + 0.5
-
-    def _flush(self) -> None:
-        """Read until every counter has published past the end, or the timeout.
-
-        Past the end means an update between two reads that both began after it (a read in
-        flight at the end may still show a value from before it), so the end lies before a
-        knot of :mod:`~powerlib.measurement.timeline` and is interpolated, not extrapolated.
-        """
-        assert self.end_s is not None
-        end = self.end_s
-        deadline = time.monotonic() + self.flush_timeout_s
-        pending = [t for t in self._tracks if t.has_counter]
-        self._flushing = True
-        self._wake.set()  # a sampler stretched by slow reads reads again now
-        while pending and time.monotonic() < deadline:
-            time.sleep(self.sample_period_s)
-            pending = [t for t in pending if not _updated_after(t, end)]
-        if pending:
-            logger.debug("measure: %d counter(s) did not update within the flush", len(pending))
+    def _tick(self) -> None:
+        """After each round of the sampler thread: append new windows every half second."""
+        if self._events_path is not None and self._clock() >= self._next_events_s:
+            self._write_events()
+            self._next_events_s = self._clock() + 0.5
 
     def _wait_marks(self) -> None:
         assert self._marker is not None
@@ -537,37 +401,14 @@ class Measurement:
     @property
     def devices(self) -> list[Device]:
         """The devices measured."""
-        return [t.device for t in self._tracks]
+        return self._reads.devices
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Per device so far, from the raw reads: ``device_id``, ``energy_j``, ``power_w``, ``time_s``.
 
         Cheap (no attribution): what ``powerlib measure --jsonl`` and the exporter publish.
         """
-        out = []
-        for t in self._tracks:
-            n = min(len(t.times), len(t.counter), len(t.power))
-            if n == 0:
-                continue
-            if t.has_counter:
-                first = next((c for c in t.counter[:n] if c is not None), None)
-                last = next((c for c in reversed(t.counter[:n]) if c is not None), None)
-                energy = (last - first) if first is not None and last is not None else None
-                if energy is not None and energy < 0:
-                    energy = None  # a reset: result() accounts for it
-            else:
-                tl = build_timeline(t.times[:n], None, t.power[:n])
-                energy = float(tl.energy_at([t.times[n - 1]])[0])
-            out.append(
-                {
-                    "device_id": t.device.device_id,
-                    "index": t.device.index,
-                    "energy_j": energy,
-                    "power_w": t.power[n - 1],
-                    "time_s": t.times[n - 1] - t.times[0],
-                }
-            )
-        return out
+        return self._reads.snapshot()
 
     def result(self, reduce: str = "local", *, tokens_reduce: str = "sum") -> MeasurementResult:
         """Energy per device, per window and in total.
@@ -620,8 +461,8 @@ class Measurement:
         )
         per_device: list[DeviceEnergy] = []
         energies: list[np.ndarray] = []
-        for t in self._tracks:
-            tl = self._timeline(t)
+        for t in self._reads.tracks:
+            tl = self._reads.timeline(t)
             e = tl.energy_at(bounds)
             energies.append(e)
             time_s = end - self.start_s
@@ -649,7 +490,7 @@ class Measurement:
             assert w.end_s is not None
             dev_e = {
                 t.device.device_id: float(e[3 + 2 * i] - e[2 + 2 * i])
-                for t, e in zip(self._tracks, energies)
+                for t, e in zip(self._reads.tracks, energies)
             }
             out_windows.append(
                 WindowEnergy(
@@ -677,89 +518,7 @@ class Measurement:
             self._result = result
         return result
 
-    def _timeline(self, t: _Track) -> EnergyTimeline:
-        n = min(len(t.times), len(t.read_s), len(t.counter), len(t.power))
-        return build_timeline(
-            t.times[:n],
-            t.counter[:n] if t.has_counter else None,
-            t.power[:n],
-            wrap_j=t.wrap_j,
-            read_s=t.read_s[:n],
-        )
-
     # -- plumbing --------------------------------------------------------------------------------
-
-    def _open_devices(self) -> None:
-        """Open the backend and the devices; without a device named, warn and measure time only.
-
-        A backend named explicitly (an argument or ``POWERLIB_BACKEND``) that cannot open, and
-        devices listed explicitly that do not exist, raise; otherwise a failure to find a device
-        is one warning and no device (docs/real-gpu.md §7).
-        """
-        spec = self._backend_spec
-        settings: Settings | None = None
-        if isinstance(spec, Backend):
-            named_backend = True
-        else:
-            settings = Settings.from_env()
-            named_backend = (spec if spec is not None else settings.backend) != "auto"
-        named_devices = isinstance(self._device_spec, list)
-        try:
-            devices = self._find_devices(settings)
-        except PowerlibError as err:
-            self._close_backend()
-            self._backend = None
-            opened = self._backend_opened
-            if (named_backend and not opened) or (named_devices and opened):
-                raise
-            warn_no_device(str(err))
-            return
-        if not devices:
-            self._close_backend()
-            self._backend = None
-            if named_backend or named_devices:
-                raise InvalidArgumentError("nothing to measure: the backend has no devices")
-            warn_no_device("the backend has no devices")
-            return
-        seen: set[str] = set()
-        for d in devices:
-            if d.device_id not in seen:
-                seen.add(d.device_id)
-                self._tracks.append(_Track(d))
-
-    def _find_devices(self, settings: Settings | None) -> list[Device]:
-        """The backend (opened here unless given) and the devices :attr:`_device_spec` names."""
-        spec = self._backend_spec
-        self._backend_opened = False
-        if isinstance(spec, Backend):
-            backend: Backend | None = spec
-        elif isinstance(self._device_spec, list) and all(
-            isinstance(d, Device) for d in self._device_spec
-        ):
-            backend = None
-        else:
-            from powerlib.registry import open_backend  # noqa: PLC0415
-
-            backend = open_backend(spec, settings)
-            self._own_backend = True
-        self._backend = backend
-        self._backend_opened = True
-        if self._device_spec is None:
-            assert backend is not None
-            return list(backend.devices())
-        if self._device_spec == LOCAL:
-            from powerlib.runtime.options import local_device  # noqa: PLC0415 - runtime imports us
-
-            assert backend is not None
-            return [local_device(backend, settings or Settings.from_env())]
-        devices: list[Device] = []
-        for d in self._device_spec:
-            if isinstance(d, Device):
-                devices.append(d)
-            else:
-                assert backend is not None
-                devices.append(backend.device(d))
-        return devices
 
     def _close_backend(self) -> None:
         if self._own_backend and self._backend is not None:
@@ -775,23 +534,7 @@ class Measurement:
             return
         self._events_written += len(windows)
         try:
-            with open(self._events_path, "a", encoding="utf-8") as f:
-                for w in windows:
-                    f.write(
-                        json.dumps(
-                            {
-                                "kind": w.kind,
-                                "name": w.name,
-                                "index": w.index,
-                                "rank": self.rank,
-                                "pid": os.getpid(),
-                                "start_s": w.start_s,
-                                "end_s": w.end_s,
-                                "tokens": w.tokens,
-                            }
-                        )
-                        + "\n"
-                    )
+            write_events(self._events_path, windows, self.rank)
         except OSError as err:
             logger.warning("measure: cannot append windows to %s: %s", self._events_path, err)
             self._events_path = None
@@ -823,52 +566,3 @@ def _rank() -> int:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
         return 0
-
-
-#: An events line is one flat object; deeper JSON is refused before the recursive decoder.
-EVENTS_MAX_DEPTH = 8
-
-
-def read_events(
-    path: str | os.PathLike[str], *, warn: Callable[[str], None] | None = None
-) -> list[dict[str, Any]]:
-    """The windows a child appended to an events file.
-
-    A malformed line (not JSON, not UTF-8, nested deeper than :data:`EVENTS_MAX_DEPTH`, a
-    number out of range) is skipped, and one warning says how many were and why the first was:
-    the child's bad line never costs the measurement (docs/measurement.md §6).
-
-    Args:
-        path: The events file (missing: no windows).
-        warn: Called with that one warning line instead of logging it.
-    """
-    out = []
-    skipped = 0
-    first = ""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    if (
-                        line.count("{") + line.count("[") > EVENTS_MAX_DEPTH
-                        and json_depth(line, EVENTS_MAX_DEPTH) > EVENTS_MAX_DEPTH
-                    ):
-                        raise ValueError(f"JSON nested more than {EVENTS_MAX_DEPTH} levels deep")
-                    item = json.loads(line)
-                except (ValueError, RecursionError) as err:
-                    skipped += 1
-                    first = first or f"line {number}: {str(err)[:200]}"
-                    continue
-                if isinstance(item, dict) and isinstance(item.get("start_s"), (int, float)):
-                    out.append(item)
-    except FileNotFoundError:
-        return []
-    if skipped:
-        message = f"skipped {skipped} malformed line(s) of the events file {path} (first: {first})"
-        if warn is not None:
-            warn(message)
-        else:
-            logger.warning("measure: %s", message)
-    return out

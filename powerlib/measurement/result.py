@@ -4,10 +4,12 @@ The JSON form is described by ``powerlib/measurement/result.schema.json`` (JSON 
 2020-12, ``"schema": "powerlib.measurement/1"``). The world reduction counts each physical
 device once: a device is ``(hostname, device_id)``, and when several ranks measured it (eight
 ranks that each see all eight GPUs of a node), the lowest rank's reading is kept.
+:func:`finite_json` writes the documents: JSON has no ``NaN`` or ``Infinity``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -19,10 +21,32 @@ __all__ = [
     "DeviceEnergy",
     "MeasurementResult",
     "WindowEnergy",
+    "finite_json",
     "reduce_results",
 ]
 
 SCHEMA = "powerlib.measurement/1"
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN and infinity, however deep, replaced by ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def finite_json(value: Any, **kwargs: Any) -> str:
+    """``json.dumps`` of ``value`` with non-finite numbers as ``null``: never ``Infinity``/``NaN``.
+
+    JSON has no such numbers (strict parsers, ``jq`` and the schema refuse them);
+    ``allow_nan=False`` makes a missed one an error here rather than a broken document
+    (docs/measurement.md §6).
+    """
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)
 
 
 def _r(value: float | None, digits: int = 9) -> float | None:

@@ -571,7 +571,7 @@ def test_optimize_and_attach_module_run_unchanged_through_the_agent(
     agent's leases, and the device is back as the session closes."""
     torch = pytest.importorskip("torch")
     sys.path.insert(0, str(Path(__file__).parents[1] / "integrations"))  # the clocked blocks
-    from clocked import FREQS, SWEEP, Block, Delay  # noqa: PLC0415
+    from clocked import FREQS, SWEEP, Block, Delay
 
     from powerlib.integrations.torch_distributed import attach_module
 
@@ -648,7 +648,7 @@ def test_a_client_killed_during_a_slow_change_is_restored_after_the_change_lands
     """A device call on the thread pool is still running when its client dies: the restore waits
     for it, then undoes it (a restore under it would be overtaken by the late change)."""
     from powerlib.agent.authz import Rules
-    from powerlib.agent.server import Agent
+    from powerlib.agent.transport import Agent
 
     backend = SimulatedBackend(Settings(backend="simulated", sim_gpus=1, state_dir=tmp_path / "s"))
     dev = backend.devices()[0]
@@ -673,17 +673,15 @@ def test_a_client_killed_during_a_slow_change_is_restored_after_the_change_lands
                     time.sleep(60)
                 finally:
                     os._exit(0)
-            assert _wait(lambda: bool(agent._leases))  # the change is in flight
+            assert _wait(lambda: bool(agent.leases._leases))  # the change is in flight
             time.sleep(0.1)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+            events = agent.leases.events
             assert _wait(
-                lambda: (
-                    bool(agent.events)
-                    and agent.events[0].restore_done_s == agent.events[0].restore_done_s
-                )
+                lambda: bool(events) and events[0].restore_done_s == events[0].restore_done_s
             )
-            event = agent.events[0]
+            event = events[0]
             assert event.ok and event.reason in ("process exited", "connection closed")
             time.sleep(0.6)  # past the end of the slow call, whichever order things ran in
             assert dev.read_state().locked_sm_freqs_mhz is None  # the late lock was undone

@@ -38,7 +38,7 @@ from powerlib.agent.kubernetes import (
     cgroup_mount,
     container_of_cgroup,
 )
-from powerlib.agent.server import Agent
+from powerlib.agent.transport import Agent
 from powerlib.backends.simulated import SimulatedBackend
 from powerlib.config import Settings
 from powerlib.errors import ConfigError, PowerlibError

@@ -88,19 +88,17 @@ class Env:
         settings = Settings(backend="simulated", state_dir=self.state_dir, sim_gpus=2)
         with SimulatedBackend(settings) as backend:
             dev = backend.device(0)
-            path = (
-                write_journal(StateDir(self.state_dir)
-                .prepare(),
-                    JournalEntry(
-                        device_id=dev.device_id,
-                        device_name=dev.info.name,
-                        backend="simulated",
-                        backend_settings={"sim_model": "a100", "sim_gpus": 2},
-                        owner=dead,
-                        created_s=1.0,
-                        changes=(Change(item="power_limit", original=400.0, target=175.0),),
-                    )
-                )
+            path = write_journal(
+                StateDir(self.state_dir).prepare(),
+                JournalEntry(
+                    device_id=dev.device_id,
+                    device_name=dev.info.name,
+                    backend="simulated",
+                    backend_settings={"sim_model": "a100", "sim_gpus": 2},
+                    owner=dead,
+                    created_s=1.0,
+                    changes=(Change(item="power_limit", original=400.0, target=175.0),),
+                ),
             )
             dev.set_power_limit(175.0)
         return path

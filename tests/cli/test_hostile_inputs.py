@@ -23,13 +23,10 @@ from click.testing import CliRunner
 
 from powerlib import PlanError
 from powerlib.cli import cli
-from powerlib.planning.perseus.frontier import (
-    WorkEstimate,
-    compute_frontier,
-    estimate_pipeline_work,
-)
-from powerlib.planning.pipeline import build_schedule
+from powerlib.planning.perseus.frontier import FrontierSettings, compute_frontier
+from powerlib.planning.perseus.work import WorkEstimate, estimate_pipeline_work
 from powerlib.planning.profile import Profile
+from powerlib.planning.schedules import build_schedule
 
 GPT3 = (
     Path(__file__).resolve().parents[2]
@@ -339,10 +336,9 @@ def test_the_estimate_is_close_to_the_walk_it_predicts() -> None:
         frontier = compute_frontier(
             profile,
             build_schedule("1f1b", 8, m),
+            settings=FrontierSettings(unit_time_s=0.001, p_block_w=83.64),
             schedule_name="1f1b",
             num_microbatches=m,
-            p_block_w=83.64,
-            unit_time_s=0.001,
         )
         assert estimate.num_instructions == 8 * m * 2
         assert estimate.time_steps == pytest.approx(len(frontier.points), rel=0.05)
@@ -362,11 +358,9 @@ def test_compute_frontier_refuses_past_max_work_before_solving() -> None:
         compute_frontier(
             profile,
             build_schedule("1f1b", 8, 6),
+            settings=FrontierSettings(unit_time_s=0.001, p_block_w=83.64, max_work=1000),
             schedule_name="1f1b",
             num_microbatches=6,
-            p_block_w=83.64,
-            unit_time_s=0.001,
-            max_work=1000,
             progress=lambda done, total: steps.append(done),
         )
     assert steps == []  # refused before the first solver step
@@ -375,25 +369,26 @@ def test_compute_frontier_refuses_past_max_work_before_solving() -> None:
 def test_direct_solve_refuses_past_max_work_before_building_the_program(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from powerlib.planning.perseus import frontier as frontier_module  # noqa: PLC0415
+    from powerlib.planning.perseus import points
+    from powerlib.planning.perseus.direct import direct_available
+    from powerlib.planning.perseus.work import direct_kind
 
-    if not frontier_module.direct_available():
+    if not direct_available():
         pytest.skip("neither the compiled min-cost flow nor highspy is available")
     built: list[object] = []
     monkeypatch.setattr(
-        frontier_module, "point_solver", lambda *a, **k: built.append(a) or pytest.fail("built")
+        points, "point_solver", lambda *a, **k: built.append(a) or pytest.fail("built")
     )
-    what = "min-cost flow" if frontier_module.direct_kind() == "flow" else "linear program"
+    what = "min-cost flow" if direct_kind() == "flow" else "linear program"
     with pytest.raises(PlanError, match=f"{what} is too much work: 96 instructions [+] "):
         compute_frontier(
             Profile.read(GPT3),
             build_schedule("1f1b", 8, 6),
+            settings=FrontierSettings(
+                unit_time_s=0.001, p_block_w=83.64, solver="direct", max_work=10
+            ),
             schedule_name="1f1b",
             num_microbatches=6,
-            p_block_w=83.64,
-            unit_time_s=0.001,
-            max_work=10,
-            solver="direct",
         )
     assert built == []
 

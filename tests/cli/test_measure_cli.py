@@ -192,7 +192,7 @@ def test_json_output_never_contains_infinity(tmp_path: Path) -> None:
 
 
 def test_finite_json_writes_null_for_every_non_finite_number() -> None:
-    from powerlib.cli.measure import finite_json
+    from powerlib.measurement.result import finite_json
 
     text = finite_json({"a": [math.inf, {"b": math.nan}], "c": (-math.inf, 1.5), "d": "NaN"})
     assert _strict(text) == {"a": [None, {"b": None}], "c": [None, 1.5], "d": "NaN"}

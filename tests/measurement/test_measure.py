@@ -14,7 +14,8 @@ import jsonschema
 import pytest
 
 import powerlib
-from powerlib.backends.simulated import SimulatedBackend, VirtualClock, WorkUnit
+from powerlib.backends.simulated import SimulatedBackend, VirtualClock
+from powerlib.backends.simulated_model import WorkUnit
 from powerlib.config import Settings
 from powerlib.device import Capabilities, Device, DeviceInfo, DeviceKind, PowerState
 from powerlib.errors import DeviceNotFoundError, InvalidArgumentError
@@ -555,7 +556,7 @@ def test_knots_from_wide_starved_brackets_are_exact() -> None:
 def test_the_flush_waits_for_an_update_after_the_end() -> None:
     """A read in flight at the end may show an update from before it: the flush needs two reads
     that both began after the end, with different values."""
-    from powerlib.measurement.measure import _Track, _updated_after
+    from powerlib.measurement.reader import _Track, _updated_after
 
     class Dev:
         def read_state(self):

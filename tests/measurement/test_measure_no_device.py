@@ -20,8 +20,8 @@ import powerlib
 from powerlib.errors import BackendUnavailableError, DeviceNotFoundError
 from powerlib.measurement.markers import Stamps, cuda_marker
 
-MEASURE = importlib.import_module("powerlib.measurement.measure")  # powerlib.measurement.measure()
-"""The module (the package's ``measure`` is the function)."""
+READER = importlib.import_module("powerlib.measurement.reader")
+"""Where the once-per-process no-device warning keeps its flag."""
 
 
 def _fake_torch(*, initialised: bool) -> SimpleNamespace:
@@ -49,7 +49,7 @@ def no_device(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setitem(sys.modules, "amdsmi", None)
     (tmp_path / "empty-sys").mkdir()
     monkeypatch.setenv("POWERLIB_SYSFS_ROOT", str(tmp_path / "empty-sys"))
-    monkeypatch.setattr(MEASURE, "_NO_DEVICE_WARNED", False, raising=False)
+    monkeypatch.setattr(READER, "_NO_DEVICE_WARNED", False)
 
 
 def test_without_a_device_measure_warns_once_and_times_but_a_named_backend_fails(

@@ -14,7 +14,7 @@ import time
 import torch.distributed as dist
 
 import powerlib
-from powerlib.backends.simulated import WorkUnit
+from powerlib.backends.simulated_model import WorkUnit
 
 
 def main() -> None:

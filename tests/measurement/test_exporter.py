@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 import powerlib  # noqa: E402
 from powerlib.backends.simulated import SimulatedBackend  # noqa: E402
 from powerlib.config import Settings  # noqa: E402
-from powerlib.exporter import DEFAULT_WORKERS, Exporter  # noqa: E402
+from powerlib.measurement.exporter import DEFAULT_WORKERS, Exporter  # noqa: E402
 
 
 def _scrape(port: int, timeout_s: float = 10.0) -> dict[str, list]:
@@ -134,6 +134,30 @@ def test_in_process_sessions_publish_their_steps(settings: Settings) -> None:
     assert count[0].value == 3 and total[0].value == pytest.approx(0.15, abs=0.05)
     assert "powerlib_device_info" not in fams  # devices=[]: sessions only
     assert after.get("powerlib_session_steps", []) == []  # an ended measurement is gone
+
+
+def test_running_sessions_publish_their_stage_through_the_source_the_runtime_registers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The exporter never imports the runtime: runtime.session registers a source of stage
+    gauges when it is imported, and a scrape renders what that source returns."""
+    from types import SimpleNamespace
+
+    from powerlib.runtime import session as session_module
+
+    planned = SimpleNamespace(
+        stage=1,
+        outcome=SimpleNamespace(summary={"realized": {"saving_percent": 12.5}}),
+        controller=SimpleNamespace(last_requested=1410.0),
+    )
+    profiling = SimpleNamespace(stage=0, outcome=None, controller=None)
+    monkeypatch.setattr(session_module, "active_sessions", lambda: [planned, profiling])
+    with Exporter([], port=None) as exp:
+        fams = {f.name: f.samples for f in text_string_to_metric_families(exp.render().decode())}
+    (saving,) = fams["powerlib_session_planned_saving_ratio"]
+    assert saving.labels["stage"] == "1" and saving.value == pytest.approx(0.125)
+    (clock,) = fams["powerlib_session_stage_sm_clock_hertz"]
+    assert clock.labels["stage"] == "1" and clock.value == pytest.approx(1410e6)
 
 
 def test_textfile_mode_writes_atomically_and_once(tmp_path: Path) -> None:
