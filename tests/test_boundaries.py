@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,7 @@ _FOUNDATION = (
 )  # fmt: skip
 _HAL = (
     "powerlib/device.py",
+    "powerlib/backend.py",
     "powerlib/registry.py",
     "powerlib/inspection.py",
     "powerlib/privilege.py",
@@ -132,7 +134,10 @@ _ABOVE_HAL = (
     "powerlib.profiling", "powerlib.emulator", "powerlib.agent", *_APPS,
 )  # fmt: skip
 LAYER_RULES: dict[str, tuple[str, ...]] = {
-    **{leaf: ("powerlib.device", "powerlib.registry", *_ABOVE_HAL) for leaf in _FOUNDATION},
+    **{
+        leaf: ("powerlib.device", "powerlib.backend", "powerlib.registry", *_ABOVE_HAL)
+        for leaf in _FOUNDATION
+    },
     **{hal: _ABOVE_HAL for hal in _HAL},
     "powerlib/control": (
         "powerlib.runtime", "powerlib.planning", "powerlib.measurement", "powerlib.profiling",
@@ -142,7 +147,7 @@ LAYER_RULES: dict[str, tuple[str, ...]] = {
         "powerlib.runtime", "powerlib.profiling", "powerlib.control", "powerlib.measurement",
         "powerlib.emulator", "powerlib.agent", "powerlib.registry", *_APPS,
     ),
-    "powerlib/measurement": ("powerlib.emulator", "powerlib.agent", *_APPS),
+    "powerlib/measurement": ("powerlib.runtime", "powerlib.emulator", "powerlib.agent", *_APPS),
     "powerlib/profiling": ("powerlib.runtime", "powerlib.emulator", "powerlib.agent", *_APPS),
     "powerlib/runtime": ("powerlib.emulator", "powerlib.agent", *_APPS),
     "powerlib/emulator": ("powerlib.agent", *_APPS),
@@ -151,7 +156,7 @@ LAYER_RULES: dict[str, tuple[str, ...]] = {
         "powerlib.emulator", *_APPS,
     ),
     "powerlib/testing": ("powerlib.runtime", "powerlib.planning", *_APPS),
-    "powerlib/kareus": ("powerlib.cli", "powerlib.integrations", "powerlib.agent"),
+    "powerlib/kareus": ("powerlib.cli", "powerlib.agent"),
     "backends": ("powerlib.planning", "powerlib.runtime", "powerlib.measurement", *_APPS),
     "integrations": ("powerlib.cli", "powerlib.kareus", "powerlib.emulator"),
 }  # fmt: skip
@@ -234,7 +239,9 @@ def layout_listing(text: str) -> set[str]:
     One entry per line: two spaces of indent per level, then a name (``folder/``, ``module.py``
     or several modules separated by ``, ``), then two or more spaces and what it holds.
     """
-    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    block = re.split(r"^## (?:\d+ )?Layout\b.*$", text, maxsplit=1, flags=re.M)[1].split("```", 2)[
+        1
+    ]
     listed: set[str] = set()
     stack: list[str] = []
     for line in block.splitlines():
@@ -268,7 +275,7 @@ def test_the_layout_names_every_module() -> None:
 
 
 def test_the_layout_parser_reads_nesting() -> None:
-    text = "## Layout\n```\npowerlib/   core\n  a.py, b.py   two\n  sub/   x\n    c.py  y\n  d.py  z\nbackends/\n  e.py  w\n```\n"
+    text = "## 8 Layout\n```\npowerlib/   core\n  a.py, b.py   two\n  sub/   x\n    c.py  y\n  d.py  z\nbackends/\n  e.py  w\n```\n"
     assert layout_listing(text) == {
         "powerlib/a.py", "powerlib/b.py", "powerlib/sub/c.py", "powerlib/d.py", "backends/e.py",
     }  # fmt: skip
@@ -318,7 +325,8 @@ try:
 except SystemExit:
     pass
 loaded = sorted(m for m in sys.modules if m.startswith(('powerlib.control',
-                'powerlib.agent', 'powerlib.exporter', 'powerlib.cli.devices', 'scipy')))
+                'powerlib.agent', 'powerlib.measurement.exporter', 'powerlib.cli.devices',
+                'scipy')))
 print(json.dumps(loaded), file=sys.stderr)
 """
     proc = subprocess.run(
