@@ -28,9 +28,9 @@ from powerlib.agent import protocol
 from powerlib.agent.client import AgentConnection
 from powerlib.backend import Backend, ProbeResult
 from powerlib.config import Settings
-from powerlib.control import show_path
 from powerlib.device import ClockLockState, Device, PowerState
 from powerlib.errors import BackendUnavailableError, DeviceLostError
+from powerlib.inputs import show_path
 
 __all__ = ["AgentBackend", "AgentDevice"]
 

@@ -157,7 +157,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     import logging
     import warnings
 
-    from powerlib.emulator.demo import NVML_LIKE_MODEL, DemoConfig, run_demo
+    from powerlib.emulator.demo import DemoConfig, run_demo
+    from powerlib.emulator.engine import NVML_LIKE_MODEL
     from powerlib.errors import PowerlibError
 
     logging.disable(logging.WARNING)

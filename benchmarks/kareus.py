@@ -69,14 +69,10 @@ from powerlib.kareus.compose import (
     sample_frontier,
 )
 from powerlib.kareus.evaluator import Measurement
-from powerlib.kareus.partition import (
-    MODEL_SHAPES,
-    Parallelism,
-    build_workload,
-    config_space,
-    search_budget,
-)
-from powerlib.kareus.search import relative_hypervolume, search_partition
+from powerlib.kareus.hypervolume import relative_hypervolume
+from powerlib.kareus.partition import build_workload, config_space, search_budget
+from powerlib.kareus.search import search_partition
+from powerlib.kareus.shapes import MODEL_SHAPES, Parallelism
 from powerlib.kareus.sim_capping import Work, run_capped, run_locked
 from powerlib.kareus.sim_fluid import model, model_sequential, simulate, throttled_clock
 from powerlib.kareus.sim_model import SimulatedOverlapEvaluator

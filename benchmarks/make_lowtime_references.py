@@ -14,7 +14,7 @@ artifact's pipeline (reference docs/perseus.md §5.3, §5.6):
    ``iteration,quant_time,time_s,energy_j`` with ``energy_j = cost + N · P_block · time_s``.
 
 Each output is ``tests/data/lowtime_frontiers/<case>.csv``; the profiles are copied to its
-``profiles/`` folder so that ``tests/planning/test_lowtime_references.py`` runs without
+``profiles/`` folder so that ``tests/planning/perseus/test_lowtime_references.py`` runs without
 ``/work/shared``.
 
 Run (lowtime needs its own venv; ``pip install lowtime==0.3.0 pandas``)::

@@ -86,7 +86,7 @@ class MeasuredRun:
 
         With ``optimize``, ``attach`` enters the session (and its hooks) into the run's stack.
         """
-        import powerlib  # noqa: PLC0415
+        import powerlib  # noqa: PLC0415 - the session and measurement load when a callback first runs
 
         self.close()
         self.result = None
@@ -204,7 +204,7 @@ def optimize_options(
             f"optimize: {', '.join(reserved)} are set by the callback (one stage, the trainer's "
             f"{accumulation}); leave them out"
         )
-    from powerlib.runtime.session import Session  # noqa: PLC0415
+    from powerlib.runtime.session import Session  # noqa: PLC0415 - the session and measurement load when a callback first runs
 
     known = set(inspect.signature(Session.__init__).parameters) - {"self"}
     unknown = sorted(set(options) - known)

@@ -50,8 +50,8 @@ def _unsupported(what: str) -> NotSupportedError:
 def _pipe_types(engine: Any) -> tuple[type, type, dict[Any, Any], bool]:
     """ForwardPass, BackwardPass, the engine class's map, and whether it is DualPipeV."""
     try:
-        from deepspeed.runtime.pipe import schedule  # noqa: PLC0415
-        from deepspeed.runtime.pipe.engine import PipelineEngine  # noqa: PLC0415
+        from deepspeed.runtime.pipe import schedule  # noqa: PLC0415 - optional dependency, imported where used
+        from deepspeed.runtime.pipe.engine import PipelineEngine  # noqa: PLC0415 - optional dependency, imported where used
     except ImportError as err:
         raise _unsupported(f"deepspeed.runtime.pipe cannot be imported ({err})") from None
     if not isinstance(engine, PipelineEngine):
@@ -66,7 +66,7 @@ def _pipe_types(engine: Any) -> tuple[type, type, dict[Any, Any], bool]:
         if not hasattr(engine, name):
             raise _unsupported(f"{type(engine).__name__} has no {name}")
     try:
-        from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine  # noqa: PLC0415
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine  # noqa: PLC0415 - optional dependency, imported where used
     except ImportError:
         return fwd, bwd, table, False
     return fwd, bwd, table, isinstance(engine, DualPipeVEngine)
@@ -177,7 +177,7 @@ def attach_engine(session: Any, engine: Any, *, enabled: bool = True) -> Iterato
     if not enabled or session is None:
         yield
         return
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - optional dependency, imported where used
 
     if hasattr(type(engine), "_INSTRUCTION_MAP"):
         raise InvalidArgumentError("a DeepSpeed PipelineEngine: use attach_pipeline")

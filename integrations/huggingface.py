@@ -65,7 +65,7 @@ class _TrainingForwards:
 
     @staticmethod
     def _counts(module: torch.nn.Module) -> bool:
-        import torch  # noqa: PLC0415
+        import torch  # noqa: PLC0415 - optional dependency, imported where used
 
         return module.training and torch.is_grad_enabled()
 
@@ -89,7 +89,7 @@ class _TrainingForwards:
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer under wrappers (accelerate's ``AcceleratedOptimizer`` has no step hooks)."""
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - optional dependency, imported where used
 
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
@@ -193,7 +193,7 @@ class _PowerlibCallbackImpl(MeasuredRun):
         if self.devices != "auto":
             return self.devices
         if args.world_size > 1:
-            from powerlib.measurement import LOCAL  # noqa: PLC0415
+            from powerlib.measurement import LOCAL  # noqa: PLC0415 - the session and measurement load when a callback first runs
 
             return LOCAL  # this process's GPU, as the session picks it (docs/real-gpu.md §4)
         return None
@@ -201,8 +201,8 @@ class _PowerlibCallbackImpl(MeasuredRun):
     def _attach(
         self, stack: contextlib.ExitStack, args: TrainingArguments, model: Any, optimizer: Any
     ) -> None:
-        import powerlib  # noqa: PLC0415
-        from powerlib.integrations.torch_distributed import attach_module  # noqa: PLC0415
+        import powerlib  # noqa: PLC0415 - the session and measurement load when a callback first runs
+        from powerlib.integrations.torch_distributed import attach_module  # noqa: PLC0415 - the session and measurement load when a callback first runs
 
         assert self._optimize is not None
         if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None):
@@ -378,7 +378,7 @@ def __getattr__(name: str) -> Any:
     if name != "PowerlibCallback":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if _CLASS is None:
-        from transformers import TrainerCallback  # noqa: PLC0415
+        from transformers import TrainerCallback  # noqa: PLC0415 - optional dependency, imported where used
 
         _CLASS = lazy_class(sys.modules[__name__], name, _PowerlibCallbackImpl, TrainerCallback)
     return _CLASS

@@ -122,13 +122,13 @@ class _PowerlibCallbackImpl(MeasuredRun):
         if self.devices != "auto":
             return self.devices
         if trainer.world_size > 1:
-            from powerlib.measurement import LOCAL  # noqa: PLC0415
+            from powerlib.measurement import LOCAL  # noqa: PLC0415 - the session and measurement load when a callback first runs
 
             return LOCAL  # this process's GPU, as the session picks it (docs/real-gpu.md §4)
         return None
 
     def _attach(self, stack: contextlib.ExitStack, trainer: Any, pl_module: Any) -> None:
-        import powerlib  # noqa: PLC0415
+        import powerlib  # noqa: PLC0415 - the session and measurement load when a callback first runs
 
         assert self._optimize is not None
         if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:

@@ -173,8 +173,8 @@ def attach(session: Any, *, enabled: bool = True) -> Iterator[None]:
     if not enabled or session is None:
         yield
         return
-    from megatron.core import parallel_state  # noqa: PLC0415
-    from megatron.core.pipeline_parallel import schedules  # noqa: PLC0415
+    from megatron.core import parallel_state  # noqa: PLC0415 - optional dependency, imported where used
+    from megatron.core.pipeline_parallel import schedules  # noqa: PLC0415 - optional dependency, imported where used
 
     _check_api(schedules)
     checked = parallel_state.model_parallel_is_initialized()
@@ -286,8 +286,6 @@ def replan(deadline_s: float) -> None:
     """
     session = current_session()
     if session is None:
-        from powerlib.errors import InvalidArgumentError  # noqa: PLC0415
-
         raise InvalidArgumentError("replan: no powerlib session is attached to this training loop")
     session.replan(deadline_s)
 
@@ -326,7 +324,7 @@ def workload_from_args(args: Any, num_microbatches: int, pp_rank: int) -> dict[s
 
 def _training_module() -> Any:
     try:
-        from megatron.training import training  # noqa: PLC0415
+        from megatron.training import training  # noqa: PLC0415 - optional dependency, imported where used
     except ImportError as err:
         raise NotSupportedError(
             f"Megatron-LM's training loop cannot be imported ({err}): megatron-core wheels ship "
@@ -411,13 +409,13 @@ def patch_training(*, enabled: bool = True, **options: Any) -> TrainingPatch | N
 
     @functools.wraps(train)
     def powered_train(*args: Any, **kwargs: Any) -> Any:
-        from megatron.core import parallel_state  # noqa: PLC0415
-        from megatron.core.num_microbatches_calculator import (  # noqa: PLC0415
+        from megatron.core import parallel_state  # noqa: PLC0415 - optional dependency, imported where used
+        from megatron.core.num_microbatches_calculator import (  # noqa: PLC0415 - optional dependency, imported where used
             get_num_microbatches,
         )
-        from megatron.training.global_vars import get_args  # noqa: PLC0415
+        from megatron.training.global_vars import get_args  # noqa: PLC0415 - optional dependency, imported where used
 
-        import powerlib  # noqa: PLC0415
+        import powerlib  # noqa: PLC0415 - the session and measurement load when a callback first runs
 
         workload = workload_from_args(
             get_args(), get_num_microbatches(), parallel_state.get_pipeline_model_parallel_rank()

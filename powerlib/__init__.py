@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # loaded on first use (see __getattr__); typed and documented
     from powerlib.measurement import Measurement, MeasurementResult, measure
     from powerlib.runtime.session import Session, optimize
 
-__version__ = "0.1.0"
+from powerlib._version import __version__
 
 __all__ = [
     "Backend",
@@ -81,15 +81,15 @@ def __getattr__(name: str) -> object:
     nor the journal and lock machinery.
     """
     if name in ("ControlSession", "RestoreOutcome", "restore_journals"):
-        from powerlib import control  # noqa: PLC0415
+        from powerlib import control  # noqa: PLC0415 - the package surface loads its parts on first use
 
         return getattr(control, name)
     if name in ("optimize", "Session"):
-        from powerlib import runtime  # noqa: PLC0415
+        from powerlib import runtime  # noqa: PLC0415 - the package surface loads its parts on first use
 
         return getattr(runtime, name)
     if name in ("measure", "Measurement", "MeasurementResult"):
-        from powerlib import measurement  # noqa: PLC0415
+        from powerlib import measurement  # noqa: PLC0415 - the package surface loads its parts on first use
 
         return getattr(measurement, name)
     raise AttributeError(f"module 'powerlib' has no attribute {name!r}")

@@ -29,6 +29,7 @@ from typing import Any
 from powerlib.errors import PowerlibError
 
 __all__ = [
+    "show_path",
     "CSV_FIELD_LIMIT",
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_DEPTH",
@@ -243,3 +244,9 @@ def load_json_file(
         check=check,
     )
     return parse_json(text, path=path, what=what, error=error, max_depth=max_depth)
+
+
+def show_path(path: str | os.PathLike[str]) -> str:
+    """A path for a one-line message: as is, or quoted with escapes if it holds control chars."""
+    text = os.fspath(path)
+    return text if text.isprintable() else ascii(text)

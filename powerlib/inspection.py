@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from importlib import metadata
 from typing import Any
 
-from powerlib import __version__
+from powerlib._version import __version__
 from powerlib.backend import Backend, ProbeResult
 from powerlib.config import Settings
 from powerlib.device import Device, PowerState

@@ -87,13 +87,35 @@ def test_no_module_imports_a_vendor_library_or_framework_at_module_level() -> No
             assert not bad, f"{path.relative_to(ROOT)} imports {bad} at module level"
 
 
-def _all_imports(path: Path) -> set[str]:
+def _module_of(path: Path, root: Path = ROOT) -> list[str]:
+    """The dotted name of ``path`` as installed (backends/ and integrations/ under powerlib)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[0] in ("backends", "integrations"):
+        parts.insert(0, "powerlib")
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def _all_imports(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module (and ``module.name``) ``path`` imports, anywhere in it.
+
+    Relative imports are resolved; ``from pkg import name`` counts as ``pkg`` and ``pkg.name``,
+    so ``from powerlib import runtime`` is seen as importing ``powerlib.runtime``.
+    """
     names: set[str] = set()
+    package = _module_of(path, root)
+    if path.name != "__init__.py":
+        package = package[:-1]
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -120,7 +142,7 @@ def test_backends_and_core_keep_their_layers() -> None:
 _APPS = ("powerlib.cli", "powerlib.integrations", "powerlib.kareus")
 _FOUNDATION = (
     "powerlib/errors.py", "powerlib/config.py", "powerlib/units.py", "powerlib/inputs.py",
-    "powerlib/progress.py", "powerlib/gpu_specs.py",
+    "powerlib/progress.py", "powerlib/gpu_specs.py", "powerlib/_version.py",
 )  # fmt: skip
 _HAL = (
     "powerlib/device.py",
@@ -135,7 +157,10 @@ _ABOVE_HAL = (
 )  # fmt: skip
 LAYER_RULES: dict[str, tuple[str, ...]] = {
     **{
-        leaf: ("powerlib.device", "powerlib.backend", "powerlib.registry", *_ABOVE_HAL)
+        leaf: (
+            "powerlib.device", "powerlib.backend", "powerlib.registry", "powerlib.inspection",
+            "powerlib.privilege", *_ABOVE_HAL,
+        )
         for leaf in _FOUNDATION
     },
     **{hal: _ABOVE_HAL for hal in _HAL},
@@ -143,11 +168,15 @@ LAYER_RULES: dict[str, tuple[str, ...]] = {
         "powerlib.runtime", "powerlib.planning", "powerlib.measurement", "powerlib.profiling",
         "powerlib.emulator", "powerlib.agent", *_APPS,
     ),
-    "powerlib/planning": (
+    "powerlib/planning": (  # pure: no device, no environment (config), no runtime
         "powerlib.runtime", "powerlib.profiling", "powerlib.control", "powerlib.measurement",
-        "powerlib.emulator", "powerlib.agent", "powerlib.registry", *_APPS,
+        "powerlib.emulator", "powerlib.agent", "powerlib.registry", "powerlib.device",
+        "powerlib.backend", "powerlib.inspection", "powerlib.privilege", "powerlib.config",
+        *_APPS,
     ),
-    "powerlib/measurement": ("powerlib.runtime", "powerlib.emulator", "powerlib.agent", *_APPS),
+    "powerlib/measurement": (
+        "powerlib.runtime", "powerlib.profiling", "powerlib.emulator", "powerlib.agent", *_APPS,
+    ),
     "powerlib/profiling": ("powerlib.runtime", "powerlib.emulator", "powerlib.agent", *_APPS),
     "powerlib/runtime": ("powerlib.emulator", "powerlib.agent", *_APPS),
     "powerlib/emulator": ("powerlib.agent", *_APPS),
@@ -157,7 +186,15 @@ LAYER_RULES: dict[str, tuple[str, ...]] = {
     ),
     "powerlib/testing": ("powerlib.runtime", "powerlib.planning", *_APPS),
     "powerlib/kareus": ("powerlib.cli", "powerlib.agent"),
-    "backends": ("powerlib.planning", "powerlib.runtime", "powerlib.measurement", *_APPS),
+    # The agent backend is the agent's client: it may use the client and the wire protocol,
+    # never the daemon's modules.
+    "backends": (
+        "powerlib.planning", "powerlib.runtime", "powerlib.measurement", "powerlib.control",
+        "powerlib.profiling", "powerlib.emulator", *_APPS,
+        *(f"powerlib.agent.{m}" for m in (
+            "transport", "leases", "listener", "authz", "kubernetes", "node", "peer", "logs",
+        )),
+    ),
     "integrations": ("powerlib.cli", "powerlib.kareus", "powerlib.emulator"),
 }  # fmt: skip
 
@@ -167,14 +204,100 @@ def layer_violations(root: Path = ROOT) -> list[str]:
     found = []
     for part, forbidden in LAYER_RULES.items():
         where = root / part
+        if not where.exists():
+            continue  # test_every_layer_rule_names_a_real_part keeps the rules honest
         paths = [where] if where.suffix == ".py" else sorted(where.rglob("*.py"))
         for path in paths:
-            if not path.exists():
-                continue
-            for name in sorted(_all_imports(path)):
+            for name in sorted(_all_imports(path, root)):
                 if any(name == f or name.startswith(f + ".") for f in forbidden):
                     found.append(f"{path.relative_to(root)} imports {name}")
     return found
+
+
+def test_every_layer_rule_names_a_real_part() -> None:
+    """A renamed module or folder must not silently drop its rule."""
+    assert [part for part in LAYER_RULES if not (ROOT / part).exists()] == []
+
+
+def import_cycles(root: Path = ROOT) -> list[list[str]]:
+    """Every set of modules that import each other (strongly connected, Tarjan), any import.
+
+    Lazy imports and those under ``TYPE_CHECKING`` count. ``from pkg import sub`` is an edge to
+    the submodule ``sub``; the implicit import of a module's parent packages is not an edge (a
+    package's ``__init__`` is its surface: it may name its submodules).
+    """
+    files = {
+        ".".join(_module_of(p, root)): p
+        for folder in ("powerlib", "backends", "integrations")
+        if (root / folder).exists()
+        for p in (root / folder).rglob("*.py")
+    }
+    graph = {}
+    for module, path in files.items():
+        targets = set()
+        for name in _all_imports(path, root):
+            if name in files and name != module:
+                targets.add(name)
+        # `from pkg import sub`: the edge goes to pkg.sub, not to pkg's __init__
+        subs = {t for t in targets if t.rsplit(".", 1)[0] in targets}
+        graph[module] = {t for t in targets if not any(s.startswith(t + ".") for s in subs)}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_imports_itself_in_a_circle() -> None:
+    """No import cycles, lazy and type-level ones included (journal <-> ownership and
+    frontier <-> replay were; issue 35)."""
+    assert import_cycles() == []
+
+
+def test_the_cycle_check_sees_type_level_and_lazy_cycles(tmp_path: Path) -> None:
+    pkg = tmp_path / "powerlib" / "control"
+    pkg.mkdir(parents=True)
+    (tmp_path / "powerlib" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from powerlib.control.journal import Entry\n")
+    (pkg / "journal.py").write_text("from powerlib.control import locks\n")
+    (pkg / "locks.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .journal import Entry\n"
+    )
+    (pkg / "state.py").write_text("def f():\n    from powerlib.control import trust\n")
+    (pkg / "trust.py").write_text("from powerlib.control.journal import Entry\n")
+    assert import_cycles(tmp_path) == [
+        ["powerlib.control.journal", "powerlib.control.locks"],
+    ]
+    (pkg / "journal.py").write_text("def g():\n    from powerlib.control.state import f\n")
+    assert import_cycles(tmp_path) == [
+        ["powerlib.control.journal", "powerlib.control.state", "powerlib.control.trust"],
+    ]
 
 
 def test_every_part_keeps_the_design_layers() -> None:
@@ -206,7 +329,10 @@ def test_nobody_imports_the_cli() -> None:
 def test_the_core_never_imports_kareus() -> None:
     """Kareus is one optional package that registers itself with the session (docs/kareus.md);
     only it and the CLI's `kareus` command import it."""
-    assert _importers_of("powerlib.kareus", allowed=("powerlib/kareus/", "powerlib/cli/")) == []
+    assert (
+        _importers_of("powerlib.kareus", allowed=("powerlib/kareus/", "powerlib/cli/kareus.py"))
+        == []
+    )
 
 
 def test_the_layer_check_sees_lazy_imports(tmp_path: Path) -> None:
@@ -221,11 +347,24 @@ def test_the_layer_check_sees_lazy_imports(tmp_path: Path) -> None:
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from powerlib.measurement import measure\n"
     )
     (tmp_path / "powerlib" / "errors.py").write_text("from powerlib.device import Device\n")
+    (tmp_path / "powerlib" / "planning" / "facade.py").write_text("from powerlib import runtime\n")
+    (tmp_path / "powerlib" / "planning" / "relative.py").write_text("from ..control import x\n")
     (tmp_path / "backends" / "bad.py").write_text("import powerlib.planning.plan\n")
+    (tmp_path / "backends" / "agentish.py").write_text(
+        "from powerlib.agent import protocol\nfrom powerlib.agent.leases import Leases\n"
+    )
     assert layer_violations(tmp_path) == [
         "powerlib/errors.py imports powerlib.device",
+        "powerlib/errors.py imports powerlib.device.Device",
         "powerlib/control/typed.py imports powerlib.measurement",
+        "powerlib/control/typed.py imports powerlib.measurement.measure",
         "powerlib/planning/bad.py imports powerlib.runtime.session",
+        "powerlib/planning/bad.py imports powerlib.runtime.session.Session",
+        "powerlib/planning/facade.py imports powerlib.runtime",
+        "powerlib/planning/relative.py imports powerlib.control",
+        "powerlib/planning/relative.py imports powerlib.control.x",
+        "backends/agentish.py imports powerlib.agent.leases",
+        "backends/agentish.py imports powerlib.agent.leases.Leases",
         "backends/bad.py imports powerlib.planning.plan",
     ]
 
@@ -285,7 +424,10 @@ def test_version_has_one_source() -> None:
     import powerlib
 
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'dynamic = ["version"]' in pyproject and 'attr = "powerlib.__version__"' in pyproject
+    assert (
+        'dynamic = ["version"]' in pyproject
+        and 'attr = "powerlib._version.__version__"' in pyproject
+    )
     assert f'version = "{powerlib.__version__}"' not in pyproject
     assert (ROOT / "powerlib" / "py.typed").exists()
 

@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.agent.protocol import one_line
-from powerlib.control import check_trusted, show_path
+from powerlib.control import check_trusted
 from powerlib.errors import ConfigError, UntrustedStateError
+from powerlib.inputs import show_path
 
 __all__ = ["Grant", "Rules", "load_allow_list", "read_grants", "remove_grant", "write_grant"]
 

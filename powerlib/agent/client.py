@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.agent import protocol
-from powerlib.control import show_path
 from powerlib.errors import BackendUnavailableError, DeviceLostError
+from powerlib.inputs import show_path
 
 __all__ = ["AgentConnection"]
 

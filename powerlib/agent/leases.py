@@ -39,7 +39,7 @@ from powerlib.agent.authz import Rules
 from powerlib.agent.logs import LogLimiter
 from powerlib.agent.peer import Peer
 from powerlib.backend import Backend, normalize_pci
-from powerlib.control import ControlSession, restore_journals, show_path
+from powerlib.control import ControlSession, restore_journals
 from powerlib.device import Device
 from powerlib.errors import (
     ConfigError,
@@ -49,6 +49,7 @@ from powerlib.errors import (
     PermissionDeniedError,
     PowerlibError,
 )
+from powerlib.inputs import show_path
 
 __all__ = ["AgentEvent", "Client", "Lease", "Leases"]
 

@@ -21,8 +21,9 @@ import stat
 from pathlib import Path
 
 from powerlib.agent.node import let_others_traverse
-from powerlib.control import check_trusted, show_path
+from powerlib.control import check_trusted
 from powerlib.errors import ConfigError
+from powerlib.inputs import show_path
 
 __all__ = [
     "SD_LISTEN_FDS_START",

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from powerlib.backend import Backend
-from powerlib.control import check_trusted, describe_owner, show_path
+from powerlib.control import check_trusted, describe_owner
 from powerlib.errors import ConfigError, DeviceNotFoundError, UntrustedStateError
+from powerlib.inputs import show_path
 
 __all__ = ["let_others_traverse", "make_user_state_dir", "uuids_of_minors"]
 

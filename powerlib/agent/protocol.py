@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from powerlib import errors
+import powerlib.errors as errors
 from powerlib.device import Capabilities, DeviceInfo, DeviceKind, PowerState
 
 __all__ = [

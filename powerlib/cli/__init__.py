@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 import click
 
-from powerlib import __version__
+from powerlib._version import __version__
 from powerlib.cli.options import Options, settings_for
 from powerlib.errors import PowerlibError
 from powerlib.registry import check_backend_name

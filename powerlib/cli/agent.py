@@ -139,8 +139,8 @@ def serve(
     powerlib agent serve --group powerlib --allow /etc/powerlib/agent-allow.json
     powerlib agent serve --kubernetes      # a DaemonSet: pods get the GPUs the kubelet gave them
     """
-    from powerlib.agent.authz import Rules, load_allow_list  # noqa: PLC0415
-    from powerlib.agent.transport import Agent  # noqa: PLC0415
+    from powerlib.agent.authz import Rules, load_allow_list  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.agent.transport import Agent  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     if os.geteuid() != 0 and not allow_non_root:
         raise PermissionDeniedError(
@@ -156,7 +156,7 @@ def serve(
         logging.basicConfig(
             level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr
         )
-    from powerlib.agent.logs import queue_logging  # noqa: PLC0415
+    from powerlib.agent.logs import queue_logging  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     # a log sink that stalls must never stall the event loop (docs/agent.md §5)
     log_queue = queue_logging()
@@ -164,7 +164,7 @@ def serve(
     allow = load_allow_list(allow_path) if allow_path is not None else ()
     pods = None
     if kubernetes:
-        from powerlib.agent.kubernetes import KubernetesGrants  # noqa: PLC0415
+        from powerlib.agent.kubernetes import KubernetesGrants  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
         pods = KubernetesGrants(pod_resources_socket, cri_socket)
     backend = open_backend_for(opts)
@@ -229,10 +229,10 @@ def grant(
     \b
     powerlib agent grant --job "$SLURM_JOB_ID" --uid "$SLURM_JOB_UID" --slurm-gpus "$SLURM_JOB_GPUS"
     """
-    import pwd  # noqa: PLC0415
+    import pwd  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
-    from powerlib.agent.authz import write_grant  # noqa: PLC0415
-    from powerlib.agent.node import make_user_state_dir, uuids_of_minors  # noqa: PLC0415
+    from powerlib.agent.authz import write_grant  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.agent.node import make_user_state_dir, uuids_of_minors  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     if os.geteuid() != 0:
         raise PermissionDeniedError("powerlib agent grant runs as root (in a Slurm prolog)")
@@ -285,8 +285,8 @@ def revoke(opts: Options, job: str, grants_dir: Path | None, as_json: bool) -> N
     the job included, and this returns once they are restored. Without a running agent only
     the file is removed.
     """
-    from powerlib.agent.authz import remove_grant  # noqa: PLC0415
-    from powerlib.agent.client import AgentConnection  # noqa: PLC0415
+    from powerlib.agent.authz import remove_grant  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.agent.client import AgentConnection  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     if os.geteuid() != 0:
         raise PermissionDeniedError("powerlib agent revoke runs as root (in a Slurm epilog)")
@@ -323,7 +323,7 @@ def revoke(opts: Options, job: str, grants_dir: Path | None, as_json: bool) -> N
 @click.pass_obj
 def leases(opts: Options, as_json: bool) -> None:
     """The devices the agent has leased (yours; root sees every lease)."""
-    from powerlib.agent.client import AgentConnection  # noqa: PLC0415
+    from powerlib.agent.client import AgentConnection  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     conn = AgentConnection(settings_for(opts).agent_socket)
     try:

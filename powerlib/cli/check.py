@@ -47,7 +47,7 @@ def check(
     no clock control, 9 device lost; 3 when the backend is unavailable).
     """
     # powerlib.measurement loads numpy: not when `powerlib --help` lists this command
-    from powerlib.measurement.node_check import check_settings  # noqa: PLC0415
+    from powerlib.measurement.node_check import check_settings  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     opts: Options = ctx.obj
     report = check_settings(settings_for(opts), selector=selector, duration_s=duration_s, load=load)

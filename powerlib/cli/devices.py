@@ -13,7 +13,7 @@ import time
 
 import click
 
-from powerlib import __version__
+from powerlib._version import __version__
 from powerlib.cli.format import CAPABILITY_LABELS, fmt, freq_summary, table
 from powerlib.cli.options import Number, Options, emit_json, open_backend_for, settings_for
 from powerlib.control import reset_devices, set_device

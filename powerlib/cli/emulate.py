@@ -133,12 +133,8 @@ def demo(
     training job uses. Prints all-max-clock vs powerlib: iteration time, energy per iteration,
     saving and slowdown.
     """
-    from powerlib.emulator.demo import (  # noqa: PLC0415 - keep CLI start fast
-        IDEAL_MODEL,
-        NVML_LIKE_MODEL,
-        DemoConfig,
-        run_demo,
-    )
+    from powerlib.emulator.demo import DemoConfig, run_demo  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.emulator.engine import IDEAL_MODEL, NVML_LIKE_MODEL  # noqa: PLC0415 - keep CLI start fast
 
     report = run_demo(
         DemoConfig(
@@ -244,12 +240,9 @@ def simulate(
     Prints the plan as a stage x time grid (what runs when, and at which clock), then the
     replayed iteration time and energy against all maximum clocks.
     """
-    from powerlib.emulator.demo import (  # noqa: PLC0415 - keep CLI start fast
-        IDEAL_MODEL,
-        NVML_LIKE_MODEL,
-        simulate_plan,
-    )
-    from powerlib.planning.plan import FrequencyPlan  # noqa: PLC0415
+    from powerlib.emulator.demo import simulate_plan  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.emulator.engine import IDEAL_MODEL, NVML_LIKE_MODEL  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.planning.plan import FrequencyPlan  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     plan = FrequencyPlan.read(plan_path)
     result = simulate_plan(

@@ -136,11 +136,11 @@ def search(
     Writes STUDY_DIR/study.json and one resumable evaluation log per partition type
     (STUDY_DIR/<type>.jsonl). Rerunning with the same options continues from the logs.
     """
-    from powerlib.kareus.evaluator import MeasureProtocol  # noqa: PLC0415
-    from powerlib.kareus.partition import Parallelism  # noqa: PLC0415
+    from powerlib.kareus.evaluator import MeasureProtocol  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.kareus.shapes import Parallelism  # noqa: PLC0415 - a command loads only what it runs (fast --help)
     from powerlib.kareus.sim_model import SimulatedOverlapEvaluator  # noqa: PLC0415 - keep CLI start fast
     from powerlib.kareus.sim_params import A100, H100  # noqa: PLC0415 - keep CLI start fast
-    from powerlib.kareus.workflow import search_study  # noqa: PLC0415
+    from powerlib.kareus.workflow import search_study  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     par = Parallelism(
         tp=tp, cp=cp, micro_batch=micro_batch, seq_len=seq_len, recompute=not no_recompute
@@ -257,9 +257,9 @@ def plan_(
     nanobatch) and per-partition launch slot and SM count. Savings are against Megatron-LM:
     sequential execution at the highest clock.
     """
-    from powerlib.kareus.workflow import plan_from_study  # noqa: PLC0415
+    from powerlib.kareus.workflow import plan_from_study  # noqa: PLC0415 - a command loads only what it runs (fast --help)
     from powerlib.planning.choice import Policy  # noqa: PLC0415 - keep CLI start fast
-    from powerlib.planning.workflow import write_outputs  # noqa: PLC0415
+    from powerlib.planning.workflow import write_outputs  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     if policy == "deadline" and deadline_s is None:
         raise click.UsageError("--policy deadline needs --deadline-s")

@@ -80,8 +80,8 @@ def measure(
     powerlib measure -- python train.py --epochs 1
     powerlib measure --json --plot power.png -- torchrun --nproc-per-node 8 train.py
     """
-    from powerlib.measurement.command import run_command  # noqa: PLC0415
-    from powerlib.measurement.result import finite_json  # noqa: PLC0415
+    from powerlib.measurement.command import run_command  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.measurement.result import finite_json  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     argv = list(command)
     if argv and argv[0] == "--":
@@ -89,7 +89,7 @@ def measure(
     if not argv:
         raise InvalidArgumentError("no command to run: powerlib measure -- CMD ARGS")
     if plot_path is not None:
-        from powerlib.planning.perseus.report import pyplot  # noqa: PLC0415
+        from powerlib.planning.perseus.report import pyplot  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
         pyplot()  # matplotlib missing: say so before the job runs, not after
     backend = open_backend_for(opts)
@@ -110,7 +110,7 @@ def measure(
     if out_path is not None:
         Path(out_path).write_text(finite_json(doc, indent=2) + "\n", encoding="utf-8")
     if plot_path is not None:
-        from powerlib.measurement.plot import plot_power  # noqa: PLC0415
+        from powerlib.measurement.plot import plot_power  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
         plot_power(run.power_series, run.result, plot_path, title=" ".join(argv))
     if as_json:

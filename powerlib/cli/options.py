@@ -42,7 +42,7 @@ class Options:
 
 def settings_for(opts: Options) -> Settings:
     """The environment's settings, ``--backend`` applied."""
-    from powerlib.config import Settings  # noqa: PLC0415
+    from powerlib.config import Settings  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     settings = Settings.from_env()
     return settings.replace(backend=opts.backend) if opts.backend else settings
@@ -50,7 +50,7 @@ def settings_for(opts: Options) -> Settings:
 
 def open_backend_for(opts: Options) -> Backend:
     """Open the backend the global options and the environment name."""
-    from powerlib.registry import open_backend  # noqa: PLC0415
+    from powerlib.registry import open_backend  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     return open_backend(settings=settings_for(opts))
 

@@ -124,7 +124,7 @@ def plan(
     maximum frequency, blocking power included, at the chosen plan's iteration time.
     """
     from powerlib.planning.choice import Policy  # noqa: PLC0415 - keep CLI start fast
-    from powerlib.planning.workflow import plan_from_profile, write_outputs  # noqa: PLC0415
+    from powerlib.planning.workflow import plan_from_profile, write_outputs  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     if policy == "deadline" and deadline_s is None:
         raise click.UsageError("--policy deadline needs --deadline-s")

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     )
     from powerlib.control.session import ControlSession, ensure_not_controlled
     from powerlib.control.state import Owner, StateDir, device_key
-    from powerlib.control.trust import check_trusted, describe_owner, show_path
+    from powerlib.control.trust import check_trusted, describe_owner
     from powerlib.control.user_restore import restore_for_user
 
 _HOMES = {
@@ -76,7 +76,6 @@ _HOMES = {
     "restore_for_user": "user_restore",
     "restore_journals": "restore",
     "set_device": "manual",
-    "show_path": "trust",
 }
 
 __all__ = [
@@ -103,7 +102,6 @@ __all__ = [
     "restore_for_user",
     "restore_journals",
     "set_device",
-    "show_path",
 ]
 
 

@@ -47,9 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, signal.SIG_IGN)
 
     from powerlib.config import Settings  # noqa: PLC0415 - after the signal setup: imports take a moment
-    from powerlib.control.restore import restore_journals  # noqa: PLC0415
-    from powerlib.control.state import Owner  # noqa: PLC0415
-    from powerlib.errors import PowerlibError  # noqa: PLC0415
+    from powerlib.control.restore import restore_journals  # noqa: PLC0415 - after the signal setup: imports take a moment
+    from powerlib.control.state import Owner  # noqa: PLC0415 - after the signal setup: imports take a moment
+    from powerlib.errors import PowerlibError  # noqa: PLC0415 - after the signal setup: imports take a moment
 
     owner = Owner(
         pid=args.owner_pid, start_time_s=args.owner_start_time, hostname=socket.gethostname()
@@ -101,10 +101,6 @@ def wait_for_owner_exit(owner: Owner, stream_fd: int, poll_s: float = 0.2) -> bo
                 return False
         if not owner.is_alive():
             return False
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # -- the owner's side -------------------------------------------------------------------------
@@ -163,3 +159,7 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

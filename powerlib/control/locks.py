@@ -24,14 +24,14 @@ import stat
 import threading
 
 from powerlib.control.state import Owner, StateDir
-from powerlib.control.trust import check_trusted, create_new, describe_owner, show_path
+from powerlib.control.trust import check_trusted, create_new, describe_owner
 from powerlib.errors import (
     DeviceBusyError,
     PermissionDeniedError,
     PowerlibError,
     UntrustedStateError,
 )
-from powerlib.inputs import decode_text, parse_json, read_bytes
+from powerlib.inputs import decode_text, parse_json, read_bytes, show_path
 
 __all__ = ["DeviceLock"]
 

@@ -40,7 +40,6 @@ from powerlib.control.journal import (
 )
 from powerlib.control.locks import DeviceLock
 from powerlib.control.state import Owner, StateDir
-from powerlib.control.trust import show_path
 from powerlib.device import ClockLockState, Device
 from powerlib.errors import (
     DeviceNotFoundError,
@@ -48,6 +47,7 @@ from powerlib.errors import (
     PowerlibError,
     UntrustedStateError,
 )
+from powerlib.inputs import show_path
 from powerlib.registry import open_backend
 
 __all__ = [

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from powerlib.errors import UntrustedStateError
+from powerlib.inputs import show_path
 
 __all__ = [
     "bounded_text",
@@ -33,16 +34,9 @@ __all__ = [
     "describe_owner",
     "finite_number",
     "is_int",
-    "show_path",
 ]
 
 _MAX_TEXT = 512
-
-
-def show_path(path: str | os.PathLike[str]) -> str:
-    """A path for a one-line message: as is, or quoted with escapes if it holds control chars."""
-    text = os.fspath(path)
-    return text if text.isprintable() else ascii(text)
 
 
 def describe_owner(uid: int) -> str:

@@ -25,9 +25,10 @@ from powerlib.control.journal import (
 from powerlib.control.locks import DeviceLock
 from powerlib.control.restore import RestoreOutcome, journal_note, restore_device
 from powerlib.control.state import Owner, StateDir, device_key
-from powerlib.control.trust import describe_owner, show_path
+from powerlib.control.trust import describe_owner
 from powerlib.device import Device
 from powerlib.errors import DeviceBusyError, DeviceNotFoundError, PowerlibError
+from powerlib.inputs import show_path
 from powerlib.registry import open_backend
 
 __all__ = ["restore_for_user"]

@@ -28,13 +28,12 @@ from typing import Any
 
 from powerlib.control import ControlSession
 from powerlib.emulator.engine import (
-    IDEAL_MODEL,
     NVML_LIKE_MODEL,
     Emulator,
     IterationResult,
     NvmlLikeModel,
 )
-from powerlib.errors import BackendUnavailableError, InvalidArgumentError
+from powerlib.errors import BackendUnavailableError, InvalidArgumentError, PlanError
 from powerlib.planning.perseus.direct import direct_available
 from powerlib.planning.perseus.report import pyplot
 from powerlib.planning.perseus.work import DEFAULT_MAX_WORK, estimate_pipeline_work
@@ -49,15 +48,7 @@ from powerlib.runtime.coordination import LocalGroup
 from powerlib.runtime.planning_step import auto_unit_time_s
 from powerlib.runtime.session import Session
 
-__all__ = [
-    "IDEAL_MODEL",
-    "NVML_LIKE_MODEL",
-    "DemoConfig",
-    "default_profile",
-    "run_demo",
-    "simulate_plan",
-    "write_timeline",
-]
+__all__ = ["DemoConfig", "default_profile", "run_demo", "simulate_plan", "write_timeline"]
 
 DEFAULT_P_BLOCK_W = 83.64  # A100 blocking power of the Perseus artifact (docs/perseus.md §1.4)
 
@@ -351,8 +342,6 @@ def simulate_plan(
             stages (the message names both), a workload its own instructions contradict, kinds
             or clocks the profile lacks. Nothing is run then.
     """
-    from powerlib.errors import PlanError  # noqa: PLC0415
-
     if not isinstance(plan, FrequencyPlan):
         plan = FrequencyPlan.read(plan)
     plan_path = plan.source

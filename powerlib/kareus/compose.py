@@ -36,7 +36,8 @@ from typing import Any
 
 from powerlib.errors import PlanError
 from powerlib.kareus.evaluator import Evaluator, Measurement
-from powerlib.kareus.partition import BLOCK_SIZE, Config, PartitionType, PartitionWorkload
+from powerlib.kareus.partition import PartitionWorkload
+from powerlib.kareus.partition_types import BLOCK_SIZE, Config, PartitionType
 from powerlib.planning.perseus.frontier import Frontier, FrontierSettings, compute_frontier
 from powerlib.planning.perseus.points import FrontierPoint
 from powerlib.planning.perseus.work import DEFAULT_MAX_WORK

@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from powerlib.errors import PlanError
 from powerlib.inputs import parse_json, read_text
-from powerlib.kareus.partition import Config
+from powerlib.kareus.partition_types import Config
 
 __all__ = ["LOG_SCHEMA", "PASSES", "SOURCES", "EvaluationRecord", "read_log"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from powerlib.errors import PlanError
-from powerlib.kareus.partition import Config, Op, PartitionType, Segment
+from powerlib.kareus.partition_types import Config, Op, PartitionType, Segment
 
 __all__ = ["Evaluator", "Measurement", "MeasureProtocol"]
 

@@ -31,7 +31,7 @@ MISSING_DEPS = "the Kareus search needs scikit-learn and moocore: pip install 'p
 
 def _moocore() -> ModuleType:
     try:
-        import moocore  # type: ignore[import-untyped,import-not-found,unused-ignore]  # noqa: PLC0415
+        import moocore  # type: ignore[import-untyped,import-not-found,unused-ignore]  # noqa: PLC0415 - optional dependency, imported where used
     except ImportError as err:
         raise PlanError(MISSING_DEPS) from err
     return cast(ModuleType, moocore)

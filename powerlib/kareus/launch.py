@@ -92,6 +92,8 @@ __all__ = [
     "Partition",
     "active_control",
     "attach",
+    "for_partition_plans",
+    "tensor_parallel_ranks",
 ]
 
 LaunchFn = Callable[[Any, "PartitionSetting | None"], Any]
@@ -284,6 +286,8 @@ class LaunchControl:
         self.groups = groups if groups is not None else SMGroups(warn=self._warn_message)
         self.records: deque[LaunchRecord] = deque(maxlen=record_limit)
         self._stage: int | None = None if schedule is None else schedule.stage
+        self.loaded_group_ranks: list[list[int]] | None = None
+        """The groups the loaded plan's communicators were made on (``None``: the world)."""
 
     @classmethod
     def from_plan(
@@ -336,6 +340,7 @@ class LaunchControl:
         self._stage = stage
         counts = {s.sm_count for st in plan.stages for p in st for s in p.overlap.values()}
         self.groups.prepare(counts, group_ranks)
+        self.loaded_group_ranks = None if group_ranks is None else [list(g) for g in group_ranks]
         return True
 
     # -- as a session's instruction listener --------------------------------------------------
@@ -517,7 +522,7 @@ def attach(session: Any, *, group_ranks: GroupRanks = None) -> LaunchControl:
     Args:
         session: A :class:`powerlib.Session` (anything with ``add_instruction_listener``).
         group_ranks: See :class:`LaunchControl` (in Megatron:
-            ``powerlib.kareus.megatron.tensor_parallel_ranks()``).
+            :func:`tensor_parallel_ranks`).
 
     Returns:
         The :class:`LaunchControl` (``partition``, ``config``, ``records``, ``report``).
@@ -549,9 +554,24 @@ def _job_groups() -> list[list[int]] | None:
     state = sys.modules.get("megatron.core.parallel_state")
     if state is None or not state.model_parallel_is_initialized():
         return None
-    from powerlib.kareus.megatron import tensor_parallel_ranks  # noqa: PLC0415 - Megatron only
-
     return tensor_parallel_ranks()
+
+
+def tensor_parallel_ranks() -> list[list[int]]:
+    """The global ranks of every tensor-parallel group of the job (the same lists on every rank).
+
+    A Kareus plan's SM-limited NCCL communicators are made per group the partitions' collectives
+    run on; in Megatron those are the tensor-parallel groups: the registered launch control
+    (:func:`powerlib.kareus.launch.for_partition_plans`) asks this once Megatron is initialised.
+    Collective: every rank calls it (one ``all_gather_object``); needs Megatron's parallel state.
+    """
+    import torch.distributed as dist  # noqa: PLC0415 - torch only where Megatron runs
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron only, once it runs
+
+    mine = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(int(r) for r in mine))
+    return [list(g) for g in sorted({tuple(g) for g in every})]
 
 
 def active_control() -> LaunchControl | None:

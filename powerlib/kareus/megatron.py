@@ -95,7 +95,7 @@ from powerlib.kareus import megatron_run as _run
 from powerlib.kareus.launch import LaunchControl, active_control
 from powerlib.kareus.launch_schedule import PartitionSchedule
 from powerlib.kareus.megatron_run import MEGATRON, Pending, Run, function, grad_of, load
-from powerlib.kareus.partition import Config, PartitionType, Segment
+from powerlib.kareus.partition_types import Config, PartitionType, Segment
 from powerlib.kareus.sm_groups import SMGroups
 from powerlib.planning.pipeline import Instruction
 from powerlib.planning.plan import PartitionSetting, PlannedInstruction
@@ -105,7 +105,6 @@ __all__ = [  # noqa: F822 (NanobatchTransformerLayer: made on first use, module 
     "NanobatchTransformerLayer",
     "layer_class",
     "nanobatch_layer_spec",
-    "tensor_parallel_ranks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -535,26 +534,9 @@ def nanobatch_layer_spec(control: ControlSource = None, **local_spec_kwargs: Any
         **local_spec_kwargs: Passed to ``get_gpt_layer_local_spec`` (``normalization=``,
             ``qk_layernorm=``, ...). MoE specs build, but their layers run the stock path.
     """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415 - optional dependency, imported where used
 
     spec = get_gpt_layer_local_spec(**local_spec_kwargs)
     params = dict(spec.params or {})
     params["control"] = control
     return dataclasses.replace(spec, module=layer_class(), params=params)
-
-
-def tensor_parallel_ranks() -> list[list[int]]:
-    """The global ranks of every tensor-parallel group of the job (the same lists on every rank).
-
-    A Kareus plan's SM-limited NCCL communicators are made per group the partitions' collectives
-    run on; in Megatron those are the tensor-parallel groups: the registered launch control
-    (:func:`powerlib.kareus.launch.for_partition_plans`) asks this once Megatron is initialised.
-    Collective: every rank calls it (one ``all_gather_object``); needs Megatron's parallel state.
-    """
-    import torch.distributed as dist  # noqa: PLC0415
-    from megatron.core import parallel_state  # noqa: PLC0415
-
-    mine = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sorted(int(r) for r in mine))
-    return [list(g) for g in sorted({tuple(g) for g in every})]

@@ -17,7 +17,7 @@ from typing import Any
 
 from powerlib.kareus import megatron_run as _run
 from powerlib.kareus.evaluator import Measurement
-from powerlib.kareus.partition import Op
+from powerlib.kareus.partition_types import Op
 
 __all__ = ["gpt_compute_runner", "group_agreement", "group_measurement"]
 

@@ -35,14 +35,14 @@ def load() -> None:
     """Import torch, ``torch.distributed`` and the megatron-core classes the layer needs."""
     global torch, dist
     if torch is None:
-        import torch as torch_module  # noqa: PLC0415
-        import torch.distributed as dist_module  # noqa: PLC0415
+        import torch as torch_module  # noqa: PLC0415 - optional dependency, imported where used
+        import torch.distributed as dist_module  # noqa: PLC0415 - optional dependency, imported where used
 
         torch, dist = torch_module, dist_module
     if not MEGATRON:
-        from megatron.core.transformer.identity_op import IdentityOp  # noqa: PLC0415
-        from megatron.core.transformer.mlp import MLP  # noqa: PLC0415
-        from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415
+        from megatron.core.transformer.identity_op import IdentityOp  # noqa: PLC0415 - optional dependency, imported where used
+        from megatron.core.transformer.mlp import MLP  # noqa: PLC0415 - optional dependency, imported where used
+        from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415 - optional dependency, imported where used
 
         MEGATRON.update(IdentityOp=IdentityOp, MLP=MLP, TransformerLayer=TransformerLayer)
 

@@ -49,7 +49,7 @@ from powerlib.control import ControlSession
 from powerlib.device import Device
 from powerlib.errors import DeviceError, InvalidArgumentError, NotSupportedError
 from powerlib.kareus.evaluator import Measurement, MeasureProtocol
-from powerlib.kareus.partition import Config, Op, PartitionType, Segment
+from powerlib.kareus.partition_types import Config, Op, PartitionType, Segment
 from powerlib.profiling.meter import EnergyMeter
 
 __all__ = [

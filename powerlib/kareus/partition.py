@@ -43,19 +43,7 @@ from powerlib.kareus.partition_types import (
 from powerlib.kareus.shapes import MODEL_SHAPES, ModelShape, Parallelism
 
 __all__ = [
-    "ALL_GATHER",
-    "ALL_REDUCE",
-    "BLOCK_SIZE",
-    "REDUCE_SCATTER",
-    "Collective",
     "Budget",
-    "Config",
-    "MODEL_SHAPES",
-    "ModelShape",
-    "Op",
-    "Parallelism",
-    "PartitionType",
-    "Segment",
     "StageWork",
     "PartitionWorkload",
     "build_workload",

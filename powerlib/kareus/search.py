@@ -82,7 +82,6 @@ from powerlib.kareus.evaluation_log import (
     SOURCES,
     EvaluationRecord,
     _Log,
-    read_log,
 )
 from powerlib.kareus.evaluator import Evaluator, Measurement
 from powerlib.kareus.hypervolume import (
@@ -90,9 +89,9 @@ from powerlib.kareus.hypervolume import (
     _moocore,
     _normalise,
     hypervolume,
-    relative_hypervolume,
 )
-from powerlib.kareus.partition import Budget, Config, PartitionType, search_budget
+from powerlib.kareus.partition import Budget, search_budget
+from powerlib.kareus.partition_types import Config, PartitionType
 from powerlib.kareus.surrogate import (
     _encode,
     _predict,
@@ -101,17 +100,7 @@ from powerlib.kareus.surrogate import (
     _sklearn_ensemble,
 )
 
-__all__ = [
-    "LOG_SCHEMA",
-    "PASSES",
-    "SOURCES",
-    "EvaluationRecord",
-    "SearchResult",
-    "hypervolume",
-    "read_log",
-    "relative_hypervolume",
-    "search_partition",
-]
+__all__ = ["SearchResult", "search_partition"]
 
 ProgressFn = Callable[[int, int, str], None]
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from powerlib.errors import PlanError
-from powerlib.kareus.partition import Config, Op, PartitionType
+from powerlib.kareus.partition_types import Config, Op, PartitionType
 from powerlib.kareus.sim_fluid import _check_freq, _check_sms, _prepare, _run, simulate
 from powerlib.kareus.sim_params import A100, OverlapDeviceParams
 

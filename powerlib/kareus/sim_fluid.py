@@ -17,7 +17,7 @@ from functools import lru_cache
 import numpy as np
 
 from powerlib.errors import PlanError
-from powerlib.kareus.partition import Collective, Config, Op, PartitionType, Segment
+from powerlib.kareus.partition_types import Collective, Config, Op, PartitionType, Segment
 from powerlib.kareus.sim_params import A100, OverlapDeviceParams
 
 __all__ = [

@@ -59,7 +59,7 @@ import numpy as np
 
 from powerlib.errors import PlanError
 from powerlib.kareus.evaluator import Measurement, MeasureProtocol
-from powerlib.kareus.partition import Config, Op, PartitionType, Segment
+from powerlib.kareus.partition_types import Config, Op, PartitionType, Segment
 from powerlib.kareus.sim_capping import (
     Work,
     WorkLike,

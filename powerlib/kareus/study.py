@@ -23,13 +23,8 @@ from powerlib.errors import PlanError
 from powerlib.inputs import load_json_file
 from powerlib.kareus.compose import STOCK_SM_COUNT, Components
 from powerlib.kareus.evaluator import Measurement
-from powerlib.kareus.partition import (
-    MODEL_SHAPES,
-    ModelShape,
-    Parallelism,
-    PartitionWorkload,
-    build_workload,
-)
+from powerlib.kareus.partition import PartitionWorkload, build_workload
+from powerlib.kareus.shapes import MODEL_SHAPES, ModelShape, Parallelism
 
 __all__ = ["STUDY_SCHEMA", "Study", "log_path", "read_study", "write_study"]
 

@@ -23,7 +23,7 @@ from powerlib.kareus.hypervolume import (
     _gap_2d,
     _hvi_2d,
 )
-from powerlib.kareus.partition import Config
+from powerlib.kareus.partition_types import Config
 
 __all__ = ["ENSEMBLE_FRACTION", "ENSEMBLE_SIZE"]
 
@@ -35,8 +35,8 @@ def _sklearn_ensemble() -> ModuleType:
     try:
         # Import the parent first: a blocked ``sklearn`` must fail even when
         # ``sklearn.ensemble`` is still cached in sys.modules.
-        import sklearn  # type: ignore[import-untyped,import-not-found,unused-ignore]  # noqa: PLC0415
-        import sklearn.ensemble  # type: ignore[import-untyped,import-not-found,unused-ignore]  # noqa: PLC0415
+        import sklearn  # type: ignore[import-untyped,import-not-found,unused-ignore]  # noqa: PLC0415 - optional dependency, imported where used
+        import sklearn.ensemble  # type: ignore[import-untyped,import-not-found,unused-ignore]  # noqa: PLC0415 - optional dependency, imported where used
     except ImportError as err:
         raise PlanError(MISSING_DEPS) from err
     return cast(ModuleType, sklearn.ensemble)

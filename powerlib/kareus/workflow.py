@@ -24,7 +24,9 @@ from powerlib.planning.perseus.work import DEFAULT_MAX_WORK
 if TYPE_CHECKING:
     from powerlib.kareus.compose import Components, Knob
     from powerlib.kareus.evaluator import Evaluator
-    from powerlib.kareus.partition import Config, Parallelism, PartitionWorkload
+    from powerlib.kareus.partition import PartitionWorkload
+    from powerlib.kareus.partition_types import Config
+    from powerlib.kareus.shapes import Parallelism
     from powerlib.kareus.study import Study
     from powerlib.planning.choice import Choice, Policy
     from powerlib.planning.perseus.frontier import Frontier
@@ -156,7 +158,7 @@ def compose_methods(
     correction: float = 1.0,
 ) -> dict[str, Any]:
     """Each method's per-instruction options (:func:`~.compose.compose_options`)."""
-    from powerlib.kareus.compose import compose_options  # noqa: PLC0415
+    from powerlib.kareus.compose import compose_options  # noqa: PLC0415 - search and plan each load only their own parts
 
     return {
         method: compose_options(workload, records, components, method=method, correction=correction)
@@ -184,9 +186,9 @@ def solve_methods(
     Raises:
         PlanError: Too much work, or options the solver refuses.
     """
-    from powerlib.kareus.compose import method_frontier  # noqa: PLC0415
-    from powerlib.planning.perseus.work import WORK_HINT, estimate_pipeline_work  # noqa: PLC0415
-    from powerlib.planning.schedules import build_schedule  # noqa: PLC0415
+    from powerlib.kareus.compose import method_frontier  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.planning.perseus.work import WORK_HINT, estimate_pipeline_work  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.planning.schedules import build_schedule  # noqa: PLC0415 - search and plan each load only their own parts
 
     for options in composed.values():
         estimate_pipeline_work(
@@ -230,8 +232,8 @@ def read_records(study: Study) -> dict[str, list[tuple[Config, float, float]]]:
     Raises:
         PlanError: A partition type without a log, or an unreadable log.
     """
-    from powerlib.kareus.search import read_log  # noqa: PLC0415
-    from powerlib.kareus.study import log_path  # noqa: PLC0415
+    from powerlib.kareus.evaluation_log import read_log  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.kareus.study import log_path  # noqa: PLC0415 - search and plan each load only their own parts
 
     records = {}
     for p in study.workload.partitions:
@@ -281,10 +283,10 @@ def plan_from_study(
         PlanError: A missing or invalid study or log, too much work, or a deadline the frontier
             cannot meet.
     """
-    from powerlib.kareus.compose import compare_frontiers  # noqa: PLC0415
-    from powerlib.kareus.study import read_study  # noqa: PLC0415
-    from powerlib.planning.choice import choose  # noqa: PLC0415
-    from powerlib.planning.perseus.report import summary  # noqa: PLC0415
+    from powerlib.kareus.compose import compare_frontiers  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.kareus.study import read_study  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.planning.choice import choose  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.planning.perseus.report import summary  # noqa: PLC0415 - search and plan each load only their own parts
 
     study = read_study(study_dir)
     workload = study.workload
@@ -377,15 +379,11 @@ def search_study(
     Raises:
         PlanError: A stage split or partition type the model does not have.
     """
-    from powerlib.kareus.compose import measure_components  # noqa: PLC0415
-    from powerlib.kareus.partition import (  # noqa: PLC0415
-        MODEL_SHAPES,
-        build_workload,
-        config_space,
-        search_budget,
-    )
-    from powerlib.kareus.search import search_partition  # noqa: PLC0415
-    from powerlib.kareus.study import log_path, write_study  # noqa: PLC0415
+    from powerlib.kareus.compose import measure_components  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.kareus.partition import build_workload, config_space, search_budget  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.kareus.search import search_partition  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.kareus.shapes import MODEL_SHAPES  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.kareus.study import log_path, write_study  # noqa: PLC0415 - search and plan each load only their own parts
 
     layers = tuple(stage_layers)
     workload = build_workload(MODEL_SHAPES[model], parallelism, layers)

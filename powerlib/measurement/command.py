@@ -34,7 +34,7 @@ from typing import Any
 from powerlib.backend import Backend
 from powerlib.device import Device
 from powerlib.errors import InvalidArgumentError
-from powerlib.measurement.events import EVENTS_ENV, read_events, record_child_windows
+from powerlib.measurement.events import EVENTS_ENV, number, read_events
 from powerlib.measurement.measure import Measurement
 from powerlib.measurement.result import MeasurementResult, finite_json
 
@@ -231,3 +231,31 @@ def _set_foreground(fd: int, pgid: int) -> None:
             os.tcsetpgrp(fd, pgid)
     finally:
         signal.signal(signal.SIGTTOU, old)
+
+
+def record_child_windows(m: Measurement, events: list[dict[str, Any]]) -> None:
+    """Record on ``m`` the steps and windows the child reported: the lowest reporting rank's.
+
+    The child's numbers are checked: a window without finite start and end is dropped, and
+    tokens that are not a finite number count as unreported (docs/measurement.md §6).
+    """
+    ranks = [e.get("rank", 0) for e in events if isinstance(e.get("rank", 0), int)]
+    if not ranks:
+        return
+    first = min(ranks)
+    for e in events:
+        start_s, end_s = number(e.get("start_s")), number(e.get("end_s"))
+        if e.get("rank", 0) != first or start_s is None or end_s is None:
+            continue
+        kind = e.get("kind")
+        if kind not in ("step", "window"):
+            continue
+        with contextlib.suppress(InvalidArgumentError):
+            m.record(
+                kind,
+                str(e.get("name", kind)),
+                start_s,
+                end_s,
+                tokens=number(e.get("tokens")),
+                index=e.get("index") if isinstance(e.get("index"), int) else None,
+            )

@@ -5,7 +5,7 @@
 trainer callback) appends its windows to it as JSON lines (:func:`write_events`, from its
 sampler thread every half second and at its end); the parent reads them when the child ends
 (:func:`read_events`) and records the lowest reporting rank's windows on its own measurement
-(:func:`record_child_windows`), so the child's steps get the energy of every measured device.
+(:func:`powerlib.measurement.command.record_child_windows`), so the child's steps get the energy of every measured device.
 ``time.monotonic`` is the same in every process of a host, so the two clocks agree.
 
 The file is written by a process powerlib does not control: a bad line is skipped with one
@@ -14,25 +14,33 @@ warning, and a number that is not finite counts as unreported (docs/measurement.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from powerlib.errors import InvalidArgumentError
 from powerlib.inputs import json_depth
 
-if TYPE_CHECKING:
-    from powerlib.measurement.measure import Measurement, Window
+
+class WindowLike(Protocol):
+    """What :func:`write_events` reads of a window (:class:`powerlib.measurement.measure.Window`)."""
+
+    kind: str
+    name: str
+    index: int
+    start_s: float
+    end_s: float | None
+    tokens: float | None
+
 
 __all__ = [
     "EVENTS_ENV",
     "EVENTS_MAX_DEPTH",
+    "WindowLike",
+    "number",
     "read_events",
-    "record_child_windows",
     "write_events",
 ]
 
@@ -46,7 +54,7 @@ EVENTS_MAX_DEPTH = 8
 """An events line is one flat object; deeper JSON is refused before the recursive decoder."""
 
 
-def write_events(path: str | os.PathLike[str], windows: Sequence[Window], rank: int) -> None:
+def write_events(path: str | os.PathLike[str], windows: Sequence[WindowLike], rank: int) -> None:
     """Append ``windows`` to ``path``, one JSON line each.
 
     Raises:
@@ -116,40 +124,12 @@ def read_events(
     return out
 
 
-def _number(value: Any) -> float | None:
+def number(value: Any) -> float | None:
     """A finite float from a child's JSON number, else ``None`` (``1e999``, a 400-digit int)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     try:
-        number = float(value)
+        found = float(value)
     except OverflowError:
         return None
-    return number if math.isfinite(number) else None
-
-
-def record_child_windows(m: Measurement, events: list[dict[str, Any]]) -> None:
-    """Record on ``m`` the steps and windows the child reported: the lowest reporting rank's.
-
-    The child's numbers are checked: a window without finite start and end is dropped, and
-    tokens that are not a finite number count as unreported (docs/measurement.md §6).
-    """
-    ranks = [e.get("rank", 0) for e in events if isinstance(e.get("rank", 0), int)]
-    if not ranks:
-        return
-    first = min(ranks)
-    for e in events:
-        start_s, end_s = _number(e.get("start_s")), _number(e.get("end_s"))
-        if e.get("rank", 0) != first or start_s is None or end_s is None:
-            continue
-        kind = e.get("kind")
-        if kind not in ("step", "window"):
-            continue
-        with contextlib.suppress(InvalidArgumentError):
-            m.record(
-                kind,
-                str(e.get("name", kind)),
-                start_s,
-                end_s,
-                tokens=_number(e.get("tokens")),
-                index=e.get("index") if isinstance(e.get("index"), int) else None,
-            )
+    return found if math.isfinite(found) else None

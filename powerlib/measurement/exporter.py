@@ -244,7 +244,7 @@ class Exporter:
         if isinstance(self._backend_spec, Backend):
             self._backend = self._backend_spec
         elif not (spec and all(isinstance(d, Device) for d in spec)):
-            from powerlib.registry import open_backend  # noqa: PLC0415
+            from powerlib.registry import open_backend  # noqa: PLC0415 - a backend opens only when no devices are given
 
             self._backend = open_backend(self._backend_spec)
             self._own_backend = True

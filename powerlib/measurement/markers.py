@@ -99,7 +99,7 @@ def cuda_marker(align: str) -> StreamMarker | None:
     torch = sys.modules.get("torch")  # never import torch for this: a CPU job does not have it
     if align == "cuda":
         if torch is None:
-            import torch  # noqa: PLC0415
+            import torch  # noqa: PLC0415 - optional dependency, imported where used
         if not torch.cuda.is_available():
             raise InvalidArgumentError("align='cuda' needs CUDA, and torch sees no GPU")
         return _CudaMarker(torch)

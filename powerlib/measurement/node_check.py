@@ -6,7 +6,7 @@ whether a session could change its clocks and measure its energy, and why not:
 * the backend and its driver and library versions;
 * permissions: ``root`` (or ``direct`` when the process is not root and the backend needs no
   privilege, as the simulator), ``agent grant`` (the node agent makes the changes), or ``none``
-  with :meth:`~powerlib.device.Backend.control_refusal`'s line (docs/real-gpu.md §5);
+  with :meth:`~powerlib.backend.Backend.control_refusal`'s line (docs/real-gpu.md §5);
 * persistence mode, MIG (asked of the driver), an existing clock lock or a power limit that is not
   the default (docs/real-gpu.md §1);
 * the energy counter's update period and the cost of one ``read_state``, *measured*: the device is
@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from powerlib import __version__
+from powerlib._version import __version__
 from powerlib.backend import Backend
 from powerlib.config import Settings
 from powerlib.device import ClockLockState, Device, DeviceKind
@@ -263,7 +263,7 @@ def permission_of(backend: Backend) -> tuple[str, str | None]:
     """How this process may change the backend's devices: ``(label, refusal line)``.
 
     ``"agent grant"`` when the node agent makes the changes (``backend.remote``); else
-    ``"none"`` with :meth:`~powerlib.device.Backend.control_refusal`'s line when it refuses, and
+    ``"none"`` with :meth:`~powerlib.backend.Backend.control_refusal`'s line when it refuses, and
     ``"root"`` (``"direct"`` for a process that is not root, on a backend that needs no
     privilege) when it does not (docs/real-gpu.md §5).
     """
@@ -454,7 +454,7 @@ def _check_into(
 
 def _controlled_by(backend: Backend, dev: Device) -> str | None:
     """A line when a running powerlib session holds the device's lock, else ``None``."""
-    from powerlib.control import ensure_not_controlled  # noqa: PLC0415
+    from powerlib.control import ensure_not_controlled  # noqa: PLC0415 - the control plane and backends load only for a check
 
     try:
         ensure_not_controlled(backend, dev)
@@ -526,8 +526,8 @@ def check_settings(
         DeviceNotFoundError: ``selector`` names no device.
         ConfigError: ``settings.backend`` is not a backend name.
     """
-    from powerlib.errors import ConfigError  # noqa: PLC0415
-    from powerlib.registry import open_backend  # noqa: PLC0415
+    from powerlib.errors import ConfigError  # noqa: PLC0415 - the control plane and backends load only for a check
+    from powerlib.registry import open_backend  # noqa: PLC0415 - the control plane and backends load only for a check
 
     try:
         backend = open_backend(settings=settings)

@@ -36,7 +36,7 @@ def plot_power(
     """
     # The one matplotlib loader (Agg backend, the error naming the extra) is the planner
     # report's; imported here, when a plot is drawn, so that measuring never loads planning.
-    from powerlib.planning.perseus.report import pyplot  # noqa: PLC0415
+    from powerlib.planning.perseus.report import pyplot  # noqa: PLC0415 - only when a plot is drawn
 
     plt = pyplot()
     names = {d.device_id: f"{d.index}: {d.name}" for d in result.devices}

@@ -30,7 +30,7 @@ from powerlib.planning.pipeline import InstructionKey
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.runtime.controller import FrequencyController
 
-__all__ = ["ApplyConfig", "ApplyPhase", "InstructionKey"]
+__all__ = ["ApplyConfig", "ApplyPhase"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -41,7 +41,7 @@ from powerlib.runtime.coordination import Coordinator, Future
 from powerlib.runtime.planning_step import PlanningOutcome
 from powerlib.runtime.records import Prediction, Realized
 
-__all__ = ["CHECK", "DISABLED", "CheckConfig", "ClosedLoop", "MeasureOnly", "Realized", "judge"]
+__all__ = ["CHECK", "DISABLED", "CheckConfig", "ClosedLoop", "MeasureOnly", "judge"]
 
 DISABLED = "disabled"
 """The phase of a session run with ``enabled=False``: measure, change nothing."""

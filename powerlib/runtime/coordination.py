@@ -23,6 +23,7 @@ every rank with one job-wide verdict (docs/real-gpu.md §3).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -208,8 +209,6 @@ def default_coordinator(group: Any = None) -> Coordinator:
 
     Never imports torch itself.
     """
-    import sys  # noqa: PLC0415
-
     dist = sys.modules.get("torch.distributed")
     if group is not None or (dist is not None and dist.is_available() and dist.is_initialized()):
         return TorchDistributed(group)

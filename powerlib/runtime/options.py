@@ -185,7 +185,7 @@ def check_control(backend: Backend, device: Device) -> None:
     Runs before any lock or journal, in this order: the device must be a GPU (``auto`` may
     have fallen back to the CPU sysfs backend), not in MIG mode as the driver reports it, and
     the process must be allowed to change it (:meth:`Backend.control_refusal
-    <powerlib.device.Backend.control_refusal>`: root, or the agent). Each refusal is one line
+    <powerlib.backend.Backend.control_refusal>`: root, or the agent). Each refusal is one line
     (docs/real-gpu.md §4, §5).
 
     Raises:

@@ -68,17 +68,18 @@ from powerlib.measurement.exporter_metrics import StageGauges, publish_stages
 from powerlib.measurement.markers import Stamps, cuda_marker
 from powerlib.measurement.reader import warn_no_device
 from powerlib.measurement.sampler import DeviceSampler
+from powerlib.planning.pipeline import InstructionKey
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.profiling.sweep import ProfileRecorder
 from powerlib.progress import Progress
 from powerlib.registry import open_backend
-from powerlib.runtime.apply_phase import ApplyConfig, ApplyPhase, InstructionKey
+from powerlib.runtime.apply_phase import ApplyConfig, ApplyPhase
 from powerlib.runtime.closed_loop import MeasureOnly
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, default_coordinator
 from powerlib.runtime.hooks import Hooks
 from powerlib.runtime.listeners import InstructionListener, Listeners
-from powerlib.runtime.options import MODES, RunConfig, check_control, claim_device
+from powerlib.runtime.options import RunConfig, check_control, claim_device
 from powerlib.runtime.phases import (
     CLOSED,
     NOT_STARTED,
@@ -95,7 +96,7 @@ from powerlib.runtime.profile_phase import ProfileConfig, ProfilePhase
 from powerlib.runtime.records import Realized
 from powerlib.runtime.replan import Replanning
 
-__all__ = ["MODES", "ApplyConfig", "ProfileConfig", "RunConfig", "Session", "optimize"]
+__all__ = ["Session", "optimize"]
 
 logger = logging.getLogger(__name__)
 

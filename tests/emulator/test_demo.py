@@ -10,14 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from powerlib.cli import cli
-from powerlib.emulator.demo import (
-    DEFAULT_P_BLOCK_W,
-    IDEAL_MODEL,
-    NVML_LIKE_MODEL,
-    DemoConfig,
-    default_profile,
-    run_demo,
-)
+from powerlib.emulator.demo import DEFAULT_P_BLOCK_W, DemoConfig, default_profile, run_demo
+from powerlib.emulator.engine import IDEAL_MODEL, NVML_LIKE_MODEL
 
 
 @pytest.fixture(scope="module")

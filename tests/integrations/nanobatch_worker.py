@@ -16,7 +16,7 @@ of every parameter, and the launch control's launch records, per case. ``PLAN`` 
 ``nanobatch_worker.py OUT train PLAN_FILE`` (TP=2 x PP=2, four ranks) trains a GPT of the
 nanobatched spec for :data:`ITERATIONS` iterations with megatron-core's 1F1B schedule inside
 ``powerlib.optimize(mode="apply", plan_path=PLAN_FILE)`` and ``attach``, on the simulated backend,
-with Kareus's launch control attached to the session: the layers take the plan from it. Writes the
+with the launch control Kareus registers, which the session adds for the plan: the layers take it from there. Writes the
 launch control's report and launch records and whether the device came back to its clocks.
 """
 
@@ -45,14 +45,16 @@ from powerlib.kareus import launch
 from powerlib.kareus.evaluator import MeasureProtocol
 from powerlib.kareus.launch import LaunchControl
 from powerlib.kareus.launch_schedule import PartitionSchedule
-from powerlib.kareus.megatron import nanobatch_layer_spec, tensor_parallel_ranks
+from powerlib.kareus.megatron import nanobatch_layer_spec
 from powerlib.kareus.megatron_measure import (
     gpt_compute_runner,
     group_agreement,
     group_measurement,
 )
 from powerlib.kareus.meter import DeviceEvaluator
-from powerlib.kareus.partition import MODEL_SHAPES, Config, Parallelism, build_workload
+from powerlib.kareus.partition import build_workload
+from powerlib.kareus.partition_types import Config
+from powerlib.kareus.shapes import MODEL_SHAPES, Parallelism
 from powerlib.kareus.workflow import search_study
 from powerlib.planning.pipeline import Instruction
 from powerlib.planning.plan import PartitionSetting, PlannedInstruction
@@ -318,11 +320,12 @@ def train(plan_file: str, rank: int) -> dict:
         num_stages=2, num_microbatches=M, stage=stage, mode="apply", plan_path=plan_file,
         device=rank, progress=False,
     )  # fmt: skip
-    control = launch.attach(session, group_ranks=tensor_parallel_ranks())
+    assert session.instruction_listeners == ()  # Kareus registers itself for the plan
     iterator = data()
     with warnings.catch_warnings(record=True) as seen, shims.cuda_to_cpu():
         warnings.simplefilter("always")
         with session, attach(session):
+            (control,) = session.instruction_listeners
             assert launch.active_control() is control
             schedule = get_forward_backward_func()
             for _ in range(ITERATIONS):
@@ -343,7 +346,7 @@ def train(plan_file: str, rank: int) -> dict:
         "stage": stage,
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
         "phase": session.phase,
-        "group_ranks": control.group_ranks,
+        "group_ranks": control.loaded_group_ranks,
         "report": report,
         "records": records,
         "planned": planned,

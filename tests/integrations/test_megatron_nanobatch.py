@@ -11,8 +11,8 @@ Multi-process tests on gloo (megatron on CPU through ``megatron_shims.py``):
   largest magnitude (the weight gradients are summed over two nanobatches instead of in one
   GEMM; measured: at most 3.2e-7). Without a schedule the layer is the stock one: bit-identical.
   Every partition's collective launched at the planned slot with the planned SM count.
-- **A plan end to end** (TP=2 x PP=2, four ranks): ``powerlib overlap search`` and
-  ``powerlib overlap plan`` write a plan; a GPT of the nanobatched spec trains three iterations
+- **A plan end to end** (TP=2 x PP=2, four ranks): ``powerlib kareus search`` and
+  ``powerlib kareus plan`` write a plan; a GPT of the nanobatched spec trains three iterations
   of megatron-core's 1F1B inside ``powerlib.optimize(mode="apply", plan_path=...)`` and
   ``attach``, Kareus's launch control attached; every collective of every nanobatched
   instruction launched at its planned slot and every step-end consistency check passed.
@@ -187,7 +187,10 @@ def test_a_searched_plan_trains_a_megatron_gpt(tmp_path: Path) -> None:
         assert report["loaded"] and report["active"] and report["disabled"] is None, report
         assert report["iterations"] == 3  # every step-end consistency check passed
         assert rank["phase"] == "closed" and rank["restored"]
-        assert rank["group_ranks"] == [[0, 1], [2, 3]]  # tensor_parallel_ranks(): every TP group
+        assert rank["group_ranks"] == [
+            [0, 1],
+            [2, 3],
+        ]  # the registered control asked Megatron's TP groups
         assert not [w for w in rank["warnings"] if "gloo" not in w], rank["warnings"]
         records = rank["records"]
         overlapped = [r for r in records if r["path"] == "overlap"]
@@ -243,7 +246,7 @@ def test_the_gpu_benchmark_script_runs_on_cpu(tmp_path: Path) -> None:
 
 
 def test_the_search_workflow_measures_on_devices_through_the_layer(tmp_path: Path) -> None:
-    # search_study (the function behind `powerlib overlap search`) on a DeviceEvaluator fed by
+    # search_study (the function behind `powerlib kareus search`) on a DeviceEvaluator fed by
     # the layer: partitions by partition_runner, sequential layers by sequential_runner, the
     # embedding/output layer by gpt_compute_runner, on each TP rank's simulated GPU. One
     # partition type (fwd_mlp, 160 candidates at two clocks) plus every component. With

@@ -25,14 +25,9 @@ from powerlib.kareus.compose import (
     sample_frontier,
 )
 from powerlib.kareus.evaluator import Measurement
-from powerlib.kareus.partition import (
-    MODEL_SHAPES,
-    Config,
-    Parallelism,
-    PartitionType,
-    build_workload,
-    config_space,
-)
+from powerlib.kareus.partition import build_workload, config_space
+from powerlib.kareus.partition_types import Config, PartitionType
+from powerlib.kareus.shapes import MODEL_SHAPES, Parallelism
 from powerlib.kareus.study import read_study, write_study
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.schedules import schedule_1f1b

@@ -14,13 +14,8 @@ from powerlib.kareus.compose import (
     compare_frontiers,
     measure_components,
 )
-from powerlib.kareus.partition import (
-    MODEL_SHAPES,
-    Parallelism,
-    build_workload,
-    config_space,
-    search_budget,
-)
+from powerlib.kareus.partition import build_workload, config_space, search_budget
+from powerlib.kareus.shapes import MODEL_SHAPES, Parallelism
 from powerlib.kareus.sim_fluid import model
 from powerlib.kareus.sim_model import SimulatedOverlapEvaluator
 from powerlib.kareus.workflow import compose_methods, solve_methods
@@ -28,10 +23,8 @@ from powerlib.kareus.workflow import compose_methods, solve_methods
 pytest.importorskip("sklearn")
 pytest.importorskip("moocore")
 
-from powerlib.kareus.search import (  # noqa: E402
-    relative_hypervolume,
-    search_partition,
-)
+from powerlib.kareus.hypervolume import relative_hypervolume  # noqa: E402
+from powerlib.kareus.search import search_partition  # noqa: E402
 
 FREQS = tuple(float(f) for f in range(900, 1411, 30))
 FEW_FREQS = (1110.0, 1260.0, 1410.0)

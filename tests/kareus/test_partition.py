@@ -5,19 +5,9 @@ from __future__ import annotations
 import pytest
 
 from powerlib.errors import PlanError
-from powerlib.kareus.partition import (
-    ALL_GATHER,
-    ALL_REDUCE,
-    MODEL_SHAPES,
-    REDUCE_SCATTER,
-    Config,
-    ModelShape,
-    Parallelism,
-    build_workload,
-    config_space,
-    default_sm_counts,
-    search_budget,
-)
+from powerlib.kareus.partition import build_workload, config_space, default_sm_counts, search_budget
+from powerlib.kareus.partition_types import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Config
+from powerlib.kareus.shapes import MODEL_SHAPES, ModelShape, Parallelism
 
 FREQS = range(900, 1411, 30)  # the artifact's 18 search clocks
 

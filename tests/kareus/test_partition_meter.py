@@ -12,13 +12,9 @@ from powerlib.control.journal import list_journals
 from powerlib.errors import InvalidArgumentError, NotSupportedError
 from powerlib.kareus.evaluator import Evaluator, MeasureProtocol
 from powerlib.kareus.meter import DeviceEvaluator
-from powerlib.kareus.partition import (
-    MODEL_SHAPES,
-    Config,
-    Parallelism,
-    PartitionType,
-    build_workload,
-)
+from powerlib.kareus.partition import build_workload
+from powerlib.kareus.partition_types import Config, PartitionType
+from powerlib.kareus.shapes import MODEL_SHAPES, Parallelism
 
 WORK = WorkUnit(time_at_max_s=0.04, compute_fraction=0.8, sm_activity=0.9, memory_activity=0.2)
 PROTOCOL = MeasureProtocol(settle_s=2.0, warmup_s=1.0, window_s=5.0, cooldown_s=5.0)

@@ -21,25 +21,13 @@ import numpy as np
 import pytest
 
 from powerlib.errors import PlanError
+from powerlib.kareus.evaluation_log import LOG_SCHEMA, PASSES
 from powerlib.kareus.evaluator import Measurement
-from powerlib.kareus.partition import (
-    MODEL_SHAPES,
-    Budget,
-    Config,
-    Parallelism,
-    PartitionType,
-    build_workload,
-    config_space,
-    search_budget,
-)
-from powerlib.kareus.search import (
-    LOG_SCHEMA,
-    PASSES,
-    SearchResult,
-    hypervolume,
-    relative_hypervolume,
-    search_partition,
-)
+from powerlib.kareus.hypervolume import hypervolume, relative_hypervolume
+from powerlib.kareus.partition import Budget, build_workload, config_space, search_budget
+from powerlib.kareus.partition_types import Config, PartitionType
+from powerlib.kareus.search import SearchResult, search_partition
+from powerlib.kareus.shapes import MODEL_SHAPES, Parallelism
 
 FREQS = range(900, 1411, 30)
 HAVE_DEPS = all(importlib.util.find_spec(m) is not None for m in ("sklearn", "moocore"))

@@ -15,15 +15,9 @@ import pytest
 
 from powerlib.errors import PlanError
 from powerlib.kareus.evaluator import Evaluator, MeasureProtocol
-from powerlib.kareus.partition import (
-    MODEL_SHAPES,
-    Config,
-    Parallelism,
-    PartitionType,
-    PartitionWorkload,
-    build_workload,
-    config_space,
-)
+from powerlib.kareus.partition import PartitionWorkload, build_workload, config_space
+from powerlib.kareus.partition_types import Config, PartitionType
+from powerlib.kareus.shapes import MODEL_SHAPES, Parallelism
 from powerlib.kareus.sim_capping import Work, run_capped, run_locked
 from powerlib.kareus.sim_fluid import (
     model,

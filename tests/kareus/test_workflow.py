@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from powerlib.errors import PlanError
-from powerlib.kareus.partition import Parallelism
+from powerlib.kareus.shapes import Parallelism
 from powerlib.kareus.sim_model import SimulatedOverlapEvaluator
 from powerlib.kareus.study import read_study
 from powerlib.planning.choice import Policy

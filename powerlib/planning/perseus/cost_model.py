@@ -35,28 +35,19 @@ import numpy as np
 
 from powerlib.errors import PlanError
 from powerlib.planning.perseus.options import (
-    DEFAULT_NOISE_FACTOR,
-    ORDERS,
     Option,
     check_finite,
-    frequency_for,
-    prepare_options,
 )
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "DEFAULT_NOISE_FACTOR",
-    "ORDERS",
     "ConvexHullCostModel",
     "CostModel",
     "ExponentialCostModel",
-    "Option",
     "TableCostModel",
     "build_cost_model",
     "fit_exponential",
-    "frequency_for",
-    "prepare_options",
 ]
 
 _B0_PER_MS = (0.01, 0.02, 0.03, 0.04, 0.05, 0.1)

@@ -11,17 +11,14 @@ import pytest
 
 from powerlib.errors import PlanError
 from powerlib.planning.perseus.cost_model import (
-    ORDERS,
     ConvexHullCostModel,
     CostModel,
     ExponentialCostModel,
-    Option,
     TableCostModel,
     build_cost_model,
     fit_exponential,
-    frequency_for,
-    prepare_options,
 )
+from powerlib.planning.perseus.options import ORDERS, Option, frequency_for, prepare_options
 
 VALIDATION = Path("/work/shared/perseus_validation")
 SYNTH = VALIDATION / "synthetic" / "profile_synth4.csv"
