@@ -1,13 +1,16 @@
 """The ``powerlib`` command line: inspect and control device power states.
 
-Every command takes ``--json`` (stable schemas, units in key names; see the README) and prints a
-table otherwise. Known failures exit non-zero with one line on stderr and no traceback; ``-v``
-shows the traceback and INFO logs (``-vv``: DEBUG).
+Every command but the two that serve (``exporter``, ``agent serve``) takes ``--json`` (stable
+schemas, units in key names; docs/json-and-exit-codes.md) and prints a table otherwise. Known
+failures exit non-zero with one line on stderr and no traceback; ``-v`` shows the traceback and
+INFO logs (``-vv``: DEBUG). The global options ``--backend`` and ``-v`` go before or after the
+command's name (``powerlib -v status`` = ``powerlib status -v``).
 
 Exit codes: 0 success; 1 other powerlib error (e.g. a device still modified after a restore);
 2 usage error; 3 backend unavailable; 4 permission denied; 5 not supported; 6 device not found;
 7 invalid argument, setting, profile or plan; 8 device busy; 9 device lost; 10 driver/vendor
-error; 11 unreadable journal; 12 untrusted state folder or journal refused; 130 interrupted.
+error; 11 unreadable journal; 12 untrusted state folder or journal refused; 130 interrupted
+(``watch`` and ``exporter`` end quietly with 0 on Ctrl-C: that is how they are stopped).
 """
 
 from __future__ import annotations
@@ -61,10 +64,80 @@ class _CliError(click.ClickException):
         click.echo(f"powerlib: error: {self.format_message()}", err=True)
 
 
+_BACKEND_HELP = "Backend to use (overrides POWERLIB_BACKEND): auto, nvidia, amd, sysfs, simulated, or a plug-in."
+_VERBOSE_HELP = "Show tracebacks and INFO logs (-vv: DEBUG)."
+_SEEN = "powerlib.global_options_seen"  # ctx.meta: which of the two a command has processed
+
+
+def _global_option(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """Record a command's ``--backend`` or ``-v`` in the shared :class:`Options`.
+
+    Both are eager: click processes them before the command's other options, given or not.
+    Once a command (not a group) has processed both, :func:`_settle` applies them, so a bad
+    backend name is refused before a missing option is.
+    """
+    opts = ctx.ensure_object(Options)
+    if param.name == "backend":
+        if value is not None:
+            opts.backend = value
+    else:
+        opts.verbose += value
+    if not isinstance(ctx.command, click.Group):
+        seen = ctx.meta.setdefault(_SEEN, set())
+        seen.add(param.name)
+        if len(seen) == 2:
+            _settle(opts)
+
+
+def _settle(opts: Options) -> None:
+    """Apply the global options: logging for ``-v``, then refuse an unknown backend name."""
+    if opts.verbose:
+        level = logging.DEBUG if opts.verbose > 1 else logging.INFO
+        logging.basicConfig(
+            level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        )
+        logging.getLogger().setLevel(level)
+    # Every command, `env` and the planning ones included, refuses a bad setting up front:
+    # an unknown POWERLIB_BACKEND is a mistake a user must hear about, not a value to print.
+    check_backend_name(settings_for(opts).backend)
+
+
+def _take_global_options(cmd: click.Command) -> None:
+    """Let ``cmd`` (and a group's commands) take ``--backend`` and ``-v`` after its name too."""
+    if getattr(cmd, "_powerlib_global_options", False):
+        return
+    cmd._powerlib_global_options = True  # type: ignore[attr-defined]
+    taken = {opt for param in cmd.params for opt in getattr(param, "opts", ())}
+    if taken & {"--backend", "-v", "--verbose"}:  # pragma: no cover - no command does
+        raise TypeError(f"{cmd.name}: --backend and -v are powerlib's global options")
+    cmd.params += [
+        click.Option(
+            ["-v", "--verbose"],
+            count=True,
+            is_eager=True,
+            expose_value=False,
+            callback=_global_option,
+            help=_VERBOSE_HELP,
+        ),
+        click.Option(
+            ["--backend"],
+            metavar="NAME",
+            is_eager=True,
+            expose_value=False,
+            callback=_global_option,
+            help=_BACKEND_HELP,
+        ),
+    ]
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            _take_global_options(sub)
+
+
 class _Group(click.Group):
     """Turns PowerlibError into a one-line message and its exit code; Ctrl-C exits 130.
 
-    Commands load lazily from :data:`_COMMANDS`.
+    Commands load lazily from :data:`_COMMANDS`; each takes the global options after its name
+    as well (:func:`_take_global_options`).
     """
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -74,7 +147,10 @@ class _Group(click.Group):
         if cmd_name in _COMMANDS and cmd_name not in self.commands:
             module, attr = _COMMANDS[cmd_name]
             self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
-        return super().get_command(ctx, cmd_name)
+        cmd = super().get_command(ctx, cmd_name)
+        if cmd is not None:
+            _take_global_options(cmd)
+        return cmd
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -95,26 +171,16 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="powerlib")
-@click.option(
-    "--backend",
-    metavar="NAME",
-    default=None,
-    help="Backend to use (overrides POWERLIB_BACKEND): auto, nvidia, amd, sysfs, simulated, or a plug-in.",
-)
-@click.option("-v", "--verbose", count=True, help="Show tracebacks and INFO logs (-vv: DEBUG).")
+@click.option("--backend", metavar="NAME", default=None, help=_BACKEND_HELP)
+@click.option("-v", "--verbose", count=True, help=_VERBOSE_HELP)
 @click.pass_context
 def cli(ctx: click.Context, backend: str | None, verbose: int) -> None:
-    """Inspect and control GPU/CPU power states; plan energy-saving clock schedules."""
+    """Inspect and control GPU/CPU power states; plan energy-saving clock schedules.
+
+    --backend and -v go before or after the command's name.
+    """
+    # The command applies them (_settle) once its own --backend and -v are parsed too.
     ctx.obj = Options(backend=backend, verbose=verbose)
-    if verbose:
-        logging.basicConfig(
-            level=logging.DEBUG if verbose > 1 else logging.INFO,
-            format="%(levelname)s %(name)s: %(message)s",
-            stream=sys.stderr,
-        )
-    # Every command, `env` and the planning ones included, refuses a bad setting up front:
-    # an unknown POWERLIB_BACKEND is a mistake a user must hear about, not a value to print.
-    check_backend_name(settings_for(ctx.obj).backend)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -1,6 +1,6 @@
 """``powerlib agent``: the node daemon (``serve``), job grants (``grant``/``revoke``), ``leases``.
 
-docs/agent.md has the design; the README's "On a cluster" section the systemd unit and the
+docs/agent.md has the design; docs/cluster.md the systemd unit and the
 Slurm prolog and epilog lines.
 """
 
@@ -133,12 +133,12 @@ def serve(
     cri_socket: Path,
     allow_non_root: bool,
 ) -> None:
-    r"""Serve this node's devices to unprivileged jobs (run as root, one per node).
+    """Serve this node's devices to unprivileged jobs (run as root, one per node).
 
     \b
     powerlib agent serve --group powerlib --allow /etc/powerlib/agent-allow.json
     powerlib agent serve --kubernetes      # a DaemonSet: pods get the GPUs the kubelet gave them
-    """
+    """  # noqa: D301 - "\b" is click's keep-these-lines marker (a backspace), not "\\b"
     from powerlib.agent.authz import Rules, load_allow_list  # noqa: PLC0415 - a command loads only what it runs (fast --help)
     from powerlib.agent.transport import Agent  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
@@ -224,11 +224,11 @@ def grant(
     user_state: bool,
     as_json: bool,
 ) -> None:
-    r"""Grant a job's user its devices (a Slurm prolog, as root).
+    """Grant a job's user its devices (a Slurm prolog, as root).
 
     \b
     powerlib agent grant --job "$SLURM_JOB_ID" --uid "$SLURM_JOB_UID" --slurm-gpus "$SLURM_JOB_GPUS"
-    """
+    """  # noqa: D301 - "\b" is click's keep-these-lines marker (a backspace), not "\\b"
     import pwd  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     from powerlib.agent.authz import write_grant  # noqa: PLC0415 - a command loads only what it runs (fast --help)

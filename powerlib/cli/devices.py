@@ -210,7 +210,19 @@ def status(opts: Options, selector: str | None, as_json: bool) -> None:
 def watch(
     opts: Options, interval_s: float, count: int | None, selector: str | None, as_json: bool
 ) -> None:
-    """Sample power states periodically; AVG W is the energy-counter delta over the interval."""
+    """Sample power states periodically; AVG W is the energy-counter delta over the interval.
+
+    Runs until Ctrl-C (or --count samples); Ctrl-C ends it quietly, exit status 0.
+    """
+    try:
+        _watch(opts, interval_s, count, selector, as_json)
+    except KeyboardInterrupt:  # the documented way to stop it: no error, no status 130
+        return
+
+
+def _watch(
+    opts: Options, interval_s: float, count: int | None, selector: str | None, as_json: bool
+) -> None:
     with open_backend_for(opts) as backend:
         chosen = select_devices(backend, selector)
         if not as_json:

@@ -69,12 +69,12 @@ def exporter(
     once: bool,
     selectors: tuple[str, ...],
 ) -> None:
-    r"""Serve device energy, power, clocks and limits to Prometheus; read-only.
+    """Serve device energy, power, clocks and limits to Prometheus; read-only.
 
     \b
     powerlib exporter --port 9464
     powerlib exporter --textfile /var/lib/node_exporter/textfile/powerlib.prom
-    """
+    """  # noqa: D301 - "\b" is click's keep-these-lines marker (a backspace), not "\\b"
     from powerlib.measurement.exporter import Exporter  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     if once and textfile is None:

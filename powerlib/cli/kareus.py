@@ -202,7 +202,7 @@ def search(
 @click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True)
 @click.option(
     "--unit-time-s",
-    type=Number(),
+    type=Number(min=0.0, min_open=True),
     default=0.001,
     show_default=True,
     help="Time quantum τ.",
@@ -216,7 +216,7 @@ def search(
 )
 @click.option(
     "--correction",
-    type=Number(),
+    type=Number(min=0.0, min_open=True),
     default=1.0,
     show_default=True,
     help="Factor on composed partition sums (isolated vs in-situ gap; the artifact: 1.15).",

@@ -2,7 +2,8 @@
 
 Parses the options, runs :func:`powerlib.measurement.command.run_command` (the child process,
 signal forwarding, the steps the child reports; docs/measurement.md §6) and formats its result:
-a table on stderr, or ``--json`` on stdout, ``--out`` and ``--plot`` files. powerlib exits with
+a table on stderr, or ``--json`` on stdout, ``--out`` and ``--plot`` files. With ``--json`` the
+child's stdout goes to stderr, so that ``> file`` holds one JSON document. powerlib exits with
 the child's status (128 + N when signal N killed it).
 """
 
@@ -50,7 +51,13 @@ __all__ = ["measure"]
     show_default=True,
     help="Seconds between --jsonl lines.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON when it ends.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the result as JSON when it ends: stdout holds that one document, and the "
+    "command's own stdout goes to stderr.",
+)
 @click.option(
     "--out", "out_path", type=OutputPath(), default=None, help="Also write the JSON here."
 )
@@ -74,12 +81,12 @@ def measure(
     plot_path: str | None,
     command: tuple[str, ...],
 ) -> None:
-    r"""Run COMMAND unmodified and report the energy each device used while it ran.
+    """Run COMMAND unmodified and report the energy each device used while it ran.
 
     \b
     powerlib measure -- python train.py --epochs 1
     powerlib measure --json --plot power.png -- torchrun --nproc-per-node 8 train.py
-    """
+    """  # noqa: D301 - "\b" is click's keep-these-lines marker (a backspace), not "\\b"
     from powerlib.measurement.command import run_command  # noqa: PLC0415 - a command loads only what it runs (fast --help)
     from powerlib.measurement.result import finite_json  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
@@ -103,6 +110,7 @@ def measure(
             jsonl=jsonl_path,
             jsonl_interval_s=jsonl_interval_s,
             warn=_warn,
+            stdout=2 if as_json else None,  # fd 2: stdout is the JSON document's alone
         )
     finally:
         backend.close()

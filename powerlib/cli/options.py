@@ -64,10 +64,22 @@ class Number(click.FloatRange):
     """A float option that refuses NaN and infinities (click's ranges let NaN through).
 
     A non-finite value is an invalid argument (exit 7, one line naming the option); bounds
-    behave as click's :class:`~click.FloatRange` (a usage error, exit 2).
+    behave as click's :class:`~click.FloatRange` (a usage error, exit 2). Help shows the bounds
+    (``[x>0]``, ``[0<=x<=0.2]``), nothing when there are none (click would show ``x<=None``).
     """
 
     name = "number"
+
+    def _describe_range(self) -> str:
+        low = None if self.min is None else f"{self.min:g}{'<' if self.min_open else '<='}"
+        high = None if self.max is None else f"{'<' if self.max_open else '<='}{self.max:g}"
+        if low is None and high is None:
+            return ""
+        if low is None:
+            return f"x{high}"
+        if high is None:
+            return f"x{'>' if self.min_open else '>='}{self.min:g}"
+        return f"{low}x{high}"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         """Parse ``value``; refuse NaN and infinities, then apply the bounds."""

@@ -13,12 +13,27 @@ import click
 
 from powerlib.cli.format import pct
 from powerlib.cli.options import Number, emit_json, plan_outputs, progress_bar
+from powerlib.errors import PlanError
 
 __all__ = ["plan"]
 
 
+def _existing_profile(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """Refuse a PROFILE that cannot be opened before the options are checked (one line)."""
+    try:
+        os.stat(value)
+    except OSError as err:
+        raise PlanError(f"{value}: cannot read the profile: {err.strerror}") from None
+    return value
+
+
 @click.command()
-@click.argument("profile_path", metavar="PROFILE", type=click.Path(dir_okay=False))
+@click.argument(
+    "profile_path",
+    metavar="PROFILE",
+    type=click.Path(dir_okay=False),
+    callback=_existing_profile,
+)
 @click.option("--stages", type=click.IntRange(min=1), required=True, help="Pipeline stages N.")
 @click.option(
     "--microbatches",
@@ -40,15 +55,17 @@ __all__ = ["plan"]
 )
 @click.option(
     "--p-block-w",
-    type=Number(),
-    required=True,
-    help="Power while blocked on communication (A100: 83.64, A40: 70.38).",
+    type=Number(min=0.0),
+    default=None,
+    help="Power while blocked on communication, W (A100: 83.64, A40: 70.38). Default: the "
+    "profile's (profiles a powerlib session writes carry it); required otherwise.",
 )
 @click.option(
     "--unit-time-s",
-    type=Number(),
-    required=True,
-    help="Time quantum τ (the artifact: 0.001).",
+    type=Number(min=0.0, min_open=True),
+    default=None,
+    help="Time quantum τ, s. Default: the profile's, else a power of ten at most 1/20 of the "
+    "shortest instruction (1 ms for 20-200 ms instructions, the Perseus artifact's τ).",
 )
 @click.option(
     "--order",
@@ -100,8 +117,8 @@ def plan(
     microbatches: int,
     schedule: str,
     chunks: int | None,
-    p_block_w: float,
-    unit_time_s: float,
+    p_block_w: float | None,
+    unit_time_s: float | None,
     order: str,
     cost_model: str,
     policy: str,
@@ -120,8 +137,9 @@ def plan(
     """Compute the Perseus time-energy frontier of a pipeline from a PROFILE and pick a plan.
 
     PROFILE is a CSV (stage,instruction,frequency,time,energy; extra rank columns are merged:
-    time = max, energy = mean) or a JSON profile. Savings are against every instruction at its
-    maximum frequency, blocking power included, at the chosen plan's iteration time.
+    time = max, energy = mean; optional p_block_w and unit_time_s columns) or a JSON profile.
+    Savings are against every instruction at its maximum frequency, blocking power included,
+    at the chosen plan's iteration time.
     """
     from powerlib.planning.choice import Policy  # noqa: PLC0415 - keep CLI start fast
     from powerlib.planning.workflow import plan_from_profile, write_outputs  # noqa: PLC0415 - a command loads only what it runs (fast --help)
@@ -129,6 +147,11 @@ def plan(
     if policy == "deadline" and deadline_s is None:
         raise click.UsageError("--policy deadline needs --deadline-s")
     profile = _read_profile(profile_path)
+    if p_block_w is None and profile.p_block_w is None:
+        raise click.UsageError(
+            f"{profile_path} does not carry the blocking power: give --p-block-w "
+            "(A100: 83.64, A40: 70.38)"
+        )
     with progress_bar("solving frontier") as bar:
 
         def progress(done: int, expected: int) -> None:
@@ -162,6 +185,17 @@ def plan(
     if as_json:
         emit_json(data)
         return
+    p_block_from = "given" if p_block_w is not None else "the profile's"
+    if unit_time_s is not None:
+        tau_from = "given"
+    elif profile.unit_time_s is not None:
+        tau_from = "the profile's"
+    else:
+        tau_from = "default: a power of ten at most 1/20 of the shortest instruction"
+    click.echo(
+        f"planned with P_block {result.p_block_w:g} W ({p_block_from}) and "
+        f"τ {result.unit_time_s:g} s ({tau_from})"
+    )
     c = data["chosen"]
     how = "points" if data["complete_frontier"] else "points solved directly"
     click.echo(

@@ -91,11 +91,13 @@ def run_command(
     jsonl_interval_s: float = 1.0,
     env: Mapping[str, str] | None = None,
     warn: Callable[[str], None] | None = None,
+    stdout: int | None = None,
 ) -> CommandMeasurement:
     """Run ``argv`` to completion, forwarding signals, and measure the devices meanwhile.
 
     Args:
-        argv: The command and its arguments (the child's stdin, stdout and stderr are ours).
+        argv: The command and its arguments (the child's stdin and stderr are ours, and its
+            stdout unless ``stdout`` says otherwise).
         devices: What to measure (``Device`` objects, indexes or ids of ``backend``'s
             devices); default every device of the backend.
         backend: A :class:`Backend`, a backend name, or ``None`` (``POWERLIB_BACKEND``).
@@ -108,6 +110,8 @@ def run_command(
             ``POWERLIB_MEASURE_EVENTS`` is added.
         warn: Called with the one warning line about malformed lines of the child's events
             file (default: logged).
+        stdout: A file descriptor for the child's stdout (``None``: ours). ``powerlib measure
+            --json`` passes 2, so that its stdout holds nothing but its JSON document.
 
     Returns:
         The exit status and the measurement; the child's status is returned, never raised.
@@ -134,7 +138,7 @@ def run_command(
         events = Path(tmp) / "events.jsonl"
         child_env = dict(os.environ if env is None else env) | {EVENTS_ENV: str(events)}
         with m:
-            status = _run(list(command), child_env, m, jsonl, jsonl_interval_s)
+            status = _run(list(command), child_env, m, jsonl, jsonl_interval_s, stdout)
         record_child_windows(m, read_events(events, warn=warn))
     return CommandMeasurement(
         command=command, exit_status=status, result=m.result(), power_series=m.power_series()
@@ -147,10 +151,11 @@ def _run(
     m: Measurement,
     jsonl_path: str | os.PathLike[str] | None,
     jsonl_interval_s: float,
+    stdout: int | None = None,
 ) -> int:
     """Run the child to completion, forwarding signals; its status (``-N``: killed by N)."""
     try:
-        proc = subprocess.Popen(argv, env=env, **_own_group())
+        proc = subprocess.Popen(argv, env=env, stdout=stdout, **_own_group())
     except OSError as err:
         raise InvalidArgumentError(f"cannot run {argv[0]!r}: {err.strerror}") from err
     with _foreground(proc.pid), _forwarding(proc):

@@ -18,8 +18,14 @@ Two file formats are read and written:
 - **JSON**: ``{"schema": "powerlib.profile.v1", "rows": [{"stage": 0, "instruction":
   "forward", "freq_mhz": 1410, "time_s": 0.03, "energy_j": 9.0}, ...]}``.
 
+A profile may also carry what the planner needs besides the rows (:data:`SETTINGS`): the
+blocking power ``p_block_w`` (W) and the time quantum ``unit_time_s`` (s) it was planned with.
+JSON has them as top-level numbers; CSV as optional columns of those names, the same value on
+every row (an empty cell: not carried). ``powerlib plan`` uses them when no option overrides.
+
 Every validation error is a :class:`~powerlib.errors.PlanError` with a one-line message that
-starts with the file name and, where one row is at fault, its line (CSV) or row index (JSON).
+starts with the file name and, where one row is at fault, its line (CSV) or row index (JSON)
+and the column (CSV) or field (JSON) at fault.
 
 This module is pure: it imports only the standard library.
 """
@@ -45,7 +51,7 @@ from powerlib.planning.pipeline import (
     KINDS,
 )
 
-__all__ = ["CSV_COLUMNS", "PROFILE_SCHEMA", "Profile", "ProfileRow"]
+__all__ = ["CSV_COLUMNS", "PROFILE_SCHEMA", "SETTINGS", "Profile", "ProfileRow"]
 
 PROFILE_SCHEMA = "powerlib.profile.v1"
 """The ``schema`` value of a JSON profile."""
@@ -53,12 +59,19 @@ PROFILE_SCHEMA = "powerlib.profile.v1"
 CSV_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 """The CSV columns a profile needs (any order; others are ignored)."""
 
+SETTINGS = ("p_block_w", "unit_time_s")
+"""The planner settings a profile may carry (JSON fields, optional CSV columns)."""
+
 _JSON_FIELDS = ("stage", "instruction", "freq_mhz", "time_s", "energy_j")
-_NUMBER_FIELDS = (
-    ("freq_mhz", "frequency", "MHz"),
-    ("time_s", "time", "s"),
-    ("energy_j", "energy", "J"),
-)
+_NUMBER_FIELDS = (("freq_mhz", "MHz"), ("time_s", "s"), ("energy_j", "J"))
+# How a message names a row's value: the attribute (rows, JSON fields) or the CSV column.
+_FIELD_NAMES = {name: name for name in ("stage", "freq_mhz", "time_s", "energy_j")}
+_CSV_NAMES = {
+    "stage": "column stage",
+    "freq_mhz": "column frequency",
+    "time_s": "column time",
+    "energy_j": "column energy",
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,42 +101,69 @@ class Profile:
     """A validated profile: for each stage and kind, at least two (frequency, time, energy) options.
 
     Validation (each failure is one :class:`~powerlib.errors.PlanError` line naming the source
-    and, where it applies, the row): instruction is forward or backward (any case); stage is an
-    integer >= 0; frequency is finite and > 0; time and energy are finite and >= 0; no two rows
-    share (stage, instruction, frequency); every stage from 0 to the largest has both kinds, each
-    with at least two frequencies.
+    and, where it applies, the row and its field): instruction is forward or backward (any
+    case); stage is an integer >= 0; frequency and time are finite and > 0; energy is finite
+    and >= 0; no two rows share (stage, instruction, frequency); every stage from 0 to the
+    largest has both kinds, each with at least two frequencies; ``p_block_w`` is finite and
+    >= 0 and ``unit_time_s`` finite and > 0 where given.
 
     Args:
         rows: The profile rows, in any order.
         source: Names the data in error messages (a file name, or ``"<rows>"``).
+        p_block_w: The blocking power the profile carries (W), or ``None``.
+        unit_time_s: The time quantum τ the profile carries (s), or ``None``.
 
     Attributes:
         rows: The rows, sorted by stage, kind (forward first), then frequency from high to low.
         stages: The stages, sorted (always ``0 .. N-1``).
         source: The name used in error messages.
+        p_block_w: Power while blocked on communication (W), or ``None`` when not carried.
+        unit_time_s: The planner's time quantum τ (s), or ``None`` when not carried.
 
     Raises:
         PlanError: The rows fail validation.
     """
 
-    __slots__ = ("_options", "rows", "source", "stages")
+    __slots__ = ("_options", "p_block_w", "rows", "source", "stages", "unit_time_s")
 
     rows: tuple[ProfileRow, ...]
     stages: tuple[int, ...]
     source: str
+    p_block_w: float | None
+    unit_time_s: float | None
     _options: dict[tuple[int, str], list[tuple[float, float, float]]]
 
-    def __init__(self, rows: Iterable[ProfileRow], *, source: str = "<rows>") -> None:
+    def __init__(
+        self,
+        rows: Iterable[ProfileRow],
+        *,
+        source: str = "<rows>",
+        p_block_w: float | None = None,
+        unit_time_s: float | None = None,
+    ) -> None:
         rows = list(rows)
-        self._setup(rows, source, [f"rows[{i}]" for i in range(len(rows))])
+        self._setup(
+            rows,
+            source,
+            [f"rows[{i}]" for i in range(len(rows))],
+            {"p_block_w": p_block_w, "unit_time_s": unit_time_s},
+        )
 
-    def _setup(self, rows: list[ProfileRow], source: str, where: list[_Where]) -> None:
+    def _setup(
+        self,
+        rows: list[ProfileRow],
+        source: str,
+        where: list[_Where],
+        settings: Mapping[str, Any],
+    ) -> None:
         if not rows:
             raise PlanError(f"{source}: the profile has no rows")
+        p_block_w = _check_setting(settings.get("p_block_w"), "p_block_w", f"{source}: ")
+        unit_time_s = _check_setting(settings.get("unit_time_s"), "unit_time_s", f"{source}: ")
         clean: list[ProfileRow] = []
         first: dict[tuple[int, str, float], _Where] = {}
         for row, loc in zip(rows, where):
-            row = _check_row(row, source, loc)
+            row = _check_row(row, source, loc, _FIELD_NAMES)
             key = (row.stage, row.instruction, row.freq_mhz)
             if key in first:
                 raise PlanError(
@@ -170,12 +210,20 @@ class Profile:
         self.rows = tuple(sorted(clean, key=_row_order))
         self.stages = tuple(stages)
         self.source = source
+        self.p_block_w = p_block_w
+        self.unit_time_s = unit_time_s
         self._options = options
 
     @classmethod
-    def _create(cls, rows: list[ProfileRow], source: str, where: list[_Where]) -> Profile:
+    def _create(
+        cls,
+        rows: list[ProfileRow],
+        source: str,
+        where: list[_Where],
+        settings: Mapping[str, Any],
+    ) -> Profile:
         profile = cls.__new__(cls)
-        profile._setup(rows, source, where)
+        profile._setup(rows, source, where, settings)
         return profile
 
     @property
@@ -186,10 +234,14 @@ class Profile:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Profile):
             return NotImplemented
-        return self.rows == other.rows
+        return (self.rows, self.p_block_w, self.unit_time_s) == (
+            other.rows,
+            other.p_block_w,
+            other.unit_time_s,
+        )
 
     def __hash__(self) -> int:
-        return hash(self.rows)
+        return hash((self.rows, self.p_block_w, self.unit_time_s))
 
     def __repr__(self) -> str:
         return f"Profile({len(self.stages)} stages, {len(self.rows)} rows, source={self.source!r})"
@@ -332,10 +384,12 @@ class Profile:
                 f"{source}: line {header_line}: missing column(s) {', '.join(missing)}; the "
                 f"header needs {','.join(CSV_COLUMNS)}"
             )
-        for name in CSV_COLUMNS:
+        for name in (*CSV_COLUMNS, *SETTINGS):
             if header.count(name) > 1:
                 raise PlanError(f"{source}: line {header_line}: column {name!r} appears twice")
         column = {name: header.index(name) for name in CSV_COLUMNS}
+        setting_column = {name: header.index(name) for name in SETTINGS if name in header}
+        settings: dict[str, tuple[float, _Where]] = {}
         rank_columns = [
             i for i, name in enumerate(header) if name == "rank" or name.endswith("_rank")
         ]
@@ -364,7 +418,9 @@ class Profile:
                 time_s=_parse_number(values["time"], "time", source, loc),
                 energy_j=_parse_number(values["energy"], "energy", source, loc),
             )
-            row = _check_row(row, source, loc)
+            row = _check_row(row, source, loc, _CSV_NAMES)
+            for name, i in setting_column.items():
+                _csv_setting(settings, name, fields[i].strip(), source, loc)
             key = (row.stage, row.instruction, row.freq_mhz)
             ranks = tuple(fields[i].strip() for i in rank_columns)
             if key in groups:
@@ -391,7 +447,12 @@ class Profile:
             )
             for (stage, kind, freq_mhz), (_, times, energies, _) in groups.items()
         ]
-        return cls._create(rows, source, [group[0] for group in groups.values()])
+        return cls._create(
+            rows,
+            source,
+            [group[0] for group in groups.values()],
+            {name: value for name, (value, _) in settings.items()},
+        )
 
     @classmethod
     def from_json(cls, data: Any, source: str = "<json>") -> Profile:
@@ -447,7 +508,10 @@ class Profile:
                 )
             )
             where.append(loc)
-        return cls._create(rows, source, where)
+        settings: dict[str, Any] = {}
+        for name in SETTINGS:
+            settings[name] = data.get(name)  # checked with the rows
+        return cls._create(rows, source, where, settings)
 
     # --- writing -------------------------------------------------------------------------------
 
@@ -455,10 +519,15 @@ class Profile:
         """The profile as a JSON-ready dict, ``{"schema": ..., "rows": [...]}``.
 
         Returns:
-            A new dict; floats are kept exactly, so the round trip is lossless.
+            A new dict; floats are kept exactly, so the round trip is lossless. ``p_block_w``
+            and ``unit_time_s`` are included when the profile carries them.
         """
+        carried = {
+            name: getattr(self, name) for name in SETTINGS if getattr(self, name) is not None
+        }
         return {
             "schema": PROFILE_SCHEMA,
+            **carried,
             "rows": [
                 {
                     "stage": row.stage,
@@ -482,12 +551,17 @@ class Profile:
     def to_csv_text(self) -> str:
         """The profile as CSV text, header ``stage,instruction,frequency,time,energy``.
 
+        The settings the profile carries follow as columns ``p_block_w`` and ``unit_time_s``
+        (the same value on every row; tools that read only the five columns ignore them).
+
         Returns:
             The text; floats are written with :func:`repr`, so the round trip is lossless.
         """
+        carried = [name for name in SETTINGS if getattr(self, name) is not None]
+        extra = [repr(float(getattr(self, name))) for name in carried]
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(CSV_COLUMNS)
+        writer.writerow([*CSV_COLUMNS, *carried])
         for row in self.rows:
             writer.writerow(
                 [
@@ -496,6 +570,7 @@ class Profile:
                     _fmt_freq(row.freq_mhz),
                     repr(row.time_s),
                     repr(row.energy_j),
+                    *extra,
                 ]
             )
         return out.getvalue()
@@ -517,11 +592,11 @@ def _fmt_freq(freq_mhz: float) -> str:
     return str(int(freq_mhz)) if float(freq_mhz).is_integer() else repr(float(freq_mhz))
 
 
-def _parse_number(text: str, name: str, source: str, loc: _Where) -> float:
+def _parse_number(text: str, column: str, source: str, loc: _Where) -> float:
     try:
         return float(text)
     except ValueError:
-        raise PlanError(f"{source}: {loc}: {name} is not a number: {text!r}") from None
+        raise PlanError(f"{source}: {loc}: column {column} is not a number: {text!r}") from None
 
 
 def _parse_stage(text: str, source: str, loc: _Where) -> int:
@@ -535,30 +610,36 @@ def _parse_stage(text: str, source: str, loc: _Where) -> int:
         value = math.nan
     if value.is_integer():
         return int(value)
-    raise PlanError(f"{source}: {loc}: stage must be an integer, got {text!r}")
+    raise PlanError(f"{source}: {loc}: column stage must be an integer, got {text!r}")
 
 
-def _check_row(row: ProfileRow, source: str, loc: _Where) -> ProfileRow:
-    """Validate one row's values and return it with the instruction lower-cased."""
+def _check_row(row: ProfileRow, source: str, loc: _Where, names: Mapping[str, str]) -> ProfileRow:
+    """Validate one row's values and return it with the instruction lower-cased.
+
+    ``names`` says how a message names each value: the CSV column or the field.
+    """
     if not isinstance(row, ProfileRow):
         raise PlanError(f"{source}: {loc}: expected a ProfileRow, got {row!r}")
     if isinstance(row.stage, bool) or not isinstance(row.stage, int) or row.stage < 0:
-        raise PlanError(f"{source}: {loc}: stage must be an integer >= 0, got {row.stage!r}")
+        raise PlanError(
+            f"{source}: {loc}: {names['stage']} must be an integer >= 0, got {row.stage!r}"
+        )
     kind = row.instruction.strip().lower() if isinstance(row.instruction, str) else None
     if kind not in KINDS:
         raise PlanError(
             f"{source}: {loc}: unknown instruction {row.instruction!r}; expected {', '.join(KINDS)}"
         )
     numbers: list[float] = []
-    for name, label, unit in _NUMBER_FIELDS:
-        raw = getattr(row, name)
+    for name, unit in _NUMBER_FIELDS:
+        raw, label = getattr(row, name), names[name]
         if isinstance(raw, bool) or not isinstance(raw, (int, float)):
             raise PlanError(f"{source}: {loc}: {label} must be a number, got {raw!r}")
         value = float(raw)
         if not math.isfinite(value):
             raise PlanError(f"{source}: {loc}: {label} must be finite, got {value!r} {unit}")
-        if name == "freq_mhz" and value <= 0:
-            raise PlanError(f"{source}: {loc}: frequency must be > 0, got {value!r} MHz")
+        # The planner divides time into quanta and needs a clock to lock: both positive.
+        if name in ("freq_mhz", "time_s") and value <= 0:
+            raise PlanError(f"{source}: {loc}: {label} must be > 0, got {value!r} {unit}")
         if value < 0:
             raise PlanError(f"{source}: {loc}: {label} must be >= 0, got {value!r} {unit}")
         numbers.append(value)
@@ -566,6 +647,44 @@ def _check_row(row: ProfileRow, source: str, loc: _Where) -> ProfileRow:
     return ProfileRow(
         stage=row.stage, instruction=kind, freq_mhz=freq_mhz, time_s=time_s, energy_j=energy_j
     )
+
+
+def _check_setting(value: Any, name: str, prefix: str) -> float | None:
+    """A carried planner setting (:data:`SETTINGS`), checked; ``None`` when absent.
+
+    Messages start with ``prefix`` then ``name`` (e.g. ``"p.csv: line 3: column "``).
+    """
+    if value is None:
+        return None
+    unit = "W" if name == "p_block_w" else "s"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanError(f"{prefix}{name} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise PlanError(f"{prefix}{name} must be finite, got {number!r} {unit}")
+    if name == "unit_time_s" and number <= 0:
+        raise PlanError(f"{prefix}{name} must be > 0, got {number!r} {unit}")
+    if number < 0:
+        raise PlanError(f"{prefix}{name} must be >= 0, got {number!r} {unit}")
+    return number
+
+
+def _csv_setting(
+    seen: dict[str, tuple[float, _Where]], name: str, text: str, source: str, loc: _Where
+) -> None:
+    """Record a CSV row's ``name`` cell: a number, the same on every row (empty: not given)."""
+    if not text:
+        return
+    value = _parse_number(text, name, source, loc)
+    _check_setting(value, name, f"{source}: {loc}: column ")
+    first = seen.get(name)
+    if first is None:
+        seen[name] = (value, loc)
+    elif value != first[0]:
+        raise PlanError(
+            f"{source}: {loc}: column {name} is {text} here but {first[0]!r} at {first[1]}; "
+            "a profile carries one value"
+        )
 
 
 def _csv_rows(reader: Any, source: str) -> Iterable[list[str]]:

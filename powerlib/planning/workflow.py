@@ -8,6 +8,7 @@ the CLI only parses options before and formats the result after.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,14 @@ from powerlib.planning.perseus.work import DEFAULT_MAX_WORK, WORK_HINT, estimate
 from powerlib.planning.profile import Profile
 from powerlib.planning.schedules import build_schedule
 
-__all__ = ["PlanResult", "plan_from_profile", "wanted_for", "write_outputs"]
+__all__ = [
+    "PlanResult",
+    "default_unit_time_s",
+    "plan_from_profile",
+    "planner_settings",
+    "wanted_for",
+    "write_outputs",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,12 +44,52 @@ class PlanResult:
         choice: The policy's point, guarded and judged.
         summary: The ``powerlib.plan-summary.v1`` record (what ``powerlib plan --json`` prints).
         solve_time_s: Wall time the frontier solve took.
+        p_block_w: The blocking power planned with (W): given, else the profile's.
+        unit_time_s: The time quantum τ planned with (s): given, else the profile's, else
+            :func:`default_unit_time_s`.
     """
 
     frontier: Frontier
     choice: Choice
     summary: dict[str, Any]
     solve_time_s: float
+    p_block_w: float
+    unit_time_s: float
+
+
+def default_unit_time_s(profile: Profile) -> float:
+    """The default time quantum τ: a power of ten at most 1/20 of the shortest instruction.
+
+    1 ms for instructions of 20 to 200 ms, as the Perseus artifact used on A100 (its GPT-3
+    profile: 1 ms); 0.1 ms for 5 ms instructions. The rule a training session uses when it is
+    not given τ, so ``powerlib plan`` on a session's profile plans as the session did.
+    """
+    shortest = min(r.time_s for r in profile.rows)
+    return 10.0 ** math.floor(math.log10(shortest / 20.0))
+
+
+def planner_settings(
+    profile: Profile, *, p_block_w: float | None = None, unit_time_s: float | None = None
+) -> tuple[float, float]:
+    """``(p_block_w, unit_time_s)`` to plan ``profile`` with: given, else carried, else default.
+
+    The time quantum defaults to :func:`default_unit_time_s`; the blocking power has no
+    default.
+
+    Raises:
+        PlanError: Neither ``p_block_w`` nor the profile gives the blocking power.
+    """
+    p_block = p_block_w if p_block_w is not None else profile.p_block_w
+    if p_block is None:
+        raise PlanError(
+            f"{profile.source}: the profile does not carry the blocking power (p_block_w); "
+            "give it (A100: 83.64 W, A40: 70.38 W)"
+        )
+    if unit_time_s is None:
+        unit_time_s = (
+            profile.unit_time_s if profile.unit_time_s is not None else default_unit_time_s(profile)
+        )
+    return p_block, unit_time_s
 
 
 def default_chunks(schedule: str, chunks: int | None) -> int:
@@ -56,8 +104,8 @@ def plan_from_profile(
     microbatches: int,
     schedule: str = "1f1b",
     chunks: int | None = None,
-    p_block_w: float,
-    unit_time_s: float,
+    p_block_w: float | None = None,
+    unit_time_s: float | None = None,
     order: str = "filter-then-subtract",
     cost_model: str = "exp",
     policy: Policy,
@@ -75,8 +123,10 @@ def plan_from_profile(
         microbatches: Microbatches M per iteration.
         schedule: ``1f1b``, ``gpipe`` or ``interleaved``.
         chunks: Virtual stages per GPU (default: 2 for ``interleaved``, else 1).
-        p_block_w: Power while blocked on communication.
-        unit_time_s: Time quantum τ.
+        p_block_w: Power while blocked on communication (W); ``None``: the profile's
+            (:func:`planner_settings`).
+        unit_time_s: Time quantum τ (s); ``None``: the profile's, else
+            :func:`default_unit_time_s`.
         order: ``filter-then-subtract`` (the paper) or ``subtract-then-filter``.
         cost_model: ``exp`` (the paper) or ``convex``.
         policy: Which frontier point becomes the plan.
@@ -90,8 +140,8 @@ def plan_from_profile(
             frontier CSV and plot); the walk always has every point.
 
     Raises:
-        PlanError: A profile that cannot plan the pipeline, too much work, or a deadline the
-            frontier cannot meet.
+        PlanError: A profile that cannot plan the pipeline, no blocking power given or carried,
+            too much work, or a deadline the frontier cannot meet.
     """
     if solver not in SOLVERS:
         raise PlanError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -102,6 +152,7 @@ def plan_from_profile(
         profile_or_path if isinstance(profile_or_path, Profile) else Profile.read(profile_or_path)
     )
     profile.validate_for(stages, ())  # a profile of 8 stages cannot plan 100000
+    p_block_w, unit_time_s = planner_settings(profile, p_block_w=p_block_w, unit_time_s=unit_time_s)
     # Before the schedule is even built: M = 100000 or τ = 1e-7 s would run for hours.
     estimate_pipeline_work(
         profile.option_points(),
@@ -138,6 +189,8 @@ def plan_from_profile(
         choice=choice,
         summary=summary(choice, solve_time_s=solve_time_s),
         solve_time_s=solve_time_s,
+        p_block_w=p_block_w,
+        unit_time_s=unit_time_s,
     )
 
 

@@ -176,7 +176,7 @@ def test_constructor_errors_name_the_row() -> None:
         ProfileRow(stage=0, instruction="forward", freq_mhz=1400, time_s=0.1, energy_j=1.0),
         ProfileRow(stage=0, instruction="forward", freq_mhz=1000, time_s=-0.1, energy_j=1.0),
     ]
-    with pytest.raises(PlanError, match=r"^<rows>: rows\[1\]: time must be >= 0"):
+    with pytest.raises(PlanError, match=r"^<rows>: rows\[1\]: time_s must be > 0"):
         Profile(rows)
     with pytest.raises(PlanError, match=r"^mine: the profile has no rows"):
         Profile([], source="mine")
@@ -217,19 +217,36 @@ def replace(line_no: int, new: str) -> list[str]:
             "line 1: missing column(s) instruction, frequency, time, energy",
         ),
         (["stage,stage,instruction,frequency,time,energy"], "line 1: column 'stage' appears twice"),
-        (replace(3, "0,forward,1200,fast,8.0"), "line 3: time is not a number: 'fast'"),
-        (replace(3, "0,forward,1200,0.01,"), "line 3: energy is not a number: ''"),
-        (replace(3, "0,forward,high,0.01,8.0"), "line 3: frequency is not a number: 'high'"),
-        (replace(4, "zero,backward,1410,0.02,4.0"), "line 4: stage must be an integer, got 'zero'"),
-        (replace(4, "0.5,backward,1410,0.02,4.0"), "line 4: stage must be an integer, got '0.5'"),
-        (replace(4, "-1,backward,1410,0.02,4.0"), "line 4: stage must be an integer >= 0, got -1"),
-        (replace(5, "0,backward,1200,-0.02,4.0"), "line 5: time must be >= 0, got -0.02 s"),
-        (replace(5, "0,backward,1200,0.02,-4.0"), "line 5: energy must be >= 0, got -4.0 J"),
-        (replace(5, "0,backward,1200,nan,4.0"), "line 5: time must be finite, got nan s"),
-        (replace(5, "0,backward,1200,0.02,inf"), "line 5: energy must be finite, got inf J"),
-        (replace(6, "1,forward,0,0.01,2.0"), "line 6: frequency must be > 0, got 0.0 MHz"),
-        (replace(6, "1,forward,-1410,0.01,2.0"), "line 6: frequency must be > 0, got -1410.0 MHz"),
-        (replace(6, "1,forward,inf,0.01,2.0"), "line 6: frequency must be finite, got inf MHz"),
+        (replace(3, "0,forward,1200,fast,8.0"), "line 3: column time is not a number: 'fast'"),
+        (replace(3, "0,forward,1200,0.01,"), "line 3: column energy is not a number: ''"),
+        (replace(3, "0,forward,high,0.01,8.0"), "line 3: column frequency is not a number: 'high'"),
+        (
+            replace(4, "zero,backward,1410,0.02,4.0"),
+            "line 4: column stage must be an integer, got 'zero'",
+        ),
+        (
+            replace(4, "0.5,backward,1410,0.02,4.0"),
+            "line 4: column stage must be an integer, got '0.5'",
+        ),
+        (
+            replace(4, "-1,backward,1410,0.02,4.0"),
+            "line 4: column stage must be an integer >= 0, got -1",
+        ),
+        (replace(5, "0,backward,1200,-0.02,4.0"), "line 5: column time must be > 0, got -0.02 s"),
+        # issue 36: a zero time was let through to the planner's "point 0 needs ..."
+        (replace(5, "0,backward,1200,0,4.0"), "line 5: column time must be > 0, got 0.0 s"),
+        (replace(5, "0,backward,1200,0.02,-4.0"), "line 5: column energy must be >= 0, got -4.0 J"),
+        (replace(5, "0,backward,1200,nan,4.0"), "line 5: column time must be finite, got nan s"),
+        (replace(5, "0,backward,1200,0.02,inf"), "line 5: column energy must be finite, got inf J"),
+        (replace(6, "1,forward,0,0.01,2.0"), "line 6: column frequency must be > 0, got 0.0 MHz"),
+        (
+            replace(6, "1,forward,-1410,0.01,2.0"),
+            "line 6: column frequency must be > 0, got -1410.0 MHz",
+        ),
+        (
+            replace(6, "1,forward,inf,0.01,2.0"),
+            "line 6: column frequency must be finite, got inf MHz",
+        ),
         (
             replace(3, GOOD[0]),
             "line 3: duplicate row for stage 0 forward at 1410 MHz (first at line 2)",
@@ -345,9 +362,16 @@ def _mutated(change) -> dict:
         ),
         (
             _mutated(lambda d: d["rows"][5].update(time_s=-1.0)),
-            "rows[5]: time must be >= 0, got -1.0 s",
+            "rows[5]: time_s must be > 0, got -1.0 s",
         ),
-        (_mutated(lambda d: d["rows"][5].update(freq_mhz=0)), "rows[5]: frequency must be > 0"),
+        (_mutated(lambda d: d["rows"][5].update(freq_mhz=0)), "rows[5]: freq_mhz must be > 0"),
+        (
+            _mutated(lambda d: d["rows"][5].update(time_s=0.0)),
+            "rows[5]: time_s must be > 0, got 0.0 s",
+        ),
+        (_mutated(lambda d: d.update(p_block_w="80")), "p_block_w must be a number, got '80'"),
+        (_mutated(lambda d: d.update(p_block_w=-1)), "p_block_w must be >= 0, got -1.0 W"),
+        (_mutated(lambda d: d.update(unit_time_s=0)), "unit_time_s must be > 0, got 0.0 s"),
         (
             _mutated(lambda d: d["rows"].append(dict(d["rows"][0]))),
             "rows[8]: duplicate row for stage 0 forward at 1410 MHz (first at rows[0])",
@@ -375,3 +399,43 @@ def test_to_csv_text_is_exact() -> None:
     again = Profile.from_csv_text(text)
     assert again.rows == profile.rows
     assert all(math.isfinite(row.time_s) for row in again.rows)
+
+
+# --- the planner settings a profile carries (issue 36) -------------------------------------------
+
+
+def test_settings_round_trip_through_csv_and_json(tmp_path: Path) -> None:
+    rows = Profile.from_csv_text("\n".join([HEADER, *GOOD])).rows
+    profile = Profile(rows, p_block_w=83.64, unit_time_s=0.001)
+    assert (profile.p_block_w, profile.unit_time_s) == (83.64, 0.001)
+    profile.write_csv(tmp_path / "p.csv")
+    profile.write_json(tmp_path / "p.json")
+    header = (tmp_path / "p.csv").read_text().splitlines()[0]
+    assert header == HEADER + ",p_block_w,unit_time_s"
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert (data["p_block_w"], data["unit_time_s"]) == (83.64, 0.001)
+    for name in ("p.csv", "p.json"):
+        again = Profile.read(tmp_path / name)
+        assert again == profile and (again.p_block_w, again.unit_time_s) == (83.64, 0.001)
+    # without settings nothing changes: five columns, no JSON fields, and not equal to the above
+    bare = Profile(rows)
+    assert bare.to_csv_text().splitlines()[0] == HEADER
+    assert "p_block_w" not in bare.to_json() and bare != profile
+
+
+def test_csv_settings_are_one_value_and_empty_cells_are_absent(tmp_path: Path) -> None:
+    lines = [HEADER + ",p_block_w", *[f"{line},80" for line in GOOD]]
+    assert Profile.from_csv_text("\n".join(lines)).p_block_w == 80.0
+    blank = [HEADER + ",unit_time_s", *[f"{line}," for line in GOOD]]
+    assert Profile.from_csv_text("\n".join(blank)).unit_time_s is None
+    lines[4] = lines[4][: -len("80")] + "70"
+    message = read_error(write(tmp_path, lines))
+    assert message.endswith(
+        "line 5: column p_block_w is 70 here but 80.0 at line 2; a profile carries one value"
+    )
+    lines[4] = lines[4][: -len("70")] + "fast"
+    assert "line 5: column p_block_w is not a number: 'fast'" in read_error(write(tmp_path, lines))
+    lines[4] = lines[4][: -len("fast")] + "nan"
+    assert "line 5: column p_block_w must be finite, got nan W" in read_error(
+        write(tmp_path, lines)
+    )

@@ -330,7 +330,7 @@ def test_plan_cli_writes_plan_and_plot(tmp_path: Path) -> None:
         (["--stages", "5"], 7, "stage"),
         (["--policy", "deadline"], 2, "--deadline-s"),
         (["--policy", "deadline", "--deadline-s", "0.1"], 7, "below the fastest"),
-        (["--unit-time-s", "-1"], 7, "unit-time"),
+        (["--unit-time-s", "-1"], 2, "unit-time"),  # a usage error: the option says x>0
     ],
 )
 def test_plan_cli_errors_are_one_line(args: list[str], code: int, words: str) -> None:
