@@ -46,6 +46,8 @@ metric                                             type     meaning
 ``powerlib_session_tokens_total``                  counter  tokens the steps reported
 ``powerlib_session_planned_saving_ratio``          gauge    saving the applied plan replayed
 ``powerlib_session_stage_sm_clock_hertz``          gauge    clock a session last asked its stage
+``powerlib_session_measured_saving_ratio``         gauge    saving the closed loop measured
+                                                            (label ``verdict``)
 =================================================  =======  ======================================
 """
 

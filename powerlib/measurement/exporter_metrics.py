@@ -54,11 +54,17 @@ class StageGauges:
         saving_ratio: Energy saving of the applied plan, replayed on the profile (a fraction),
             or ``None`` before there is one.
         sm_freq_mhz: The clock the session last asked for its stage, or ``None``.
+        measured_saving_ratio: Energy saving of the plan measured by the closed loop against
+            interleaved all-max windows (a fraction, job-wide), or ``None`` before its verdict
+            or when no round was measured.
+        verdict: The closed loop's verdict (``kept``, ``shortfall``, ``reverted``), or ``None``.
     """
 
     stage: int
     saving_ratio: float | None
     sm_freq_mhz: float | None
+    measured_saving_ratio: float | None = None
+    verdict: str | None = None
 
 
 _STAGE_SOURCES: list[Callable[[], Iterable[StageGauges]]] = []
@@ -300,6 +306,11 @@ class _Collector:
             "Clock the session last asked for its stage (Hz)",
             labels=["stage", "Hostname"],
         )
+        measured = core.GaugeMetricFamily(
+            "powerlib_session_measured_saving_ratio",
+            "Energy saving of the plan measured against interleaved all-max windows (fraction)",
+            labels=["stage", "verdict", "Hostname"],
+        )
         for source in list(_STAGE_SOURCES):
             for gauges in source():
                 values = [str(gauges.stage), self._hostname]
@@ -307,7 +318,12 @@ class _Collector:
                     saving.add_metric(values, gauges.saving_ratio)
                 if gauges.sm_freq_mhz is not None:
                     clock.add_metric(values, gauges.sm_freq_mhz * _MHZ)
-        yield from (saving, clock)
+                ratio = gauges.measured_saving_ratio
+                if ratio is not None and math.isfinite(ratio):
+                    measured.add_metric(
+                        [str(gauges.stage), gauges.verdict or "", self._hostname], ratio
+                    )
+        yield from (saving, clock, measured)
 
 
 def make_registry(

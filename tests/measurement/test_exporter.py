@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import resource
 import selectors
@@ -149,15 +151,52 @@ def test_running_sessions_publish_their_stage_through_the_source_the_runtime_reg
         stage=1,
         outcome=SimpleNamespace(summary={"realized": {"saving_percent": 12.5}}),
         controller=SimpleNamespace(last_requested=1410.0),
+        realized=SimpleNamespace(saving_percent=11.0, rounds=3, verdict="shortfall"),
     )
-    profiling = SimpleNamespace(stage=0, outcome=None, controller=None)
-    monkeypatch.setattr(session_module, "active_sessions", lambda: [planned, profiling])
+    profiling = SimpleNamespace(stage=0, outcome=None, controller=None, realized=None)
+    unmeasured = SimpleNamespace(  # reverted before a round was paired: nothing measured
+        stage=2,
+        outcome=None,
+        controller=None,
+        realized=SimpleNamespace(saving_percent=math.nan, rounds=0, verdict="reverted"),
+    )
+    monkeypatch.setattr(session_module, "active_sessions", lambda: [planned, profiling, unmeasured])
     with Exporter([], port=None) as exp:
         fams = {f.name: f.samples for f in text_string_to_metric_families(exp.render().decode())}
     (saving,) = fams["powerlib_session_planned_saving_ratio"]
     assert saving.labels["stage"] == "1" and saving.value == pytest.approx(0.125)
     (clock,) = fams["powerlib_session_stage_sm_clock_hertz"]
     assert clock.labels["stage"] == "1" and clock.value == pytest.approx(1410e6)
+    (measured,) = fams["powerlib_session_measured_saving_ratio"]
+    assert measured.labels["stage"] == "1" and measured.labels["verdict"] == "shortfall"
+    assert measured.value == pytest.approx(0.11)
+
+
+def test_a_real_session_publishes_the_saving_its_closed_loop_measured(tmp_path: Path) -> None:
+    """An optimizing session (4 emulated stages, in-process) profiles, plans, applies and
+    measures its plan against all-max windows; the exporter then serves that measured saving,
+    next to the planned one, for every stage."""
+    from runtime_helpers import emulated_sessions, make_emulator, toy_profile
+
+    emulator = make_emulator(toy_profile(), 4)
+    sessions = emulated_sessions(emulator, tmp_path, settle_iterations=0, check_rounds=3)
+    with contextlib.ExitStack() as stack, Exporter([], port=None) as exp:
+        for s in sessions:
+            stack.enter_context(s)
+        before = {f.name: f.samples for f in text_string_to_metric_families(exp.render().decode())}
+        for _ in range(200):
+            emulator.run_iteration(sessions)
+            if sessions[0].realized is not None:
+                break
+        fams = {f.name: f.samples for f in text_string_to_metric_families(exp.render().decode())}
+    realized = sessions[0].realized
+    assert realized is not None and realized.rounds > 0
+    assert before["powerlib_session_measured_saving_ratio"] == []  # nothing measured yet
+    measured = fams["powerlib_session_measured_saving_ratio"]
+    assert sorted(s.labels["stage"] for s in measured) == ["0", "1", "2", "3"]
+    assert {s.labels["verdict"] for s in measured} == {realized.verdict}
+    assert all(s.value == pytest.approx(realized.saving_percent / 100.0) for s in measured)
+    assert len(fams["powerlib_session_planned_saving_ratio"]) == 4
 
 
 def test_textfile_mode_writes_atomically_and_once(tmp_path: Path) -> None:
