@@ -463,9 +463,11 @@ def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any] | 
 def main(argv: list[str] | None = None) -> int:
     """``python -m powerlib.integrations.megatron SCRIPT [ARGS...]``: run a Megatron script.
 
-    With ``POWERLIB_MEGATRON=1``, :func:`patch_training` is called (with the keywords of
-    ``POWERLIB_MEGATRON_OPTIONS``) before ``SCRIPT`` runs as ``__main__`` with ``ARGS`` as its
-    ``sys.argv[1:]``; otherwise the script runs untouched, so one launch line serves both.
+    ``SCRIPT`` runs as ``__main__`` with ``ARGS`` as its ``sys.argv[1:]`` and its folder first on
+    ``sys.path``, as ``python SCRIPT ARGS`` runs it (its sibling modules, such as
+    ``pretrain_gpt.py``'s ``gpt_builders``, import from any working directory). With
+    ``POWERLIB_MEGATRON=1``, :func:`patch_training` is called first (with the keywords of
+    ``POWERLIB_MEGATRON_OPTIONS``); otherwise nothing is patched, so one launch line serves both.
     Under torchrun: ``torchrun --nproc-per-node 8 -m powerlib.integrations.megatron
     pretrain_gpt.py ARGS``.
     """
@@ -485,14 +487,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     saved = sys.argv
     sys.argv = [script, *argv[1:]]
+    # As `python script.py` does: the script's folder first on sys.path, so its sibling modules
+    # (pretrain_gpt.py's gpt_builders, model_provider) import from any working directory.
+    folder = os.path.dirname(os.path.realpath(script))
+    sys.path.insert(0, folder)
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
         sys.argv = saved
+        if sys.path and sys.path[0] == folder:
+            del sys.path[0]
         if patch is not None:
             patch.restore()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m` runs this file as __main__, a second copy of the module: run the imported one,
+    # whose state (current_session, replan) is the one the script sees when it imports it.
+    from powerlib.integrations import megatron as _imported
+
+    sys.exit(_imported.main())

@@ -270,7 +270,7 @@ class Hooks:
             reason: One line.
             job_wide: Every rank gets the same reason (rank 0's planning verdict, the closed
                 loop's, or a failure a rank reported through a collective): only rank 0 warns,
-                the others log it. Otherwise it is this rank's own failure (a refused or
+                the others log it (DEBUG). Otherwise it is this rank's own failure (a refused or
                 failed clock change, an error in a hook): the controller stops (clocks reset,
                 no more requests); while the job still expects this rank in a collective (the
                 sweep's votes, the plan's arrival, the closed loop's exchange) the phase stays,
@@ -282,8 +282,8 @@ class Hooks:
                 self._failure = reason
                 if self.controller is not None:
                     self.controller.stop()
-            if self._fail_in_phase(reason):
-                logger.info("powerlib: %s; every rank stops at the next agreement", reason)
+            if self._fail_in_phase(reason):  # rank 0's one warning will name the reason
+                logger.debug("powerlib: %s; every rank stops at the next agreement", reason)
                 return
             reason = (
                 f"{reason}; this rank's GPU was reset to its baseline clocks and powerlib "
@@ -296,6 +296,9 @@ class Hooks:
     def _stopped(self, reason: str, *, job_wide: bool = False) -> None:
         """The session manages nothing more (the clocks are already reset); warn once.
 
+        One ``RuntimeWarning`` line (``logging.captureWarnings`` turns it into a log record):
+        for a job-wide reason on rank 0 only, the other ranks log it at DEBUG.
+
         While the closed loop still measures, the phase stays: the other ranks will gather
         every rank's windows, so this rank keeps counting iterations and sends its part (as
         stopped), and the verdict reverts the plan everywhere (no rank waits in a collective
@@ -307,8 +310,9 @@ class Hooks:
         if not self._warned:
             self._warned = True
             message = f"powerlib: {reason}"
+            # One line per job: a warning, not also a log record (frameworks that log at INFO
+            # through the root logger, Megatron-LM's, would print both, and every other rank's).
             if job_wide and self.rank != 0:
-                logger.info(message)
+                logger.debug(message)
                 return
-            logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)

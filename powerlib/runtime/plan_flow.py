@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +45,7 @@ from powerlib.runtime.planning_step import (
     PlanningOutcome,
     Replanner,
     make_plan,
+    write_no_plan,
     write_profile,
 )
 from powerlib.runtime.profile_phase import ProfilePhase
@@ -73,6 +75,18 @@ def _stopped_profiles(payloads: Sequence[Any]) -> str | None:
     return f"{why}; powerlib stopped profiling on every rank"
 
 
+def _warn_at_exit(message: str) -> None:
+    """One ``RuntimeWarning`` at the ``with`` statement's exit.
+
+    Where warnings are errors (``-W error``) it is a log record instead: a training run that went
+    well must not fail for a notice.
+    """
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=4)  # the `with` statement's line
+    except Warning:
+        logger.warning(message)
+
+
 class PlanFlow:
     """Profile -> plan -> apply -> verdict, and re-planning (mixed into the session)."""
 
@@ -90,6 +104,7 @@ class PlanFlow:
     def _plan_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
         stopped = _stopped_profiles(payloads)
         if stopped is not None:
+            write_no_plan(self.spec.out_dir, {"refused": stopped})
             return PlanningOutcome(baseline_reason=stopped)
         spec = dataclasses.replace(self.spec, progress=self._progress.enabled)
         return make_plan(spec, payloads, keep=self._keep_replanner)
@@ -241,6 +256,7 @@ class PlanFlow:
     def _profile_only_fn(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
         stopped = _stopped_profiles(payloads)
         if stopped is not None:
+            write_no_plan(self.spec.out_dir, {"refused": stopped})
             return PlanningOutcome(profile_only=True, baseline_reason=stopped)
         spec = dataclasses.replace(self.spec, progress=self._progress.enabled)
         return write_profile(spec, payloads)
@@ -318,6 +334,59 @@ class PlanFlow:
             self._disable(failure)  # the closed loop's exchange makes it job-wide
             return
         self._progress.say(f"applying the {plan.policy} plan from iteration {self.iteration}")
+
+    def _ended_before_plan(self) -> None:
+        """The ``with`` block ended (no exception) while profiling or awaiting the plan.
+
+        Rank 0 says so in one warning line (how far the sweep got, how many iterations it
+        needs) and writes what it has to ``out_dir``: ``summary.json`` and its own stage's rows
+        of the clocks that ended (``profile.partial.csv``). No collective (the other ranks may
+        be gone already), nothing raised: the training run itself went well.
+        """
+        profiling = self._profiling
+        waiting = isinstance(self._phase, Waiting)
+        if profiling is None or not (waiting or self._phase is profiling) or self._warned:
+            return
+        if self.rank != 0:
+            if profiling.failed is not None:  # no agreement came to carry it to rank 0
+                self._warned = True
+                _warn_at_exit(f"powerlib: {profiling.failed}; the run ended before every rank knew")
+            else:
+                logger.debug("powerlib: the run ended before its plan; rank 0 says how far")
+            return
+        self._warned = True
+        goal = "profile" if self.mode == "profile" else "plan"
+        so_far = profiling.so_far()
+        if waiting:
+            got = f"it profiled every clock, but rank 0's {goal} had not arrived"
+        elif so_far["warming_up"]:
+            got = "it was still warming up"
+        else:
+            got = f"it profiled {so_far['clocks_profiled']} of {so_far['clocks']} clocks"
+        message = (
+            f"powerlib: the run ended after {self.iteration} iterations, before its {goal}: "
+            f"{got}; a {goal} needs up to {so_far['iterations_needed']} iterations of "
+            f"profiling ({so_far['warmup_iterations']} warm-up + {so_far['clocks']} clocks x up "
+            f"to {so_far['max_iterations_per_clock']}): train longer, or profile fewer clocks "
+            "(freqs_mhz) or iterations per clock (max_iterations_per_freq)"
+        )
+        if profiling.failed is not None:
+            message += f"; {profiling.failed}"
+        rows = []
+        try:
+            rows = profiling.partial_rows()
+        except Exception as err:  # noqa: BLE001 - a finished run must not fail for its partial profile
+            logger.debug("powerlib: no partial profile: %s", err)
+        info = {
+            "ended_before_plan": message.removeprefix("powerlib: "),
+            "iterations": self.iteration,
+            **{k: v for k, v in so_far.items() if k != "warming_up"},
+            "partial_profile_stage": self.stage if rows else None,
+        }
+        if write_no_plan(self.spec.out_dir, info, rows):
+            written = "its partial profile and summary.json are" if rows else "summary.json is"
+            message += f"; {written} in {self.spec.out_dir}"
+        _warn_at_exit(message)
 
     def _verdict(self, realized: Realized) -> None:
         """The closed loop's verdict (every rank gets rank 0's): keep, warn, or revert."""

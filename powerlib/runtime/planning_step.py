@@ -10,7 +10,8 @@ directory.
 When the profile cannot resolve per-instruction energy, or the chosen plan would cost more energy
 than all maximum clocks (or run past the allowed slowdown), rank 0 returns ``{"baseline": reason}``
 instead of a plan: every session then runs at the baseline clocks, and rank 0 says why in one
-warning line.
+warning line; ``summary.json`` gives the reason (``refused``) either way (:func:`write_no_plan`
+when there is no frontier to write).
 """
 
 from __future__ import annotations
@@ -31,23 +32,30 @@ from powerlib.planning.perseus.points import Wanted
 from powerlib.planning.perseus.report import plot_frontier, summary, write_frontier_csv
 from powerlib.planning.pipeline import PLACEMENTS, Instruction, Schedule, build_dag
 from powerlib.planning.plan import FrequencyPlan
-from powerlib.planning.profile import Profile, ProfileRow
+from powerlib.planning.profile import CSV_COLUMNS, Profile, ProfileRow
 from powerlib.planning.schedules import build_schedule
 from powerlib.planning.workflow import wanted_for
-from powerlib.profiling.sweep import aggregate_stage_rows
 from powerlib.progress import Progress
-from powerlib.runtime.records import Prediction, ProfilePayload, Realized
+from powerlib.runtime.gathered import (
+    GATHERED,
+    Payload,
+    as_profiles,
+    auto_unit_time_s,
+    check_resolution,
+    measured_latency_s,
+    merge_profiles,
+    time_cv_for,
+    time_se_for,
+)
+from powerlib.runtime.records import Prediction, Realized
 
 __all__ = [
-    "GIVE_UP_FACTOR",
-    "MAX_ENERGY_ERROR",
+    "NO_PLAN_SCHEMA",
     "PlanSpec",
     "PlanningOutcome",
     "Replanner",
-    "auto_unit_time_s",
-    "check_resolution",
     "make_plan",
-    "merge_profiles",
+    "write_no_plan",
     "write_profile",
 ]
 
@@ -58,17 +66,6 @@ RECORDED = "recorded"
 
 _SUMMARY_POINTS = 32
 """Exact frontier points a direct solve writes to ``frontier.csv`` (evenly spaced; as the CLI)."""
-
-GIVE_UP_FACTOR = 4.0
-"""A row known to worse than this many times the sweep's target (16x the iterations it would
-need) cannot be resolved: the sweep gives up on it, and the planner refuses it."""
-
-MAX_ENERGY_ERROR = 0.08
-"""The largest relative error (half-width of the 95 % interval the attribution gives each row)
-of a profiled instruction energy the planner accepts at the default 2 % target: the sweep gives
-up at :data:`GIVE_UP_FACTOR` x its target, and a larger target (``target_error``) raises the
-limit alike. The planner's cost model fits each (stage, kind) over all its clocks, which smooths
-one row's error."""
 
 DEFAULT_SWITCH_LATENCY_S = 0.005
 """The clock-change latency the guard assumes when nothing measured it."""
@@ -199,119 +196,12 @@ class PlanningOutcome:
         return Prediction.from_summary(self.summary)
 
 
-def auto_unit_time_s(profile: Profile) -> float:
-    """τ: a power of ten at most 1/20 of the shortest instruction.
-
-    That is 1 ms for 50 ms instructions, as the Perseus artifact used on A100; 0.1 ms for 5 ms.
-    """
-    shortest = min(r.time_s for r in profile.rows)
-    return 10.0 ** math.floor(math.log10(shortest / 20.0))
-
-
-GATHERED = "the gathered profile"
-
-
-Payload = Mapping[str, Any] | ProfilePayload
-"""What a rank sends rank 0: its :class:`ProfilePayload` (or that as JSON data), or, for a
-saved profile or plan, ``{"profile_path": ...}`` / ``{"plan_path": ...}``."""
-
-
-def as_profiles(payloads: Sequence[Payload]) -> list[ProfilePayload]:
-    """The ranks' profiles, typed (JSON data is read with :meth:`ProfilePayload.from_json`)."""
-    return [p if isinstance(p, ProfilePayload) else ProfilePayload.from_json(p) for p in payloads]
-
-
-def merge_profiles(payloads: Sequence[Payload]) -> tuple[list[ProfileRow], float | None]:
-    """Every rank's rows merged per stage, and P_block from the ranks' attribution.
-
-    P_block is the mean of the ranks' solved blocking power (``p_block_w``); ``None`` when no
-    rank resolved one.
-    """
-    profiles = as_profiles(payloads)
-    rows = aggregate_stage_rows(list(p.rows) for p in profiles)
-    measured = [p.p_block_w for p in profiles if p.p_block_w]
-    return rows, (sum(measured) / len(measured) if measured else None)
-
-
-def measured_latency_s(payloads: Sequence[Payload]) -> float | None:
-    """The slowest rank's measured clock-change latency, when any rank measured one."""
-    latencies = [p.latency_s for p in as_profiles(payloads) if p.latency_s is not None]
-    return max(latencies) if latencies else None
-
-
-def time_cv_for(payloads: Sequence[Payload]) -> float:
-    """The largest run-to-run spread of instruction times a rank saw (the guard's noise)."""
-    spreads = [p.time_cv for p in as_profiles(payloads) if p.time_cv is not None]
-    return max(spreads) if spreads else 0.0
-
-
-def time_se_for(payloads: Sequence[Payload]) -> float:
-    """The largest standard error of a row's mean time a rank's profile has."""
-    errors = [p.time_se for p in as_profiles(payloads) if p.time_se is not None]
-    return max(errors) if errors else 0.0
-
-
 def switch_latency_for(spec: PlanSpec, payloads: Sequence[Payload]) -> float:
     """The latency the guard plans for: the spec's, else the measured one, else the default."""
     if spec.switch_latency_s is not None:
         return spec.switch_latency_s
     measured = measured_latency_s(payloads)
     return DEFAULT_SWITCH_LATENCY_S if measured is None else measured
-
-
-def _fmt_s(time_s: float) -> str:
-    return f"{time_s * 1e3:.3g} ms" if time_s < 1.0 else f"{time_s:.3g} s"
-
-
-def check_resolution(rows: list[ProfileRow], payloads: Sequence[Payload]) -> str | None:
-    """Why the gathered profile cannot resolve per-instruction energy, or ``None`` if it can.
-
-    A rank that gave up while sweeping says why (``payload["unresolved"]``: the figure it
-    reached and what would resolve it). Otherwise every row carries the half-width of its 95 %
-    interval from the attribution (``payload["errors"]``); a row whose energy is not positive,
-    or worse than :data:`MAX_ENERGY_ERROR`, means the counter cannot resolve the instructions.
-
-    Args:
-        rows: The merged rows (:func:`merge_profiles`).
-        payloads: What the ranks sent.
-
-    Returns:
-        One line naming the worst case and what to change, or ``None``.
-    """
-    profiles = as_profiles(payloads)
-    if any(p.gave_up for p in profiles):
-        why = next((p.unresolved for p in profiles if p.unresolved), "a rank gave up")
-        return f"the energy counter cannot resolve per-instruction energy: {why}"
-    errors: dict[tuple[int, str, float], float] = {}
-    for p in profiles:
-        for (kind, freq), error in p.errors.items():
-            key = (p.stage, kind, freq)
-            errors[key] = max(errors.get(key, 0.0), error)
-    targets = [p.target_error for p in profiles if p.target_error]
-    limit = max([MAX_ENERGY_ERROR, *(GIVE_UP_FACTOR * t for t in targets)])
-    worst: tuple[float, ProfileRow] | None = None
-    coarse = 0
-    for r in rows:
-        error = errors.get((r.stage, r.instruction, r.freq_mhz), 0.0)
-        if r.energy_j <= 0:
-            error = math.inf
-        if error > limit:
-            coarse += 1
-            if worst is None or error > worst[0]:
-                worst = (error, r)
-    if worst is None:
-        return None
-    error, r = worst
-    known = f"+-{100 * error:.0f} %" if math.isfinite(error) else "not at all"
-    period = [p.counter_period_s for p in profiles if p.counter_period_s]
-    counter = f" (its energy counter updates about every {_fmt_s(max(period))})" if period else ""
-    return (
-        f"the energy counter cannot resolve per-instruction energy{counter}: stage {r.stage} "
-        f"{r.instruction} at {r.freq_mhz:g} MHz ({_fmt_s(r.time_s)}) is known {known} "
-        f"({coarse} of {len(rows)} profiled rows worse than +-{100 * limit:.0f} %); "
-        "profile longer instructions (larger microbatches) or more iterations per clock "
-        "(max_iterations_per_freq)"
-    )
 
 
 def write_profile(spec: PlanSpec, payloads: Sequence[Payload]) -> PlanningOutcome:
@@ -323,12 +213,54 @@ def write_profile(spec: PlanSpec, payloads: Sequence[Payload]) -> PlanningOutcom
     rows, p_block_w = merge_profiles(payloads)
     reason = check_resolution(rows, payloads)
     if reason is not None:
+        write_no_plan(spec.out_dir, {"refused": reason})
         return PlanningOutcome(profile_only=True, p_block_w=p_block_w, baseline_reason=reason)
     if spec.out_dir is not None and rows:
         spec.out_dir.mkdir(parents=True, exist_ok=True)
-        Profile(rows, source=GATHERED).write_csv(spec.out_dir / "profile.csv")
+        # the profile carries P_block, so `powerlib plan profile.csv` needs no --p-block-w
+        Profile(rows, source=GATHERED, p_block_w=p_block_w).write_csv(spec.out_dir / "profile.csv")
         Progress(spec.progress).say(f"profile written to {spec.out_dir / 'profile.csv'}")
     return PlanningOutcome(profile_only=True, p_block_w=p_block_w)
+
+
+NO_PLAN_SCHEMA = "powerlib.no-plan.v1"
+"""``summary.json`` of a run that applies no plan: the planner's verdict ``refused`` it (a
+profile that cannot resolve per-instruction energy, a rank that failed), or the run ended before
+its plan (``ended_before_plan``)."""
+
+
+def write_no_plan(
+    out_dir: Path | None, info: Mapping[str, Any], rows: Sequence[ProfileRow] = ()
+) -> bool:
+    """Rank 0: what a run that applies no plan has, in ``out_dir``; never raises.
+
+    Writes ``summary.json`` (``{"schema": NO_PLAN_SCHEMA, "plan": null, **info}``) and, when
+    ``rows`` are given, ``profile.partial.csv`` (the profile's columns; the rows measured so far,
+    which the planner refuses until every stage has two clocks of each kind).
+
+    Returns:
+        Whether the files were written (``False``: no ``out_dir``, or writing failed, logged).
+    """
+    if out_dir is None:
+        return False
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if rows:
+            lines = [",".join(CSV_COLUMNS)]
+            lines += [
+                f"{r.stage},{r.instruction},{r.freq_mhz:g},{r.time_s!r},{r.energy_j!r}"
+                for r in rows
+            ]
+            (out / "profile.partial.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        summary_info = {"schema": NO_PLAN_SCHEMA, "plan": None, **info}
+        (out / "summary.json").write_text(
+            json.dumps(summary_info, indent=1) + "\n", encoding="utf-8"
+        )
+    except OSError as err:
+        logger.warning("powerlib: could not write to %s: %s", out, err)
+        return False
+    return True
 
 
 def _schedule_for(spec: PlanSpec, payloads: Sequence[Payload]) -> tuple[Schedule, str]:
@@ -467,12 +399,15 @@ def make_plan(
             raise PlanError("no rank measured any instruction: was the session's step() called?")
         reason = check_resolution(rows, payloads)
         if reason is not None:
+            write_no_plan(spec.out_dir, {"refused": reason})
             return PlanningOutcome(baseline_reason=reason, p_block_w=measured)
         profile = Profile(rows, source=GATHERED)
         measured_p_block = [] if measured is None else [measured]
     profile.validate_for(spec.num_stages, ())  # kinds: checked against the order
     if spec.p_block_w is not None:
         p_block_w = spec.p_block_w
+    elif profile.p_block_w is not None and not measured_p_block:  # a saved profile carries it
+        p_block_w = profile.p_block_w
     elif measured_p_block:
         p_block_w = sum(measured_p_block) / len(measured_p_block)
     elif idle := [p.idle_power_w for p in payloads if p.idle_power_w]:
@@ -485,7 +420,7 @@ def make_plan(
         raise PlanError(
             "P_block is unknown: no rank measured time between instructions; pass p_block_w"
         )
-    unit_time_s = spec.unit_time_s or auto_unit_time_s(profile)
+    unit_time_s = spec.unit_time_s or profile.unit_time_s or auto_unit_time_s(profile)
     schedule, order_source = _schedule_for(spec, payloads)
     num_microbatches = 1 + max(ins.microbatch for order in schedule for ins in order)
     num_chunks = 1 + max(ins.chunk for order in schedule for ins in order)
@@ -572,7 +507,10 @@ def make_plan(
     if spec.out_dir is not None:
         out = Path(spec.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        profile.write_csv(out / "profile.csv")
+        # with the P_block and τ it was planned with: `powerlib plan` on it plans the same way
+        Profile(
+            profile.rows, source=profile.source, p_block_w=p_block_w, unit_time_s=unit_time_s
+        ).write_csv(out / "profile.csv")
         write_frontier_csv(frontier, out / "frontier.csv")
         if plan is not None:
             plan.write(out / "plan.json")

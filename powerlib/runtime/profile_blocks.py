@@ -178,13 +178,22 @@ class Blocks:
         return float(statistics.median(tau[1:] - tau[:-1]))
 
     def solve_rows(
-        self, stage: int, freqs_desc: Sequence[float], latency_s: float | None
+        self,
+        stage: int,
+        freqs_desc: Sequence[float],
+        latency_s: float | None,
+        *,
+        num_blocks: int | None = None,
     ) -> SolvedRows:
-        """The whole sweep solved at once: every row, its error, and the blocking power."""
+        """The whole sweep solved at once: every row, its error, and the blocking power.
+
+        ``num_blocks``: solve only the first this many blocks (those whose clock ended, when a
+        run stops mid-sweep); default every block.
+        """
         kept = []
         step = clock_step(freqs_desc)
         windows: dict[int, list[tuple[float, float]]] = {}
-        for index, b in enumerate(self.blocks):
+        for index, b in enumerate(self.blocks[:num_blocks]):
             windows[index] = self.windows(b, latency_s)
             if not windows[index]:
                 b.dropped = b.dropped or "the clock never landed"

@@ -42,11 +42,12 @@ from powerlib.device import Device
 from powerlib.errors import InvalidArgumentError, PowerlibError
 from powerlib.measurement.markers import Stamps
 from powerlib.measurement.sampler import DeviceSampler
+from powerlib.planning.profile import ProfileRow
 from powerlib.profiling.sweep import FrequencySweep, ProfileRecorder, SweepConfig
 from powerlib.progress import Progress
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future
-from powerlib.runtime.planning_step import GIVE_UP_FACTOR
+from powerlib.runtime.gathered import GIVE_UP_FACTOR
 from powerlib.runtime.profile_blocks import Blocks
 from powerlib.runtime.records import ProfilePayload
 
@@ -347,6 +348,37 @@ class ProfilePhase:
     def close(self) -> None:
         """Stop the stamps' waiter (the session owns the sampler)."""
         self._stamps.close()
+
+    def so_far(self) -> dict[str, Any]:
+        """How far the sweep got, for a run that ends before it finishes.
+
+        ``clocks_profiled`` of ``clocks`` candidates ended their block (0 while ``warming_up``);
+        the sweep takes at most ``iterations_needed`` iterations (warm-up, then every clock at
+        ``max_iterations_per_freq``; resolving early or ending the coarse pass takes fewer).
+        """
+        config = self.sweep.config
+        return {
+            "clocks_profiled": len(self.sweep.visited),
+            "clocks": len(config.freqs_mhz),
+            "warming_up": self.sweep.warming_up,
+            "warmup_iterations": config.warmup_iterations,
+            "max_iterations_per_clock": config.settle_iterations + config.max_iterations_per_freq,
+            "iterations_needed": config.max_iterations,
+        }
+
+    def partial_rows(self) -> list[ProfileRow]:
+        """This rank's rows from the clocks whose block ended (a run that ended mid-sweep).
+
+        Raises:
+            PowerlibError: Attributing the energy failed.
+        """
+        ended = len(self.sweep.visited)  # one block per clock, in the order the sweep ran them
+        if self.failed is not None or not ended:
+            return []
+        solved = self._record.solve_rows(
+            self._stage, self.sweep.config.freqs_mhz, self.latency_s, num_blocks=ended
+        )
+        return solved.rows
 
     # -- decisions -------------------------------------------------------------------------------
 

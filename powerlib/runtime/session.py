@@ -111,16 +111,19 @@ def active_sessions() -> list[Session]:
 
 
 def _stage_gauges() -> list[StageGauges]:
-    """Each running session's saving and clock, for the in-process exporter (docs/measurement.md §7)."""
+    """Each running session's saving (planned, measured) and clock, for the exporter (measurement.md §7)."""
     out = []
     for s in active_sessions():
         summary = s.outcome.summary if s.outcome is not None else None
         pct = ((summary or {}).get("realized") or {}).get("saving_percent")
+        measured = s.realized if s.realized is not None and s.realized.rounds > 0 else None
         out.append(
             StageGauges(
                 stage=s.stage,
                 saving_ratio=pct / 100.0 if isinstance(pct, (int, float)) else None,
                 sm_freq_mhz=s.controller.last_requested if s.controller is not None else None,
+                measured_saving_ratio=None if measured is None else measured.saving_percent / 100.0,
+                verdict=None if measured is None else measured.verdict,
             )
         )
     return out
@@ -427,7 +430,11 @@ class Session(Hooks, PlanFlow):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._close()
+        try:
+            if exc_type is None:  # a short run: rank 0 says how far it got (PlanFlow)
+                self._ended_before_plan()
+        finally:
+            self._close()
 
     def _open_session(self) -> None:
         run = self.run_config

@@ -18,21 +18,26 @@ what this module does for each item:
 4. Only for real models that use the tensor-parallel RNG tracker (``GPTModel``): route
    ``torch.cuda.manual_seed``/``get_rng_state`` and ``tensor_parallel.random``'s
    ``_get_cuda_rng_state``/``_set_cuda_rng_state`` to the CPU RNG, and call
-   ``model_parallel_cuda_manual_seed`` inside :func:`cuda_to_cpu`. **Not implemented here**: the
-   tests use a custom stage module (below), which never touches the RNG tracker.
+   ``model_parallel_cuda_manual_seed`` inside :func:`cuda_to_cpu`. The schedule tests use a
+   custom stage module (below), which never touches the RNG tracker; :func:`checkpoint_rng`
+   (activation recompute) and :func:`pretrain_on_cpu` route it.
+5. Megatron-LM's whole ``pretrain()`` (its start-up asserts CUDA, moves models and batches to
+   the device, opens streams): :func:`pretrain_on_cpu`, which includes 1-4.
 
 A custom stage module must carry what the schedules look up: ``.config`` (the
 ``ModelParallelConfig``), ``.model_type`` (``ModelType.encoder_or_decoder``) and
 ``set_input_tensor()`` (trial M0's second failure: ``_get_attr_wrapped_model couldn't find
 attribute model_type``). :class:`StageModule` is such a module around any ``torch.nn.Module``.
 
-``torch.cuda.is_available()`` is left alone, so powerlib's session still sees a CPU-only process
-and does not pick ``torch.cuda.synchronize`` as its device sync.
+``torch.cuda.is_available()`` is left alone (except inside :func:`pretrain_on_cpu`, where
+``torch.cuda.is_initialized()`` still is False), so powerlib's session still sees a CPU-only
+process and does not pick ``torch.cuda.synchronize`` as its device sync.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +49,7 @@ __all__ = [
     "cuda_to_cpu",
     "checkpoint_rng",
     "install",
+    "pretrain_on_cpu",
     "sequence_parallel_norms",
 ]
 
@@ -68,6 +74,28 @@ class CudaToCpu(TorchFunctionMode):
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
+
+
+class _TensorsStayOnCpu(CudaToCpu):
+    """Shim 3, and ``Tensor.cuda()``, ``Tensor.to("cuda…")`` and ``Tensor.pin_memory()`` (the
+    data loader's) keep a tensor where it is, on the CPU; ``Tensor.type()`` names the type the
+    tensor would have on the GPU (gradient clipping asserts ``torch.cuda.FloatTensor``)."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        result = super().__torch_function__(func, types, args, kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return result.replace("torch.", "torch.cuda.", 1)
+        return result
 
 
 def cuda_to_cpu() -> CudaToCpu:
@@ -166,3 +194,76 @@ def checkpoint_rng() -> Callable[[], None]:
         random._get_cuda_rng_state, random._set_cuda_rng_state = saved
 
     return uninstall
+
+
+class _HostStream:
+    """A CUDA stream on the CPU: work is done when it is issued, so there is nothing to wait."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def is_capturing(self) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def pretrain_on_cpu() -> Iterator[None]:
+    """Megatron-LM's real ``pretrain()`` on CPU: shims 1-4 and what its start-up asks of CUDA.
+
+    Inside the block: ``torch.cuda.is_available()`` is True and ``device_count()`` 1
+    (``initialize_megatron`` asserts the first, and sets up model parallelism and its seeds only
+    with a device; ``torch.cuda.is_initialized()`` stays False, so powerlib's session still
+    stamps and syncs on the host); ``set_device`` does nothing; CUDA streams (DDP's
+    initialisation stream, torch's optimizer asking the accelerator's stream whether a graph is
+    being captured) are host streams that never capture; ``Module.cuda()``, ``Tensor.cuda()``,
+    ``Tensor.to("cuda")`` and ``Tensor.pin_memory()`` leave models and batches on the CPU, and
+    ``Tensor.type()`` names the CUDA type (gradient clipping asserts it); the "CUDA" RNG states
+    the seed tracker keeps and forks are the CPU generator's (shim 4, :func:`checkpoint_rng`),
+    so dropout must be 0. Not CUDA, but the wheel: ``initialize_megatron`` runs ``make`` in
+    ``megatron/core/datasets`` to build the dataset index helpers, which megatron-core wheels
+    ship built (``helpers_cpp``) without the Makefile of a source checkout: the build is
+    skipped. Everything is put back on exit.
+    """
+    from megatron.core.datasets import helpers_cpp  # noqa: F401  (prebuilt, or fail here)
+    from megatron.core.datasets import utils as dataset_utils
+
+    compile_helpers = dataset_utils.compile_helpers
+    dataset_utils.compile_helpers = lambda: None
+    cuda = torch.cuda
+    names = ("is_available", "device_count", "set_device", "get_rng_state")
+    names += ("is_current_stream_capturing", "Stream", "current_stream", "stream")
+    saved = {name: getattr(cuda, name) for name in names}
+    saved_module_cuda = torch.nn.Module.cuda
+    saved_accelerator_stream = torch.accelerator.current_stream
+    uninstall, uninstall_rng = install(), checkpoint_rng()
+    cuda.is_available = lambda: True  # type: ignore[assignment]
+    cuda.device_count = lambda: 1  # type: ignore[assignment]
+    cuda.set_device = lambda device: None  # type: ignore[assignment]
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore[assignment]
+    cuda.is_current_stream_capturing = lambda: False  # type: ignore[assignment]
+    cuda.Stream = _HostStream  # type: ignore[assignment, misc]
+    cuda.current_stream = lambda device=None: _HostStream()  # type: ignore[assignment]
+    cuda.stream = lambda stream: contextlib.nullcontext()  # type: ignore[assignment]
+    # torch's optimizers ask the accelerator's stream whether a CUDA graph is being captured
+    torch.accelerator.current_stream = cuda.current_stream  # type: ignore[assignment]
+    torch.nn.Module.cuda = lambda self, device=None: self  # type: ignore[method-assign]
+    try:
+        with _TensorsStayOnCpu():
+            yield
+    finally:
+        for name, value in saved.items():
+            setattr(cuda, name, value)
+        torch.nn.Module.cuda = saved_module_cuda  # type: ignore[method-assign]
+        torch.accelerator.current_stream = saved_accelerator_stream  # type: ignore[assignment]
+        dataset_utils.compile_helpers = compile_helpers
+        uninstall_rng()
+        uninstall()

@@ -394,6 +394,39 @@ def test_the_launcher_runs_the_script_untouched_when_off(tmp_path: Path) -> None
     assert seen["patched"] in (False, None)
 
 
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_the_launcher_imports_the_script_siblings_from_another_folder(
+    tmp_path: Path, switch: str
+) -> None:
+    """``pretrain_gpt.py`` imports ``gpt_builders`` from its own folder: launched from any other
+    working directory, the script's folder is first on ``sys.path``, as ``python script.py``
+    has it."""
+    checkout, elsewhere = tmp_path / "Megatron-LM", tmp_path / "runs"
+    checkout.mkdir()
+    elsewhere.mkdir()
+    (checkout / "gpt_builders.py").write_text("BUILDER = 'gpt'\n")
+    (checkout / "pretrain_gpt.py").write_text(
+        "import json, os, sys\n"
+        "from gpt_builders import BUILDER\n"
+        "print(json.dumps({'builder': BUILDER, 'path0': sys.path[0], 'cwd': os.getcwd()}))\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("POWERLIB_MEGATRON")}
+    done = subprocess.run(
+        [sys.executable, "-m", "powerlib.integrations.megatron", "../Megatron-LM/pretrain_gpt.py"],
+        cwd=elsewhere,
+        env=clean | {"POWERLIB_MEGATRON": switch},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if switch == "1" and megatron_training is None:  # 0.16: refused before the script runs
+        assert done.returncode == 2, done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"builder": "gpt", "path0": str(checkout), "cwd": str(elsewhere)}
+
+
 def test_the_launcher_patches_train_when_on(tmp_path: Path) -> None:
     done = _launch_script(tmp_path, {"POWERLIB_MEGATRON": "1"})
     if megatron_training is None:  # 0.16: one clear line, nothing run

@@ -379,7 +379,13 @@ def test_a_counter_too_coarse_for_the_instructions_warns_once_and_keeps_the_base
     assert all(d.read_state().locked_sm_freqs_mhz is None for d in emulator.devices)
     for r in results[-2:]:  # the last iterations ran at the top clock throughout
         assert {seg[2] for ex in r.executed for seg in ex.segments} == {max(FREQS)}
-    assert not (tmp_path / "out").exists()  # nothing written from a profile that resolves nothing
+    # no profile, frontier or plan from a profile that resolves nothing: only the reason
+    out = tmp_path / "out"
+    assert sorted(f.name for f in out.iterdir()) == ["summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["plan"] is None and warned[0] == f"powerlib: {summary['refused']}" + (
+        "; running at the baseline clocks, no plan applied"
+    )
 
 
 @pytest.mark.parametrize("counter_period_s", [0.001, 0.05])

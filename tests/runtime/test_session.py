@@ -50,6 +50,9 @@ def test_auto_profiles_plans_applies_and_restores(tmp_path: Path) -> None:
         assert row.energy_j == pytest.approx(truth[row.freq_mhz][1], rel=1e-9)
     plan = FrequencyPlan.read(tmp_path / "out" / "plan.json")
     assert plan.workload["p_block_w"] == pytest.approx(80.0, rel=1e-6)
+    # the profile carries what it was planned with: `powerlib plan` on it needs neither flag
+    assert gathered.p_block_w == plan.workload["p_block_w"]
+    assert gathered.unit_time_s == plan.workload["unit_time_s"]
 
     # apply phase from the next iteration, in every stage, each instruction at its planned clock
     assert all(r.phases == ("apply",) * 4 for r in results[sweep_iterations:])
