@@ -23,12 +23,13 @@ Environment variables:
 ``POWERLIB_SIM_MODEL``    Simulated GPU model: ``a100`` (default), ``h100``, ``a40``.
 ``POWERLIB_SIM_CLOCK``    ``wall`` (default; state persists across processes) or ``virtual``
                           (time advances only when simulated work runs; nothing persists).
-``POWERLIB_SIM_*``        The simulated GPU's NVML-like behaviour (README, "The simulated
-                          GPU"): ``ENERGY_PERIOD_S`` (counter period, default the model's
-                          0.1 s), ``SWITCH_LATENCY_S`` and ``LATENCY_SPREAD`` (clock-change
-                          landing, default the model's 0.02 s ± 50 %), ``READ_COST_S`` (what
-                          a ``read_state`` takes, default 0), ``NOISE`` (run-to-run noise on
-                          each work unit, default 0) and ``SEED`` (default 0).
+``POWERLIB_SIM_*``        The simulated GPU's NVML-like behaviour (docs/backends.md, "The
+                          simulated GPU"): ``ENERGY_PERIOD_S`` (counter period, default the
+                          model's 0.1 s), ``SWITCH_LATENCY_S`` and ``LATENCY_SPREAD``
+                          (clock-change landing, default the model's 0.02 s ± 50 %),
+                          ``READ_COST_S`` (what a ``read_state`` takes, default 0), ``NOISE``
+                          (run-to-run noise on each work unit, default 0) and ``SEED``
+                          (default 0).
 ``POWERLIB_AGENT_SOCKET`` The node agent's socket for ``POWERLIB_BACKEND=agent`` (default
                           ``/run/powerlib/agent/agent.sock``, in a folder of its own that pods
                           mount read-only; docs/agent.md).

@@ -40,8 +40,8 @@ class PowerlibError(Exception):
         vendor_code: The vendor's numeric code or errno name, kept for diagnostics.
 
     Attributes:
-        exit_code: The ``powerlib`` CLI's exit status for this kind of error (documented in the
-            README). Subclasses override it.
+        exit_code: The ``powerlib`` CLI's exit status for this kind of error (documented in
+            docs/json-and-exit-codes.md). Subclasses override it.
     """
 
     exit_code: int = 1

@@ -12,7 +12,7 @@ RecursionError, a UnicodeDecodeError, an unbounded allocation or an hour of pars
 - :data:`CSV_FIELD_LIMIT` is the field-size limit CSV readers use; ``csv.Error`` becomes one line.
 
 The error type is the caller's (``PlanError`` for profiles and plans, ``JournalError`` for
-journals), so exit codes stay those of the README's table. This module imports nothing from
+journals), so exit codes stay those of docs/json-and-exit-codes.md. This module imports nothing from
 powerlib but the error base class, so planning code may use it.
 """
 

@@ -77,7 +77,7 @@ class RestoreOutcome:
         target: The value restored to (``None`` = unlocked / default).
         journal: Journal file, when the restore came from one.
         owner_pid: The journal owner's pid.
-        error_code: When not ok, the CLI exit code of the failure (the README's table): the
+        error_code: When not ok, the CLI exit code of the failure (docs/json-and-exit-codes.md): the
             driver's error (4, 5, 9, 10...), 11 for an unreadable journal, 12 for an untrusted
             one, 1 for a device that still reads modified after the restore.
         skipped: Nothing was done, deliberately: state a restore acting for a user must not
@@ -484,7 +484,7 @@ def restore_journals(
 def restore_failure(outcomes: Sequence[RestoreOutcome]) -> PowerlibError | None:
     """The error a restore with these outcomes ends in, or ``None`` if every step succeeded.
 
-    Its exit code is the first failure's (the README's table) and its message is one line: the
+    Its exit code is the first failure's (docs/json-and-exit-codes.md) and its message is one line: the
     first failure, and how many more there are.
     """
     failed = [o for o in outcomes if not o.ok]

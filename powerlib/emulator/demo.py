@@ -45,7 +45,7 @@ from powerlib.progress import Progress
 from powerlib.runtime.apply_phase import ApplyPhase
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import LocalGroup
-from powerlib.runtime.planning_step import auto_unit_time_s
+from powerlib.runtime.gathered import auto_unit_time_s
 from powerlib.runtime.session import Session
 
 __all__ = ["DemoConfig", "default_profile", "run_demo", "simulate_plan", "write_timeline"]

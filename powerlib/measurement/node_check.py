@@ -19,7 +19,7 @@ whether a session could change its clocks and measure its energy, and why not:
 * what the power reading covers (the whole board, a Grace Hopper module, a RAPL zone...).
 
 Each device ends with one verdict: ready, or not ready with the reason and the exit code of the
-README's table (4 no permission, 5 MIG or no clock control, 9 device lost, the error's own code
+table in docs/json-and-exit-codes.md (4 no permission, 5 MIG or no clock control, 9 device lost, the error's own code
 for any other driver failure). An error in one device's check never stops the others. The
 report's exit code is the first failing device's (3, or the error's code, when the backend
 cannot be opened at all). Nothing here needs click: the CLI (:mod:`powerlib.cli.check`) only
@@ -77,7 +77,7 @@ or faster; a shorter window says too little)."""
 
 _LIMIT_TOLERANCE_W = 0.5
 
-# Exit codes of the README's table (also the PowerlibError subclasses' exit_code).
+# Exit codes of docs/json-and-exit-codes.md (also the PowerlibError subclasses' exit_code).
 EXIT_PERMISSION = 4
 EXIT_NOT_SUPPORTED = 5
 
@@ -106,7 +106,7 @@ class DeviceCheck:
         power_scope: What the power and energy readings cover.
         warnings: Findings that do not stop a session (persistence off, an existing lock...).
         reasons: Why the device is not ready, first the one that sets ``exit_code``.
-        exit_code: 0 when ready, else the README's exit code of the first reason.
+        exit_code: 0 when ready, else the exit code of the first reason.
     """
 
     index: int

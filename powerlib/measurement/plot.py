@@ -1,6 +1,6 @@
 """Power per device over time, with a measurement's steps and windows marked.
 
-What ``powerlib measure --plot FILE`` draws (README "Measuring energy",
+What ``powerlib measure --plot FILE`` draws (docs/measuring.md,
 ``docs/images/measure_power.png``), from :meth:`Measurement.power_series
 <powerlib.measurement.measure.Measurement.power_series>` and its result. matplotlib is the
 optional ``plot`` extra, imported only when a plot is drawn.

@@ -261,7 +261,7 @@ def test_a_corrupted_journal_is_never_guessed_at(
     result = CliRunner().invoke(
         cli, ["restore", "--json"], env={"POWERLIB_STATE_DIR": str(settings.state_dir)}
     )
-    assert result.exit_code == 11  # unreadable journal, as the README's table says
+    assert result.exit_code == 11  # unreadable journal, as docs/json-and-exit-codes.md's table says
     data = json.loads(result.stdout)
     [outcome] = data["outcomes"]
     assert outcome["item"] == "journal" and not outcome["ok"] and outcome["journal"] == str(path)
