@@ -6,6 +6,7 @@ module parses the options and formats the summary.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -146,6 +147,8 @@ def plan(
 
     if policy == "deadline" and deadline_s is None:
         raise click.UsageError("--policy deadline needs --deadline-s")
+    if plot_path and importlib.util.find_spec("matplotlib") is None:  # refused before any work
+        raise click.UsageError("--plot needs matplotlib: pip install 'powerlib[plot]'")
     profile = _read_profile(profile_path)
     if p_block_w is None and profile.p_block_w is None:
         raise click.UsageError(

@@ -64,10 +64,13 @@ def warn_no_device(reason: str) -> None:
         logger.info("powerlib: measuring time only, no device: %s", reason)
         return
     _NO_DEVICE_WARNED = True
-    message = (
-        f"powerlib: measuring time only, no energy: {reason} (set POWERLIB_BACKEND to measure a "
-        "device; POWERLIB_BACKEND=simulated for simulated GPUs)"
+    hint = (
+        ""
+        if "POWERLIB_BACKEND" in reason
+        else " (set POWERLIB_BACKEND to measure a device; POWERLIB_BACKEND=simulated for "
+        "simulated GPUs)"
     )
+    message = f"powerlib: measuring time only, no energy: {reason}{hint}"
     logger.warning(message)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 

@@ -406,8 +406,13 @@ class ProfilePhase:
             period = self._record.counter_period_s(self._clock())
             self.unresolved = (
                 f"stage {self._stage}: after {n} iterations at {block.freq_mhz:g} MHz its "
-                f"instruction energy is known to +-{_pct(error)} (target "
-                f"+-{100 * target:g} %)"
+                + (
+                    f"instruction energy is known to +-{100 * error:.0f} %"
+                    if math.isfinite(error)
+                    else "instruction energies are not resolved yet (fewer whole counter "
+                    "intervals than instructions to solve for)"
+                )
+                + f" (target +-{100 * target:g} %)"
                 + (
                     ""
                     if period is None
@@ -530,7 +535,3 @@ def _probe_pair(freqs_desc: Sequence[float]) -> tuple[float, float] | None:
     if len(freqs_desc) < 2:
         return None
     return freqs_desc[len(freqs_desc) // 2], freqs_desc[0]
-
-
-def _pct(error: float) -> str:
-    return f"{100 * error:.0f} %" if math.isfinite(error) else "nothing (no counter update)"

@@ -320,3 +320,26 @@ def test_a_zero_time_row_is_named_by_file_line_and_column(tmp_path: Path, suffix
     assert result.stderr.splitlines() == [
         f"powerlib: error: {path}: {where} must be > 0, got 0.0 s"
     ]
+
+
+def test_plot_without_matplotlib_is_refused_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new user's first `plan --plot` on the minimal install: refused first, nothing written."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
+    plan_out = tmp_path / "plan.json"
+    result = CliRunner().invoke(
+        cli,
+        ["plan", str(GPT3_A100), "--stages", "8", "--microbatches", "4", "--p-block-w", "83.64",
+         "--plan-out", str(plan_out), "--plot", str(tmp_path / "f.png")],
+    )  # fmt: skip
+    assert result.exit_code == 2
+    assert "--plot needs matplotlib: pip install 'powerlib[plot]'" in result.output
+    assert not plan_out.exists()
