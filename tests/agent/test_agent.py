@@ -587,18 +587,24 @@ def test_optimize_and_attach_module_run_unchanged_through_the_agent(
     locked_mid_run = []
     try:
         with (
+            # Through the agent every read is a socket round trip: on a loaded 2-core CI box a
+            # clock may need more than SWEEP's 4 iterations to resolve, so this job may take up
+            # to 12 per clock and runs until its plan has applied for 3 iterations.
             powerlib.optimize(
                 num_stages=1, num_microbatches=2, stage=0, out_dir=tmp_path / "out",
-                progress=False, **SWEEP,
+                progress=False, **{**SWEEP, "max_iterations_per_freq": 12},
             ) as session,
             attach_module(session, model, opt),
         ):  # fmt: skip
-            for _ in range(9):
+            for _ in range(60):
                 for _ in range(2):
                     model(torch.randn(4, 8)).pow(2).mean().backward()
                 opt.step()
                 opt.zero_grad()
                 locked_mid_run.append(n.truth()[0][0])
+                started = session.apply_started_iteration
+                if started is not None and session.iteration >= started + 3:
+                    break
         assert session.plan is not None and session.apply_started_iteration is not None
         assert session.report()["profiled_freqs_mhz"] == FREQS
         assert any(lock is not None for lock in locked_mid_run)  # the agent locked GPU 0
