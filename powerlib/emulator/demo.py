@@ -41,11 +41,11 @@ from powerlib.planning.pipeline import KIND_LETTERS
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile
 from powerlib.planning.schedules import build_schedule
+from powerlib.planning.workflow import default_unit_time_s
 from powerlib.progress import Progress
 from powerlib.runtime.apply_phase import ApplyPhase
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import LocalGroup
-from powerlib.runtime.gathered import auto_unit_time_s
 from powerlib.runtime.session import Session
 
 __all__ = ["DemoConfig", "default_profile", "run_demo", "simulate_plan", "write_timeline"]
@@ -151,7 +151,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         num_stages=num_stages,
         num_microbatches=config.num_microbatches,
         num_chunks=config.num_chunks,
-        unit_time_s=auto_unit_time_s(profile),
+        unit_time_s=default_unit_time_s(profile),
         solver="direct" if direct_available() else "walk",  # what the sessions' make_plan uses
     ).check(DEFAULT_MAX_WORK, hint="use fewer --microbatches")
     schedule = build_schedule(

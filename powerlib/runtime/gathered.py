@@ -13,8 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from powerlib.planning.profile import Profile, ProfileRow
-from powerlib.planning.workflow import default_unit_time_s
+from powerlib.planning.profile import ProfileRow
 from powerlib.profiling.sweep import aggregate_stage_rows
 from powerlib.runtime.records import ProfilePayload
 
@@ -24,7 +23,6 @@ __all__ = [
     "MAX_ENERGY_ERROR",
     "Payload",
     "as_profiles",
-    "auto_unit_time_s",
     "check_resolution",
     "measured_latency_s",
     "merge_profiles",
@@ -42,15 +40,6 @@ of a profiled instruction energy the planner accepts at the default 2 % target: 
 up at :data:`GIVE_UP_FACTOR` x its target, and a larger target (``target_error``) raises the
 limit alike. The planner's cost model fits each (stage, kind) over all its clocks, which smooths
 one row's error."""
-
-
-def auto_unit_time_s(profile: Profile) -> float:
-    """τ: the planner's default (:func:`~powerlib.planning.workflow.default_unit_time_s`).
-
-    1 ms for 50 ms instructions, as the Perseus artifact used on A100; 0.1 ms for 5 ms. One rule
-    for sessions and ``powerlib plan``, so a session's profile plans offline as it did online.
-    """
-    return default_unit_time_s(profile)
 
 
 GATHERED = "the gathered profile"

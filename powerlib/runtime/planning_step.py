@@ -34,13 +34,12 @@ from powerlib.planning.pipeline import PLACEMENTS, Instruction, Schedule, build_
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import CSV_COLUMNS, Profile, ProfileRow
 from powerlib.planning.schedules import build_schedule
-from powerlib.planning.workflow import wanted_for
+from powerlib.planning.workflow import default_unit_time_s, wanted_for
 from powerlib.progress import Progress
 from powerlib.runtime.gathered import (
     GATHERED,
     Payload,
     as_profiles,
-    auto_unit_time_s,
     check_resolution,
     measured_latency_s,
     merge_profiles,
@@ -420,7 +419,7 @@ def make_plan(
         raise PlanError(
             "P_block is unknown: no rank measured time between instructions; pass p_block_w"
         )
-    unit_time_s = spec.unit_time_s or profile.unit_time_s or auto_unit_time_s(profile)
+    unit_time_s = spec.unit_time_s or profile.unit_time_s or default_unit_time_s(profile)
     schedule, order_source = _schedule_for(spec, payloads)
     num_microbatches = 1 + max(ins.microbatch for order in schedule for ins in order)
     num_chunks = 1 + max(ins.chunk for order in schedule for ins in order)
