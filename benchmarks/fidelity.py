@@ -194,21 +194,23 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
             record["refused"] = str(err)
             record["elapsed_s"] = time.perf_counter() - started
             return record
-        profile = report["profile"]
-        measured = report["measured_by_sessions"]
+        profile, predicted = report.profile, report.predicted
+        measured = report.measured_by_sessions
         record.update(
             {
-                "realized_saving_percent": report["saving_percent"],
-                "realized_slowdown_percent": report["slowdown_percent"],
-                "predicted_saving_percent": report["predicted"]["saving_percent"],
-                "predicted_slowdown_percent": report["predicted"]["slowdown_percent"],
-                "measured": measured,
-                "profile_iterations": profile["iterations"],
+                "realized_saving_percent": report.saving_percent,
+                "realized_slowdown_percent": report.slowdown_percent,
+                "predicted_saving_percent": None if predicted is None else predicted.saving_percent,
+                "predicted_slowdown_percent": None
+                if predicted is None
+                else predicted.slowdown_percent,
+                "measured": None if measured is None else measured.to_json(),
+                "profile_iterations": profile.iterations,
                 "p_block_error": statistics.fmean(
-                    abs(p / 83.64 - 1.0) for p in profile["measured_p_block_w"] if p
+                    abs(p / 83.64 - 1.0) for p in profile.measured_p_block_w if p
                 ),
-                "measured_latency_s": [x for x in profile["measured_latency_s"] if x],
-                "hook_stall_s_per_instruction": profile["hook_stall_s_per_instruction"],
+                "measured_latency_s": [x for x in profile.measured_latency_s if x],
+                "hook_stall_s_per_instruction": profile.hook_stall_s_per_instruction,
             }
         )
         if case.get("profile_path") is None:
@@ -216,7 +218,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     instructions = 8 * 12 * 2 * record["profile_iterations"]
     record["hook_cpu_s_per_instruction"] = spent["s"] / instructions if instructions else None
     if case.get("profile_path") is None:
-        record.update(_oracle(model, report["policy"], case.get("straggler"), case["seed"]))
+        record.update(_oracle(model, report.policy, case.get("straggler"), case["seed"]))
     record["elapsed_s"] = time.perf_counter() - started
     return record
 

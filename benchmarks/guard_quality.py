@@ -37,7 +37,7 @@ sys.path.insert(0, str(HERE.parent))
 from powerlib.planning.choice import Policy  # noqa: E402
 from powerlib.planning.perseus import guard  # noqa: E402
 from powerlib.planning.profile import Profile  # noqa: E402
-from powerlib.planning.workflow import plan_from_profile, wanted_for  # noqa: E402
+from powerlib.planning.workflow import PlanRequest, plan_profile, wanted_for  # noqa: E402
 
 PROFILES = (
     "profile_gpt3-175b_a100_sxm.csv",
@@ -55,14 +55,16 @@ MAX_SLOWDOWN = 0.001
 
 def one_case(profile: Profile, m: int, policy: str, latency: float, cv: float) -> dict:
     """The three guarded plans of one case."""
-    fastest = plan_from_profile(
+    fastest = plan_profile(
         profile,
-        stages=8,
-        microbatches=m,
-        p_block_w=P_BLOCK_W,
-        unit_time_s=1e-3,
-        policy=Policy(name="fastest"),
-        solver="direct",
+        PlanRequest(
+            num_stages=8,
+            num_microbatches=m,
+            p_block_w=P_BLOCK_W,
+            unit_time_s=1e-3,
+            policy="fastest",
+            solver="direct",
+        ),
     ).frontier
     deadline = None
     frontier = fastest

@@ -120,18 +120,22 @@ def guard_check(profile: Path, n: int, m: int, policy: str, deadline_s: float | 
     """The guard against the greedy it replaced, on one case, in this process."""
     from powerlib.planning.choice import Policy
     from powerlib.planning.perseus import guard
-    from powerlib.planning.workflow import plan_from_profile
+    from powerlib.planning.profile import Profile
+    from powerlib.planning.workflow import PlanRequest, plan_profile
 
     pol = Policy(name=policy, deadline_s=deadline_s)
-    frontier = plan_from_profile(
-        profile,
-        stages=n,
-        microbatches=m,
-        p_block_w=P_BLOCK_W,
-        unit_time_s=UNIT_TIME_S,
-        policy=pol,
-        solver="direct",
-        max_work=None,
+    frontier = plan_profile(
+        Profile.read(profile),
+        PlanRequest(
+            num_stages=n,
+            num_microbatches=m,
+            p_block_w=P_BLOCK_W,
+            unit_time_s=UNIT_TIME_S,
+            policy=policy,
+            deadline_s=deadline_s,
+            solver="direct",
+            max_work=None,
+        ),
     ).frontier
     point = frontier.select(policy, deadline_s)
     reference_s = frontier.baseline_time_s if deadline_s is None else deadline_s

@@ -1,15 +1,23 @@
 """``powerlib demo`` and ``powerlib simulate``: the method on emulated GPUs.
 
 Each is one call into :mod:`powerlib.emulator.demo` (imported when the command runs) and a
-table of all maximum clocks against the plan.
+table of all maximum clocks against the plan; ``demo`` formats the typed
+:class:`~powerlib.emulator.demo_result.DemoResult`.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
-from powerlib.cli.format import versus_all_max
+from powerlib.cli.format import pct, versus_all_max
 from powerlib.cli.options import Number, OutputPath, emit_json
+from powerlib.planning.names import POLICIES
+from powerlib.planning.schedules import SCHEDULE_NAMES
+
+if TYPE_CHECKING:
+    from powerlib.emulator.demo_result import DemoResult
 
 __all__ = ["demo", "simulate"]
 
@@ -48,7 +56,7 @@ _IDEAL = click.option(
 @click.option("--microbatches", type=click.IntRange(min=1), default=12, show_default=True)
 @click.option(
     "--schedule",
-    type=click.Choice(["1f1b", "gpipe", "interleaved"]),
+    type=click.Choice(SCHEDULE_NAMES),
     default="1f1b",
     show_default=True,
 )
@@ -60,7 +68,7 @@ _IDEAL = click.option(
 )
 @click.option(
     "--policy",
-    type=click.Choice(["fastest", "deadline", "min-energy"]),
+    type=click.Choice(POLICIES),
     default=None,
     help="Plan policy (default: fastest; deadline with --straggler).",
 )
@@ -136,7 +144,7 @@ def demo(
     from powerlib.emulator.demo import DemoConfig, run_demo  # noqa: PLC0415 - keep CLI start fast
     from powerlib.emulator.engine import IDEAL_MODEL, NVML_LIKE_MODEL  # noqa: PLC0415 - keep CLI start fast
 
-    report = run_demo(
+    result = run_demo(
         DemoConfig(
             profile_path=profile_path,
             num_microbatches=microbatches,
@@ -159,42 +167,49 @@ def demo(
         )
     )
     if as_json:
-        emit_json(report)
+        emit_json(result.to_json())
         return
-    w, b, p = report["workload"], report["baseline"], report["powerlib"]
+    _echo_demo(result)
+
+
+def _echo_demo(result: DemoResult) -> None:
+    """The demo in words: workload, the all-max vs powerlib table, the three savings, files."""
+    w = result.workload
     click.echo(
-        f"{w['num_stages']} stages x {w['num_microbatches']} microbatches ({w['schedule']}), "
-        f"emulated from {w['profile']} on {report['model_description']}"
+        f"{w.num_stages} stages x {w.num_microbatches} microbatches ({w.schedule}), "
+        f"emulated from {w.profile} on {result.model.describe()}"
         + (
-            f", straggler {w['straggler']:g}x (T' = {w['deadline_s']:.4f} s)"
-            if w["straggler"]
+            f", straggler {w.straggler:g}x (T' = {w.deadline_s:.4f} s)"
+            if w.straggler and w.deadline_s is not None
             else ""
         )
     )
-    versus_all_max(b, f"powerlib ({report['policy']})", p)
+    versus_all_max(
+        result.baseline.to_json(), f"powerlib ({result.policy})", result.powerlib.to_json()
+    )
     click.echo(
         click.style(
-            f"energy saved: {report['saving_percent']:.2f} %  "
-            f"(slowdown {report['slowdown_percent']:+.3f} %)",
+            f"energy saved: {result.saving_percent:.2f} %  "
+            f"(slowdown {result.slowdown_percent:+.3f} %)",
             bold=True,
         )
         + "  true, paired with all-max on the same noise"
     )
-    measured = report["measured_by_sessions"]
+    measured, predicted = result.measured_by_sessions, result.predicted
     if measured is not None:
         click.echo(
-            f"the sessions measured {measured['saving_percent']:.2f} +- "
-            f"{measured['saving_ci_percent']:.2f} % (slowdown {measured['slowdown_percent']:+.3f} "
-            f"+- {measured['slowdown_ci_percent']:.3f} %); the planner predicted "
-            f"{report['predicted']['saving_percent']:.2f} %"
+            f"the sessions measured {measured.saving_percent:.2f} +- "
+            f"{measured.saving_ci_percent:.2f} % (slowdown {measured.slowdown_percent:+.3f} "
+            f"+- {measured.slowdown_ci_percent:.3f} %); the planner predicted "
+            f"{pct(None if predicted is None else predicted.saving_percent)}"
         )
-    prof = report["profile"]
+    prof = result.profile
     click.echo(
-        f"profiled {len(prof['freqs_mhz'])} clocks in {prof['iterations']} iterations; "
-        f"plan applied from iteration {report['apply_started_iteration']}; "
-        f"{report['elapsed_s']:.1f} s"
+        f"profiled {len(prof.freqs_mhz)} clocks in {prof.iterations} iterations; "
+        f"plan applied from iteration {result.apply_started_iteration}; "
+        f"{result.elapsed_s:.1f} s"
     )
-    for name, path in report["outputs"].items():
+    for name, path in result.outputs.items():
         click.echo(f"  {name}: {path}")
 
 

@@ -1,6 +1,6 @@
 """``powerlib plan``: the Perseus frontier of a pipeline from a profile, and a plan.
 
-One call to :func:`powerlib.planning.workflow.plan_from_profile` (then its output writer); this
+One call to :func:`powerlib.planning.workflow.plan_profile` (then its result's writer); this
 module parses the options and formats the summary.
 """
 
@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
 from powerlib.cli.format import pct
 from powerlib.cli.options import Number, emit_json, plan_outputs, progress_bar
+from powerlib.config import direct_solver
 from powerlib.errors import PlanError
+from powerlib.planning.names import COST_MODELS, POLICIES, SOLVERS
+from powerlib.planning.perseus.frequency_options import ORDERS
+from powerlib.planning.schedules import SCHEDULE_NAMES
+
+if TYPE_CHECKING:
+    from powerlib.planning.profile import Profile
+    from powerlib.planning.workflow import PlanResult
 
 __all__ = ["plan"]
 
@@ -44,7 +52,7 @@ def _existing_profile(_ctx: click.Context, _param: click.Parameter, value: str) 
 )
 @click.option(
     "--schedule",
-    type=click.Choice(["1f1b", "gpipe", "interleaved"]),
+    type=click.Choice(SCHEDULE_NAMES),
     default="1f1b",
     show_default=True,
 )
@@ -70,21 +78,21 @@ def _existing_profile(_ctx: click.Context, _param: click.Parameter, value: str) 
 )
 @click.option(
     "--order",
-    type=click.Choice(["filter-then-subtract", "subtract-then-filter"]),
+    type=click.Choice(ORDERS),
     default="filter-then-subtract",
     show_default=True,
     help="Pareto filter before or after the effective-energy conversion (the paper: before).",
 )
 @click.option(
     "--cost-model",
-    type=click.Choice(["exp", "convex"]),
+    type=click.Choice(COST_MODELS),
     default="exp",
     show_default=True,
     help="Exponential fit (the paper) or the lower convex hull of the measured points.",
 )
 @click.option(
     "--policy",
-    type=click.Choice(["fastest", "deadline", "min-energy"]),
+    type=click.Choice(POLICIES),
     default="fastest",
     show_default=True,
     help="Which frontier point to write as the plan.",
@@ -96,7 +104,7 @@ def _existing_profile(_ctx: click.Context, _param: click.Parameter, value: str) 
 )
 @click.option(
     "--solver",
-    type=click.Choice(["auto", "direct", "walk"]),
+    type=click.Choice(SOLVERS),
     default="auto",
     show_default=True,
     help="direct: solve only the points the plan needs, one linear program each (seconds at "
@@ -142,8 +150,8 @@ def plan(
     Savings are against every instruction at its maximum frequency, blocking power included,
     at the chosen plan's iteration time.
     """
-    from powerlib.planning.choice import Policy  # noqa: PLC0415 - keep CLI start fast
-    from powerlib.planning.workflow import plan_from_profile, write_outputs  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.planning.perseus.report import PlanOutputs  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.planning.workflow import PlanRequest, plan_profile  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     if policy == "deadline" and deadline_s is None:
         raise click.UsageError("--policy deadline needs --deadline-s")
@@ -161,72 +169,78 @@ def plan(
             bar.length = max(expected, 1)
             bar.update(1)
 
-        result = plan_from_profile(
+        result = plan_profile(
             profile,
-            stages=stages,
-            microbatches=microbatches,
-            schedule=schedule,
-            chunks=chunks,
-            p_block_w=p_block_w,
-            unit_time_s=unit_time_s,
-            order=order,
-            cost_model=cost_model,
-            policy=Policy(
-                name=policy,
+            PlanRequest(
+                num_stages=stages,
+                num_microbatches=microbatches,
+                schedule=schedule,
+                num_chunks=chunks,
+                policy=policy,
                 deadline_s=deadline_s,
                 argmin=argmin,
                 max_slowdown=max_slowdown,
                 switch_latency_s=switch_latency_s,
+                p_block_w=p_block_w,
+                unit_time_s=unit_time_s,
+                solver=solver,
+                direct_solver=direct_solver(),
+                order=order,
+                cost_model=cost_model,
+                max_work=max_work,
+                frontier_points=frontier_points if (frontier_out or plot_path) else 0,
+                progress=progress,
             ),
-            max_work=max_work,
-            progress=progress,
-            solver=solver,
-            sweep=frontier_points if (frontier_out or plot_path) else 0,
         )
-    write_outputs(result.choice, frontier_out=frontier_out, plan_out=plan_out, plot_path=plot_path)
-    data, solve_time_s = result.summary, result.solve_time_s
+    result.write(PlanOutputs.files(frontier=frontier_out, plan=plan_out, plot=plot_path))
     if as_json:
-        emit_json(data)
+        emit_json(result.summary.to_json())
         return
-    p_block_from = "given" if p_block_w is not None else "the profile's"
-    if unit_time_s is not None:
-        tau_from = "given"
-    elif profile.unit_time_s is not None:
-        tau_from = "the profile's"
-    else:
-        tau_from = "default: a power of ten at most 1/20 of the shortest instruction"
-    click.echo(
-        f"planned with P_block {result.p_block_w:g} W ({p_block_from}) and "
-        f"τ {result.unit_time_s:g} s ({tau_from})"
-    )
-    c = data["chosen"]
-    how = "points" if data["complete_frontier"] else "points solved directly"
-    click.echo(
-        f"frontier: {data['num_points']} {how}, {data['t_max_s']:.4f} s (all slowest) -> "
-        f"{data['t_min_s']:.4f} s (T_min); minimum energy {data['t_star_energy_j']:.1f} J at "
-        f"T* = {data['t_star_s']:.4f} s; solved in {solve_time_s:.1f} s"
-    )
-    click.echo(
-        f"chosen ({policy}): {c['time_s']:.4f} s, {c['energy_j']:.1f} J planned; "
-        f"{c['realized_time_s']:.4f} s, {c['realized_energy_j']:.1f} J replayed on the profile"
-    )
-    click.echo(
-        f"all max frequency at that time: {data['baseline']['energy_j']:.1f} J -> "
-        f"saving {pct(data['saving_percent'])} planned"
-    )
-    r = data["realized"]
-    sped_up = r["instructions_sped_up"]
-    click.echo(
-        f"replayed on the measured profile: saving {pct(r['saving_percent'])} at "
-        f"{r['slowdown_percent']:+.3f} % iteration time vs all max"
-        + (f" ({sped_up} instruction(s) sped up by the slowdown guard)" if sped_up else "")
-    )
+    _echo_result(result, policy)
     for label, path in (("frontier", frontier_out), ("plan", plan_out), ("plot", plot_path)):
         if path:
             click.echo(f"{label} written to {path}")
 
 
-def _read_profile(path: str) -> Any:
+_SOURCES = {
+    "given": "given",
+    "profile": "the profile's",
+    "default": "default: a power of ten at most 1/20 of the shortest instruction",
+}
+
+
+def _echo_result(result: PlanResult, policy: str) -> None:
+    """The result in words: settings, frontier, chosen point, saving planned and replayed."""
+    data = result.summary
+    click.echo(
+        f"planned with P_block {result.p_block_w:g} W ({_SOURCES[result.p_block_source]}) and "
+        f"τ {result.unit_time_s:g} s ({_SOURCES[result.unit_time_source]})"
+    )
+    c = data.chosen
+    how = "points" if data.complete_frontier else "points solved directly"
+    click.echo(
+        f"frontier: {data.num_points} {how}, {data.t_max_s:.4f} s (all slowest) -> "
+        f"{data.t_min_s:.4f} s (T_min); minimum energy {data.t_star_energy_j:.1f} J at "
+        f"T* = {data.t_star_s:.4f} s; solved in {result.solve_time_s:.1f} s"
+    )
+    click.echo(
+        f"chosen ({policy}): {c.time_s:.4f} s, {c.energy_j:.1f} J planned; "
+        f"{c.realized_time_s:.4f} s, {c.realized_energy_j:.1f} J replayed on the profile"
+    )
+    click.echo(
+        f"all max frequency at that time: {data.baseline.energy_j:.1f} J -> "
+        f"saving {pct(data.saving_percent)} planned"
+    )
+    r = data.realized
+    sped_up = r.instructions_sped_up
+    click.echo(
+        f"replayed on the measured profile: saving {pct(r.saving_percent)} at "
+        f"{r.slowdown_percent:+.3f} % iteration time vs all max"
+        + (f" ({sped_up} instruction(s) sped up by the slowdown guard)" if sped_up else "")
+    )
+
+
+def _read_profile(path: str) -> Profile:
     """``Profile.read`` with a progress bar (and ETA) on stderr for files over 1 MB."""
     from powerlib.planning.profile import Profile  # noqa: PLC0415 - keep CLI start fast
 

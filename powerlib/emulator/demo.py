@@ -21,12 +21,13 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from powerlib.control import ControlSession
+from powerlib.emulator.demo_result import DemoProfiling, DemoResult, DemoRun, DemoWorkload
 from powerlib.emulator.engine import (
     NVML_LIKE_MODEL,
     Emulator,
@@ -34,21 +35,27 @@ from powerlib.emulator.engine import (
     NvmlLikeModel,
 )
 from powerlib.errors import BackendUnavailableError, InvalidArgumentError, PlanError
-from powerlib.planning.perseus.direct import direct_available
 from powerlib.planning.perseus.report import pyplot
-from powerlib.planning.perseus.work import DEFAULT_MAX_WORK, estimate_pipeline_work
 from powerlib.planning.pipeline import KIND_LETTERS
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile
 from powerlib.planning.schedules import build_schedule
-from powerlib.planning.workflow import default_unit_time_s
+from powerlib.planning.workflow import PlanRequest, check_work, default_unit_time_s
 from powerlib.progress import Progress
 from powerlib.runtime.apply_phase import ApplyPhase
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import LocalGroup
-from powerlib.runtime.session import Session
+from powerlib.runtime.phases import SessionPhase
+from powerlib.runtime.records import SessionReport
+from powerlib.runtime.session import Session, optimize
 
-__all__ = ["DemoConfig", "default_profile", "run_demo", "simulate_plan", "write_timeline"]
+__all__ = [
+    "DemoConfig",
+    "default_profile",
+    "run_demo",
+    "simulate_plan",
+    "write_timeline",
+]
 
 DEFAULT_P_BLOCK_W = 83.64  # A100 blocking power of the Perseus artifact (docs/perseus.md §1.4)
 
@@ -125,67 +132,47 @@ def _mean(results: list[IterationResult]) -> tuple[float, float]:
     )
 
 
-def run_demo(config: DemoConfig) -> dict[str, Any]:
-    """Baseline, then profile -> plan -> apply through sessions; returns the report.
+@dataclass(slots=True)
+class _Drive:
+    """What driving the sessions gave: managed iterations, profiling figures, their reports."""
 
-    Raises:
-        InvalidArgumentError: Bad parameters.
-        PlanError: A bad profile.
-    """
-    started = time.perf_counter()
-    progress = Progress(config.progress)
+    managed: list[IterationResult] = field(default_factory=list)
+    profile_iterations: int = 0
+    stall_s: float = 0.0
+    instructions: int = 0
+    reports: list[SessionReport] = field(default_factory=list)
+
+
+def _check(config: DemoConfig, profile: Profile) -> None:
+    """Refuse bad parameters, and work the sessions' planner would refuse, before emulating."""
     if config.straggler is not None and not config.straggler >= 1.0:
         raise InvalidArgumentError(
             f"--straggler must be >= 1 (a slowdown factor), got {config.straggler}"
         )
     if config.apply_iterations < 1:
         raise InvalidArgumentError("apply_iterations must be >= 1")
-    profile = (
-        default_profile() if config.profile_path is None else Profile.read(config.profile_path)
-    )
-    num_stages = profile.num_stages
     # The sessions plan at the end of profiling: refuse work they would refuse, before emulating
     # tens of iterations of it (and before building a schedule of 100000 microbatches).
-    estimate_pipeline_work(
-        profile.option_points(),
-        num_stages=num_stages,
-        num_microbatches=config.num_microbatches,
-        num_chunks=config.num_chunks,
-        unit_time_s=default_unit_time_s(profile),
-        solver="direct" if direct_available() else "walk",  # what the sessions' make_plan uses
-    ).check(DEFAULT_MAX_WORK, hint="use fewer --microbatches")
-    schedule = build_schedule(
-        config.schedule, num_stages, config.num_microbatches, config.num_chunks
-    )
-    policy = config.policy or ("deadline" if config.straggler else "fastest")
-    model = config.effective_model()
-    emulator = Emulator(
+    check_work(
         profile,
-        schedule,
-        p_block_w=config.p_block_w,
-        model=model,
-        seed=config.seed,
-        device_name="Emulated A100-SXM (Perseus GPT-3 175B profile)"
-        if config.profile_path is None
-        else "Emulated GPU",
+        PlanRequest(
+            num_stages=profile.num_stages,
+            num_microbatches=config.num_microbatches,
+            schedule=config.schedule,
+            num_chunks=config.num_chunks,
+            unit_time_s=default_unit_time_s(profile),  # the gathered profile carries no τ
+            work_hint="use fewer --microbatches",
+        ),
     )
-    progress.say(
-        f"emulating {num_stages} stages x {config.num_microbatches} microbatches ({config.schedule}) "
-        f"from {profile.source} on {model.describe()}",
-    )
-    base_makespan = emulator.run_iteration().makespan_s
-    deadline_s = None
-    if config.straggler is not None:
-        deadline_s = config.straggler * base_makespan
-        emulator.straggler_time_s = deadline_s
-        progress.say(
-            f"a straggler pipeline holds every iteration to {deadline_s:.4f} s ({config.straggler:g}x)",
-        )
 
+
+def _sessions(
+    config: DemoConfig, emulator: Emulator, num_stages: int, policy: str
+) -> list[Session]:
+    """One session per emulated stage, coordinated in-process, applying inline."""
     group = LocalGroup(num_stages)
-    out_dir = None if config.out_dir is None else Path(config.out_dir)
-    sessions = [
-        Session(
+    return [
+        optimize(
             num_stages=num_stages,
             num_microbatches=config.num_microbatches,
             schedule=config.schedule,
@@ -198,112 +185,161 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             threaded=False,
             policy=policy,
             deadline_ratio=config.straggler if policy == "deadline" else None,
-            out_dir=out_dir,
+            out_dir=None if config.out_dir is None else Path(config.out_dir),
             plot=config.plot,
             progress=config.progress and s == 0,
         )
         for s in range(num_stages)
     ]
-    profile_iterations = 0
-    managed: list[IterationResult] = []
+
+
+def _drive(sessions: list[Session], emulator: Emulator, apply_iterations: int) -> _Drive:
+    """Run iterations until ``apply_iterations`` managed ones (or the sessions are done)."""
+    drive = _Drive()
     keys = iter(range(1, 1 << 30))
-    stall_s = 0.0
-    instructions = 0
     with contextlib.ExitStack() as stack:
         for session in sessions:
             stack.enter_context(session)
-        profiling = sessions[0].profiling
-        assert profiling is not None  # auto mode profiles first
-        check = sessions[0].apply_config.check_rounds * 6 + 3
-        cap = profiling.sweep.config.max_iterations + check + config.apply_iterations + 5
+        cap = sessions[0].iteration_budget() + apply_iterations + 5
         for _ in range(cap):
-            if all(s.phase == "apply" for s in sessions):
-                result = emulator.run_iteration(sessions, noise_key=next(keys))
-                managed.append(result)
-                if len(managed) >= config.apply_iterations:
+            if all(s.phase is SessionPhase.APPLY for s in sessions):
+                drive.managed.append(emulator.run_iteration(sessions, noise_key=next(keys)))
+                if len(drive.managed) >= apply_iterations:
                     break
                 continue
             result = emulator.run_iteration(sessions)
-            if "profile" in result.phases:
-                profile_iterations += 1
-                stall_s += result.stall_s
-                instructions += len(result.executed)
-            if all(s.phase == "done" for s in sessions):
+            if SessionPhase.PROFILE in result.phases:
+                drive.profile_iterations += 1
+                drive.stall_s += result.stall_s
+                drive.instructions += len(result.executed)
+            if all(s.phase is SessionPhase.DONE for s in sessions):
                 break
-        reports = [s.report() for s in sessions]
-        plan = sessions[0].plan
-        outcome = sessions[0].outcome
-        first_apply = sessions[0].apply_started_iteration
-        realized = sessions[0].realized
-    if plan is None or len(managed) < config.apply_iterations:
+        drive.reports = [s.report() for s in sessions]
+    return drive
+
+
+def _write_pictures(
+    config: DemoConfig, managed: IterationResult, policy: str, progress: Progress
+) -> dict[str, str]:
+    """The files the sessions wrote, and the timeline of one managed iteration."""
+    if config.out_dir is None:
+        return {}
+    out_dir = Path(config.out_dir)
+    outputs = {
+        name: str(out_dir / name)
+        for name in ("profile.csv", "frontier.csv", "plan.json", "summary.json")
+    }
+    if config.plot:
+        if (out_dir / "frontier.png").exists():
+            outputs["frontier.png"] = str(out_dir / "frontier.png")
+        try:
+            write_timeline(
+                managed, out_dir / "timeline.png", title=f"one managed iteration ({policy})"
+            )
+            outputs["timeline.png"] = str(out_dir / "timeline.png")
+        except BackendUnavailableError as err:
+            progress.say(f"no pictures: {err}")
+    return outputs
+
+
+def _emulator(
+    config: DemoConfig, profile: Profile, progress: Progress
+) -> tuple[Emulator, NvmlLikeModel, float, float | None]:
+    """The emulated pipeline, its device model, its all-max makespan, the straggler's T′."""
+    schedule = build_schedule(
+        config.schedule, profile.num_stages, config.num_microbatches, config.num_chunks
+    )
+    model = config.effective_model()
+    emulator = Emulator(
+        profile,
+        schedule,
+        p_block_w=config.p_block_w,
+        model=model,
+        seed=config.seed,
+        device_name="Emulated A100-SXM (Perseus GPT-3 175B profile)"
+        if config.profile_path is None
+        else "Emulated GPU",
+    )
+    progress.say(
+        f"emulating {profile.num_stages} stages x {config.num_microbatches} microbatches "
+        f"({config.schedule}) from {profile.source} on {model.describe()}",
+    )
+    base_makespan = emulator.run_iteration().makespan_s
+    deadline_s = None
+    if config.straggler is not None:
+        deadline_s = config.straggler * base_makespan
+        emulator.straggler_time_s = deadline_s
+        progress.say(
+            f"a straggler pipeline holds every iteration to {deadline_s:.4f} s ({config.straggler:g}x)",
+        )
+    return emulator, model, base_makespan, deadline_s
+
+
+def run_demo(config: DemoConfig) -> DemoResult:
+    """Baseline, then profile -> plan -> apply through sessions; returns the report.
+
+    Raises:
+        InvalidArgumentError: Bad parameters.
+        PlanError: A bad profile.
+    """
+    started = time.perf_counter()
+    progress = Progress(config.progress)
+    profile = (
+        default_profile() if config.profile_path is None else Profile.read(config.profile_path)
+    )
+    _check(config, profile)
+    num_stages = profile.num_stages
+    policy = config.policy or ("deadline" if config.straggler else "fastest")
+    emulator, model, base_makespan, deadline_s = _emulator(config, profile, progress)
+    sessions = _sessions(config, emulator, num_stages, policy)
+    drive = _drive(sessions, emulator, config.apply_iterations)
+    managed, reports = drive.managed, drive.reports
+    if reports[0].plan is None or len(managed) < config.apply_iterations:
         raise InvalidArgumentError("the sessions never applied a plan; see the warnings above")
     emulator.unlock_all()
     # The truth: all-max iterations on the same noise draws as the managed ones (paired).
-    baseline_runs = [
-        emulator.run_iteration(noise_key=r_key) for r_key in range(1, len(managed) + 1)
-    ]
-    base_time, base_energy = _mean(baseline_runs)
+    base_runs = [emulator.run_iteration(noise_key=key) for key in range(1, len(managed) + 1)]
+    base_time, base_energy = _mean(base_runs)
     time_s, energy_j = _mean(managed)
-    prediction = None if outcome is None else outcome.prediction
-    report = {
-        "schema": "powerlib.demo.v2",
-        "model": model.to_json(),
-        "model_description": model.describe(),
-        "workload": {
-            "profile": profile.source,
-            "num_stages": num_stages,
-            "num_microbatches": config.num_microbatches,
-            "schedule": config.schedule,
-            "p_block_w": config.p_block_w,
-            "straggler": config.straggler,
-            "deadline_s": deadline_s,
-        },
-        "policy": policy,
-        "baseline": {"time_s": base_time, "energy_j": base_energy, "makespan_s": base_makespan},
-        "powerlib": {
-            "time_s": time_s,
-            "energy_j": energy_j,
-            "makespan_s": statistics.fmean(r.makespan_s for r in managed),
-            "iterations_measured": len(managed),
-        },
-        "saving_percent": 100.0 * (1.0 - energy_j / base_energy),
-        "slowdown_percent": 100.0 * (time_s / base_time - 1.0),
-        "predicted": None if prediction is None else prediction.to_json(),
-        "planned_saving_percent": None if prediction is None else prediction.saving_percent,
-        "measured_by_sessions": None if realized is None else realized.to_json(),
-        "profile": {
-            "iterations": profile_iterations,
-            "freqs_mhz": reports[0]["profiled_freqs_mhz"],
-            "measured_p_block_w": [r["measured_p_block_w"] for r in reports],
-            "measured_latency_s": [r["measured_latency_s"] for r in reports],
-            "hook_stall_s_per_instruction": stall_s / instructions if instructions else 0.0,
-        },
-        "apply_started_iteration": first_apply,
-        "frequency_changes_per_iteration": sum(r["frequency_changes"] for r in reports)
+    outputs = _write_pictures(config, managed[-1], policy, progress)
+    return DemoResult(
+        model=model,
+        workload=DemoWorkload(
+            profile=profile.source,
+            num_stages=num_stages,
+            num_microbatches=config.num_microbatches,
+            schedule=config.schedule,
+            p_block_w=config.p_block_w,
+            straggler=config.straggler,
+            deadline_s=deadline_s,
+        ),
+        policy=policy,
+        baseline=DemoRun(time_s=base_time, energy_j=base_energy, makespan_s=base_makespan),
+        powerlib=DemoRun(
+            time_s=time_s,
+            energy_j=energy_j,
+            makespan_s=statistics.fmean(r.makespan_s for r in managed),
+            iterations_measured=len(managed),
+        ),
+        saving_percent=100.0 * (1.0 - energy_j / base_energy),
+        slowdown_percent=100.0 * (time_s / base_time - 1.0),
+        predicted=reports[0].predicted,
+        measured_by_sessions=reports[0].realized,
+        profile=DemoProfiling(
+            iterations=drive.profile_iterations,
+            freqs_mhz=reports[0].profiled_freqs_mhz,
+            measured_p_block_w=tuple(r.measured_p_block_w for r in reports),
+            measured_latency_s=tuple(r.measured_latency_s for r in reports),
+            hook_stall_s_per_instruction=drive.stall_s / drive.instructions
+            if drive.instructions
+            else 0.0,
+        ),
+        apply_started_iteration=reports[0].apply_started_iteration,
+        frequency_changes_per_iteration=sum(r.frequency_changes for r in reports)
         / max(len(managed), 1),
-        "elapsed_s": 0.0,
-        "outputs": {},
-    }
-    if out_dir is not None:
-        outputs = {
-            name: str(out_dir / name)
-            for name in ("profile.csv", "frontier.csv", "plan.json", "summary.json")
-        }
-        if config.plot:
-            if (out_dir / "frontier.png").exists():
-                outputs["frontier.png"] = str(out_dir / "frontier.png")
-            try:
-                write_timeline(
-                    managed[-1],
-                    out_dir / "timeline.png",
-                    title=f"one managed iteration ({policy})",
-                )
-                outputs["timeline.png"] = str(out_dir / "timeline.png")
-            except BackendUnavailableError as err:
-                progress.say(f"no pictures: {err}")
-        report["outputs"] = outputs
-    report["elapsed_s"] = time.perf_counter() - started
-    return report
+        elapsed_s=time.perf_counter() - started,
+        outputs=outputs,
+    )
 
 
 def simulate_plan(

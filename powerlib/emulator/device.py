@@ -164,13 +164,7 @@ class EmulatedDevice(Device):
         drift: float = 0.0,
         drift_tau_s: float = 60.0,
     ) -> None:
-        freq_sets = [set(by_freq) for by_freq in table.values()]
-        if not freq_sets or not all(freq_sets):
-            raise ValueError("the table needs at least one frequency per kind")
-        common = set.intersection(*freq_sets)
-        freqs = tuple(sorted(common))
-        if not freqs:
-            raise ValueError("the instruction kinds share no frequency")
+        freqs = _common_freqs(table)
         _check_knobs(
             counter_period_s=counter_period_s,
             counter_phase_s=counter_phase_s,
@@ -182,28 +176,7 @@ class EmulatedDevice(Device):
             drift=drift,
             drift_tau_s=drift_tau_s,
         )
-        super().__init__(
-            DeviceInfo(
-                device_id=f"EMU-{index:04d}",
-                index=index,
-                name=name,
-                vendor="emulated",
-                kind=DeviceKind.GPU,
-                backend="emulator",
-                supported_sm_freqs_mhz=freqs,
-                power_limit_range_w=None,
-                default_power_limit_w=None,
-                capabilities=Capabilities(
-                    can_lock_sm_clocks=True,
-                    can_set_power_limit=False,
-                    can_reset_power_limit=False,
-                    has_energy_counter=True,
-                    has_power_reading=True,
-                    has_temperature=drift > 0,
-                ),
-                is_simulated=True,
-            )
-        )
+        super().__init__(_device_info(index, name, freqs, has_temperature=drift > 0))
         self._table = {k: dict(v) for k, v in table.items()}
         self._clock = clock
         self.p_block_w = p_block_w
@@ -423,6 +396,47 @@ class EmulatedBackend(Backend):
     def devices(self) -> Sequence[EmulatedDevice]:
         """One device per stage."""
         return self._devices
+
+
+def _common_freqs(table: Table) -> tuple[float, ...]:
+    """The clocks every kind of ``table`` was profiled at, ascending.
+
+    Raises:
+        ValueError: A kind without clocks, or no clock common to all kinds.
+    """
+    freq_sets = [set(by_freq) for by_freq in table.values()]
+    if not freq_sets or not all(freq_sets):
+        raise ValueError("the table needs at least one frequency per kind")
+    freqs = tuple(sorted(set.intersection(*freq_sets)))
+    if not freqs:
+        raise ValueError("the instruction kinds share no frequency")
+    return freqs
+
+
+def _device_info(
+    index: int, name: str, freqs: tuple[float, ...], *, has_temperature: bool
+) -> DeviceInfo:
+    """What an emulated GPU says of itself: clocks lockable, counter and power readable."""
+    return DeviceInfo(
+        device_id=f"EMU-{index:04d}",
+        index=index,
+        name=name,
+        vendor="emulated",
+        kind=DeviceKind.GPU,
+        backend="emulator",
+        supported_sm_freqs_mhz=freqs,
+        power_limit_range_w=None,
+        default_power_limit_w=None,
+        capabilities=Capabilities(
+            can_lock_sm_clocks=True,
+            can_set_power_limit=False,
+            can_reset_power_limit=False,
+            has_energy_counter=True,
+            has_power_reading=True,
+            has_temperature=has_temperature,
+        ),
+        is_simulated=True,
+    )
 
 
 def _check_knobs(

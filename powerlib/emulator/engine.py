@@ -370,65 +370,14 @@ class Emulator:
         if noise_key is not None:
             for dev in self.devices:
                 dev.reseed_noise(noise_key)
-        num_stages = self.num_stages
-        n = len(self.dag.instructions)
-        finish = [0.0] * n
-        done = [False] * n
-        nxt = [0] * num_stages
-        free = [start] * num_stages
-        queued = [False] * num_stages  # the stage's next instruction is in flight
-        stall = [0.0] * num_stages
-        executed: list[ExecutedInstruction] = []
         if sessions:  # what the ranks agreed at the last step takes effect now
             for _ in range(2):
                 for session in sessions:
                     session.start_iteration()
         phases = tuple(s.phase for s in sessions) if sessions else ()
-        events: list[tuple[float, int, int, int]] = []  # (time, _END/_BEGIN, stage, node)
-
-        def release(s: int) -> None:
-            """Queue stage ``s``'s next instruction's begin once the stage and its inputs are done."""
-            if queued[s] or nxt[s] >= len(self._order[s]):
-                return
-            v = self._order[s][nxt[s]]
-            if all(done[u] for u in self._preds[v]):
-                queued[s] = True
-                t0 = max([free[s], *(finish[u] for u in self._preds[v])])
-                heapq.heappush(events, (t0, _BEGIN, s, v))
-
-        def charged(s: int, hook: Callable[..., None], *args: object) -> float:
-            """Run ``hook(*args)`` on stage ``s``'s thread; returns what its driver reads cost it."""
-            dev = self.devices[s]
-            before = dev.reads
-            hook(*args)
-            cost = (dev.reads - before) * dev.read_cost_s
-            dev.stall_s += cost
-            stall[s] += cost
-            return cost
-
-        for s in range(num_stages):
-            release(s)
-        while events:
-            t, event, s, v = heapq.heappop(events)
-            clock.advance_to(t)
-            ins = self.dag.instructions[v]
-            if event == _BEGIN:
-                t0 = t
-                if sessions:
-                    t0 += charged(s, sessions[s].begin, ins.kind, ins.microbatch, ins.chunk)
-                t1, energy, segments = self.devices[s].execute(ins.kind, t0)
-                executed.append(ExecutedInstruction(ins, t0, t1, energy, tuple(segments)))
-                heapq.heappush(events, (t1, _END, s, v))
-                continue
-            finish[v], done[v] = t, True
-            free[s] = t + (charged(s, sessions[s].end) if sessions else 0.0)
-            queued[s] = False
-            nxt[s] += 1
-            for stage in range(num_stages):
-                release(stage)
-        if len(executed) < n:  # pragma: no cover - build_dag rejects deadlocking schedules
-            raise RuntimeError("the schedule deadlocks")
-        makespan_end = max(free)
+        run = _IterationRun(self, sessions, start)
+        run.run()
+        makespan_end = max(run.free)
         end = makespan_end
         if self.straggler_time_s is not None:
             end = max(end, start + self.straggler_time_s)
@@ -443,9 +392,9 @@ class Emulator:
             time_s=end - start,
             makespan_s=makespan_end - start,
             energy_j=energy,
-            executed=tuple(executed),
+            executed=tuple(run.executed),
             phases=phases,
-            stall_s=sum(stall),
+            stall_s=sum(run.stall),
         )
         self.iterations.append(result)
         return result
@@ -474,6 +423,84 @@ class Emulator:
         """Release every clock lock (back to the highest clock)."""
         for dev in self.devices:
             dev.reset_sm_clocks()
+
+
+class _IterationRun:
+    """One iteration in virtual time, event by event (:meth:`Emulator.run_iteration`).
+
+    A stage's next instruction begins once the stage is free and the instructions it depends
+    on have ended; ends are processed before begins at the same instant. The hooks run on the
+    stage's thread: the driver reads they make delay the stage (:attr:`stall`).
+
+    Attributes:
+        free: Per stage, when it is free again (after its last instruction and end hook).
+        stall: Per stage, the time its hooks' driver reads cost it.
+        executed: The instructions run, in the order they began.
+    """
+
+    def __init__(
+        self, emulator: Emulator, sessions: Sequence[IterationHooks] | None, start: float
+    ) -> None:
+        self._emu = emulator
+        self._sessions = sessions
+        n = len(emulator.dag.instructions)
+        num_stages = emulator.num_stages
+        self._finish = [0.0] * n
+        self._done = [False] * n
+        self._next = [0] * num_stages
+        self._queued = [False] * num_stages  # the stage's next instruction is in flight
+        self._events: list[tuple[float, int, int, int]] = []  # (time, _END/_BEGIN, stage, node)
+        self.free = [start] * num_stages
+        self.stall = [0.0] * num_stages
+        self.executed: list[ExecutedInstruction] = []
+
+    def run(self) -> None:
+        """Run every instruction of the schedule."""
+        emu, sessions = self._emu, self._sessions
+        for s in range(emu.num_stages):
+            self._release(s)
+        while self._events:
+            t, event, s, v = heapq.heappop(self._events)
+            emu.clock.advance_to(t)
+            ins = emu.dag.instructions[v]
+            if event == _BEGIN:
+                t0 = t
+                if sessions:
+                    t0 += self._charged(s, sessions[s].begin, ins.kind, ins.microbatch, ins.chunk)
+                t1, energy, segments = emu.devices[s].execute(ins.kind, t0)
+                self.executed.append(ExecutedInstruction(ins, t0, t1, energy, tuple(segments)))
+                heapq.heappush(self._events, (t1, _END, s, v))
+                continue
+            self._finish[v], self._done[v] = t, True
+            self.free[s] = t + (self._charged(s, sessions[s].end) if sessions else 0.0)
+            self._queued[s] = False
+            self._next[s] += 1
+            for stage in range(emu.num_stages):
+                self._release(stage)
+        if len(self.executed) < len(emu.dag.instructions):  # pragma: no cover - build_dag
+            raise RuntimeError("the schedule deadlocks")  # rejects deadlocking schedules
+
+    def _release(self, s: int) -> None:
+        """Queue stage ``s``'s next instruction's begin once the stage and its inputs are done."""
+        order = self._emu._order[s]
+        if self._queued[s] or self._next[s] >= len(order):
+            return
+        v = order[self._next[s]]
+        preds = self._emu._preds[v]
+        if all(self._done[u] for u in preds):
+            self._queued[s] = True
+            t0 = max([self.free[s], *(self._finish[u] for u in preds)])
+            heapq.heappush(self._events, (t0, _BEGIN, s, v))
+
+    def _charged(self, s: int, hook: Callable[..., None], *args: object) -> float:
+        """Run ``hook(*args)`` on stage ``s``'s thread; returns what its driver reads cost it."""
+        dev = self._emu.devices[s]
+        before = dev.reads
+        hook(*args)
+        cost = (dev.reads - before) * dev.read_cost_s
+        dev.stall_s += cost
+        self.stall[s] += cost
+        return cost
 
 
 class _FixedClocks:

@@ -20,16 +20,16 @@ written here.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from powerlib.errors import PlanError
-from powerlib.planning.perseus.frontier import POLICIES
+from powerlib.planning.names import POLICIES
 
 if TYPE_CHECKING:
+    from powerlib.planning.perseus.frequency_options import Option
     from powerlib.planning.perseus.frontier import Baseline, Frontier
-    from powerlib.planning.perseus.options import Option
     from powerlib.planning.perseus.points import FrontierPoint
     from powerlib.planning.plan import FrequencyPlan
 
@@ -135,7 +135,7 @@ class Choice:
         planned = self.frontier.planned_options(self.point)
         return sum(1 for a, b in zip(planned, self.options) if b.time_s < a.time_s)
 
-    def plan(self, *, metadata: dict[str, Any] | None = None) -> FrequencyPlan:
+    def plan(self, *, metadata: Mapping[str, object] | None = None) -> FrequencyPlan:
         """The plan a session applies (schema ``powerlib.plan.v1``).
 
         Args:
@@ -143,7 +143,10 @@ class Choice:
                 study).
         """
         return self.frontier.plan(
-            self.point, policy=self.policy.name, chosen=self.options, metadata=metadata
+            self.point,
+            policy=self.policy.name,
+            chosen=self.options,
+            metadata=None if metadata is None else dict(metadata),
         )
 
 

@@ -53,7 +53,7 @@ class PartitionSetting:
     sm_count: int
     block_size: int = 1024
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """``{"slot", "sm_count", "block_size"}``."""
         return {"slot": self.slot, "sm_count": self.sm_count, "block_size": self.block_size}
 
@@ -318,15 +318,7 @@ class FrequencyPlan:
         schedule = [[p.instruction for p in stage] for stage in self.stages]
         dag = build_dag(schedule, str(self.workload.get("placement", "looped")))
         planned = [p for stage in self.stages for p in stage]  # the DAG's node order
-        recorded = [
-            p.predicted_time_s if p.planned_time_s is None else p.planned_time_s for p in planned
-        ]
-        missing = recorded.count(None)
-        times = [1.0 if t is None else t for t in recorded]
-        if missing == 0 and max(times) <= 0:
-            missing = len(times)
-        if missing:
-            times = [1.0] * len(planned)
+        times, missing = _grid_durations(planned)
         starts = dag.start_times(times)
         total = max(start + t for start, t in zip(starts, times))
         symbols, legend = _clock_symbols(sorted({p.freq_mhz for p in planned}, reverse=True))
@@ -342,23 +334,8 @@ class FrequencyPlan:
             clocks.append(
                 f"{prefix} |{_cells(spans, width, total, lambda p: symbols[p.freq_mhz])}|"
             )
-        microbatches = 1 + max(p.instruction.microbatch for p in planned)
-        what = f"{self.policy} plan" if self.policy else "plan"
-        what += (
-            f", {_count(self.num_stages, 'stage')} x "
-            f"{_count(microbatches, 'microbatch', 'microbatches')}"
-        )
-        if self.workload.get("schedule"):
-            what += f" ({self.workload['schedule']})"
-        if not missing:
-            when = f"iteration {total:.4g} s, {width} columns of {total / width:.3g} s"
-        else:
-            which = "any" if missing == len(planned) else f"{missing} of {len(planned)}"
-            when = (
-                f"the plan records no duration for {which} instructions, so each instruction is "
-                f"drawn one unit long: iteration {total:g} units, {width} columns of "
-                f"{total / width:.3g} units"
-            )
+        what = self._grid_title(1 + max(p.instruction.microbatch for p in planned))
+        when = _grid_scale(total, width, missing, len(planned))
         return "\n".join(
             [
                 f"{what}: {when}",
@@ -374,12 +351,23 @@ class FrequencyPlan:
             ]
         )
 
+    def _grid_title(self, microbatches: int) -> str:
+        """What :meth:`grid` draws: the policy, the pipeline's size and its schedule."""
+        what = f"{self.policy} plan" if self.policy else "plan"
+        what += (
+            f", {_count(self.num_stages, 'stage')} x "
+            f"{_count(microbatches, 'microbatch', 'microbatches')}"
+        )
+        if self.workload.get("schedule"):
+            what += f" ({self.workload['schedule']})"
+        return what
+
     @property
     def policy(self) -> str:
         """The policy that chose the plan (``""`` when the file does not say)."""
         return str(self.summary.get("policy", ""))
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """The plan as JSON data (round-trips through :meth:`from_json`)."""
         return {
             "schema": PLAN_SCHEMA,
@@ -422,6 +410,37 @@ def _clock_symbols(freqs_mhz: Sequence[float]) -> tuple[dict[float, str], list[s
     return symbols, legend
 
 
+def _grid_durations(planned: Sequence[PlannedInstruction]) -> tuple[list[float], int]:
+    """Each instruction's drawn duration (its ``planned_time_s``, else ``predicted_time_s``).
+
+    Returns ``(durations, missing)``: ``missing`` counts the instructions that record neither
+    (all of them when every duration is zero); when it is not zero, every instruction is
+    drawn one unit long.
+    """
+    recorded = [
+        p.predicted_time_s if p.planned_time_s is None else p.planned_time_s for p in planned
+    ]
+    missing = recorded.count(None)
+    times = [1.0 if t is None else t for t in recorded]
+    if missing == 0 and max(times) <= 0:
+        missing = len(times)
+    if missing:
+        times = [1.0] * len(planned)
+    return times, missing
+
+
+def _grid_scale(total: float, width: int, missing: int, count: int) -> str:
+    """The grid header's time scale, or why every instruction is drawn one unit long."""
+    if not missing:
+        return f"iteration {total:.4g} s, {width} columns of {total / width:.3g} s"
+    which = "any" if missing == count else f"{missing} of {count}"
+    return (
+        f"the plan records no duration for {which} instructions, so each instruction is "
+        f"drawn one unit long: iteration {total:g} units, {width} columns of "
+        f"{total / width:.3g} units"
+    )
+
+
 def _cells(
     spans: Sequence[tuple[float, float, PlannedInstruction]],
     width: int,
@@ -446,8 +465,8 @@ def _cells(
     return "".join(out)
 
 
-def _instruction_json(p: PlannedInstruction) -> dict[str, Any]:
-    out: dict[str, Any] = {
+def _instruction_json(p: PlannedInstruction) -> dict[str, object]:
+    out: dict[str, object] = {
         "kind": p.instruction.kind,
         "microbatch": p.instruction.microbatch,
         "chunk": p.instruction.chunk,
@@ -467,7 +486,7 @@ def _instruction_json(p: PlannedInstruction) -> dict[str, Any]:
     return out
 
 
-def _number(item: dict[str, Any], name: str, where: str) -> float | None:
+def _number(item: dict[str, object], name: str, where: str) -> float | None:
     value = item.get(name)
     if value is None:
         return None
@@ -476,7 +495,7 @@ def _number(item: dict[str, Any], name: str, where: str) -> float | None:
     return float(value)
 
 
-def _overlap(item: dict[str, Any], where: str) -> tuple[str, dict[str, PartitionSetting]]:
+def _overlap(item: dict[str, object], where: str) -> tuple[str, dict[str, PartitionSetting]]:
     execution = item.get("execution", "sequential")
     if execution not in EXECUTIONS:
         raise PlanError(
@@ -521,10 +540,11 @@ def _instruction(item: Any, stage: int, where: str) -> PlannedInstruction:
         or freq <= 0
     ):
         raise PlanError(f"{where}: freq_mhz must be a positive number, got {freq!r}")
+    microbatch: Any = item.get("microbatch")  # unchecked JSON: Instruction validates it
     try:
         ins = Instruction(
             stage=stage,
-            microbatch=item.get("microbatch"),
+            microbatch=microbatch,
             kind=kind,
             chunk=item.get("chunk", 0),
         )

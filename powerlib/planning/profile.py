@@ -14,14 +14,16 @@ Two file formats are read and written:
   ``rank,dp_rank,pp_rank,tp_rank,...``) may repeat a (stage, instruction, frequency) once per
   rank of the stage; those rows are merged the way Kareus aggregates the TP/CP ranks of a
   stage: **time = max** over the ranks (the stage waits for its slowest rank) and **energy =
-  mean** (energy per GPU). Without rank columns a repeated row is an error.
+  mean** (energy per GPU). Without rank columns a repeated row is an error. One row and the
+  CSV form are :mod:`powerlib.planning.profile_rows`.
 - **JSON**: ``{"schema": "powerlib.profile.v1", "rows": [{"stage": 0, "instruction":
   "forward", "freq_mhz": 1410, "time_s": 0.03, "energy_j": 9.0}, ...]}``.
 
-A profile may also carry what the planner needs besides the rows (:data:`SETTINGS`): the
-blocking power ``p_block_w`` (W) and the time quantum ``unit_time_s`` (s) it was planned with.
-JSON has them as top-level numbers; CSV as optional columns of those names, the same value on
-every row (an empty cell: not carried). ``powerlib plan`` uses them when no option overrides.
+A profile may also carry what the planner needs besides the rows
+(:data:`~powerlib.planning.profile_rows.SETTINGS`): the blocking power ``p_block_w`` (W) and
+the time quantum ``unit_time_s`` (s) it was planned with. JSON has them as top-level numbers;
+CSV as optional columns of those names, the same value on every row (an empty cell: not
+carried). ``powerlib plan`` uses them when no option overrides.
 
 Every validation error is a :class:`~powerlib.errors.PlanError` with a one-line message that
 starts with the file name and, where one row is at fault, its line (CSV) or row index (JSON)
@@ -32,12 +34,8 @@ This module is pure: it imports only the standard library.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,51 +48,24 @@ from powerlib.planning.pipeline import (
     FORWARD,
     KINDS,
 )
+from powerlib.planning.profile_rows import (
+    FIELD_NAMES,
+    SETTINGS,
+    ProfileRow,
+    Where,
+    check_row,
+    check_setting,
+    fmt_freq,
+    rows_from_csv,
+    rows_to_csv,
+)
 
-__all__ = ["CSV_COLUMNS", "PROFILE_SCHEMA", "SETTINGS", "Profile", "ProfileRow"]
+__all__ = ["PROFILE_SCHEMA", "Profile"]
 
 PROFILE_SCHEMA = "powerlib.profile.v1"
 """The ``schema`` value of a JSON profile."""
 
-CSV_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
-"""The CSV columns a profile needs (any order; others are ignored)."""
-
-SETTINGS = ("p_block_w", "unit_time_s")
-"""The planner settings a profile may carry (JSON fields, optional CSV columns)."""
-
 _JSON_FIELDS = ("stage", "instruction", "freq_mhz", "time_s", "energy_j")
-_NUMBER_FIELDS = (("freq_mhz", "MHz"), ("time_s", "s"), ("energy_j", "J"))
-# How a message names a row's value: the attribute (rows, JSON fields) or the CSV column.
-_FIELD_NAMES = {name: name for name in ("stage", "freq_mhz", "time_s", "energy_j")}
-_CSV_NAMES = {
-    "stage": "column stage",
-    "freq_mhz": "column frequency",
-    "time_s": "column time",
-    "energy_j": "column energy",
-}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProfileRow:
-    """One profiled (stage, kind, frequency) point.
-
-    Attributes:
-        stage: Pipeline stage, from 0.
-        instruction: One of :data:`~powerlib.planning.pipeline.KINDS` (forward, backward,
-            backward_input, backward_weight).
-        freq_mhz: The locked SM frequency, in MHz.
-        time_s: Mean duration of one execution, in seconds.
-        energy_j: Mean energy of one execution, in joules.
-    """
-
-    stage: int
-    instruction: str
-    freq_mhz: float
-    time_s: float
-    energy_j: float
-
-
-_Where = str  # "line 7" (CSV) or "rows[3]" (JSON, constructor)
 
 
 class Profile:
@@ -153,27 +124,27 @@ class Profile:
         self,
         rows: list[ProfileRow],
         source: str,
-        where: list[_Where],
+        where: list[Where],
         settings: Mapping[str, Any],
     ) -> None:
         if not rows:
             raise PlanError(f"{source}: the profile has no rows")
-        p_block_w = _check_setting(settings.get("p_block_w"), "p_block_w", f"{source}: ")
-        unit_time_s = _check_setting(settings.get("unit_time_s"), "unit_time_s", f"{source}: ")
+        p_block_w = check_setting(settings.get("p_block_w"), "p_block_w", f"{source}: ")
+        unit_time_s = check_setting(settings.get("unit_time_s"), "unit_time_s", f"{source}: ")
         clean: list[ProfileRow] = []
-        first: dict[tuple[int, str, float], _Where] = {}
+        first: dict[tuple[int, str, float], Where] = {}
         for row, loc in zip(rows, where):
-            row = _check_row(row, source, loc, _FIELD_NAMES)
+            row = check_row(row, source, loc, FIELD_NAMES)
             key = (row.stage, row.instruction, row.freq_mhz)
             if key in first:
                 raise PlanError(
                     f"{source}: {loc}: duplicate row for stage {row.stage} {row.instruction} at "
-                    f"{_fmt_freq(row.freq_mhz)} MHz (first at {first[key]})"
+                    f"{fmt_freq(row.freq_mhz)} MHz (first at {first[key]})"
                 )
             first[key] = loc
             clean.append(row)
         options: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
-        location: dict[tuple[int, str], _Where] = {}
+        location: dict[tuple[int, str], Where] = {}
         for row, loc in zip(clean, where):
             options.setdefault((row.stage, row.instruction), []).append(
                 (row.freq_mhz, row.time_s, row.energy_j)
@@ -205,7 +176,7 @@ class Profile:
             if len(points) < 2:
                 raise PlanError(
                     f"{source}: {location[stage, kind]}: stage {stage} {kind} has only one "
-                    f"frequency ({_fmt_freq(points[0][0])} MHz); the planner needs at least two"
+                    f"frequency ({fmt_freq(points[0][0])} MHz); the planner needs at least two"
                 )
         self.rows = tuple(sorted(clean, key=_row_order))
         self.stages = tuple(stages)
@@ -219,7 +190,7 @@ class Profile:
         cls,
         rows: list[ProfileRow],
         source: str,
-        where: list[_Where],
+        where: list[Where],
         settings: Mapping[str, Any],
     ) -> Profile:
         profile = cls.__new__(cls)
@@ -365,94 +336,8 @@ class Profile:
             PlanError: A missing column, a malformed or invalid value, a duplicate row, or a
                 profile that fails :class:`Profile` validation; the message gives the line.
         """
-        text = text.removeprefix("\ufeff")
-        reader = csv.reader(io.StringIO(text))
-        rows_in = _csv_rows(reader, source)
-        header: list[str] | None = None
-        for fields in rows_in:
-            if any(field.strip() for field in fields):
-                header = [field.strip().lower() for field in fields]
-                break
-        if header is None:
-            raise PlanError(
-                f"{source}: the profile is empty; expected a header {','.join(CSV_COLUMNS)}"
-            )
-        header_line = reader.line_num
-        missing = [name for name in CSV_COLUMNS if name not in header]
-        if missing:
-            raise PlanError(
-                f"{source}: line {header_line}: missing column(s) {', '.join(missing)}; the "
-                f"header needs {','.join(CSV_COLUMNS)}"
-            )
-        for name in (*CSV_COLUMNS, *SETTINGS):
-            if header.count(name) > 1:
-                raise PlanError(f"{source}: line {header_line}: column {name!r} appears twice")
-        column = {name: header.index(name) for name in CSV_COLUMNS}
-        setting_column = {name: header.index(name) for name in SETTINGS if name in header}
-        settings: dict[str, tuple[float, _Where]] = {}
-        rank_columns = [
-            i for i, name in enumerate(header) if name == "rank" or name.endswith("_rank")
-        ]
-
-        # (stage, kind, freq) -> (line of first row, times, energies, rank tuples seen)
-        groups: dict[
-            tuple[int, str, float], tuple[_Where, list[float], list[float], set[tuple[str, ...]]]
-        ] = {}
-        total_lines = text.count("\n") + 1 if progress is not None else 0
-        for fields in rows_in:
-            if not any(field.strip() for field in fields):
-                continue
-            if progress is not None and reader.line_num % 65536 == 0:
-                progress(reader.line_num, total_lines)
-            loc = f"line {reader.line_num}"
-            if len(fields) != len(header):
-                raise PlanError(
-                    f"{source}: {loc}: expected {len(header)} fields as in the header, "
-                    f"got {len(fields)}"
-                )
-            values = {name: fields[i].strip() for name, i in column.items()}
-            row = ProfileRow(
-                stage=_parse_stage(values["stage"], source, loc),
-                instruction=values["instruction"],
-                freq_mhz=_parse_number(values["frequency"], "frequency", source, loc),
-                time_s=_parse_number(values["time"], "time", source, loc),
-                energy_j=_parse_number(values["energy"], "energy", source, loc),
-            )
-            row = _check_row(row, source, loc, _CSV_NAMES)
-            for name, i in setting_column.items():
-                _csv_setting(settings, name, fields[i].strip(), source, loc)
-            key = (row.stage, row.instruction, row.freq_mhz)
-            ranks = tuple(fields[i].strip() for i in rank_columns)
-            if key in groups:
-                first, times, energies, seen_ranks = groups[key]
-                if not rank_columns or ranks in seen_ranks:
-                    raise PlanError(
-                        f"{source}: {loc}: duplicate row for stage {row.stage} "
-                        f"{row.instruction} at {_fmt_freq(row.freq_mhz)} MHz (first at {first})"
-                    )
-                times.append(row.time_s)
-                energies.append(row.energy_j)
-                seen_ranks.add(ranks)
-            else:
-                groups[key] = (loc, [row.time_s], [row.energy_j], {ranks})
-        if not groups:
-            raise PlanError(f"{source}: the profile has a header but no rows")
-        rows = [
-            ProfileRow(
-                stage=stage,
-                instruction=kind,
-                freq_mhz=freq_mhz,
-                time_s=max(times),
-                energy_j=math.fsum(energies) / len(energies),
-            )
-            for (stage, kind, freq_mhz), (_, times, energies, _) in groups.items()
-        ]
-        return cls._create(
-            rows,
-            source,
-            [group[0] for group in groups.values()],
-            {name: value for name, (value, _) in settings.items()},
-        )
+        parsed = rows_from_csv(text, source, progress=progress)
+        return cls._create(parsed.rows, source, parsed.where, parsed.settings)
 
     @classmethod
     def from_json(cls, data: Any, source: str = "<json>") -> Profile:
@@ -479,7 +364,7 @@ class Profile:
         if not isinstance(items, list):
             raise PlanError(f"{source}: 'rows' must be a list of row objects")
         rows: list[ProfileRow] = []
-        where: list[_Where] = []
+        where: list[Where] = []
         for i, item in enumerate(items):
             loc = f"rows[{i}]"
             if not isinstance(item, Mapping):
@@ -557,23 +442,10 @@ class Profile:
         Returns:
             The text; floats are written with :func:`repr`, so the round trip is lossless.
         """
-        carried = [name for name in SETTINGS if getattr(self, name) is not None]
-        extra = [repr(float(getattr(self, name))) for name in carried]
-        out = io.StringIO()
-        writer = csv.writer(out, lineterminator="\n")
-        writer.writerow([*CSV_COLUMNS, *carried])
-        for row in self.rows:
-            writer.writerow(
-                [
-                    row.stage,
-                    row.instruction,
-                    _fmt_freq(row.freq_mhz),
-                    repr(row.time_s),
-                    repr(row.energy_j),
-                    *extra,
-                ]
-            )
-        return out.getvalue()
+        carried = {
+            name: getattr(self, name) for name in SETTINGS if getattr(self, name) is not None
+        }
+        return rows_to_csv(self.rows, carried)
 
     def write_csv(self, path: str | Path) -> None:
         """Write the profile as CSV (see :meth:`to_csv_text`).
@@ -586,114 +458,3 @@ class Profile:
 
 def _row_order(row: ProfileRow) -> tuple[int, int, float]:
     return (row.stage, KINDS.index(row.instruction), -row.freq_mhz)
-
-
-def _fmt_freq(freq_mhz: float) -> str:
-    return str(int(freq_mhz)) if float(freq_mhz).is_integer() else repr(float(freq_mhz))
-
-
-def _parse_number(text: str, column: str, source: str, loc: _Where) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise PlanError(f"{source}: {loc}: column {column} is not a number: {text!r}") from None
-
-
-def _parse_stage(text: str, source: str, loc: _Where) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if value.is_integer():
-        return int(value)
-    raise PlanError(f"{source}: {loc}: column stage must be an integer, got {text!r}")
-
-
-def _check_row(row: ProfileRow, source: str, loc: _Where, names: Mapping[str, str]) -> ProfileRow:
-    """Validate one row's values and return it with the instruction lower-cased.
-
-    ``names`` says how a message names each value: the CSV column or the field.
-    """
-    if not isinstance(row, ProfileRow):
-        raise PlanError(f"{source}: {loc}: expected a ProfileRow, got {row!r}")
-    if isinstance(row.stage, bool) or not isinstance(row.stage, int) or row.stage < 0:
-        raise PlanError(
-            f"{source}: {loc}: {names['stage']} must be an integer >= 0, got {row.stage!r}"
-        )
-    kind = row.instruction.strip().lower() if isinstance(row.instruction, str) else None
-    if kind not in KINDS:
-        raise PlanError(
-            f"{source}: {loc}: unknown instruction {row.instruction!r}; expected {', '.join(KINDS)}"
-        )
-    numbers: list[float] = []
-    for name, unit in _NUMBER_FIELDS:
-        raw, label = getattr(row, name), names[name]
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-            raise PlanError(f"{source}: {loc}: {label} must be a number, got {raw!r}")
-        value = float(raw)
-        if not math.isfinite(value):
-            raise PlanError(f"{source}: {loc}: {label} must be finite, got {value!r} {unit}")
-        # The planner divides time into quanta and needs a clock to lock: both positive.
-        if name in ("freq_mhz", "time_s") and value <= 0:
-            raise PlanError(f"{source}: {loc}: {label} must be > 0, got {value!r} {unit}")
-        if value < 0:
-            raise PlanError(f"{source}: {loc}: {label} must be >= 0, got {value!r} {unit}")
-        numbers.append(value)
-    freq_mhz, time_s, energy_j = numbers
-    return ProfileRow(
-        stage=row.stage, instruction=kind, freq_mhz=freq_mhz, time_s=time_s, energy_j=energy_j
-    )
-
-
-def _check_setting(value: Any, name: str, prefix: str) -> float | None:
-    """A carried planner setting (:data:`SETTINGS`), checked; ``None`` when absent.
-
-    Messages start with ``prefix`` then ``name`` (e.g. ``"p.csv: line 3: column "``).
-    """
-    if value is None:
-        return None
-    unit = "W" if name == "p_block_w" else "s"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PlanError(f"{prefix}{name} must be a number, got {value!r}")
-    number = float(value)
-    if not math.isfinite(number):
-        raise PlanError(f"{prefix}{name} must be finite, got {number!r} {unit}")
-    if name == "unit_time_s" and number <= 0:
-        raise PlanError(f"{prefix}{name} must be > 0, got {number!r} {unit}")
-    if number < 0:
-        raise PlanError(f"{prefix}{name} must be >= 0, got {number!r} {unit}")
-    return number
-
-
-def _csv_setting(
-    seen: dict[str, tuple[float, _Where]], name: str, text: str, source: str, loc: _Where
-) -> None:
-    """Record a CSV row's ``name`` cell: a number, the same on every row (empty: not given)."""
-    if not text:
-        return
-    value = _parse_number(text, name, source, loc)
-    _check_setting(value, name, f"{source}: {loc}: column ")
-    first = seen.get(name)
-    if first is None:
-        seen[name] = (value, loc)
-    elif value != first[0]:
-        raise PlanError(
-            f"{source}: {loc}: column {name} is {text} here but {first[0]!r} at {first[1]}; "
-            "a profile carries one value"
-        )
-
-
-def _csv_rows(reader: Any, source: str) -> Iterable[list[str]]:
-    """The reader's rows; a malformed row (e.g. a field over csv's 128 KiB limit) is one line."""
-    while True:
-        try:
-            fields = next(reader)
-        except StopIteration:
-            return
-        except csv.Error as err:
-            raise PlanError(f"{source}: line {reader.line_num}: malformed CSV: {err}") from None
-        yield fields

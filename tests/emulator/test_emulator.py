@@ -10,7 +10,8 @@ from powerlib.emulator.device import EmulatedDevice, VirtualTime
 from powerlib.emulator.engine import Emulator
 from powerlib.planning.perseus.frontier import FrontierSettings, compute_frontier
 from powerlib.planning.pipeline import Instruction
-from powerlib.planning.profile import Profile, ProfileRow
+from powerlib.planning.profile import Profile
+from powerlib.planning.profile_rows import ProfileRow
 from powerlib.planning.schedules import build_schedule
 
 
@@ -139,7 +140,8 @@ def test_noise_is_seeded_and_perturbs_times() -> None:
 
 
 def test_instructions_with_one_useful_clock_are_fixed_and_still_planned() -> None:
-    from powerlib.planning.profile import Profile, ProfileRow
+    from powerlib.planning.profile import Profile
+    from powerlib.planning.profile_rows import ProfileRow
 
     base = toy_profile()
     rows = []
@@ -166,7 +168,8 @@ def test_instructions_with_one_useful_clock_are_fixed_and_still_planned() -> Non
 
 
 def test_a_profile_where_only_the_top_clock_is_useful_gives_one_plan() -> None:
-    from powerlib.planning.profile import Profile, ProfileRow
+    from powerlib.planning.profile import Profile
+    from powerlib.planning.profile_rows import ProfileRow
 
     rows = [
         ProfileRow(

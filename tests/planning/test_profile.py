@@ -10,7 +10,8 @@ import pytest
 
 from powerlib.errors import PlanError
 from powerlib.planning.pipeline import BACKWARD, FORWARD
-from powerlib.planning.profile import PROFILE_SCHEMA, Profile, ProfileRow
+from powerlib.planning.profile import PROFILE_SCHEMA, Profile
+from powerlib.planning.profile_rows import ProfileRow
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
 SYNTH4 = SHARED / "perseus_validation" / "synthetic" / "profile_synth4.csv"

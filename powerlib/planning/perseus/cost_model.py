@@ -4,17 +4,17 @@ Perseus plans on *effective* energy ``ẽ = e - P_block·q·τ``: the energy a c
 what the GPU would have drawn anyway while blocked for the same (quantized) time. Each profiled
 (stage, instruction) pair becomes one cost curve in three steps (reference §2.1):
 
-1. :func:`~powerlib.planning.perseus.options.prepare_options` turns the measured
+1. :func:`~powerlib.planning.perseus.frequency_options.prepare_options` turns the measured
    ``(frequency, time, energy)`` points into the Pareto-optimal, floor-quantized,
    de-duplicated options, sorted fastest first.
 2. :func:`build_cost_model` fits a convex, non-increasing curve over the integer durations
    ``[q_min, q_max]`` (in units of the time quantum τ): the exponential ``a·exp(b·q) + c`` of
    lowtime/Perseus (:func:`fit_exponential`), or the non-parametric lower convex hull
    (:class:`ConvexHullCostModel`).
-3. After solving, :func:`~powerlib.planning.perseus.options.frequency_for` maps a planned
+3. After solving, :func:`~powerlib.planning.perseus.frequency_options.frequency_for` maps a planned
    duration back to a measured option: the slowest one whose quantized time still fits.
 
-Steps 1 and 3 live in :mod:`powerlib.planning.perseus.options` (their names are re-exported
+Steps 1 and 3 live in :mod:`powerlib.planning.perseus.frequency_options` (their names are re-exported
 here). :class:`TableCostModel` wraps an explicit ``{duration: cost}`` table, for hand-made test
 cases.
 
@@ -34,7 +34,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from powerlib.errors import PlanError
-from powerlib.planning.perseus.options import (
+from powerlib.planning.names import COST_MODELS
+from powerlib.planning.perseus.frequency_options import (
     Option,
     check_finite,
 )
@@ -61,8 +62,6 @@ _U_MAX = 700.0
 
 _SCAN_POINTS = 481
 """Log-spaced points of the global scan over ``|b|·(q_max - q_min)`` in ``[_U_MIN, _U_MAX]``."""
-
-_KINDS = ("exp", "convex")
 
 
 # --------------------------------------------------------------------------------------------
@@ -441,6 +440,27 @@ def _polish(
     return float(p[0]), float(p[1]), float(p[2])
 
 
+def _best_rate(x: np.ndarray, ys: np.ndarray, seeds: np.ndarray) -> float:
+    """The scaled rate ``u`` of the least-squares ``A·exp(-u·x) + C`` through ``(x, ys)``.
+
+    Scanned on a log grid (plus lowtime's starting rates ``seeds``), then refined by Brent's
+    method between the best grid point's neighbours.
+    """
+    grid = np.concatenate((np.geomspace(_U_MIN, _U_MAX, _SCAN_POINTS), seeds))
+    grid = np.array(sorted(set(grid[(grid >= _U_MIN) & (grid <= _U_MAX)].tolist())))
+    rss = _rss(grid, x, ys)
+    k = int(np.argmin(rss))
+    lo = math.log(grid[max(k - 1, 0)])
+    hi = math.log(grid[min(k + 1, grid.size - 1)])
+
+    xs, yl = x.tolist(), ys.tolist()
+
+    def objective(log_u: float) -> float:
+        return _rss_scalar(math.exp(log_u), xs, yl)
+
+    return math.exp(_brent_min(objective, lo, hi, 1e-12))
+
+
 def fit_exponential(options: Sequence[Option], *, unit_time_s: float) -> ExponentialCostModel:
     """Least-squares fit of ``eff_energy ≈ a·exp(b·quant) + c`` over the options.
 
@@ -489,23 +509,7 @@ def fit_exponential(options: Sequence[Option], *, unit_time_s: float) -> Exponen
     span = float(q_max - q_min)
     x = (qs - q_min) / span  # in [0, 1]: the fit in scaled form is A·exp(-u·x) + C
     seeds = np.array(_B0_PER_MS) * (tau / 1e-3) * span
-
-    if n_distinct == 2:
-        u = float(seeds[0])
-    else:
-        grid = np.concatenate((np.geomspace(_U_MIN, _U_MAX, _SCAN_POINTS), seeds))
-        grid = np.array(sorted(set(grid[(grid >= _U_MIN) & (grid <= _U_MAX)].tolist())))
-        rss = _rss(grid, x, ys)
-        k = int(np.argmin(rss))
-        lo = math.log(grid[max(k - 1, 0)])
-        hi = math.log(grid[min(k + 1, grid.size - 1)])
-
-        xs, yl = x.tolist(), ys.tolist()
-
-        def objective(log_u: float) -> float:
-            return _rss_scalar(math.exp(log_u), xs, yl)
-
-        u = math.exp(_brent_min(objective, lo, hi, 1e-12))
+    u = float(seeds[0]) if n_distinct == 2 else _best_rate(x, ys, seeds)
     amp_arr, off_arr = _linear_part(np.exp(-u * x), ys)
     amp, off = float(amp_arr), float(off_arr)
     if amp > 0.0 and n_distinct > 2:
@@ -558,4 +562,4 @@ def build_cost_model(
             return ConvexHullCostModel.from_options(options)
     if kind == "convex":
         return ConvexHullCostModel.from_options(options)
-    raise PlanError(f"cost model kind must be one of {_KINDS}, got {kind!r}")
+    raise PlanError(f"cost model kind must be one of {COST_MODELS}, got {kind!r}")

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from powerlib.errors import BackendUnavailableError, PlanError
 from powerlib.planning.perseus.solver import PhillipsDessouky
@@ -128,75 +129,27 @@ class DirectSolver:
     def _build(self, highspy: Any) -> None:
         walk = self._walk
         n = walk.num_nodes
-        tables = walk.tables
-        q_max = np.array([t.q_max for t in tables], dtype=float)
-        spans = np.array([t.q_max - t.q_min for t in tables], dtype=np.int64)
-        seg_start = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(spans, out=seg_start[1:])
-        n_seg = int(seg_start[-1])
-        seg_cost = np.empty(n_seg)
-        for v, t in enumerate(tables):
-            vals = t.values  # c(q_min) .. c(q_max)
-            # segment k of v: crash from q_max - k to q_max - k - 1
-            seg_cost[seg_start[v] : seg_start[v + 1]] = np.subtract(vals[-2::-1], vals[:0:-1])
-        np.maximum(seg_cost, 0.0, out=seg_cost)  # a non-increasing cost: round-off only
-        preds = walk.predecessors
-        succs = walk.successors
-        # Rows 0 .. R-1: one per edge u -> v (and one per source v), ">= q_max,v".
-        row_node: list[int] = []
-        row_pred: list[int] = []
-        for v in range(n):
-            if preds[v]:
-                for u in preds[v]:
-                    row_node.append(v)
-                    row_pred.append(u)
-            else:
-                row_node.append(v)
-                row_pred.append(-1)
-        sinks = [v for v in range(n) if not succs[v]]
-        rn = np.asarray(row_node, dtype=np.int64)
-        rp = np.asarray(row_pred, dtype=np.int64)
-        n_prec = len(rn)
+        seg = _Segments.of(walk)
+        rows = _Rows.of(walk)
         t_col = n
         seg_col0 = n + 1
-        # Column-wise triplets (row, col, value).
-        has_pred = rp >= 0
-        rows = [np.arange(n_prec), np.flatnonzero(has_pred)]
-        cols = [rn, rp[has_pred]]
-        vals = [np.ones(n_prec), -np.ones(int(has_pred.sum()))]
-        counts = spans[rn]
-        seg_rows = np.repeat(np.arange(n_prec), counts)
-        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        seg_cols = seg_col0 + np.repeat(seg_start[rn], counts) + offsets
-        rows.append(seg_rows)
-        cols.append(seg_cols)
-        vals.append(np.ones(len(seg_rows)))
-        sink_rows = n_prec + np.arange(len(sinks))
-        rows += [sink_rows, sink_rows]
-        cols += [np.asarray(sinks, dtype=np.int64), np.full(len(sinks), t_col)]
-        vals += [np.ones(len(sinks)), -np.ones(len(sinks))]
-        r = np.concatenate(rows)
-        c = np.concatenate(cols)
-        a = np.concatenate(vals)
-        n_cols = seg_col0 + n_seg
-        n_rows = n_prec + len(sinks)
-        order = np.lexsort((r, c))
-        r, c, a = r[order], c[order], a[order]
-        start = np.zeros(n_cols + 1, dtype=np.int32)
-        np.cumsum(np.bincount(c, minlength=n_cols), out=start[1:])
+        n_cols = seg_col0 + seg.count
+        start, index, value = _colwise(rows, seg, t_col, seg_col0)
+        q_max = np.array([t.q_max for t in walk.tables], dtype=float)
+        n_sinks = len(rows.sinks)
         lp = highspy.HighsLp()
         lp.num_col_ = n_cols
-        lp.num_row_ = n_rows
+        lp.num_row_ = rows.count
         inf = highspy.kHighsInf
-        lp.col_cost_ = np.concatenate([np.zeros(n), [self._w], seg_cost])
+        lp.col_cost_ = np.concatenate([np.zeros(n), [self._w], seg.cost])
         lp.col_lower_ = np.zeros(n_cols)
-        lp.col_upper_ = np.concatenate([np.full(n, inf), [float(self.t_max)], np.ones(n_seg)])
-        lp.row_lower_ = np.concatenate([q_max[rn], np.full(len(sinks), -inf)])
-        lp.row_upper_ = np.concatenate([np.full(n_prec, inf), np.zeros(len(sinks))])
+        lp.col_upper_ = np.concatenate([np.full(n, inf), [float(self.t_max)], np.ones(seg.count)])
+        lp.row_lower_ = np.concatenate([q_max[rows.node], np.full(n_sinks, -inf)])
+        lp.row_upper_ = np.concatenate([np.full(rows.num_prec, inf), np.zeros(n_sinks)])
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
         lp.a_matrix_.start_ = start
-        lp.a_matrix_.index_ = r.astype(np.int32)
-        lp.a_matrix_.value_ = a
+        lp.a_matrix_.index_ = index
+        lp.a_matrix_.value_ = value
         h = new_highs(highspy)
         h.setOptionValue("solver", "simplex")
         status = h.passModel(lp)
@@ -206,11 +159,11 @@ class DirectSolver:
         self._hs = highspy
         self._t_col = t_col
         self._seg_col0 = seg_col0
-        self._seg_start = seg_start
-        self._seg_owner = np.repeat(np.arange(n), spans)
-        self._q_max = np.array([t.q_max for t in tables], dtype=np.int64)
+        self._seg_start = seg.start
+        self._seg_owner = np.repeat(np.arange(n), seg.spans)
+        self._q_max = np.array([t.q_max for t in walk.tables], dtype=np.int64)
         self.num_columns = n_cols
-        self.num_rows = n_rows
+        self.num_rows = rows.count
 
     # -- solves ----------------------------------------------------------------------------------
 
@@ -275,6 +228,126 @@ class DirectSolver:
     def _lengthen(self, durations: list[int], quant: int) -> list[int]:
         """Lengthen each activity into its slack (:func:`lengthen_into_slack`)."""
         return lengthen_into_slack(self._walk, durations, quant)
+
+
+@dataclass(frozen=True, slots=True)
+class _Segments:
+    """Each activity's convex cost as unit crash segments, one column each.
+
+    Attributes:
+        spans: Per activity, its number of segments (``q_max - q_min``).
+        start: Activity ``v``'s segments are ``start[v] .. start[v + 1] - 1`` (``n + 1``
+            entries).
+        cost: Per segment ``k`` of ``v``, the cost of crashing ``v`` from ``q_max - k`` to
+            ``q_max - k - 1``.
+    """
+
+    spans: npt.NDArray[np.int64]
+    start: npt.NDArray[np.int64]
+    cost: npt.NDArray[np.float64]
+
+    @classmethod
+    def of(cls, walk: PhillipsDessouky) -> _Segments:
+        """The segments of ``walk``'s cost tables."""
+        tables = walk.tables
+        spans = np.array([t.q_max - t.q_min for t in tables], dtype=np.int64)
+        start = np.zeros(walk.num_nodes + 1, dtype=np.int64)
+        np.cumsum(spans, out=start[1:])
+        cost = np.empty(int(start[-1]))
+        for v, t in enumerate(tables):
+            vals = t.values  # c(q_min) .. c(q_max)
+            # segment k of v: crash from q_max - k to q_max - k - 1
+            cost[start[v] : start[v + 1]] = np.subtract(vals[-2::-1], vals[:0:-1])
+        np.maximum(cost, 0.0, out=cost)  # a non-increasing cost: round-off only
+        return cls(spans=spans, start=start, cost=cost)
+
+    @property
+    def count(self) -> int:
+        """The number of segments."""
+        return int(self.start[-1])
+
+
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """The program's rows: precedence first, then one per sink.
+
+    Attributes:
+        node: Rows ``0 .. num_prec - 1``: one per edge ``u -> v`` (and one per source ``v``),
+            ``F_v - F_u + Σ_k x_vk >= q_max,v``; this is ``v``.
+        pred: ``u``, or -1 for a source.
+        sinks: The activities without successors, one row ``F_v - T <= 0`` each.
+    """
+
+    node: npt.NDArray[np.int64]
+    pred: npt.NDArray[np.int64]
+    sinks: list[int]
+
+    @classmethod
+    def of(cls, walk: PhillipsDessouky) -> _Rows:
+        """The rows of ``walk``'s DAG."""
+        preds, succs = walk.predecessors, walk.successors
+        row_node: list[int] = []
+        row_pred: list[int] = []
+        for v in range(walk.num_nodes):
+            if preds[v]:
+                for u in preds[v]:
+                    row_node.append(v)
+                    row_pred.append(u)
+            else:
+                row_node.append(v)
+                row_pred.append(-1)
+        return cls(
+            node=np.asarray(row_node, dtype=np.int64),
+            pred=np.asarray(row_pred, dtype=np.int64),
+            sinks=[v for v in range(walk.num_nodes) if not succs[v]],
+        )
+
+    @property
+    def num_prec(self) -> int:
+        """The number of precedence rows."""
+        return len(self.node)
+
+    @property
+    def count(self) -> int:
+        """The number of rows."""
+        return self.num_prec + len(self.sinks)
+
+
+def _colwise(
+    rows: _Rows, seg: _Segments, t_col: int, seg_col0: int
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.float64]]:
+    """The constraint matrix, column-wise: ``(start, index, value)`` as HiGHS takes them.
+
+    Columns: ``F_v`` (``0 .. n - 1``), ``T`` (``t_col``), the segments (from ``seg_col0``).
+    """
+    rn, rp = rows.node, rows.pred
+    n_prec = rows.num_prec
+    # Column-wise triplets (row, col, value).
+    has_pred = rp >= 0
+    row_parts = [np.arange(n_prec), np.flatnonzero(has_pred)]
+    col_parts = [rn, rp[has_pred]]
+    val_parts = [np.ones(n_prec), -np.ones(int(has_pred.sum()))]
+    counts = seg.spans[rn]
+    seg_rows = np.repeat(np.arange(n_prec), counts)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    seg_cols = seg_col0 + np.repeat(seg.start[rn], counts) + offsets
+    row_parts.append(seg_rows)
+    col_parts.append(seg_cols)
+    val_parts.append(np.ones(len(seg_rows)))
+    n_sinks = len(rows.sinks)
+    sink_rows = n_prec + np.arange(n_sinks)
+    row_parts += [sink_rows, sink_rows]
+    col_parts += [np.asarray(rows.sinks, dtype=np.int64), np.full(n_sinks, t_col)]
+    val_parts += [np.ones(n_sinks), -np.ones(n_sinks)]
+    r = np.concatenate(row_parts)
+    c = np.concatenate(col_parts)
+    a = np.concatenate(val_parts)
+    n_cols = seg_col0 + seg.count
+    order = np.lexsort((r, c))
+    r, c, a = r[order], c[order], a[order]
+    start = np.zeros(n_cols + 1, dtype=np.int32)
+    np.cumsum(np.bincount(c, minlength=n_cols), out=start[1:])
+    return start, r.astype(np.int32), a
 
 
 def lengthen_into_slack(walk: PhillipsDessouky, durations: list[int], quant: int) -> list[int]:

@@ -66,17 +66,19 @@ _SOURCE = 0
 _SINK = 1
 
 
-def point_solver(walk: PhillipsDessouky, *, time_cost_per_quantum: float = 0.0) -> Any:
+def point_solver(
+    walk: PhillipsDessouky, *, time_cost_per_quantum: float = 0.0, direct_solver: str = "auto"
+) -> Any:
     """The direct solver of a frontier's points: the compiled flow where it is built, else HiGHS.
 
     Both return the same :class:`DirectSolution` at the same optimal cost (tested to 1e-9
-    relative); the flow needs no extra and certifies every solve. ``POWERLIB_DIRECT_SOLVER=highs``
-    forces HiGHS (for side-by-side benchmarks).
+    relative); the flow needs no extra and certifies every solve. ``direct_solver="highs"``
+    forces HiGHS (for side-by-side benchmarks; :func:`~powerlib.planning.perseus.work.direct_kind`).
 
     Raises:
         BackendUnavailableError: Neither the extension nor ``highspy`` is available.
     """
-    if direct_kind() == "flow":
+    if direct_kind(direct_solver) == "flow":
         return FlowSolver(walk, time_cost_per_quantum=time_cost_per_quantum)
     return DirectSolver(walk, time_cost_per_quantum=time_cost_per_quantum)
 

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from powerlib.errors import PlanError
+from powerlib.planning.names import POLICIES, SOLVERS
 from powerlib.planning.perseus import guard
 from powerlib.planning.perseus.cost_model import build_cost_model
 from powerlib.planning.perseus.direct import direct_available
-from powerlib.planning.perseus.options import Option, prepare_options
+from powerlib.planning.perseus.frequency_options import Option, prepare_options
 from powerlib.planning.perseus.points import (
     FrontierPoint,
     Wanted,
@@ -33,22 +34,18 @@ from powerlib.planning.perseus.points import (
 )
 from powerlib.planning.perseus.replay import ReplayModel, critical_path_s, replay_options
 from powerlib.planning.perseus.solver import PhillipsDessouky
+from powerlib.planning.perseus.sources import OptionSource
 from powerlib.planning.perseus.work import DEFAULT_MAX_WORK, check_quantum
 from powerlib.planning.pipeline import KINDS, Instruction, PipelineDAG, Schedule, build_dag
 from powerlib.planning.plan import FrequencyPlan, PartitionSetting, PlannedInstruction
 from powerlib.planning.profile import Profile
 
 __all__ = [
-    "POLICIES",
-    "SOLVERS",
     "Baseline",
     "Frontier",
     "FrontierSettings",
     "compute_frontier",
 ]
-
-POLICIES = ("fastest", "deadline", "min-energy")
-SOLVERS = ("walk", "direct", "auto")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,7 +60,7 @@ class FrontierSettings:
         unit_time_s: The time quantum τ.
         p_block_w: Power while blocked (waiting), charged to idle time (docs/perseus.md §1.4).
         order: Pareto filter before or after subtracting blocking energy
-            (:data:`~powerlib.planning.perseus.options.ORDERS`).
+            (:data:`~powerlib.planning.perseus.frequency_options.ORDERS`).
         cost_model: ``exp`` (the paper's exponential fit) or ``convex``.
         solver: ``walk`` (every point, Phillips-Dessouky), ``direct`` (only the points of
             :class:`~powerlib.planning.perseus.points.Wanted`, one linear program each; needs
@@ -72,6 +69,8 @@ class FrontierSettings:
         max_work: Refuse a frontier estimated past this many instruction-steps
             (:class:`~powerlib.planning.perseus.work.WorkEstimate`: the walk's, or the direct
             solve's exact program size) before it is solved; ``None``: no limit.
+        direct_solver: What solves the direct points: ``auto`` (the compiled flow where it is
+            built, else HiGHS) or ``highs`` (:func:`~powerlib.planning.perseus.work.direct_kind`).
     """
 
     unit_time_s: float
@@ -80,6 +79,7 @@ class FrontierSettings:
     cost_model: str = "exp"
     solver: str = "walk"
     max_work: int | None = DEFAULT_MAX_WORK
+    direct_solver: str = "auto"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -223,6 +223,7 @@ class Frontier:
                 self.fastest.quant_time,
                 self.points[0].quant_time,
             )
+            assert quant is not None  # fits is not empty: the deadline is at least T_min
             if argmin:
                 if quant not in self.argmin_quant:
                     raise PlanError(
@@ -467,64 +468,15 @@ def compute_frontier(
             the solve is past ``settings.max_work``.
         BackendUnavailableError: ``solver="direct"`` without highspy.
     """
-    solver = settings.solver
-    if solver not in SOLVERS:
-        raise PlanError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    if solver == "auto":
-        solver = "direct" if direct_available() else "walk"
-        settings = dataclasses.replace(settings, solver=solver)
+    settings = _resolve_solver(settings)
     unit_time_s, p_block_w = settings.unit_time_s, settings.p_block_w
     check_quantum(unit_time_s, p_block_w)
     dag = build_dag(schedule, placement)
     used = {(ins.stage, ins.kind) for ins in dag.instructions}
-    if candidates is None:
-        if profile is None:
-            raise PlanError("compute_frontier needs a profile or per-instruction candidates")
-        profile.validate_for(dag.num_stages, ())
-        points_of: Callable[[int, str], Sequence[tuple[Any, ...]]] = profile.options
-    else:
-        missing = sorted(used - set(candidates))
-        if missing:
-            raise PlanError(f"no execution options for (stage, kind) {missing[0]}")
-        points_of = lambda stage, kind: candidates[(stage, kind)]  # noqa: E731
-    options: dict[tuple[int, str], list[Option]] = {}
-    models: dict[tuple[int, str], Any] = {}
-    for stage in range(dag.num_stages):
-        for kind in (k for k in KINDS if (stage, k) in used):
-            opts = prepare_options(
-                points_of(stage, kind),
-                unit_time_s=unit_time_s,
-                p_block_w=p_block_w,
-                order=settings.order,
-            )
-            options[(stage, kind)] = opts
-            models[(stage, kind)] = build_cost_model(
-                opts, kind=settings.cost_model, unit_time_s=unit_time_s
-            )
-    costs = [models[(ins.stage, ins.kind)] for ins in dag.instructions]
+    source = OptionSource(profile, candidates, reference)
+    source.check(used, dag.num_stages)
+    options, costs = _cost_models(source, dag, used, settings)
     solver_pd = PhillipsDessouky(len(dag.instructions), dag.edges, costs)
-    busy: dict[int, tuple[float, float]] = {}
-    for stage in range(dag.num_stages):
-        t = e = 0.0
-        for i in dag.stage_order(stage):
-            ins = dag.instructions[i]
-            if reference is not None:
-                ref_t, ref_e = reference[(ins.stage, ins.kind)]
-            elif candidates is not None:
-                _, ref_t, ref_e, *_ = min(candidates[(ins.stage, ins.kind)], key=lambda o: o[1])
-            else:
-                assert profile is not None  # checked above
-                _, ref_t, ref_e = max(profile.options(ins.stage, ins.kind), key=lambda o: o[0])
-            t += ref_t
-            e += ref_e
-        busy[stage] = (t, e)
-    measured: dict[tuple[int, str], dict[float, tuple[float, float]]] = {}
-    for stage, kind in sorted(used):
-        at: dict[float, tuple[float, float]] = {}
-        for f, t, e, *_ in points_of(stage, kind):  # the fastest option at each clock
-            if f not in at or t < at[f][0]:
-                at[f] = (t, e)
-        measured[(stage, kind)] = at
     stub = Frontier(
         points=(),
         dag=dag,
@@ -533,26 +485,58 @@ def compute_frontier(
         num_chunks=num_chunks,
         options=options,
         settings=settings,
-        baseline_busy=busy,
-        measured=measured,
+        baseline_busy=source.baseline_busy(dag),
+        measured=source.fastest_per_clock(used),
         placement=placement,
-        reference_times=(
-            None if reference is None else {key: tr for key, (tr, _) in reference.items()}
-        ),
+        reference_times=source.reference_times(),
     )
     n_block = dag.num_stages * p_block_w
-    max_work = settings.max_work
-    if solver == "direct":
-        points, extra = direct_points(
-            solver_pd,
-            wanted or Wanted(),
-            n_block,
-            unit_time_s,
-            stub.model,
-            lambda: stub.baseline_time_s,
-            max_work,
-            progress,
-        )
-    else:
-        points, extra = walk_points(solver_pd, max_work, n_block, unit_time_s, progress), {}
+    if settings.solver != "direct":
+        points = walk_points(solver_pd, settings.max_work, n_block, unit_time_s, progress)
+        return dataclasses.replace(stub, points=tuple(points))
+    points, extra = direct_points(
+        solver_pd,
+        wanted or Wanted(),
+        n_block,
+        unit_time_s,
+        stub.model,
+        lambda: stub.baseline_time_s,
+        settings.max_work,
+        progress,
+        settings.direct_solver,
+    )
     return dataclasses.replace(stub, points=tuple(points), **extra)
+
+
+def _cost_models(
+    source: OptionSource, dag: PipelineDAG, used: set[tuple[int, str]], settings: FrontierSettings
+) -> tuple[dict[tuple[int, str], list[Option]], list[Any]]:
+    """Per used ``(stage, kind)``, its prepared options; per DAG node, its fitted cost model."""
+    options: dict[tuple[int, str], list[Option]] = {}
+    costs_of: dict[tuple[int, str], Any] = {}  # CostModels (solver.ActivityCost's shape)
+    for stage in range(dag.num_stages):
+        for kind in (k for k in KINDS if (stage, k) in used):
+            opts = prepare_options(
+                source.points(stage, kind),
+                unit_time_s=settings.unit_time_s,
+                p_block_w=settings.p_block_w,
+                order=settings.order,
+            )
+            options[(stage, kind)] = opts
+            costs_of[(stage, kind)] = build_cost_model(
+                opts, kind=settings.cost_model, unit_time_s=settings.unit_time_s
+            )
+    return options, [costs_of[(ins.stage, ins.kind)] for ins in dag.instructions]
+
+
+def _resolve_solver(settings: FrontierSettings) -> FrontierSettings:
+    """``settings`` with ``solver="auto"`` resolved to the solver that will run.
+
+    Raises:
+        PlanError: An unknown solver.
+    """
+    if settings.solver not in SOLVERS:
+        raise PlanError(f"unknown solver {settings.solver!r}; choose one of {', '.join(SOLVERS)}")
+    if settings.solver == "auto":
+        return dataclasses.replace(settings, solver="direct" if direct_available() else "walk")
+    return settings

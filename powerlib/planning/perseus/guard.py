@@ -55,12 +55,13 @@ from powerlib.planning.perseus.replay import (
     IncrementalReplay,
     NoisyReplay,
     ReplayModel,
+    Run,
     layout_of,
     replay_options,
 )
 
 if TYPE_CHECKING:
-    from powerlib.planning.perseus.options import Option
+    from powerlib.planning.perseus.frequency_options import Option
 
 __all__ = [
     "BOTH_STARTS_MAX_NODES",
@@ -328,6 +329,81 @@ def _lengthen(
     return chosen
 
 
+class _Ladder:
+    """Per instruction, its next faster option and that speed-up's price (J per second bought).
+
+    Instructions pinned at their top clock (:meth:`pin_top`) are never moved again.
+    """
+
+    def __init__(self, model: ReplayModel, replay: IncrementalReplay) -> None:
+        self._model = model
+        self._replay = replay
+        self._steps: dict[tuple[tuple[int, str], Option], _Step] = {}
+        self._pinned: set[int] = set()
+
+    def next_faster(self, v: int) -> _Step:
+        """The next faster option of node v and its price; ``None``: none, or pinned."""
+        if v in self._pinned:
+            return None
+        ins = self._model.dag.instructions[v]
+        key = (ins.stage, ins.kind)
+        current = self._replay.chosen[v]
+        if (key, current) not in self._steps:
+            faster = [o for o in self._model.options[key] if o.time_s < current.time_s]
+            if not faster:
+                self._steps[(key, current)] = None
+            else:
+                step = max(faster, key=lambda o: o.time_s)
+                price = (step.energy_j - current.energy_j) / (current.time_s - step.time_s)
+                self._steps[(key, current)] = (step, price)
+        return self._steps[(key, current)]
+
+    def priced(self, nodes: Sequence[int]) -> list[tuple[float, int, Option]]:
+        """``(price, node, faster option)`` of each of ``nodes`` that has one."""
+        out = []
+        for v in nodes:
+            got = self.next_faster(v)
+            if got is not None:
+                out.append((got[1], v, got[0]))
+        return out
+
+    def pin_top(self, nodes: set[int]) -> list[tuple[int, Option]]:
+        """Pin the unpinned of ``nodes`` at their top clock; the moves that takes."""
+        moves = []
+        for v in sorted(nodes - self._pinned):
+            ins = self._model.dag.instructions[v]
+            top = self._model.top_option(ins.stage, ins.kind)
+            self._pinned.add(v)
+            if self._replay.chosen[v] != top:
+                moves.append((v, top))
+        return moves
+
+
+def _slowing(run: Run, wrap: Mapping[int, int]) -> set[int]:
+    """The realized critical path, and the predecessors whose late clock change slowed it.
+
+    The predecessor is on the stage, or for a stage's first instruction its last (across
+    iterations: ``wrap``).
+    """
+    return set(run.path) | {
+        run.prev[v] if run.prev[v] >= 0 else wrap.get(v, v) for v in run.path if run.penalized[v]
+    }
+
+
+def _covering(
+    priced: list[tuple[float, int, Option]], excess_s: float, chosen: Sequence[Option]
+) -> list[tuple[int, Option]]:
+    """The cheapest speed-ups (ties: lower node first) that together cover ``excess_s``."""
+    priced.sort(key=lambda item: (item[0], item[1]))
+    moves = []
+    for _, v, option in priced:
+        moves.append((v, option))
+        excess_s -= chosen[v].time_s - option.time_s
+        if excess_s <= 0:
+            break
+    return moves
+
+
 def _speed_up(
     model: ReplayModel,
     chosen: Sequence[Option],
@@ -343,80 +419,34 @@ def _speed_up(
     without, one (the previous guard, step for step).
     """
     replay = IncrementalReplay(model, chosen, switch_latency_s)
-    steps: dict[tuple[tuple[int, str], Option], _Step] = {}
-    pinned: set[int] = set()
-    instructions = model.dag.instructions
-
-    def next_faster(v: int) -> _Step:
-        """The next faster option of node v and its price (J per second bought)."""
-        if v in pinned:
-            return None
-        ins = instructions[v]
-        key = (ins.stage, ins.kind)
-        current = replay.chosen[v]
-        if (key, current) not in steps:
-            faster = [o for o in model.options[key] if o.time_s < current.time_s]
-            if not faster:
-                steps[(key, current)] = None
-            else:
-                step = max(faster, key=lambda o: o.time_s)
-                price = (step.energy_j - current.energy_j) / (current.time_s - step.time_s)
-                steps[(key, current)] = (step, price)
-        return steps[(key, current)]
-
+    ladder = _Ladder(model, replay)
     while True:
         run = replay.run(energy=False)
-        if run.time_s > limit:  # nominally too slow: the cheapest speed-ups on the path
-            # the path, and the predecessors whose late clock change slowed it: on the
-            # stage, or the stage's last instruction for its first (across iterations)
-            wrap = replay.layout.last
-            candidates = set(run.path) | {
-                run.prev[v] if run.prev[v] >= 0 else wrap.get(v, v)
-                for v in run.path
-                if run.penalized[v]
-            }
-            priced = []
-            for v in sorted(candidates):
-                got = next_faster(v)
-                if got is not None:
-                    priced.append((got[1], v, got[0]))
-            if not priced:
-                # No option is measurably faster (noisy times of near-equal clocks), yet
-                # late clock changes still slow the path: pin those at their top clock,
-                # which changes no clock between them (pinned: never moved again, so
-                # this ends).
-                late = any(run.penalized[v] for v in run.path)
-                moves = []
-                for v in sorted(candidates - pinned) if late else ():
-                    ins = instructions[v]
-                    top = model.top_option(ins.stage, ins.kind)
-                    pinned.add(v)
-                    if replay.chosen[v] != top:
-                        moves.append((v, top))
-                if not moves:
-                    return replay.chosen  # everything that matters already runs at maximum
-                replay.set_many(moves)
-                continue
-            if not batch:
-                best = min(priced, key=lambda item: item[0])  # the first of equal prices
-                replay.set(best[1], best[2])
-                continue
-            priced.sort(key=lambda item: (item[0], item[1]))
-            excess = run.time_s - limit
-            moves = []
-            for _, v, option in priced:
-                moves.append((v, option))
-                excess -= replay.chosen[v].time_s - option.time_s
-                if excess <= 0:
-                    break
-            replay.set_many(moves)
+        if run.time_s <= limit:  # nominally in bounds: the noise stage, if any
+            if noisy is None:
+                return replay.chosen
+            ranked = noisy.too_slow(replay.chosen, switch_latency_s, ladder.next_faster)
+            if not ranked:
+                return replay.chosen
+            replay.set_many([(v, option) for _, v, option in ranked])
             continue
-        if noisy is None:
-            return replay.chosen
-        ranked = noisy.too_slow(replay.chosen, switch_latency_s, next_faster)
-        if not ranked:
-            return replay.chosen
-        replay.set_many([(v, option) for _, v, option in ranked])
+        # nominally too slow: the cheapest speed-ups on the path
+        candidates = _slowing(run, replay.layout.last)
+        priced = ladder.priced(sorted(candidates))
+        if not priced:
+            # No option is measurably faster (noisy times of near-equal clocks), yet late
+            # clock changes still slow the path: pin those at their top clock, which changes
+            # no clock between them (pinned: never moved again, so this ends).
+            late = any(run.penalized[v] for v in run.path)
+            moves = ladder.pin_top(candidates) if late else []
+            if not moves:
+                return replay.chosen  # everything that matters already runs at maximum
+            replay.set_many(moves)
+        elif not batch:
+            best = min(priced, key=lambda item: item[0])  # the first of equal prices
+            replay.set(best[1], best[2])
+        else:
+            replay.set_many(_covering(priced, run.time_s - limit, replay.chosen))
 
 
 class _NoiseCheck:

@@ -16,9 +16,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from powerlib.planning.perseus import guard
+from powerlib.planning.perseus.direct import DirectSolver
 from powerlib.planning.perseus.flow import FlowSolver, point_solver
 from powerlib.planning.perseus.replay import ReplayModel
 from powerlib.planning.perseus.solver import PhillipsDessouky
@@ -149,6 +150,15 @@ def walk_points(
     return points
 
 
+class DirectFields(TypedDict, total=False):
+    """The frontier's fields a direct solve fills in beside its points (none: the defaults)."""
+
+    complete: bool
+    t_star_quant: int | None
+    argmin_quant: dict[int, int]
+    direct: DirectPoints
+
+
 class DirectPoints:
     """The points of a direct solve, kept with their model so that more can be added.
 
@@ -166,6 +176,7 @@ class DirectPoints:
         model: What the slowdown guards of :attr:`Wanted.guards` replay on.
         baseline_time_s: All-max's iteration time, asked for only by a guard without a
             deadline (its limit's reference).
+        direct_solver: ``auto`` or ``highs`` (:func:`~powerlib.planning.perseus.work.direct_kind`).
     """
 
     def __init__(
@@ -175,13 +186,16 @@ class DirectPoints:
         unit_time_s: float,
         model: ReplayModel,
         baseline_time_s: Callable[[], float],
+        direct_solver: str = "auto",
     ) -> None:
         self.n_block, self.unit_time_s = n_block, unit_time_s
         self.model, self.baseline_time_s = model, baseline_time_s
         self.t_max = solver.makespan()
         self.t_min = solver.fastest_makespan()
         self.start_cost = solver.total_cost()
-        self.direct = point_solver(solver, time_cost_per_quantum=n_block * unit_time_s)
+        self.direct: FlowSolver | DirectSolver = point_solver(
+            solver, time_cost_per_quantum=n_block * unit_time_s, direct_solver=direct_solver
+        )
         # The compiled flow solves concurrently (it releases the GIL and keeps no state
         # between solves); HiGHS keeps one model.
         self.concurrent = isinstance(self.direct, FlowSolver)
@@ -214,7 +228,7 @@ class DirectPoints:
         self,
         wanted: Wanted,
         progress: Callable[[int, int], None] | None = None,
-    ) -> tuple[list[FrontierPoint], dict[str, Any]]:
+    ) -> tuple[list[FrontierPoint], DirectFields]:
         """Solve what ``wanted`` adds; ``progress(done, expected)`` after each point.
 
         Returns:
@@ -274,7 +288,7 @@ class DirectPoints:
                     )
                 )
                 prev_quant, prev_cost = quant, cost
-            extra = {
+            extra: DirectFields = {
                 "complete": False,
                 "t_star_quant": self.t_star,
                 "argmin_quant": dict(self.argmin),
@@ -292,7 +306,8 @@ def direct_points(
     baseline_time_s: Callable[[], float],
     max_work: int | None = DEFAULT_MAX_WORK,
     progress: Callable[[int, int], None] | None = None,
-) -> tuple[list[FrontierPoint], dict[str, Any]]:
+    direct_solver: str = "auto",
+) -> tuple[list[FrontierPoint], DirectFields]:
     """The points ``wanted`` asks for, each by one linear program (docs/perseus.md §2.6).
 
     Arguments as :class:`DirectPoints`'s, and ``max_work``: refuse a program estimated past
@@ -304,11 +319,11 @@ def direct_points(
         num_instructions=solver.num_nodes,
         time_steps=solver.makespan() - solver.fastest_makespan(),
         unit_segments=sum(t.q_max - t.q_min for t in solver.tables),
-        solver=direct_kind(),
+        solver=direct_kind(direct_solver),
     ).check(max_work, hint=WORK_HINT)
-    return DirectPoints(solver, n_block, unit_time_s, model, baseline_time_s).solve(
-        wanted, progress
-    )
+    return DirectPoints(
+        solver, n_block, unit_time_s, model, baseline_time_s, direct_solver=direct_solver
+    ).solve(wanted, progress)
 
 
 class _Background:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from powerlib.planning.perseus.options import Option, frequency_for
+from powerlib.planning.perseus.frequency_options import Option, frequency_for
 from powerlib.planning.pipeline import Instruction, PipelineDAG
 
 __all__ = [
@@ -40,7 +40,7 @@ class ReplayModel:
     Attributes:
         dag: The instruction DAG.
         options: (stage, kind) -> its Pareto-optimal, quantized options
-            (:func:`~powerlib.planning.perseus.options.prepare_options`), fastest first.
+            (:func:`~powerlib.planning.perseus.frequency_options.prepare_options`), fastest first.
         measured: (stage, kind) -> frequency -> measured ``(time_s, energy_j)``, every profiled
             frequency (the fastest option where a clock has several).
         unit_time_s: The time quantum τ.

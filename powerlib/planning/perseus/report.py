@@ -1,24 +1,41 @@
-"""Frontier outputs: the CSV, the summary, and the plot (matplotlib, extra ``plot``)."""
+"""Frontier outputs: the CSV, the summary, the plot (matplotlib, extra ``plot``).
+
+:func:`write_plan_outputs` is the one writer of a plan's files.
+"""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from powerlib.errors import BackendUnavailableError
 from powerlib.planning.perseus.frontier import Frontier
 from powerlib.planning.perseus.points import FrontierPoint
+from powerlib.progress import Progress
 
 if TYPE_CHECKING:
     from powerlib.planning.choice import Choice
+    from powerlib.planning.profile import Profile
 
 __all__ = [
     "FRONTIER_COLUMNS",
+    "PLAN_SUMMARY_SCHEMA",
+    "ChosenPoint",
+    "GuardInputs",
+    "PlanOutputs",
+    "PlanSummary",
+    "ReplayedFigures",
+    "SummaryBaseline",
     "plot_frontier",
     "pyplot",
     "summary",
     "write_frontier_csv",
+    "write_plan_outputs",
 ]
 
 FRONTIER_COLUMNS = ("iteration", "time_s", "energy_j", "effective_energy_j", "cost_change_j")
@@ -45,10 +62,192 @@ def write_frontier_csv(frontier: Frontier, path: str | Path) -> None:
             )
 
 
-def summary(choice: Choice, *, solve_time_s: float) -> dict[str, Any]:
-    """What ``powerlib plan --json`` prints (and a session's ``summary.json`` holds).
+PLAN_SUMMARY_SCHEMA = "powerlib.plan-summary.v1"
+"""The schema of :meth:`PlanSummary.to_json` (``summary.json``, ``powerlib plan --json``)."""
+
+_ALL_MAX = "every instruction at its maximum frequency, blocking power up to the chosen time"
+_MEGATRON = (
+    "Megatron-LM: sequential execution at the maximum clock, blocking power up to the chosen "
+    "time (or its own, if slower)"
+)
+_REPLAYED = "the plan replayed on the measured profile, against all max frequency at its own time"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChosenPoint:
+    """The policy's frontier point: as planned, and replayed on the profile (``chosen``).
+
+    Attributes:
+        policy: The policy's name.
+        iteration: The point's solver step.
+        time_s: Planned iteration time.
+        energy_j: Planned iteration energy.
+        realized_time_s: The applied options replayed on the profile: iteration time.
+        realized_energy_j: Likewise, energy.
+    """
+
+    policy: str
+    iteration: int
+    time_s: float
+    energy_j: float
+    realized_time_s: float
+    realized_energy_j: float
+
+    def to_json(self) -> dict[str, object]:
+        """Every field, by name."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SummaryBaseline:
+    """What the savings are measured against (``baseline``).
+
+    Attributes:
+        description: In words (all-max, or Kareus's Megatron-LM baseline).
+        own_time_s: The baseline's own iteration time.
+        time_s: The time it is charged at (the chosen point's, or its own if slower).
+        energy_j: Its energy at that time, blocking power included.
+    """
+
+    description: str
+    own_time_s: float
+    time_s: float
+    energy_j: float
+
+    def to_json(self) -> dict[str, object]:
+        """Every field, by name."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayedFigures:
+    """The plan replayed on the measured profile (``realized``: what a job should see).
+
+    Attributes:
+        slowdown_percent: Iteration time against all-max at its own time.
+        saving_percent: Energy saved against all-max at the replayed time; ``None``: no
+            positive baseline energy.
+        saving_per_iteration_percent: Against all-max iterations as they really run (see
+            :func:`_per_iteration_saving`).
+        max_slowdown_guard: The guard's allowed slowdown (``fastest``, ``deadline``), else
+            ``None``.
+        switch_latency_s: The clock-change latency the replay assumed.
+        instructions_sped_up: Instructions the guard sped up (guarded policies), else ``None``.
+    """
+
+    slowdown_percent: float
+    saving_percent: float | None
+    saving_per_iteration_percent: float | None
+    max_slowdown_guard: float | None
+    switch_latency_s: float
+    instructions_sped_up: int | None
+
+    def to_json(self) -> dict[str, object]:
+        """Every field by name, after the ``description``."""
+        return {"description": _REPLAYED, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GuardInputs:
+    """What a session's guard planned for (top-level keys of a session's ``summary.json``).
+
+    Attributes:
+        switch_latency_s: The clock-change latency.
+        time_cv: The run-to-run spread of instruction times (0: none).
+        time_se: The relative standard error of a profiled row's mean time.
+        switch_latency_source: ``given``, ``measured`` or ``default``.
+    """
+
+    switch_latency_s: float
+    time_cv: float
+    time_se: float
+    switch_latency_source: str
+
+    def to_json(self) -> dict[str, object]:
+        """Every field, by name."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanSummary:
+    """The planner's summary of a choice (:data:`PLAN_SUMMARY_SCHEMA`, :meth:`to_json`).
+
+    What ``powerlib plan --json`` prints and a session's ``summary.json`` holds.
+
+    Attributes:
+        solver: ``walk`` (complete frontier) or ``direct``.
+        complete_frontier: Whether the frontier holds every quantum.
+        num_points: Frontier points solved.
+        t_min_s: The fastest point's time.
+        t_max_s: The all-slowest start (not a point).
+        t_star_s: T*, when solved.
+        t_star_energy_j: Its energy, when solved.
+        chosen: The policy's point.
+        baseline: What the savings are against.
+        saving_percent: Planned saving against :attr:`baseline`; ``None``: no positive
+            baseline energy.
+        realized: The plan replayed on the measured profile.
+        solve_time_s: Wall time of the solve.
+        guard: A session's guard inputs (``None`` for ``powerlib plan``: no keys written).
+        refused: Why a session does not apply the plan (the choice's objection); ``None``: no
+            key written.
+    """
+
+    solver: str
+    complete_frontier: bool
+    num_points: int
+    t_min_s: float
+    t_max_s: float
+    t_star_s: float | None
+    t_star_energy_j: float | None
+    chosen: ChosenPoint
+    baseline: SummaryBaseline
+    saving_percent: float | None
+    realized: ReplayedFigures
+    solve_time_s: float
+    guard: GuardInputs | None = None
+    refused: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        """The ``powerlib.plan-summary.v1`` record (the keys and their order as always)."""
+        data: dict[str, object] = {
+            "schema": PLAN_SUMMARY_SCHEMA,
+            "solver": self.solver,
+            "complete_frontier": self.complete_frontier,
+            "num_points": self.num_points,
+            "t_min_s": self.t_min_s,
+            "t_max_s": self.t_max_s,
+            "t_star_s": self.t_star_s,
+            "t_star_energy_j": self.t_star_energy_j,
+            "chosen": self.chosen.to_json(),
+            "baseline": self.baseline.to_json(),
+            "saving_percent": self.saving_percent,
+            "realized": self.realized.to_json(),
+            "solve_time_s": self.solve_time_s,
+        }
+        if self.guard is not None:
+            data.update(self.guard.to_json())
+        if self.refused is not None:
+            data["refused"] = self.refused
+        return data
+
+
+def summary(
+    choice: Choice,
+    *,
+    solve_time_s: float,
+    guard: GuardInputs | None = None,
+    refused: str | None = None,
+) -> PlanSummary:
+    """The planner's summary of ``choice`` (what ``powerlib plan --json`` prints).
 
     The realized figures and the slowdown guard's effect come from the choice's options.
+
+    Args:
+        choice: The chosen point, guarded and judged.
+        solve_time_s: Wall time of the solve.
+        guard: A session's guard inputs, recorded beside the figures.
+        refused: Why a session does not apply the plan.
     """
     frontier, chosen, policy = choice.frontier, choice.point, choice.policy
     baseline = frontier.baseline(chosen.time_s)
@@ -56,49 +255,150 @@ def summary(choice: Choice, *, solve_time_s: float) -> dict[str, Any]:
     own = frontier.baseline()
     t_star = frontier.min_energy if frontier.has_t_star else None
     first = frontier.points[0]
-    return {
-        "schema": "powerlib.plan-summary.v1",
-        "solver": "walk" if frontier.complete else "direct",
-        "complete_frontier": frontier.complete,
-        "num_points": len(frontier.points),
-        "t_min_s": frontier.fastest.time_s,
-        "t_max_s": first.time_s
-        + frontier.settings.unit_time_s,  # the all-slowest start, which is not a point
-        "t_star_s": None if t_star is None else t_star.time_s,
-        "t_star_energy_j": None if t_star is None else t_star.energy_j,
-        "chosen": {
-            "policy": policy.name,
-            "iteration": chosen.iteration,
-            "time_s": chosen.time_s,
-            "energy_j": chosen.energy_j,
-            "realized_time_s": realized.time_s,
-            "realized_energy_j": realized.energy_j,
-        },
-        "baseline": {
-            "description": (
-                "every instruction at its maximum frequency, blocking power up to the chosen time"
-                if frontier.reference_times is None
-                else "Megatron-LM: sequential execution at the maximum clock, blocking power up "
-                "to the chosen time (or its own, if slower)"
-            ),
-            "own_time_s": frontier.baseline_time_s,
-            "time_s": baseline.time_s,
-            "energy_j": baseline.energy_j,
-        },
-        "saving_percent": _saving_percent(chosen.energy_j, baseline.energy_j),
-        "realized": {
-            "description": "the plan replayed on the measured profile, against all max frequency at its own time",
-            "slowdown_percent": 100.0 * (realized.time_s / own.time_s - 1.0),
-            "saving_percent": _saving_percent(
+    return PlanSummary(
+        solver="walk" if frontier.complete else "direct",
+        complete_frontier=frontier.complete,
+        num_points=len(frontier.points),
+        t_min_s=frontier.fastest.time_s,
+        # the all-slowest start, which is not a point
+        t_max_s=first.time_s + frontier.settings.unit_time_s,
+        t_star_s=None if t_star is None else t_star.time_s,
+        t_star_energy_j=None if t_star is None else t_star.energy_j,
+        chosen=ChosenPoint(
+            policy=policy.name,
+            iteration=chosen.iteration,
+            time_s=chosen.time_s,
+            energy_j=chosen.energy_j,
+            realized_time_s=realized.time_s,
+            realized_energy_j=realized.energy_j,
+        ),
+        baseline=SummaryBaseline(
+            description=_ALL_MAX if frontier.reference_times is None else _MEGATRON,
+            own_time_s=frontier.baseline_time_s,
+            time_s=baseline.time_s,
+            energy_j=baseline.energy_j,
+        ),
+        saving_percent=_saving_percent(chosen.energy_j, baseline.energy_j),
+        realized=ReplayedFigures(
+            slowdown_percent=100.0 * (realized.time_s / own.time_s - 1.0),
+            saving_percent=_saving_percent(
                 realized.energy_j, frontier.baseline(realized.time_s).energy_j
             ),
-            "saving_per_iteration_percent": _per_iteration_saving(choice),
-            "max_slowdown_guard": policy.max_slowdown if choice.guarded else None,
-            "switch_latency_s": policy.switch_latency_s,
-            "instructions_sped_up": choice.instructions_sped_up if choice.guarded else None,
-        },
-        "solve_time_s": solve_time_s,
-    }
+            saving_per_iteration_percent=_per_iteration_saving(choice),
+            max_slowdown_guard=policy.max_slowdown if choice.guarded else None,
+            switch_latency_s=policy.switch_latency_s,
+            instructions_sped_up=choice.instructions_sped_up if choice.guarded else None,
+        ),
+        solve_time_s=solve_time_s,
+        guard=guard,
+        refused=refused,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanOutputs:
+    """Where :func:`write_plan_outputs` writes; ``None``: that file is not written.
+
+    Attributes:
+        profile_csv: The profile, with the P_block and τ planned with.
+        frontier_csv: The frontier, one row per point.
+        plan_json: The plan (``powerlib.plan.v1``), when there is one.
+        summary_json: The summary (``powerlib.plan-summary.v1``).
+        frontier_png: The frontier plot (``powerlib[plot]``).
+        folder: The folder of :meth:`in_dir` (created; the files written are said).
+    """
+
+    profile_csv: Path | None = None
+    frontier_csv: Path | None = None
+    plan_json: Path | None = None
+    summary_json: Path | None = None
+    frontier_png: Path | None = None
+    folder: Path | None = None
+
+    @classmethod
+    def files(
+        cls,
+        *,
+        frontier: str | Path | None = None,
+        plan: str | Path | None = None,
+        plot: str | Path | None = None,
+    ) -> PlanOutputs:
+        """The files a plan command was asked for (``--frontier-out --plan-out --plot``)."""
+        return cls(
+            frontier_csv=None if not frontier else Path(frontier),
+            plan_json=None if not plan else Path(plan),
+            frontier_png=None if not plot else Path(plot),
+        )
+
+    @classmethod
+    def in_dir(cls, out_dir: str | Path, *, plot: bool = False) -> PlanOutputs:
+        """A session's files in ``out_dir``.
+
+        ``profile.csv``, ``frontier.csv``, ``plan.json``, ``summary.json`` and, with ``plot``,
+        ``frontier.png``.
+        """
+        out = Path(out_dir)
+        return cls(
+            profile_csv=out / "profile.csv",
+            frontier_csv=out / "frontier.csv",
+            plan_json=out / "plan.json",
+            summary_json=out / "summary.json",
+            frontier_png=out / "frontier.png" if plot else None,
+            folder=out,
+        )
+
+
+def write_plan_outputs(
+    outputs: PlanOutputs,
+    choice: Choice,
+    *,
+    plan_metadata: Mapping[str, object] | None = None,
+    refused: bool = False,
+    profile: Callable[[], Profile] | None = None,
+    info: PlanSummary | None = None,
+    say: Progress | None = None,
+) -> None:
+    """Write a plan's files: profile, frontier, plan, summary, then the plot.
+
+    The one writer of plan outputs (``powerlib plan``, ``powerlib kareus plan``, rank 0).
+
+    Args:
+        outputs: Where.
+        choice: The chosen point and its frontier.
+        plan_metadata: Extra workload fields of the plan file.
+        refused: The plan was refused: no plan file (a session's).
+        profile: Makes the profile to write (with the P_block and τ planned with).
+        info: The summary.
+        say: Where a folder's files and a missing plot are said (default: nowhere).
+
+    Raises:
+        BackendUnavailableError: ``frontier_png`` without matplotlib, outside a folder.
+    """
+    say = say or Progress(False)
+    if outputs.folder is not None:
+        outputs.folder.mkdir(parents=True, exist_ok=True)
+    if outputs.profile_csv and profile is not None:
+        profile().write_csv(outputs.profile_csv)
+    if outputs.frontier_csv:
+        write_frontier_csv(choice.frontier, outputs.frontier_csv)
+    if outputs.plan_json and not refused:
+        choice.plan(metadata=plan_metadata).write(outputs.plan_json)
+    if outputs.summary_json and info is not None:
+        outputs.summary_json.write_text(
+            json.dumps(info.to_json(), indent=1) + "\n", encoding="utf-8"
+        )
+    if outputs.folder is not None:
+        say.say(
+            f"profile, frontier, {'plan and ' if not refused else ''}summary written to "
+            f"{outputs.folder}/",
+        )
+    if outputs.frontier_png:
+        try:
+            plot_frontier(choice.frontier, choice.point, outputs.frontier_png)
+        except BackendUnavailableError as err:
+            if outputs.folder is None:
+                raise
+            say.say(f"no frontier.png: {err}")
 
 
 def _per_iteration_saving(choice: Choice) -> float | None:

@@ -35,7 +35,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from powerlib.errors import PlanError
 
@@ -428,12 +428,22 @@ def _min_cut_with_bounds(
 
     Uses scipy's compiled Dinic when scipy is installed (extra ``fast``), else pure Python.
     """
-    if _scipy_flow() is not None:
-        return _min_cut_scipy(tails, heads, lbs, ubs, num_nodes, source, sink)
+    scipy = _scipy_flow()
+    if scipy is not None:
+        return _min_cut_scipy(scipy, tails, heads, lbs, ubs, num_nodes, source, sink)
     return _min_cut_python(tails, heads, lbs, ubs, acts, num_nodes, source, sink)
 
 
-_SCIPY: list[object] = []
+@dataclass(frozen=True, slots=True)
+class _ScipyFlow:
+    """scipy's compiled graph routines (untyped: the extra ``fast``)."""
+
+    csr_array: Callable[..., Any]
+    maximum_flow: Callable[..., Any]
+    breadth_first_order: Callable[..., Any]
+
+
+_SCIPY: list[_ScipyFlow | None] = []  # found once: [] not looked for yet, [None] not installed
 _SCALE = 1e6  # capacities in micro-units: the reference floors every bound to a multiple of 1e-6
 # scipy's maximum_flow keeps capacities in int32: "infinity" is the largest one, and finite
 # capacities are scaled so that even all of them together stay far below it.
@@ -441,19 +451,18 @@ _INT_INF = (1 << 31) - 1
 _FINITE_BUDGET = float(1 << 29)
 
 
-def _scipy_flow() -> object | None:
+def _scipy_flow() -> _ScipyFlow | None:
     """``scipy.sparse.csgraph.maximum_flow`` if scipy is installed (extra ``fast``), else None."""
     if not _SCIPY:
         try:
             # Optional extra, and scipy costs `powerlib plan` its start-up (tests/test_boundaries.py)
-            import numpy as np  # noqa: PLC0415 - with scipy, only for this flow
             from scipy.sparse import csr_array  # noqa: PLC0415 - optional extra ``fast``
             from scipy.sparse.csgraph import (  # noqa: PLC0415 - optional extra ``fast``
                 breadth_first_order,
                 maximum_flow,
             )
 
-            _SCIPY.append((np, csr_array, maximum_flow, breadth_first_order))
+            _SCIPY.append(_ScipyFlow(csr_array, maximum_flow, breadth_first_order))
         except ImportError:
             logger.info(
                 "scipy not installed: using the pure-Python max flow (pip install 'powerlib[fast]')"
@@ -463,6 +472,7 @@ def _scipy_flow() -> object | None:
 
 
 def _min_cut_scipy(
+    scipy: _ScipyFlow,
     tails: list[int],
     heads: list[int],
     lbs: list[float],
@@ -477,7 +487,9 @@ def _min_cut_scipy(
     activity's own two events, dummies are de-duplicated, and terminal arcs only touch events
     that have no arc to that terminal), so the CSR arrays are built directly.
     """
-    np, csr_array, maximum_flow, _bfs = _SCIPY[0]  # type: ignore[misc]
+    import numpy as np  # noqa: PLC0415 - with scipy, only for this flow (scipy imported it)
+
+    csr_array, maximum_flow, _bfs = scipy.csr_array, scipy.maximum_flow, scipy.breadth_first_order
     n, s, t = num_nodes, source, sink
     tail_a = np.asarray(tails, dtype=np.int64)
     head_a = np.asarray(heads, dtype=np.int64)

@@ -12,7 +12,6 @@ DAG), and :class:`WorkEstimate` refuses a solve past the limit.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from powerlib.planning.pipeline import KINDS
 
 __all__ = [
     "DEFAULT_MAX_WORK",
+    "DIRECT_SOLVERS",
     "WORK_HINT",
     "WorkEstimate",
     "check_quantum",
@@ -85,7 +85,7 @@ class WorkEstimate:
             units = _DIRECT_SECONDS_PER_COLUMN_SQ * float(self.lp_columns) ** 2 / _SECONDS_PER_UNIT
             return max(1, math.ceil(min(units, 1e18)))
         if self.solver == "flow":
-            seconds = _FLOW_SECONDS_PER_COLUMN_POW * float(self.lp_columns) ** _FLOW_EXPONENT
+            seconds = _FLOW_SECONDS_PER_COLUMN_POW * math.pow(self.lp_columns, _FLOW_EXPONENT)
             return max(1, math.ceil(min(seconds / _SECONDS_PER_UNIT, 1e18)))
         return self.num_instructions * max(self.time_steps, 1)
 
@@ -176,6 +176,7 @@ def estimate_pipeline_work(
     num_chunks: int = 1,
     unit_time_s: float,
     solver: str = "walk",
+    direct_solver: str = "auto",
 ) -> WorkEstimate:
     """Estimate the walk or the direct solve before any schedule is built (cheap: no DAG).
 
@@ -195,13 +196,14 @@ def estimate_pipeline_work(
         unit_time_s: The time quantum τ.
         solver: ``walk`` or ``direct`` (estimated as ``flow`` where the compiled min-cost flow
             solves the direct points, see :func:`direct_kind`), or ``flow``.
+        direct_solver: What solves direct points: ``auto`` or ``highs`` (:func:`direct_kind`).
 
     Raises:
         PlanError: ``unit_time_s`` is not a positive number.
     """
     check_quantum(unit_time_s)
     if solver == "direct":
-        solver = direct_kind()
+        solver = direct_kind(direct_solver)
     fast_s: list[float] = [0.0]
     slow_s: list[float] = [0.0]
     per_mb = 2
@@ -226,13 +228,24 @@ def estimate_pipeline_work(
     )
 
 
-def direct_kind() -> str:
+DIRECT_SOLVERS = ("auto", "highs")
+"""What may solve direct points: ``auto`` (the compiled flow where it is built, else HiGHS) or
+``highs`` (HiGHS even where the flow is built: benchmarks compare both; the caller passes
+:func:`powerlib.config.direct_solver`, ``POWERLIB_DIRECT_SOLVER``)."""
+
+
+def direct_kind(direct_solver: str = "auto") -> str:
     """What solves direct points here: ``flow`` (the compiled extension) or ``direct`` (HiGHS).
 
-    ``POWERLIB_DIRECT_SOLVER=highs`` forces HiGHS (benchmarks compare both).
+    Args:
+        direct_solver: One of :data:`DIRECT_SOLVERS`.
     """
     from powerlib.planning.perseus import mincost  # noqa: PLC0415 - keep this module light
 
-    if mincost.available() and os.environ.get("POWERLIB_DIRECT_SOLVER", "") != "highs":
+    if direct_solver not in DIRECT_SOLVERS:
+        raise PlanError(
+            f"direct_solver must be one of {', '.join(DIRECT_SOLVERS)}, got {direct_solver!r}"
+        )
+    if mincost.available() and direct_solver != "highs":
         return "flow"
     return "direct"

@@ -18,7 +18,12 @@ from powerlib.planning.perseus.cost_model import (
     build_cost_model,
     fit_exponential,
 )
-from powerlib.planning.perseus.options import ORDERS, Option, frequency_for, prepare_options
+from powerlib.planning.perseus.frequency_options import (
+    ORDERS,
+    Option,
+    frequency_for,
+    prepare_options,
+)
 
 VALIDATION = Path("/work/shared/perseus_validation")
 SYNTH = VALIDATION / "synthetic" / "profile_synth4.csv"

@@ -11,7 +11,7 @@ from perseus_cases import profile_or_skip, random_case
 from powerlib.errors import BackendUnavailableError, PlanError
 from powerlib.planning.perseus import mincost
 from powerlib.planning.perseus.cost_model import TableCostModel, build_cost_model
-from powerlib.planning.perseus.options import prepare_options
+from powerlib.planning.perseus.frequency_options import prepare_options
 from powerlib.planning.perseus.solver import PhillipsDessouky
 from powerlib.planning.pipeline import KINDS, build_dag
 from powerlib.planning.profile import Profile

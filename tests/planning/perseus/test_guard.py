@@ -12,7 +12,7 @@ from powerlib.planning.perseus import flow, guard, mincost
 from powerlib.planning.perseus.frontier import Frontier, FrontierSettings, compute_frontier
 from powerlib.planning.perseus.replay import IncrementalReplay, replay_options
 from powerlib.planning.schedules import build_schedule
-from powerlib.planning.workflow import plan_from_profile, wanted_for
+from powerlib.planning.workflow import PlanRequest, plan_profile, wanted_for
 
 pytestmark = pytest.mark.skipif(not mincost.available(), reason="flow extension not built")
 
@@ -125,14 +125,17 @@ def test_without_the_extension_the_guard_is_the_greedy(monkeypatch: pytest.Monke
 
 def test_the_plan_workflow_solves_the_guard_beside_the_points() -> None:
     policy = Policy(name="fastest", switch_latency_s=0.005)
-    result = plan_from_profile(
+    result = plan_profile(
         profile_or_skip("profile_gpt3-175b_a100_sxm.csv"),
-        stages=8,
-        microbatches=12,
-        p_block_w=83.64,
-        unit_time_s=1e-3,
-        policy=policy,
-        solver="direct",
+        PlanRequest(
+            num_stages=8,
+            num_microbatches=12,
+            p_block_w=83.64,
+            unit_time_s=1e-3,
+            policy=policy.name,
+            switch_latency_s=policy.switch_latency_s,
+            solver="direct",
+        ),
     )
     frontier = result.frontier
     limit = guard.guard_limit(frontier.baseline_time_s, policy.max_slowdown)

@@ -19,7 +19,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from powerlib.errors import PlanError
 
@@ -95,6 +95,105 @@ def _pareto_keep(times: Sequence[float], costs: Sequence[float], eta: float) -> 
     return keep
 
 
+class _Measured(NamedTuple):
+    """One pair's measured points, column by column, checked."""
+
+    freqs: list[float]
+    times: list[float]
+    energies: list[float]
+    knobs: list[Any]
+
+
+def _checked_parameters(
+    unit_time_s: float, p_block_w: float, order: str, noise_factor: float
+) -> tuple[float, float, float]:
+    """``(τ, P_block, η)`` as floats, checked.
+
+    Raises:
+        PlanError: A non-finite or out-of-range value, or an unknown order.
+    """
+    tau = check_finite("unit_time_s", unit_time_s)
+    if tau <= 0.0:
+        raise PlanError(f"unit_time_s must be positive, got {unit_time_s!r}")
+    p_block = check_finite("p_block_w", p_block_w)
+    if p_block < 0.0:
+        raise PlanError(f"p_block_w must be non-negative, got {p_block_w!r}")
+    if order not in ORDERS:
+        raise PlanError(f"order must be one of {ORDERS}, got {order!r}")
+    eta = check_finite("noise_factor", noise_factor)
+    if not 0.0 < eta <= 1.0:
+        raise PlanError(f"noise_factor must be in (0, 1], got {noise_factor!r}")
+    return tau, p_block, eta
+
+
+def _measured(points: Sequence[tuple[Any, ...]]) -> _Measured:
+    """The points as checked columns.
+
+    Raises:
+        PlanError: A malformed point, a repeated frequency without knobs, or fewer than two
+            points.
+    """
+    out = _Measured([], [], [], [])
+    for k, point in enumerate(points):
+        knob: list[Any]
+        try:
+            f_raw, t_raw, e_raw, *knob = point
+            if len(knob) > 1:
+                raise ValueError("too many fields")
+        except (TypeError, ValueError) as err:
+            raise PlanError(
+                f"point {k} must be a (freq_mhz, time_s, energy_j) triple, got {point!r}"
+            ) from err
+        out.knobs.append(knob[0] if knob else None)
+        f = check_finite(f"point {k} frequency", f_raw)
+        t = check_finite(f"point {k} time", t_raw)
+        e = check_finite(f"point {k} energy", e_raw)
+        if f <= 0.0 or t <= 0.0:
+            raise PlanError(f"point {k} needs a positive frequency and time, got {point!r}")
+        out.freqs.append(f)
+        out.times.append(t)
+        out.energies.append(e)
+    with_knobs = any(knob is not None for knob in out.knobs)
+    if not with_knobs and len(set(out.freqs)) != len(out.freqs):
+        raise PlanError("points must have distinct frequencies (one row per frequency)")
+    if len(out.freqs) < 2:
+        raise PlanError(f"need at least two measured options, got {len(out.freqs)}")
+    return out
+
+
+def _pareto_options(
+    measured: _Measured, tau: float, p_block: float, eta: float, order: str
+) -> list[Option]:
+    """Steps 1-5 of :func:`prepare_options`: the filtered, de-duplicated options, fastest first."""
+    freqs, times, energies, knobs = measured
+    quants = [int(t // tau) for t in times]
+    effs = [e - p_block * q * tau for e, q in zip(energies, quants)]
+    filter_costs = energies if order == "filter-then-subtract" else effs
+
+    def survivors(factor: float) -> dict[int, int]:
+        best: dict[int, int] = {}  # quant -> index of the highest-energy survivor
+        for i in _pareto_keep(times, filter_costs, factor):
+            j = best.get(quants[i])
+            if j is None or energies[i] > energies[j]:
+                best[quants[i]] = i
+        return best
+
+    best = survivors(1.0)
+    if len(best) <= _SOFT_FILTER_THRESHOLD:
+        best = survivors(eta)
+    return [
+        Option(
+            freq_mhz=freqs[i],
+            time_s=times[i],
+            energy_j=energies[i],
+            quant=quants[i],
+            eff_energy_j=effs[i],
+            knob=knobs[i],
+        )
+        for _, i in sorted(best.items())
+    ]
+
+
 def prepare_options(
     points: Sequence[tuple[float, float, float]],
     *,
@@ -144,72 +243,8 @@ def prepare_options(
         PlanError: On malformed input, fewer than two measured frequencies, or if an option
             quantizes to zero units (τ too coarse).
     """
-    tau = check_finite("unit_time_s", unit_time_s)
-    if tau <= 0.0:
-        raise PlanError(f"unit_time_s must be positive, got {unit_time_s!r}")
-    p_block = check_finite("p_block_w", p_block_w)
-    if p_block < 0.0:
-        raise PlanError(f"p_block_w must be non-negative, got {p_block_w!r}")
-    if order not in ORDERS:
-        raise PlanError(f"order must be one of {ORDERS}, got {order!r}")
-    eta = check_finite("noise_factor", noise_factor)
-    if not 0.0 < eta <= 1.0:
-        raise PlanError(f"noise_factor must be in (0, 1], got {noise_factor!r}")
-
-    freqs: list[float] = []
-    times: list[float] = []
-    energies: list[float] = []
-    knobs: list[Any] = []
-    for k, point in enumerate(points):
-        try:
-            f_raw, t_raw, e_raw, *knob = point
-            if len(knob) > 1:
-                raise ValueError("too many fields")
-        except (TypeError, ValueError) as err:
-            raise PlanError(
-                f"point {k} must be a (freq_mhz, time_s, energy_j) triple, got {point!r}"
-            ) from err
-        knobs.append(knob[0] if knob else None)
-        f = check_finite(f"point {k} frequency", f_raw)
-        t = check_finite(f"point {k} time", t_raw)
-        e = check_finite(f"point {k} energy", e_raw)
-        if f <= 0.0 or t <= 0.0:
-            raise PlanError(f"point {k} needs a positive frequency and time, got {point!r}")
-        freqs.append(f)
-        times.append(t)
-        energies.append(e)
-    with_knobs = any(knob is not None for knob in knobs)
-    if not with_knobs and len(set(freqs)) != len(freqs):
-        raise PlanError("points must have distinct frequencies (one row per frequency)")
-    if len(freqs) < 2:
-        raise PlanError(f"need at least two measured options, got {len(freqs)}")
-
-    quants = [int(t // tau) for t in times]
-    effs = [e - p_block * q * tau for e, q in zip(energies, quants)]
-    filter_costs = energies if order == "filter-then-subtract" else effs
-
-    def survivors(factor: float) -> dict[int, int]:
-        best: dict[int, int] = {}  # quant -> index of the highest-energy survivor
-        for i in _pareto_keep(times, filter_costs, factor):
-            j = best.get(quants[i])
-            if j is None or energies[i] > energies[j]:
-                best[quants[i]] = i
-        return best
-
-    best = survivors(1.0)
-    if len(best) <= _SOFT_FILTER_THRESHOLD:
-        best = survivors(eta)
-    options = [
-        Option(
-            freq_mhz=freqs[i],
-            time_s=times[i],
-            energy_j=energies[i],
-            quant=quants[i],
-            eff_energy_j=effs[i],
-            knob=knobs[i],
-        )
-        for _, i in sorted(best.items())
-    ]
+    tau, p_block, eta = _checked_parameters(unit_time_s, p_block_w, order, noise_factor)
+    options = _pareto_options(_measured(points), tau, p_block, eta, order)
     if options and options[0].quant < 1:
         raise PlanError(
             f"{options[0].freq_mhz:g} MHz takes {options[0].time_s:g} s, less than one time "

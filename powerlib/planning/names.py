@@ -1,0 +1,21 @@
+"""The planner's option names, in one light module: the CLI builds its choices from them.
+
+Importing this loads nothing else (no numpy, no solver), so ``powerlib --help`` lists every
+command without loading the planner. The filter orders are
+:data:`~powerlib.planning.perseus.frequency_options.ORDERS` and the pipeline schedules
+:data:`~powerlib.planning.schedules.SCHEDULE_NAMES` (both light too).
+"""
+
+from __future__ import annotations
+
+__all__ = ["COST_MODELS", "POLICIES", "SOLVERS"]
+
+POLICIES = ("fastest", "deadline", "min-energy")
+"""Which frontier point becomes the plan (:class:`~powerlib.planning.choice.Policy`)."""
+
+SOLVERS = ("walk", "direct", "auto")
+"""How a frontier is solved (:class:`~powerlib.planning.perseus.frontier.FrontierSettings`)."""
+
+COST_MODELS = ("exp", "convex")
+"""Per-(stage, kind) cost models
+(:func:`~powerlib.planning.perseus.cost_model.build_cost_model`); the first is the default."""
