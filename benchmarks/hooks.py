@@ -33,7 +33,7 @@ from powerlib.config import Settings
 from powerlib.planning.schedules import schedule_1f1b
 from powerlib.registry import open_backend
 from powerlib.runtime.coordination import SingleProcess
-from powerlib.runtime.session import Session
+from powerlib.runtime.session import Session, optimize
 
 
 def _plan(path: Path, microbatches: int, freqs: tuple[float, float]) -> None:
@@ -100,7 +100,7 @@ def main() -> int:
         _plan(plan_path, args.microbatches, (1410.0, 1200.0))
         with open_backend(settings=settings) as backend:
             before = backend.device(0).read_state().locked_sm_freqs_mhz
-            with Session(
+            with optimize(
                 num_stages=1,
                 num_microbatches=args.microbatches,
                 mode="apply",
@@ -117,7 +117,7 @@ def main() -> int:
                 assert session.controller is not None
                 session.controller.wait_idle()
                 changes = len(session.controller.applied)
-            with Session(
+            with optimize(
                 num_stages=1,
                 num_microbatches=args.microbatches,
                 mode="profile",

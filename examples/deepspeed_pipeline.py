@@ -13,6 +13,7 @@ frontier.csv, plan.json to powerlib-out/.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -72,7 +73,7 @@ def main() -> None:
         for _ in range(STEPS):
             engine.train_batch(data)  # every ForwardPass/BackwardPass is one instruction
         if engine.global_rank == 0:
-            print(session.report())
+            print(json.dumps(session.report().to_json()))
     deepspeed.comm.destroy_process_group()
 
 

@@ -59,7 +59,7 @@ def main() -> None:
             f"{s['energy_per_token_j'] * 1e3:.3f} mJ/token; eval {res.window('eval')[0].energy_j:.0f} J"
         )
     if args.plot:
-        from powerlib.measurement.plot import plot_power  # noqa: PLC0415
+        from powerlib.measure_api.plot import plot_power  # noqa: PLC0415
 
         plot_power(m.power_series(), res, args.plot, title="examples/measure_steps.py")
 

@@ -19,6 +19,7 @@ stands alone; they patch ``torch.cuda`` process-wide and have no place in a GPU 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import torch
@@ -143,7 +144,7 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
         if dist.get_rank() == 0:
-            print(session.report())
+            print(json.dumps(session.report().to_json()))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

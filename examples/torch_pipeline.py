@@ -12,6 +12,7 @@ powerlib-out/.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -61,7 +62,7 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
         if rank == 0:
-            print(session.report())
+            print(json.dumps(session.report().to_json()))
     dist.destroy_process_group()
 
 

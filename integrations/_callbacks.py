@@ -204,9 +204,9 @@ def optimize_options(
             f"optimize: {', '.join(reserved)} are set by the callback (one stage, the trainer's "
             f"{accumulation}); leave them out"
         )
-    from powerlib.runtime.session import Session  # noqa: PLC0415 - the session and measurement load when a callback first runs
+    from powerlib.runtime.session import optimize as make_session  # noqa: PLC0415 - the session and measurement load when a callback first runs
 
-    known = set(inspect.signature(Session.__init__).parameters) - {"self"}
+    known = set(inspect.signature(make_session).parameters)
     unknown = sorted(set(options) - known)
     if unknown:
         raise InvalidArgumentError(

@@ -78,10 +78,10 @@ def _check_shape(session: Any, engine: Any) -> None:
             f"the engine's pipeline stage is {engine.stage_id}, the session's {session.stage}: "
             "pass stage=engine.stage_id to powerlib.optimize"
         )
-    if engine.num_stages != session.spec.num_stages:
+    num_stages = session.config.workload.num_stages
+    if engine.num_stages != num_stages:
         raise InvalidArgumentError(
-            f"the engine has {engine.num_stages} pipeline stage(s), the session "
-            f"{session.spec.num_stages}"
+            f"the engine has {engine.num_stages} pipeline stage(s), the session {num_stages}"
         )
 
 
@@ -154,6 +154,106 @@ def attach_pipeline(session: Any, engine: Any, *, enabled: bool = True) -> Itera
             del cls._INSTRUCTION_MAP
 
 
+class _EngineHooks:
+    """The engine methods :func:`attach_engine` wraps, and the counts they share.
+
+    Attributes:
+        forwards: Forwards of the current iteration (the next ``F``'s microbatch).
+        backwards: Backwards of the current iteration (the next ``B``'s microbatch).
+        open: A ``B`` began and has not ended.
+    """
+
+    def __init__(self, session: Any, engine: Any, torch: Any) -> None:
+        self.session = session
+        self.engine = engine
+        self.torch = torch
+        self.forwards = 0
+        self.backwards = 0
+        self.open = False
+
+    def open_backward(self) -> bool:
+        """Begin the next B unless one is open; whether this call began it."""
+        if self.open:
+            return False
+        self.session.begin("B", self.backwards)
+        self.backwards += 1
+        self.open = True
+        return True
+
+    def close_backward(self) -> None:
+        if self.open:
+            self.open = False
+            self.session.end()
+
+    def _on_gradient(self, grad: Any) -> Any:
+        """A manual backward reached a hooked tensor: B runs until autograd's pass ends."""
+        if self.open_backward():
+            self.torch.autograd.Variable._execution_engine.queue_callback(self.close_backward)
+        return grad
+
+    def watch(self, tensor: Any) -> None:
+        if isinstance(tensor, self.torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(self._on_gradient)
+
+    def forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        torch = self.torch
+
+        @functools.wraps(forward)
+        def hooked_forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():  # evaluation: not an instruction
+                return forward(*args, **kwargs)
+            self.session.begin("F", self.forwards)
+            self.forwards += 1
+            try:
+                output = forward(*args, **kwargs)
+            finally:
+                self.session.end()
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            first = next(
+                (o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad), None
+            )
+            self.watch(first)  # a plain loss.backward() reaches the forward's output first
+            return output
+
+        return hooked_forward
+
+    def backward(self, backward: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(backward)
+        def hooked_backward(*args: Any, **kwargs: Any) -> Any:
+            began = self.open_backward()
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                if began:
+                    self.close_backward()
+
+        return hooked_backward
+
+    def scale(self, scale: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(scale)
+        def hooked_scale(loss: Any) -> Any:
+            scaled = scale(loss)
+            self.watch(scaled)  # the scaled loss gets its gradient first: B starts there
+            return scaled
+
+        return hooked_scale
+
+    def step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        engine = self.engine
+
+        @functools.wraps(step)
+        def hooked_step(*args: Any, **kwargs: Any) -> Any:
+            managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
+            boundary = engine.is_gradient_accumulation_boundary() or not managed
+            result = step(*args, **kwargs)
+            if boundary:
+                self.forwards = self.backwards = 0
+                self.session.step()
+            return result
+
+        return hooked_step
+
+
 @contextlib.contextmanager
 def attach_engine(session: Any, engine: Any, *, enabled: bool = True) -> Iterator[None]:
     """Drive ``session``'s hooks from a DeepSpeed engine without pipelining (ZeRO-0/1/2/3).
@@ -184,84 +284,20 @@ def attach_engine(session: Any, engine: Any, *, enabled: bool = True) -> Iterato
     for name in ("forward", "backward", "step", "is_gradient_accumulation_boundary"):
         if not callable(getattr(engine, name, None)):
             raise _unsupported(f"{type(engine).__name__} has no {name}()")
-    state: dict[str, Any] = {"F": 0, "B": 0, "open": False}
     names = ("forward", "backward", "step", "scale")
     originals = {
         name: getattr(engine, name) for name in names if callable(getattr(engine, name, None))
     }
-
-    def open_backward() -> bool:
-        """Begin the next B unless one is open; whether this call began it."""
-        if state["open"]:
-            return False
-        session.begin("B", state["B"])
-        state["B"] += 1
-        state["open"] = True
-        return True
-
-    def close_backward() -> None:
-        if state["open"]:
-            state["open"] = False
-            session.end()
-
-    def on_gradient(grad: Any) -> Any:
-        """A manual backward reached a hooked tensor: B runs until autograd's pass ends."""
-        if open_backward():
-            torch.autograd.Variable._execution_engine.queue_callback(close_backward)
-        return grad
-
-    def watch(tensor: Any) -> None:
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-            tensor.register_hook(on_gradient)
-
-    @functools.wraps(originals["forward"])
-    def hooked_forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():  # evaluation: not an instruction
-            return originals["forward"](*args, **kwargs)
-        session.begin("F", state["F"])
-        state["F"] += 1
-        try:
-            output = originals["forward"](*args, **kwargs)
-        finally:
-            session.end()
-        outputs = output if isinstance(output, (tuple, list)) else (output,)
-        first = next((o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad), None)
-        watch(first)  # a plain loss.backward() reaches the forward's output first
-        return output
-
-    @functools.wraps(originals["backward"])
-    def hooked_backward(*args: Any, **kwargs: Any) -> Any:
-        began = open_backward()
-        try:
-            return originals["backward"](*args, **kwargs)
-        finally:
-            if began:
-                close_backward()
-
-    def hooked_scale(loss: Any) -> Any:
-        scaled = originals["scale"](loss)
-        watch(scaled)  # the scaled loss gets its gradient first: B starts there
-        return scaled
-
-    @functools.wraps(originals["step"])
-    def hooked_step(*args: Any, **kwargs: Any) -> Any:
-        managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
-        boundary = engine.is_gradient_accumulation_boundary() or not managed
-        result = originals["step"](*args, **kwargs)
-        if boundary:
-            state.update(F=0, B=0)
-            session.step()
-        return result
-
+    hooks = _EngineHooks(session, engine, torch)
     try:
-        engine.forward = hooked_forward
-        engine.backward = hooked_backward
-        engine.step = hooked_step
+        engine.forward = hooks.forward(originals["forward"])
+        engine.backward = hooks.backward(originals["backward"])
+        engine.step = hooks.step(originals["step"])
         if "scale" in originals:
-            engine.scale = functools.wraps(originals["scale"])(hooked_scale)
+            engine.scale = hooks.scale(originals["scale"])
         yield
     finally:
-        close_backward()
+        hooks.close_backward()
         for name in originals:
             with contextlib.suppress(AttributeError):
                 delattr(engine, name)

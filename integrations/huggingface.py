@@ -123,17 +123,17 @@ class _PowerlibCallbackImpl(MeasuredRun):
             (its global count divided by ``args.world_size``), else no tokens.
         reduce: ``local`` (this process's devices) or ``world`` (every rank, each device once; a
             collective at every log, which every rank makes anyway).
-        optimize: ``True``, or a dict of :class:`powerlib.optimize <powerlib.Session>` options:
+        optimize: ``True``, or a dict of :func:`powerlib.optimize` options:
             enter a session at train begin (one stage, ``num_microbatches`` the gradient
             accumulation steps, ``out_dir`` default ``<output_dir>/powerlib``), hook the model
             and optimizer (:func:`~powerlib.integrations.torch_distributed.attach_module`), and
             close it at train end. Data parallel or a single process only: not with DeepSpeed
             (use :mod:`powerlib.integrations.deepspeed`) nor ``DataParallel``.
-        measure_options: Further :class:`~powerlib.measurement.Measurement` keywords
+        measure_options: Further :class:`~powerlib.measure_api.Measurement` keywords
             (``align``, ``flush_timeout_s``, ...).
 
     Attributes:
-        measurement: The running (or last) :class:`~powerlib.measurement.Measurement`.
+        measurement: The running (or last) :class:`~powerlib.measure_api.Measurement`.
         session: The optimize session of the last ``train()``, or ``None``.
         result: The closed measurement's result after ``on_train_end``, else ``None``.
 
@@ -193,7 +193,7 @@ class _PowerlibCallbackImpl(MeasuredRun):
         if self.devices != "auto":
             return self.devices
         if args.world_size > 1:
-            from powerlib.measurement import LOCAL  # noqa: PLC0415 - the session and measurement load when a callback first runs
+            from powerlib.measure_api import LOCAL  # noqa: PLC0415 - the session and measurement load when a callback first runs
 
             return LOCAL  # this process's GPU, as the session picks it (docs/real-gpu.md §4)
         return None

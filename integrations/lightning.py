@@ -56,7 +56,7 @@ class _PowerlibCallbackImpl(MeasuredRun):
             a step's tokens are those of the batches it accumulates. Default: no tokens.
         reduce: ``local`` (this process's devices) or ``world`` (every rank, each device once;
             a collective at every log, which every rank reaches).
-        optimize: ``True``, or a dict of :class:`powerlib.optimize <powerlib.Session>` options:
+        optimize: ``True``, or a dict of :func:`powerlib.optimize` options:
             enter a session at fit start (one stage, ``num_microbatches`` the trainer's
             ``accumulate_grad_batches``, ``out_dir`` default ``<default_root_dir>/powerlib``),
             drive its instructions from the trainer's hooks (forward: batch start to
@@ -65,10 +65,10 @@ class _PowerlibCallbackImpl(MeasuredRun):
             Automatic optimization with one optimizer only.
         log_every_n_steps: Log every this many optimizer steps; default the trainer's.
         prog_bar: Also show the logged values in the progress bar.
-        measure_options: Further :class:`~powerlib.measurement.Measurement` keywords.
+        measure_options: Further :class:`~powerlib.measure_api.Measurement` keywords.
 
     Attributes:
-        measurement: The running (or last) :class:`~powerlib.measurement.Measurement`.
+        measurement: The running (or last) :class:`~powerlib.measure_api.Measurement`.
         session: The optimize session of the last ``fit``, or ``None``.
         result: The closed measurement's result after ``on_train_end``, else ``None``.
 
@@ -122,7 +122,7 @@ class _PowerlibCallbackImpl(MeasuredRun):
         if self.devices != "auto":
             return self.devices
         if trainer.world_size > 1:
-            from powerlib.measurement import LOCAL  # noqa: PLC0415 - the session and measurement load when a callback first runs
+            from powerlib.measure_api import LOCAL  # noqa: PLC0415 - the session and measurement load when a callback first runs
 
             return LOCAL  # this process's GPU, as the session picks it (docs/real-gpu.md §4)
         return None

@@ -73,9 +73,10 @@ import json
 import os
 import runpy
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from powerlib.config import megatron_launch
 from powerlib.errors import InvalidArgumentError, NotSupportedError, PowerlibError
 
 __all__ = [
@@ -128,7 +129,8 @@ def _check_api(schedules: Any) -> None:
 def _check_stage(session: Any, parallel_state: Any) -> None:
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    stages = getattr(getattr(session, "spec", None), "num_stages", pp_size)
+    workload = getattr(getattr(session, "config", None), "workload", None)
+    stages = getattr(workload, "num_stages", pp_size)
     if session.stage != pp_rank or stages != pp_size:
         raise InvalidArgumentError(
             f"the session is stage {session.stage} of {stages} but this rank is pipeline rank "
@@ -157,6 +159,100 @@ def _refused(model: Any) -> str | None:
     return None
 
 
+class _Hooks:
+    """The schedule functions one :func:`attach` wraps, and what they share while they run.
+
+    Attributes:
+        forward_only: ``forward_only`` of the running schedule call (``None``: no wrapped one
+            runs).
+        checked: The session's stage was checked against the pipeline rank.
+        pending: The forward output objects waiting for their backward:
+            ``id -> (object, microbatch, chunk)``.
+    """
+
+    def __init__(self, session: Any, parallel_state: Any, *, checked: bool) -> None:
+        self.session = session
+        self.parallel_state = parallel_state
+        self.forward_only: bool | None = None
+        self.checked = checked
+        self.pending: dict[int, tuple[Any, int, int]] = {}
+
+    def forward(self, forward_step: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward_step`` as the hooks see it: an ``F`` instruction of its microbatch."""
+
+        @functools.wraps(forward_step)
+        def hooked_forward(*args: Any, **kwargs: Any) -> Any:
+            if self.forward_only is None:
+                raise NotSupportedError(
+                    "forward_step ran outside a schedule obtained inside powerlib's attach(): "
+                    "call get_forward_backward_func() inside the with block (Megatron-LM's "
+                    "pretrain(): use patch_training)"
+                )
+            if self.forward_only:
+                return forward_step(*args, **kwargs)
+            chunk, microbatch = kwargs.get("vp_stage") or 0, kwargs.get("current_microbatch")
+            if microbatch is None:  # every schedule of the tested releases passes it
+                raise NotSupportedError("forward_step was called without current_microbatch=")
+            self.session.begin("F", microbatch, chunk)
+            try:
+                result = forward_step(*args, **kwargs)
+            finally:
+                self.session.end()
+            output = result[0]
+            self.pending[id(output)] = (output, microbatch, chunk)
+            return result
+
+        return hooked_forward
+
+    def backward(self, name: str, backward: Callable[..., Any]) -> Callable[..., Any]:
+        """A backward step as the hooks see it: the ``B`` of the forward whose output it gets."""
+
+        @functools.wraps(backward)
+        def hooked_backward(*args: Any, **kwargs: Any) -> Any:
+            if self.forward_only is None:
+                return backward(*args, **kwargs)  # not inside a hooked schedule call
+            output = args[1] if len(args) > 1 else kwargs.get("output_tensor")
+            entry = self.pending.pop(id(output), None)
+            if entry is None or entry[0] is not output:
+                raise NotSupportedError(
+                    f"{name} got an output no hooked forward_step returned: this schedule "
+                    f"does not hand the forward's output back ({_TESTED})"
+                )
+            self.session.begin("B", entry[1], entry[2])
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                self.session.end()
+
+        return hooked_backward
+
+    def schedule(self, schedule: Callable[..., Any]) -> Callable[..., Any]:
+        """A pipeline schedule as the hooks see it: a training call is one iteration."""
+
+        @functools.wraps(schedule)
+        def hooked_schedule(*args: Any, **kwargs: Any) -> Any:
+            forward_only = bool(kwargs.get("forward_only", False))
+            if not forward_only:
+                reason = _refused(kwargs.get("model"))
+                if reason:
+                    raise NotSupportedError(f"powerlib cannot follow this schedule: {reason}")
+                if not self.checked:
+                    _check_stage(self.session, self.parallel_state)
+                    self.checked = True
+            outer, self.forward_only = self.forward_only, forward_only
+            try:
+                result = schedule(*args, **kwargs)
+            finally:
+                self.forward_only = outer
+                if outer is None:  # hold no output of a call that failed half-way
+                    self.pending.clear()
+            if not forward_only:
+                self.session.step()
+            return result
+
+        return hooked_schedule
+
+
 @contextlib.contextmanager
 def attach(session: Any, *, enabled: bool = True) -> Iterator[None]:
     """Drive ``session``'s hooks from megatron-core's pipeline schedules (see the module doc).
@@ -180,87 +276,16 @@ def attach(session: Any, *, enabled: bool = True) -> Iterator[None]:
     checked = parallel_state.model_parallel_is_initialized()
     if checked:
         _check_stage(session, parallel_state)
-    # forward_only of the running schedule call (None: no wrapped one runs); the forward output
-    # objects waiting for their backward: id -> (object, microbatch, chunk)
-    state: dict[str, Any] = {"forward_only": None, "checked": checked}
-    pending: dict[int, tuple[Any, int, int]] = {}
-    forward_step = schedules.forward_step
-
-    @functools.wraps(forward_step)
-    def hooked_forward(*args: Any, **kwargs: Any) -> Any:
-        if state["forward_only"] is None:
-            raise NotSupportedError(
-                "forward_step ran outside a schedule obtained inside powerlib's attach(): call "
-                "get_forward_backward_func() inside the with block (Megatron-LM's pretrain(): "
-                "use patch_training)"
-            )
-        if state["forward_only"]:
-            return forward_step(*args, **kwargs)
-        chunk, microbatch = kwargs.get("vp_stage") or 0, kwargs.get("current_microbatch")
-        if microbatch is None:  # every schedule of the tested releases passes it
-            raise NotSupportedError("forward_step was called without current_microbatch=")
-        session.begin("F", microbatch, chunk)
-        try:
-            result = forward_step(*args, **kwargs)
-        finally:
-            session.end()
-        output = result[0]
-        pending[id(output)] = (output, microbatch, chunk)
-        return result
-
-    def wrap_backward(name: str, backward: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(backward)
-        def hooked_backward(*args: Any, **kwargs: Any) -> Any:
-            if state["forward_only"] is None:
-                return backward(*args, **kwargs)  # not inside a hooked schedule call
-            output = args[1] if len(args) > 1 else kwargs.get("output_tensor")
-            entry = pending.pop(id(output), None)
-            if entry is None or entry[0] is not output:
-                raise NotSupportedError(
-                    f"{name} got an output no hooked forward_step returned: this schedule "
-                    f"does not hand the forward's output back ({_TESTED})"
-                )
-            session.begin("B", entry[1], entry[2])
-            try:
-                return backward(*args, **kwargs)
-            finally:
-                session.end()
-
-        return hooked_backward
-
-    def wrap_schedule(schedule: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(schedule)
-        def hooked_schedule(*args: Any, **kwargs: Any) -> Any:
-            forward_only = bool(kwargs.get("forward_only", False))
-            if not forward_only:
-                reason = _refused(kwargs.get("model"))
-                if reason:
-                    raise NotSupportedError(f"powerlib cannot follow this schedule: {reason}")
-                if not state["checked"]:
-                    _check_stage(session, parallel_state)
-                    state["checked"] = True
-            outer, state["forward_only"] = state["forward_only"], forward_only
-            try:
-                result = schedule(*args, **kwargs)
-            finally:
-                state["forward_only"] = outer
-                if outer is None:  # hold no output of a call that failed half-way
-                    pending.clear()
-            if not forward_only:
-                session.step()
-            return result
-
-        return hooked_schedule
-
+    hooks = _Hooks(session, parallel_state, checked=checked)
     names = ("forward_step", *(n for n in _BACKWARDS if hasattr(schedules, n)), *_SCHEDULES)
     originals = {n: getattr(schedules, n) for n in names}
     try:
-        schedules.forward_step = hooked_forward
+        schedules.forward_step = hooks.forward(originals["forward_step"])
         for name in _BACKWARDS:
             if name in originals:
-                setattr(schedules, name, wrap_backward(name, originals[name]))
+                setattr(schedules, name, hooks.backward(name, originals[name]))
         for name in _SCHEDULES:
-            setattr(schedules, name, wrap_schedule(originals[name]))
+            setattr(schedules, name, hooks.schedule(originals[name]))
         _ATTACHED.append(session)
         yield
     finally:
@@ -293,7 +318,7 @@ def replan(deadline_s: float) -> None:
 # -- Megatron-LM's own loop ---------------------------------------------------------------------
 
 
-def workload_from_args(args: Any, num_microbatches: int, pp_rank: int) -> dict[str, Any]:
+def workload_from_args(args: Any, num_microbatches: int, pp_rank: int) -> dict[str, int | str]:
     """The session's workload keywords from Megatron-LM's parsed ``args`` (``get_args()``).
 
     Raises:
@@ -383,7 +408,7 @@ def patch_training(*, enabled: bool = True, **options: Any) -> TrainingPatch | N
 
     Args:
         enabled: ``False`` patches nothing and returns ``None``.
-        **options: Any :class:`powerlib.Session` keyword (``out_dir``, ``mode``, ``plan_path``,
+        **options: Any :func:`powerlib.optimize` keyword (``out_dir``, ``mode``, ``plan_path``,
             ``max_slowdown``, ...) except the workload, which comes from Megatron.
 
     Returns:
@@ -434,29 +459,30 @@ _ENV = "POWERLIB_MEGATRON"
 _ENV_OPTIONS = "POWERLIB_MEGATRON_OPTIONS"
 
 
-def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any] | None:
+def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     """The session keywords the launcher passes, or ``None`` when ``POWERLIB_MEGATRON`` is off.
 
     ``POWERLIB_MEGATRON``: ``1`` on, ``0`` or unset off. ``POWERLIB_MEGATRON_OPTIONS``: a JSON
-    object of :class:`powerlib.Session` keywords (``{"out_dir": "/scratch/pl", "mode": "auto"}``).
+    object of :func:`powerlib.optimize` keywords (``{"out_dir": "/scratch/pl", "mode": "auto"}``).
 
     Raises:
         InvalidArgumentError: Another value of ``POWERLIB_MEGATRON``, or options that are not a
             JSON object.
     """
-    env = os.environ if environ is None else environ
-    switch = env.get(_ENV, "0").strip()
+    switch, text = megatron_launch(environ)  # powerlib.config reads the environment
     if switch not in ("0", "1", ""):
         raise InvalidArgumentError(f"{_ENV} must be 1 or 0, not {switch!r}")
     if switch != "1":
         return None
-    text = env.get(_ENV_OPTIONS, "").strip() or "{}"
+    text = text or "{}"
     try:
         options = json.loads(text)
     except json.JSONDecodeError as err:
         raise InvalidArgumentError(f"{_ENV_OPTIONS} is not JSON: {err}") from None
     if not isinstance(options, dict):
-        raise InvalidArgumentError(f"{_ENV_OPTIONS} must be a JSON object of Session keywords")
+        raise InvalidArgumentError(
+            f"{_ENV_OPTIONS} must be a JSON object of powerlib.optimize keywords"
+        )
     return options
 
 

@@ -124,9 +124,10 @@ def attach_pipeline(session: Any, schedule: Any, *, enabled: bool = True) -> Ite
         yield
         return
     stages = _local_stages(schedule)
-    num_ranks = session.spec.num_stages
+    workload = session.config.workload
+    num_ranks = workload.num_stages
     placement = _placement(stages, num_ranks, stages[0].stage_index % num_ranks)
-    name = session.spec.schedule
+    name = workload.layout.schedule
     if (
         _splits_backward(schedule)
         or placement == "v"

@@ -31,7 +31,7 @@ from powerlib.registry import backend_names, open_backend, probe_backends
 
 if TYPE_CHECKING:  # loaded on first use (see __getattr__); typed and documented where defined
     from powerlib.control import ControlSession, RestoreOutcome, restore_journals
-    from powerlib.measurement import Measurement, MeasurementResult, measure
+    from powerlib.measure_api import Measurement, MeasurementResult, measure
     from powerlib.runtime.session import Session, optimize
 
 from powerlib._version import __version__
@@ -89,7 +89,7 @@ def __getattr__(name: str) -> object:
 
         return getattr(runtime, name)
     if name in ("measure", "Measurement", "MeasurementResult"):
-        from powerlib import measurement  # noqa: PLC0415 - the package surface loads its parts on first use
+        from powerlib import measure_api  # noqa: PLC0415 - the package surface loads its parts on first use
 
-        return getattr(measurement, name)
+        return getattr(measure_api, name)
     raise AttributeError(f"module 'powerlib' has no attribute {name!r}")

@@ -7,13 +7,14 @@
   request costs nothing);
 - the first iteration is checked against the plan's instruction order: a mismatch (another
   instruction, or another count at ``step``) resets the clocks, reports once through
-  ``on_mismatch`` and leaves training alone;
+  ``on_stop`` (a :class:`~powerlib.runtime.phases.RankFailure` marked ``off_order``) and leaves
+  training alone;
 - after that first iteration, ``end`` asks for the next instruction's clock at once
   (``prefetch``), so the switch overlaps the wait for the next instruction's input;
 - a change the controller reports failed (``AppliedChange.ok`` False: the control session
   reset the GPU to its baseline and recorded why, docs/real-gpu.md §2) stops the phase at the
   next iteration boundary (:meth:`ApplyPhase.check_changes`) and reports once through
-  ``on_failure``; the session makes the stop job-wide at the next collective the ranks share
+  ``on_stop``; the session makes the stop job-wide at the next collective the ranks share
   (the closed loop's exchange, docs/real-gpu.md §3).
 
 The session drives it on a real device; ``powerlib simulate`` drives the same object on the
@@ -24,29 +25,17 @@ this code does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from powerlib.planning.pipeline import InstructionKey
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.runtime.controller import FrequencyController
+from powerlib.runtime.phases import RankFailure, SessionPhase
 
-__all__ = ["ApplyConfig", "ApplyPhase"]
+__all__ = ["ApplyPhase"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ApplyConfig:
-    """How the session applies a plan.
-
-    Attributes:
-        prefetch: Request the next instruction's clock when one ends (after the order check).
-        threaded: Apply clocks on a controller thread (default) or inline (the emulator).
-        check_rounds: Rounds of interleaved all-max and plan windows the closed loop measures
-            after the plan arrives (:mod:`powerlib.runtime.closed_loop`); 0: none.
-    """
-
-    prefetch: bool = True
-    threaded: bool = True
-    check_rounds: int = 3
+def _ignore(failure: RankFailure) -> None:
+    """Nobody to tell (the emulator's ``powerlib simulate``)."""
 
 
 def _fmt(key: InstructionKey) -> str:
@@ -61,13 +50,11 @@ class ApplyPhase:
         plan: The plan (checked against the device's clocks by the caller).
         stage: The stage this object applies.
         controller: Takes the clock requests.
-        prefetch: See :class:`ApplyConfig`.
-        on_mismatch: Called once with a one-line reason when the loop does not run the plan's
-            order (after the clocks were reset).
+        prefetch: See :class:`~powerlib.runtime.session_config.ApplyConfig`.
         check_order: Check the first iteration against the plan's order (and prefetch only
             after it); ``False`` when the caller runs the plan's own order (the emulator).
-        on_failure: Called once with a one-line reason when a clock change failed (after the
-            phase stopped and reset the clocks).
+        on_stop: Called once, after the clocks were reset, with the reason the phase stopped:
+            the loop does not run the plan's order (``off_order``), or a clock change failed.
     """
 
     def __init__(
@@ -77,9 +64,8 @@ class ApplyPhase:
         controller: FrequencyController,
         *,
         prefetch: bool = True,
-        on_mismatch: Callable[[str], None] = lambda reason: None,
         check_order: bool = True,
-        on_failure: Callable[[str], None] = lambda reason: None,
+        on_stop: Callable[[RankFailure], None] = _ignore,
     ) -> None:
         stage_plan = plan.stage(stage)
         self.stage = stage
@@ -89,11 +75,10 @@ class ApplyPhase:
         )
         self.controller = controller
         self.prefetch = prefetch
-        self._on_mismatch = on_mismatch
-        self._on_failure = on_failure
+        self._on_stop = on_stop
         self._seen = len(controller.applied)  # the controller's changes checked so far
-        self.phase = "apply"
-        """``apply``, or ``done`` once a mismatch or a failure stopped it."""
+        self.phase = SessionPhase.APPLY
+        """``APPLY``, or ``DONE`` once a mismatch or a failure stopped it (:attr:`active`)."""
         self.stopped_reason: str | None = None
         """Why a failure stopped the phase (:meth:`stop`); ``None`` otherwise."""
         self.checking = check_order
@@ -105,14 +90,19 @@ class ApplyPhase:
 
     wants_start = False
 
+    @property
+    def active(self) -> bool:
+        """The plan is applied (no mismatch or failure stopped it)."""
+        return self.phase is SessionPhase.APPLY
+
     def begin(self, kind: str, microbatch: int = 0, chunk: int = 0) -> None:
         """An instruction starts: check it (first iteration), then request its clock."""
-        if self.phase != "apply":
+        if not self.active:
             return
         key = InstructionKey(self.stage, chunk, microbatch, kind)
         if self.checking:
             self._check(key)
-            if self.phase != "apply":
+            if not self.active:
                 return
         freq = self.freqs.get(key)
         if freq is not None:
@@ -121,7 +111,7 @@ class ApplyPhase:
 
     def end(self) -> None:
         """An instruction ends: ask for the next one's clock now (``prefetch``)."""
-        if self.phase != "apply" or not self.prefetch or self.checking:
+        if not self.active or not self.prefetch or self.checking:
             return
         # The switch (milliseconds on real drivers) overlaps the wait for the next input.
         expected = self.expected
@@ -131,7 +121,7 @@ class ApplyPhase:
     def step(self) -> None:
         """The iteration ended: the checked one must have run every planned instruction."""
         self.check_changes()
-        if self.phase == "apply" and self.checking:
+        if self.active and self.checking:
             if self.position != len(self.expected):
                 self._mismatch(
                     f"the iteration ran {self.position} instruction(s), "
@@ -162,10 +152,10 @@ class ApplyPhase:
             self.fail(f"stage {self.stage}: {failed.failure()}")
 
     def fail(self, reason: str) -> None:
-        """A failure this phase found: :meth:`stop`, then report it once (``on_failure``)."""
+        """A failure this phase found: :meth:`stop`, then report it once (``on_stop``)."""
         if self.stopped_reason is None:
             self.stop(reason)
-            self._on_failure(reason)
+            self._on_stop(RankFailure(reason))
 
     def stop(self, reason: str) -> None:
         """Stop applying (this rank failed): clocks reset, nothing more is requested.
@@ -175,7 +165,7 @@ class ApplyPhase:
         if self.stopped_reason is not None:
             return
         self.stopped_reason = reason
-        self.phase = "done"
+        self.phase = SessionPhase.DONE
         self.checking = False
         self.controller.reset()
 
@@ -193,10 +183,13 @@ class ApplyPhase:
             self.first_requests.append((key, self.freqs[key]))
 
     def _mismatch(self, detail: str) -> None:
-        self.phase = "done"
+        self.phase = SessionPhase.DONE
         self.checking = False
         self.controller.reset()
-        self._on_mismatch(
-            f"stage {self.stage}: the training loop does not run the plan's instruction order "
-            f"({detail}); clocks reset, training continues unmanaged"
+        self._on_stop(
+            RankFailure(
+                f"stage {self.stage}: the training loop does not run the plan's instruction "
+                f"order ({detail}); clocks reset, training continues unmanaged",
+                off_order=True,
+            )
         )

@@ -29,25 +29,26 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from powerlib.errors import DeviceError, PlanError, PowerlibError
 from powerlib.measurement.attribution import t95
 from powerlib.measurement.sampler import DeviceSampler
 from powerlib.runtime.apply_phase import ApplyPhase
 from powerlib.runtime.coordination import Coordinator, Future
-from powerlib.runtime.planning_step import PlanningOutcome
-from powerlib.runtime.records import Prediction, Realized
+from powerlib.runtime.phases import SessionPhase
+from powerlib.runtime.records import (
+    MeasuredIterations,
+    Outcome,
+    Payload,
+    Prediction,
+    Realized,
+    Verdict,
+    Windows,
+)
 
-__all__ = ["CHECK", "DISABLED", "CheckConfig", "ClosedLoop", "MeasureOnly", "judge"]
-
-DISABLED = "disabled"
-"""The phase of a session run with ``enabled=False``: measure, change nothing."""
-
-CHECK = "check"
-"""The phase name while the closed loop alternates reference and plan windows."""
+__all__ = ["CheckConfig", "ClosedLoop", "MeasureOnly", "judge"]
 
 SHORTFALL_POINTS = 1.0
 """A measured saving this many points below the prediction is reported as a shortfall."""
@@ -88,38 +89,39 @@ def _reverted(reason: str) -> Realized:
 
 
 def judge(
-    payloads: list[Mapping[str, Any]],
+    payloads: Sequence[Windows],
     *,
     max_slowdown: float | None,
     predicted: Prediction | None,
 ) -> Realized:
     """Rank 0: the measured saving and slowdown from every rank's windows, and the verdict.
 
-    Each payload has ``rounds``: per round ``[ref_energy_j, ref_time_s, plan_energy_j,
-    plan_time_s]`` per iteration of this rank. Per round the job's energy is the sum over ranks,
-    its time the slowest rank's; saving and slowdown are averaged over the paired rounds.
+    Each rank's :attr:`Windows.rounds` holds, per round, ``(ref_energy_j, ref_time_s,
+    plan_energy_j, plan_time_s)`` per iteration of this rank. Per round the job's energy is the
+    sum over ranks, its time the slowest rank's; saving and slowdown are averaged over the
+    paired rounds.
 
     Args:
         payloads: Every rank's windows.
         max_slowdown: The policy's bound (fraction), ``None`` for no bound (min-energy).
         predicted: The planner's prediction, when known.
     """
-    stopped = [p for p in payloads if p.get("stopped")]
+    stopped = [p for p in payloads if p.stopped]
     if stopped:
         # a failure carries its reason; a loop off the plan's order carries none
-        why = [str(p["reason"]) for p in stopped if p.get("reason")]
-        off_order = sorted(int(p.get("stage", -1)) for p in stopped if not p.get("reason"))
+        why = [p.reason for p in stopped if p.reason]
+        off_order = sorted(p.stage for p in stopped if not p.reason)
         if off_order:
             stages = ", ".join(map(str, off_order))
             why.append(f"stage(s) {stages} do not run the plan's instruction order")
         return _reverted("; ".join(why))
-    rounds = min(len(p["rounds"]) for p in payloads)
+    rounds = min(len(p.rounds) for p in payloads)
     savings, slowdowns = [], []
     for r in range(rounds):
-        ref_e = math.fsum(p["rounds"][r][0] for p in payloads)
-        ref_t = max(p["rounds"][r][1] for p in payloads)
-        plan_e = math.fsum(p["rounds"][r][2] for p in payloads)
-        plan_t = max(p["rounds"][r][3] for p in payloads)
+        ref_e = math.fsum(p.rounds[r][0] for p in payloads)
+        ref_t = max(p.rounds[r][1] for p in payloads)
+        plan_e = math.fsum(p.rounds[r][2] for p in payloads)
+        plan_t = max(p.rounds[r][3] for p in payloads)
         if ref_e > 0 and ref_t > 0:
             savings.append(100.0 * (1.0 - plan_e / ref_e))
             slowdowns.append(100.0 * (plan_t / ref_t - 1.0))
@@ -196,7 +198,7 @@ class ClosedLoop:
         self._iteration = 0  # iterations since the plan arrived
         self._start_s: float | None = None
         self._windows: list[tuple[str, float, float, int]] = []  # (kind, start, end, iterations)
-        self._future: Future | None = None
+        self._future: Future[Outcome] | None = None
         self.realized: Realized | None = None
 
     # -- where we are in the schedule ------------------------------------------------------------
@@ -212,11 +214,11 @@ class ClosedLoop:
         return "ref" if k % per_round < self.config.reference_iterations else "plan"
 
     @property
-    def phase(self) -> str:
-        """``check`` while windows are measured, then the apply phase's."""
-        if self.applying.phase != "apply":
+    def phase(self) -> SessionPhase:
+        """``CHECK`` while windows are measured, then the apply phase's."""
+        if not self.applying.active:
             return self.applying.phase
-        return CHECK if self._checking() else "apply"
+        return SessionPhase.CHECK if self._checking() else SessionPhase.APPLY
 
     def _checking(self) -> bool:
         if self.realized is not None or self.config.rounds == 0:
@@ -284,24 +286,21 @@ class ClosedLoop:
             # one iteration after the last window: the counter has published past its end
             and self._iteration == 2 + self.config.rounds * per_round
         ):
-            rounds: list[list[float]] = []
-            if self.applying.phase == "apply":
+            rounds: tuple[tuple[float, float, float, float], ...] = ()
+            if self.applying.active:
                 try:
                     rounds = self._rounds()
                 except PowerlibError as err:  # still sends its part: the others wait for it
                     self.applying.fail(f"stage {self.applying.stage}: measuring failed: {err}")
             # stopped: this rank's order check failed, or its device failed (with the reason)
-            stopped = self.applying.phase != "apply"
-            self._future = self._coordinator.exchange(
-                {
-                    "closed_loop": True,
-                    "stage": self.applying.stage,
-                    "stopped": stopped,
-                    "reason": self.applying.stopped_reason,
-                    "rounds": [] if stopped else rounds,
-                },
-                self._judge,
+            stopped = not self.applying.active
+            windows = Windows(
+                stage=self.applying.stage,
+                rounds=() if stopped else rounds,
+                stopped=stopped,
+                reason=self.applying.stopped_reason,
             )
+            self._future = self._coordinator.exchange(windows, self._judge)
 
     def start_iteration(self) -> None:
         """Set the clocks for the iteration's slot; resolve the verdict when it is pending."""
@@ -309,11 +308,11 @@ class ClosedLoop:
             try:
                 outcome = self._future()
             except PlanError as err:  # rank 0 could not judge: every rank gets the same error
-                outcome = PlanningOutcome(realized=_reverted(f"measuring the plan failed: {err}"))
+                outcome = Verdict(realized=_reverted(f"measuring the plan failed: {err}"))
             if outcome is None:
                 return
             self._future = None
-            if outcome.realized is not None:
+            if isinstance(outcome, Verdict):
                 self.realized = outcome.realized
                 self._on_verdict(outcome.realized)
         if self._start_s is None:
@@ -326,8 +325,8 @@ class ClosedLoop:
 
     # -- the measurement -------------------------------------------------------------------------
 
-    def _rounds(self) -> list[list[float]]:
-        """Per round ``[ref J, ref s, plan J, plan s]`` per iteration of this rank.
+    def _rounds(self) -> tuple[tuple[float, float, float, float], ...]:
+        """Per round ``(ref J, ref s, plan J, plan s)`` per iteration of this rank.
 
         Raises:
             DeviceError: The sampler stopped reading the device (lost, or failing in a row).
@@ -343,18 +342,21 @@ class ClosedLoop:
         for ref, plan in zip(refs, plans):
             e = timeline.energy_at([ref[1], ref[2], plan[1], plan[2]])
             out.append(
-                [
+                (
                     float(e[1] - e[0]) / ref[3],
                     (ref[2] - ref[1]) / ref[3],
                     float(e[3] - e[2]) / plan[3],
                     (plan[2] - plan[1]) / plan[3],
-                ]
+                )
             )
-        return out
+        return tuple(out)
 
-    def _judge(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
-        realized = judge(payloads, max_slowdown=self._max_slowdown, predicted=self._predicted)
-        return PlanningOutcome(realized=realized)
+    def _judge(self, payloads: list[Payload]) -> Outcome:
+        windows = [p for p in payloads if isinstance(p, Windows)]
+        if len(windows) != len(payloads):
+            raise PlanError("rank 0 expected every rank's closed-loop windows")
+        realized = judge(windows, max_slowdown=self._max_slowdown, predicted=self._predicted)
+        return Verdict(realized=realized)
 
 
 class MeasureOnly:
@@ -365,7 +367,7 @@ class MeasureOnly:
         clock: The session's clock.
     """
 
-    phase = DISABLED
+    phase = SessionPhase.DISABLED
     wants_start = False
 
     def __init__(self, sampler: DeviceSampler | None, clock: Callable[[], float]) -> None:
@@ -395,14 +397,17 @@ class MeasureOnly:
         if self._start_s is None:
             self._start_s = self._clock()
 
-    def measured(self) -> dict[str, Any]:
+    def measured(self) -> MeasuredIterations:
         """Mean time and energy per iteration over the iterations so far."""
-        out: dict[str, Any] = {"iterations": len(self.steps), "time_s": None, "energy_j": None}
         if not self.steps:
-            return out
+            return MeasuredIterations(iterations=0)
         start, end = self.steps[0][0], self.steps[-1][1]
-        out["time_s"] = (end - start) / len(self.steps)
+        energy_j = None
         if self._sampler is not None:
             e = self._sampler.timeline(since_s=start - 1.0).energy_at([start, end])
-            out["energy_j"] = float(e[1] - e[0]) / len(self.steps)
-        return out
+            energy_j = float(e[1] - e[0]) / len(self.steps)
+        return MeasuredIterations(
+            iterations=len(self.steps),
+            time_s=(end - start) / len(self.steps),
+            energy_j=energy_j,
+        )

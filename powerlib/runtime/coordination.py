@@ -5,8 +5,9 @@ No extra server: the job's own ``torch.distributed`` process group carries every
 
 - :meth:`Coordinator.all_agree`: every rank votes; the result is True only if every vote is True
   (the profile sweep stops for everyone or for no one);
-- :meth:`Coordinator.exchange`: every rank sends a payload; rank 0 turns the list of payloads into
-  a plan with ``plan_fn`` (called exactly once, on rank 0); every rank receives that plan.
+- :meth:`Coordinator.exchange`: every rank sends a :data:`~powerlib.runtime.records.Payload`;
+  rank 0 turns the list of payloads into an :data:`~powerlib.runtime.records.Outcome` with
+  ``plan_fn`` (called exactly once, on rank 0); every rank receives that outcome.
 
 Both return a *future*: a callable that returns ``None`` until the result is known. With
 ``torch.distributed`` (and alone) results are known at once, because the collectives block. The
@@ -17,7 +18,7 @@ iteration starts.
 Every rank must make the same calls in the same order, or the others wait for it in a
 collective until the job's timeout. A rank that fails therefore never leaves them: the profile
 sweep's vote ends with a *healthy* element (element-wise ``all`` stops every rank at the same
-vote), and an exchange payload says ``stopped`` with the failure's reason, so rank 0 answers
+vote), and an exchange payload says it stopped, with the failure's reason, so rank 0 answers
 every rank with one job-wide verdict (docs/real-gpu.md §3).
 """
 
@@ -25,10 +26,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from powerlib.errors import PlanError, PowerlibError
-from powerlib.runtime.planning_step import PlanningOutcome
+from powerlib.runtime.records import Outcome, Payload, PlanFailed
 
 __all__ = [
     "Coordinator",
@@ -39,10 +40,14 @@ __all__ = [
     "default_coordinator",
 ]
 
-Future = Callable[[], Any]
+T = TypeVar("T")
+
+Future = Callable[[], T | None]
+"""A result that is ``None`` until every rank has called in (at once with blocking collectives)."""
 Vote = bool | tuple[bool, ...]
 """One yes/no, or several decided together in one collective (the profile sweep's)."""
-PlanFn = Callable[[list[dict[str, Any]]], PlanningOutcome]
+PlanFn = Callable[[list[Payload]], Outcome]
+"""Rank 0's turn: every rank's payload in, the outcome every rank gets out."""
 
 
 class Coordinator(Protocol):
@@ -51,16 +56,16 @@ class Coordinator(Protocol):
     rank: int
     world_size: int
 
-    def all_agree(self, vote: Vote) -> Future:
+    def all_agree(self, vote: Vote) -> Future[Vote]:
         """Future of ``all(votes)`` (element-wise for a tuple of votes)."""
         ...
 
-    def exchange(self, payload: dict[str, Any], plan_fn: PlanFn) -> Future:
-        """Future of the plan rank 0 made from every rank's payload."""
+    def exchange(self, payload: Payload, plan_fn: PlanFn) -> Future[Outcome]:
+        """Future of the outcome rank 0 made from every rank's payload."""
         ...
 
 
-def _resolved(value: Any) -> Future:
+def _resolved(value: T) -> Future[T]:
     return lambda: value
 
 
@@ -75,20 +80,20 @@ def _all(votes: list[Vote]) -> Vote:
     return all(votes)
 
 
-def _raise_or_return(result: PlanningOutcome) -> PlanningOutcome:
-    if result.error is not None:
+def _raise_or_return(result: Outcome) -> Outcome:
+    if isinstance(result, PlanFailed):
         raise PlanError(result.error)
     return result
 
 
-def _plan_safely(plan_fn: PlanFn, payloads: list[dict[str, Any]]) -> PlanningOutcome:
+def _plan_safely(plan_fn: PlanFn, payloads: list[Payload]) -> Outcome:
     """Rank 0 plans; an error is shipped to every rank instead of leaving them waiting."""
     try:
         return plan_fn(payloads)
     except PowerlibError as err:
-        return PlanningOutcome(error=str(err))
+        return PlanFailed(error=str(err))
     except Exception as err:  # noqa: BLE001 - a bug on rank 0 must not leave the other ranks waiting forever
-        return PlanningOutcome(error=f"planning failed on rank 0: {type(err).__name__}: {err}")
+        return PlanFailed(error=f"planning failed on rank 0: {type(err).__name__}: {err}")
 
 
 class SingleProcess:
@@ -97,11 +102,11 @@ class SingleProcess:
     rank = 0
     world_size = 1
 
-    def all_agree(self, vote: Vote) -> Future:
+    def all_agree(self, vote: Vote) -> Future[Vote]:
         """Resolved at once."""
         return _resolved(_normal(vote))
 
-    def exchange(self, payload: dict[str, Any], plan_fn: PlanFn) -> Future:
+    def exchange(self, payload: Payload, plan_fn: PlanFn) -> Future[Outcome]:
         """Plans at once."""
         result = _plan_safely(plan_fn, [payload])
         return lambda: _raise_or_return(result)
@@ -115,8 +120,8 @@ class LocalGroup:
             raise ValueError("world_size must be >= 1")
         self.world_size = world_size
         self._votes: dict[int, list[Vote]] = {}
-        self._payloads: dict[int, dict[int, dict[str, Any]]] = {}
-        self._plans: dict[int, PlanningOutcome] = {}
+        self._payloads: dict[int, dict[int, Payload]] = {}
+        self._plans: dict[int, Outcome] = {}
         self._vote_round = [0] * world_size
         self._exchange_round = [0] * world_size
         self._plan_fn: PlanFn | None = None
@@ -127,7 +132,7 @@ class LocalGroup:
             raise ValueError(f"rank {rank} is out of range for {self.world_size} ranks")
         return _Member(self, rank)
 
-    def _vote(self, rank: int, vote: Vote) -> Future:
+    def _vote(self, rank: int, vote: Vote) -> Future[Vote]:
         rnd = self._vote_round[rank]
         self._vote_round[rank] += 1
         votes = self._votes.setdefault(rnd, [])
@@ -139,7 +144,7 @@ class LocalGroup:
 
         return result
 
-    def _exchange(self, rank: int, payload: dict[str, Any], plan_fn: PlanFn) -> Future:
+    def _exchange(self, rank: int, payload: Payload, plan_fn: PlanFn) -> Future[Outcome]:
         rnd = self._exchange_round[rank]
         self._exchange_round[rank] += 1
         payloads = self._payloads.setdefault(rnd, {})
@@ -150,7 +155,7 @@ class LocalGroup:
             assert self._plan_fn is not None
             self._plans[rnd] = _plan_safely(self._plan_fn, [payloads[r] for r in sorted(payloads)])
 
-        def result() -> PlanningOutcome | None:
+        def result() -> Outcome | None:
             plan = self._plans.get(rnd)
             return None if plan is None else _raise_or_return(plan)
 
@@ -163,10 +168,10 @@ class _Member:
         self.rank = rank
         self.world_size = group.world_size
 
-    def all_agree(self, vote: Vote) -> Future:
+    def all_agree(self, vote: Vote) -> Future[Vote]:
         return self._group._vote(self.rank, vote)
 
-    def exchange(self, payload: dict[str, Any], plan_fn: PlanFn) -> Future:
+    def exchange(self, payload: Payload, plan_fn: PlanFn) -> Future[Outcome]:
         return self._group._exchange(self.rank, payload, plan_fn)
 
 
@@ -185,13 +190,13 @@ class TorchDistributed:
         self.world_size = dist.get_world_size(group)
         self._root = 0 if group is None else dist.get_global_rank(group, 0)
 
-    def all_agree(self, vote: Vote) -> Future:
+    def all_agree(self, vote: Vote) -> Future[Vote]:
         """``all_gather_object`` of the votes."""
         out: list[Any] = [None] * self.world_size
         self._dist.all_gather_object(out, _normal(vote), group=self._group)
         return _resolved(_all(out))
 
-    def exchange(self, payload: dict[str, Any], plan_fn: PlanFn) -> Future:
+    def exchange(self, payload: Payload, plan_fn: PlanFn) -> Future[Outcome]:
         """``gather_object`` to rank 0, plan there, ``broadcast_object_list`` back."""
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         self._dist.gather_object(payload, gathered, dst=self._root, group=self._group)

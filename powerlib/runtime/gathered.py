@@ -10,18 +10,17 @@ cannot resolve per-instruction energy before anything is planned on it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from powerlib.planning.profile import ProfileRow
-from powerlib.profiling.sweep import aggregate_stage_rows
-from powerlib.runtime.records import ProfilePayload
+from powerlib.errors import PlanError
+from powerlib.planning.profile_rows import ProfileRow
+from powerlib.runtime.records import Payload, ProfilePayload
+from powerlib.runtime.sweep import aggregate_stage_rows
 
 __all__ = [
     "GATHERED",
     "GIVE_UP_FACTOR",
     "MAX_ENERGY_ERROR",
-    "Payload",
     "as_profiles",
     "check_resolution",
     "measured_latency_s",
@@ -45,43 +44,45 @@ one row's error."""
 GATHERED = "the gathered profile"
 
 
-Payload = Mapping[str, Any] | ProfilePayload
-"""What a rank sends rank 0: its :class:`ProfilePayload` (or that as JSON data), or, for a
-saved profile or plan, ``{"profile_path": ...}`` / ``{"plan_path": ...}``."""
-
-
 def as_profiles(payloads: Sequence[Payload]) -> list[ProfilePayload]:
-    """The ranks' profiles, typed (JSON data is read with :meth:`ProfilePayload.from_json`)."""
-    return [p if isinstance(p, ProfilePayload) else ProfilePayload.from_json(p) for p in payloads]
+    """The ranks' profiles (what every rank sent at the end of its sweep).
+
+    Raises:
+        PlanError: A rank sent something else (a bug: the ranks' exchanges are out of step).
+    """
+    profiles = [p for p in payloads if isinstance(p, ProfilePayload)]
+    if len(profiles) != len(payloads):
+        kinds = sorted({type(p).__name__ for p in payloads if not isinstance(p, ProfilePayload)})
+        raise PlanError(f"rank 0 expected every rank's profile, got {', '.join(kinds)}")
+    return profiles
 
 
-def merge_profiles(payloads: Sequence[Payload]) -> tuple[list[ProfileRow], float | None]:
+def merge_profiles(profiles: Sequence[ProfilePayload]) -> tuple[list[ProfileRow], float | None]:
     """Every rank's rows merged per stage, and P_block from the ranks' attribution.
 
     P_block is the mean of the ranks' solved blocking power (``p_block_w``); ``None`` when no
     rank resolved one.
     """
-    profiles = as_profiles(payloads)
     rows = aggregate_stage_rows(list(p.rows) for p in profiles)
     measured = [p.p_block_w for p in profiles if p.p_block_w]
     return rows, (sum(measured) / len(measured) if measured else None)
 
 
-def measured_latency_s(payloads: Sequence[Payload]) -> float | None:
+def measured_latency_s(profiles: Sequence[ProfilePayload]) -> float | None:
     """The slowest rank's measured clock-change latency, when any rank measured one."""
-    latencies = [p.latency_s for p in as_profiles(payloads) if p.latency_s is not None]
+    latencies = [p.latency_s for p in profiles if p.latency_s is not None]
     return max(latencies) if latencies else None
 
 
-def time_cv_for(payloads: Sequence[Payload]) -> float:
+def time_cv_for(profiles: Sequence[ProfilePayload]) -> float:
     """The largest run-to-run spread of instruction times a rank saw (the guard's noise)."""
-    spreads = [p.time_cv for p in as_profiles(payloads) if p.time_cv is not None]
+    spreads = [p.time_cv for p in profiles if p.time_cv is not None]
     return max(spreads) if spreads else 0.0
 
 
-def time_se_for(payloads: Sequence[Payload]) -> float:
+def time_se_for(profiles: Sequence[ProfilePayload]) -> float:
     """The largest standard error of a row's mean time a rank's profile has."""
-    errors = [p.time_se for p in as_profiles(payloads) if p.time_se is not None]
+    errors = [p.time_se for p in profiles if p.time_se is not None]
     return max(errors) if errors else 0.0
 
 
@@ -89,22 +90,21 @@ def _fmt_s(time_s: float) -> str:
     return f"{time_s * 1e3:.3g} ms" if time_s < 1.0 else f"{time_s:.3g} s"
 
 
-def check_resolution(rows: list[ProfileRow], payloads: Sequence[Payload]) -> str | None:
+def check_resolution(rows: list[ProfileRow], profiles: Sequence[ProfilePayload]) -> str | None:
     """Why the gathered profile cannot resolve per-instruction energy, or ``None`` if it can.
 
-    A rank that gave up while sweeping says why (``payload["unresolved"]``: the figure it
-    reached and what would resolve it). Otherwise every row carries the half-width of its 95 %
-    interval from the attribution (``payload["errors"]``); a row whose energy is not positive,
+    A rank that gave up while sweeping says why (``unresolved``: the figure it reached and what
+    would resolve it). Otherwise every row carries the half-width of its 95 % interval from the
+    attribution (``errors``); a row whose energy is not positive,
     or worse than :data:`MAX_ENERGY_ERROR`, means the counter cannot resolve the instructions.
 
     Args:
         rows: The merged rows (:func:`merge_profiles`).
-        payloads: What the ranks sent.
+        profiles: What the ranks sent.
 
     Returns:
         One line naming the worst case and what to change, or ``None``.
     """
-    profiles = as_profiles(payloads)
     if any(p.gave_up for p in profiles):
         why = next((p.unresolved for p in profiles if p.unresolved), "a rank gave up")
         return f"the energy counter cannot resolve per-instruction energy: {why}"

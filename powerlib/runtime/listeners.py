@@ -36,7 +36,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from powerlib.errors import InvalidArgumentError
+from powerlib.errors import InvalidArgumentError, PlanError
 from powerlib.planning.plan import FrequencyPlan
 
 __all__ = [
@@ -167,6 +167,25 @@ class Listeners:
         for listener in tuple(self._all):
             taken = bool(listener.plan_applied(plan, stage)) or taken
         return taken
+
+    def hand_plan(self, plan: FrequencyPlan, stage: int) -> None:
+        """Hand ``plan`` to the listeners; one must take its partition settings.
+
+        When none of them takes them, the listener registered for ``partitions`` (Kareus's
+        launch control, docs/architecture.md §1) is added and handed the plan. Every rank takes
+        the same path at the same point: a listener may make a collective.
+
+        Raises:
+            PlanError: The plan has partition settings and nothing takes them.
+        """
+        if self.plan_applied(plan, stage) or not plan_has_partitions(plan):
+            return
+        listener = registered_listener("partitions")
+        if listener is not None:
+            self.add(listener)
+            if listener.plan_applied(plan, stage):
+                return
+        raise PlanError(unclaimed_partitions(plan))
 
     def begin(self, kind: str, microbatch: int, chunk: int) -> None:
         """An instruction starts."""

@@ -1,44 +1,47 @@
-"""What rank 0 does between the gather and the broadcast: profiles in, plan JSON out.
+"""What rank 0 does between the gather and the broadcast: the ranks' payloads in, an outcome out.
 
-Pure apart from writing the output files: merges the ranks' profiles (time = max, energy = mean
-per stage), checks that the energy counter resolved every instruction (:func:`check_resolution`),
-picks P_block, computes the Perseus frontier, selects the plan by policy (with the slowdown guard
-for ``fastest`` and ``deadline``), refuses a plan that would not pay (:attr:`Choice.objection <powerlib.planning.choice.Choice.objection>`), and
-writes ``profile.csv``, ``frontier.csv``, ``plan.json`` and ``summary.json`` to the output
-directory.
+A thin adapter in front of the one planning pipeline
+(:func:`powerlib.planning.workflow.plan_profile`): :func:`make_plan` turns what the ranks sent
+(:data:`~powerlib.runtime.records.Payload`) into a merged
+:class:`~powerlib.planning.profile.Profile` and the facts the ranks measured (blocking power,
+idle power, clock-change latency, the noise of instruction times, the instruction order the
+loop ran), hands them to the pipeline, writes the pipeline's files to ``out_dir``, and returns
+the outcome every rank gets: :class:`~powerlib.runtime.records.Planned` or
+:class:`~powerlib.runtime.records.NoPlan`.
 
-When the profile cannot resolve per-instruction energy, or the chosen plan would cost more energy
-than all maximum clocks (or run past the allowed slowdown), rank 0 returns ``{"baseline": reason}``
-instead of a plan: every session then runs at the baseline clocks, and rank 0 says why in one
-warning line; ``summary.json`` gives the reason (``refused``) either way (:func:`write_no_plan`
-when there is no frontier to write).
+When the profile cannot resolve per-instruction energy (:func:`check_resolution`), or the
+chosen plan would cost more energy than all maximum clocks (or run past the allowed slowdown),
+rank 0 sends :class:`~powerlib.runtime.records.NoPlan` instead of a plan: every session then runs
+at the baseline clocks, and rank 0 says why in one warning line; ``summary.json`` gives the
+reason (``refused``) either way (:func:`write_no_plan` when there is no frontier to write).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from powerlib.errors import BackendUnavailableError, PlanError
-from powerlib.planning.choice import Policy, check_policy, choose
-from powerlib.planning.perseus.frontier import Frontier, FrontierSettings, compute_frontier
-from powerlib.planning.perseus.points import Wanted
-from powerlib.planning.perseus.report import plot_frontier, summary, write_frontier_csv
-from powerlib.planning.pipeline import PLACEMENTS, Instruction, Schedule, build_dag
+from powerlib.config import direct_solver
+from powerlib.errors import PlanError
+from powerlib.planning.perseus.report import PlanOutputs
+from powerlib.planning.pipeline import Instruction
 from powerlib.planning.plan import FrequencyPlan
-from powerlib.planning.profile import CSV_COLUMNS, Profile, ProfileRow
-from powerlib.planning.schedules import build_schedule
-from powerlib.planning.workflow import default_unit_time_s, wanted_for
+from powerlib.planning.profile import Profile
+from powerlib.planning.profile_rows import CSV_COLUMNS, ProfileRow
+from powerlib.planning.workflow import (
+    PlanRequest,
+    PlanResult,
+    SessionInputs,
+    plan_profile,
+    replan,
+)
 from powerlib.progress import Progress
 from powerlib.runtime.gathered import (
     GATHERED,
-    Payload,
     as_profiles,
     check_resolution,
     measured_latency_s,
@@ -46,181 +49,34 @@ from powerlib.runtime.gathered import (
     time_cv_for,
     time_se_for,
 )
-from powerlib.runtime.records import Prediction, Realized
+from powerlib.runtime.records import (
+    NoPlan,
+    Payload,
+    Planned,
+    ProfileOnly,
+    ProfilePayload,
+    Realized,
+    SavedPlan,
+    SavedProfile,
+    StopPayload,
+)
+from powerlib.runtime.session_config import DEFAULT_SWITCH_LATENCY_S, Mode, SessionConfig
 
 __all__ = [
     "NO_PLAN_SCHEMA",
-    "PlanSpec",
-    "PlanningOutcome",
-    "Replanner",
+    "KeptFrontier",
+    "add_measured",
     "make_plan",
+    "rank0_turn",
+    "stopped_profiles",
     "write_no_plan",
     "write_profile",
 ]
 
 logger = logging.getLogger(__name__)
 
-RECORDED = "recorded"
-"""The schedule name that means: plan on the order the hooks recorded, there is no other."""
-
 _SUMMARY_POINTS = 32
 """Exact frontier points a direct solve writes to ``frontier.csv`` (evenly spaced; as the CLI)."""
-
-DEFAULT_SWITCH_LATENCY_S = 0.005
-"""The clock-change latency the guard assumes when nothing measured it."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PlanSpec:
-    """The workload and the planning choices (the same on every rank).
-
-    Attributes:
-        num_stages: Pipeline stages.
-        num_microbatches: Microbatches per iteration.
-        schedule: ``1f1b``, ``gpipe`` or ``interleaved``; or ``recorded``: no built-in order,
-            only the one the hooks recorded while profiling (zero-bubble and V schedules).
-        num_chunks: Model chunks per stage (interleaved, V schedules).
-        placement: ``looped`` (chunk ``c`` of stage ``s`` is model piece ``c*N + s``) or ``v``
-            (two chunks: pieces ``s`` and ``2N-1-s``).
-        policy: ``fastest``, ``deadline`` or ``min-energy``.
-        deadline_s: T′ for ``deadline``.
-        deadline_ratio: T′ as a multiple of the all-max iteration time (a straggler factor), for
-            ``deadline`` when ``deadline_s`` is not given.
-        argmin: The paper's emulation rule for ``deadline`` (see ``Frontier.select``).
-        max_slowdown: Realized-slowdown guard for ``fastest`` (against all-max) and
-            ``deadline`` (against T′), as a fraction.
-        switch_latency_s: Clock-change latency the guard assumes; ``None``: the latency the
-            ranks measured while warming up (the slowest rank's), else
-            :data:`DEFAULT_SWITCH_LATENCY_S`.
-        p_block_w: Blocking power; ``None`` uses the power measured between instructions.
-        unit_time_s: Planner time unit τ; ``None`` picks one from the profile.
-        out_dir: Where rank 0 writes its files; ``None`` writes nothing.
-        progress: Print progress to stderr.
-        plot: Also draw ``frontier.png`` in ``out_dir`` (needs the ``plot`` extra).
-    """
-
-    num_stages: int
-    num_microbatches: int
-    schedule: str = "1f1b"
-    num_chunks: int = 1
-    placement: str = "looped"
-    policy: str = "fastest"
-    deadline_s: float | None = None
-    deadline_ratio: float | None = None
-    argmin: bool = False
-    max_slowdown: float = 0.001
-    switch_latency_s: float | None = None
-    p_block_w: float | None = None
-    unit_time_s: float | None = None
-    out_dir: Path | None = None
-    progress: bool = True
-    plot: bool = False
-
-    def __post_init__(self) -> None:
-        check_policy(
-            self.policy,
-            max_slowdown=self.max_slowdown,
-            switch_latency_s=DEFAULT_SWITCH_LATENCY_S
-            if self.switch_latency_s is None
-            else self.switch_latency_s,
-        )
-        if self.policy == "deadline" and self.deadline_s is None and self.deadline_ratio is None:
-            raise PlanError("the deadline policy needs deadline_s or deadline_ratio")
-        if self.deadline_ratio is not None and not (
-            math.isfinite(self.deadline_ratio) and self.deadline_ratio >= 1.0
-        ):
-            raise PlanError(f"deadline_ratio must be >= 1, got {self.deadline_ratio}")
-        if self.placement not in PLACEMENTS:
-            raise PlanError(
-                f"unknown placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}"
-            )
-        if self.placement == "v" and self.num_chunks != 2:
-            raise PlanError(f"the v placement needs num_chunks=2, got {self.num_chunks}")
-        if self.schedule != RECORDED:
-            build_schedule(self.schedule, self.num_stages, self.num_microbatches, self.num_chunks)
-
-    def check_saved_plan(self, plan: FrequencyPlan, layout_given: Collection[str]) -> None:
-        """A saved plan must be for this workload (schedule, chunks, placement where given).
-
-        Args:
-            plan: The plan.
-            layout_given: Which of ``schedule``, ``num_chunks``, ``placement`` were stated
-                (the others are defaults, and a saved plan may have its own).
-
-        Raises:
-            PlanError: The plan was made for another workload.
-        """
-        plan.check_workload(
-            num_stages=self.num_stages,
-            num_microbatches=self.num_microbatches,
-            schedule=self.schedule if "schedule" in layout_given else None,
-            num_chunks=self.num_chunks if "num_chunks" in layout_given else None,
-            placement=self.placement if "placement" in layout_given else None,
-        )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PlanningOutcome:
-    """What rank 0 sends every rank at the end of profiling (the coordinator ships it).
-
-    Exactly one of these holds: ``plan`` is set (apply it), ``baseline_reason`` is set (run at
-    the baseline clocks; rank 0 warns once), ``profile_only`` (``profile`` mode: no plan was
-    asked for), or ``error`` (planning failed; every rank raises or disables with it).
-
-    Attributes:
-        plan: The plan to apply.
-        summary: The planner's summary of the plan (``summary.json``: frontier, chosen point,
-            baseline, realized saving), when rank 0 planned.
-        baseline_reason: Why no plan is applied (a profile that cannot resolve per-instruction
-            energy, or a plan that would not pay), one line.
-        profile_only: ``profile`` mode: the profile was merged (and written); nothing to apply.
-        p_block_w: The blocking power measured between instructions, when known.
-        error: Planning failed on rank 0 (one line).
-    """
-
-    plan: FrequencyPlan | None = None
-    summary: Mapping[str, Any] | None = None
-    baseline_reason: str | None = None
-    profile_only: bool = False
-    p_block_w: float | None = None
-    error: str | None = None
-    switch_iteration: int | None = None
-    """A re-plan: the iteration every rank starts it at (one past the latest rank's)."""
-    realized: Realized | None = None
-    """The closed loop's verdict (rank 0 judged every rank's windows)."""
-
-    @property
-    def prediction(self) -> Prediction | None:
-        """The planner's figures for the plan (from :attr:`summary`)."""
-        return Prediction.from_summary(self.summary)
-
-
-def switch_latency_for(spec: PlanSpec, payloads: Sequence[Payload]) -> float:
-    """The latency the guard plans for: the spec's, else the measured one, else the default."""
-    if spec.switch_latency_s is not None:
-        return spec.switch_latency_s
-    measured = measured_latency_s(payloads)
-    return DEFAULT_SWITCH_LATENCY_S if measured is None else measured
-
-
-def write_profile(spec: PlanSpec, payloads: Sequence[Payload]) -> PlanningOutcome:
-    """Rank 0 in ``profile`` mode: merge the profiles and write ``profile.csv``; no plan.
-
-    A profile that cannot resolve per-instruction energy (:func:`check_resolution`) is not
-    written; the outcome carries the reason (``baseline_reason``).
-    """
-    rows, p_block_w = merge_profiles(payloads)
-    reason = check_resolution(rows, payloads)
-    if reason is not None:
-        write_no_plan(spec.out_dir, {"refused": reason})
-        return PlanningOutcome(profile_only=True, p_block_w=p_block_w, baseline_reason=reason)
-    if spec.out_dir is not None and rows:
-        spec.out_dir.mkdir(parents=True, exist_ok=True)
-        # the profile carries P_block, so `powerlib plan profile.csv` needs no --p-block-w
-        Profile(rows, source=GATHERED, p_block_w=p_block_w).write_csv(spec.out_dir / "profile.csv")
-        Progress(spec.progress).say(f"profile written to {spec.out_dir / 'profile.csv'}")
-    return PlanningOutcome(profile_only=True, p_block_w=p_block_w)
-
 
 NO_PLAN_SCHEMA = "powerlib.no-plan.v1"
 """``summary.json`` of a run that applies no plan: the planner's verdict ``refused`` it (a
@@ -262,28 +118,85 @@ def write_no_plan(
     return True
 
 
-def _schedule_for(spec: PlanSpec, payloads: Sequence[Payload]) -> tuple[Schedule, str]:
-    """The order the ranks recorded while profiling, else the named schedule's.
+def add_measured(out_dir: Path | None, realized: Realized) -> None:
+    """Rank 0: the closed loop's figures into ``summary.json`` (``measured``); never raises."""
+    if out_dir is None:
+        return
+    path = Path(out_dir) / "summary.json"
+    try:
+        info = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        info["measured"] = realized.to_json()
+        path.write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+    except (OSError, ValueError) as err:
+        logger.warning("powerlib: could not add the measured figures to %s: %s", path, err)
 
-    Every rank sends the order its hooks saw in the last profiled iteration; the ranks of a
-    stage must agree. The recorded order is used when it forms a complete, deadlock-free
-    pipeline the planner models; otherwise the generated order of ``spec.schedule`` is
-    (``recorded`` has none: then the recorded order must do).
+
+def write_profile(
+    config: SessionConfig, payloads: Sequence[Payload], *, progress: bool = False
+) -> ProfileOnly:
+    """Rank 0 in ``profile`` mode: merge the profiles and write ``profile.csv``; no plan.
+
+    A profile that cannot resolve per-instruction energy (:func:`check_resolution`) is not
+    written; the outcome says why (``reason``).
     """
-    generated: Schedule | None = None
-    if spec.schedule != RECORDED:
-        generated = build_schedule(
-            spec.schedule, spec.num_stages, spec.num_microbatches, spec.num_chunks
-        )
-
-    def fallback(why: str) -> tuple[Schedule, str]:
-        if generated is None:
-            raise PlanError(f"schedule 'recorded' but {why}; there is no built-in order to use")
-        return generated, "generated"
-
     profiles = as_profiles(payloads)
+    rows, p_block_w = merge_profiles(profiles)
+    reason = check_resolution(rows, profiles)
+    out_dir = config.run.out_dir
+    if reason is not None:
+        write_no_plan(out_dir, {"refused": reason})
+        return ProfileOnly(p_block_w=p_block_w, reason=reason)
+    if out_dir is not None and rows:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # the profile carries P_block, so `powerlib plan profile.csv` needs no --p-block-w
+        Profile(rows, source=GATHERED, p_block_w=p_block_w).write_csv(out_dir / "profile.csv")
+        Progress(progress).say(f"profile written to {out_dir / 'profile.csv'}")
+    return ProfileOnly(p_block_w=p_block_w)
+
+
+def stopped_profiles(payloads: Sequence[Payload]) -> str | None:
+    """Why profiling stopped on every rank (some rank's stop payload), or ``None``."""
+    stops = [p for p in payloads if isinstance(p, StopPayload)]
+    if not stops:
+        return None
+    why = "; ".join(p.reason for p in stops if p.reason) or "a rank failed"
+    return f"{why}; powerlib stopped profiling on every rank"
+
+
+def rank0_turn(
+    config: SessionConfig,
+    payloads: Sequence[Payload],
+    *,
+    progress: bool,
+    keep: Callable[[KeptFrontier], None] | None = None,
+) -> Planned | NoPlan | ProfileOnly:
+    """Rank 0 inside the exchange after profiling (or with a saved input): the outcome.
+
+    A rank that failed while profiling makes every rank stop (its reason in ``summary.json``);
+    ``profile`` mode merges and writes the profile (:func:`write_profile`); the others plan
+    (:func:`make_plan`).
+
+    Raises:
+        PlanError: See :func:`make_plan` (every rank gets it).
+    """
+    stopped = stopped_profiles(payloads)
+    profile_only = config.run.mode is Mode.PROFILE
+    if stopped is not None:
+        write_no_plan(config.run.out_dir, {"refused": stopped})
+        return ProfileOnly(reason=stopped) if profile_only else NoPlan(reason=stopped)
+    if profile_only:
+        return write_profile(config, payloads, progress=progress)
+    return make_plan(config, payloads, progress=progress, keep=keep)
+
+
+def recorded_order(profiles: Sequence[ProfilePayload]) -> dict[int, list[Instruction]] | None:
+    """The instruction order each stage's ranks recorded while profiling, or ``None``.
+
+    Raises:
+        PlanError: The ranks of one stage ran different orders.
+    """
     if not profiles or not all(p.order for p in profiles):
-        return fallback("no instruction order was recorded")
+        return None
     by_stage: dict[int, list[tuple[int, int, str]]] = {}
     for p in profiles:
         order = list(p.order)
@@ -292,33 +205,14 @@ def _schedule_for(spec: PlanSpec, payloads: Sequence[Payload]) -> tuple[Schedule
             raise PlanError(
                 f"the ranks of stage {p.stage} ran different instruction orders while profiling"
             )
-    if sorted(by_stage) != list(range(spec.num_stages)):
-        return fallback(f"the recorded orders cover stages {sorted(by_stage)}")
-    recorded = [
-        [Instruction(stage=s, microbatch=m, kind=k, chunk=c) for c, m, k in by_stage[s]]
-        for s in range(spec.num_stages)
-    ]
-    try:
-        build_dag(recorded, spec.placement)
-    except PlanError as err:
-        if generated is None:
-            raise PlanError(
-                f"the recorded order is not a pipeline the planner models: {err}"
-            ) from None
-        Progress(spec.progress).say(
-            f"the recorded order is not a pipeline the planner models ({err}); "
-            f"planning on the {spec.schedule} order",
-        )
-        return generated, "generated"
-    if generated is not None and recorded != generated:
-        Progress(spec.progress).say(
-            f"the recorded instruction order differs from {spec.schedule}'s; planning on it"
-        )
-    return recorded, "recorded"
+    return {
+        stage: [Instruction(stage=stage, microbatch=m, kind=k, chunk=c) for c, m, k in order]
+        for stage, order in by_stage.items()
+    }
 
 
 @dataclass(frozen=True, slots=True)
-class Replanner:
+class KeptFrontier:
     """Rank 0's solved frontier, kept to re-plan for a new straggler deadline at run time.
 
     :meth:`plan_for` adds the deadline's point to the frontier (the direct solve from its last
@@ -327,56 +221,85 @@ class Replanner:
     thread (the session's planning thread); the frontier's own lock serialises solves.
     """
 
-    frontier: Frontier
-    spec: PlanSpec
-    metadata: Mapping[str, Any]
-    switch_latency_s: float = DEFAULT_SWITCH_LATENCY_S
-    time_cv: float = 0.0
-    time_se: float = 0.0
+    result: PlanResult
+    request: PlanRequest
 
-    def plan_for(self, deadline_s: float) -> PlanningOutcome:
+    def plan_for(self, deadline_s: float) -> Planned | NoPlan:
         """The ``deadline`` plan for iteration time ``deadline_s`` (clipped up to T_min)."""
-        spec = self.spec
-        deadline_s = max(float(deadline_s), self.frontier.fastest.time_s)
-        policy = Policy(
-            name="deadline",
-            deadline_s=deadline_s,
-            argmin=spec.argmin,
-            max_slowdown=spec.max_slowdown,
-            switch_latency_s=self.switch_latency_s,
-            time_cv=self.time_cv,
-            time_se=self.time_se,
-        )
-        started = time.perf_counter()
-        frontier = self.frontier.extend(wanted_for(policy))
-        choice = choose(frontier, policy)
-        info = summary(choice, solve_time_s=time.perf_counter() - started)
-        if choice.objection is not None:
-            info["refused"] = choice.objection
-            return PlanningOutcome(summary=info, baseline_reason=choice.objection)
-        plan = choice.plan(metadata={**self.metadata, "deadline_s": deadline_s})
-        return PlanningOutcome(plan=plan, summary=info)
+        result = replan(self.result, self.request, deadline_s)
+        plan = result.frequency_plan()
+        if plan is None:
+            assert result.refused is not None
+            return NoPlan(reason=result.refused, summary=result.summary)
+        return Planned(plan=plan, summary=result.summary)
+
+
+def _request(
+    config: SessionConfig,
+    profiles: Sequence[ProfilePayload],
+    measured_p_block_w: float | None,
+    say: Progress,
+) -> PlanRequest:
+    """The pipeline's request: the session's workload and policy, and what the ranks measured."""
+    workload, policy = config.workload, config.policy
+    layout = workload.layout
+    latency = measured_latency_s(profiles)
+    if policy.switch_latency_s is not None:
+        switch_latency_s, source = policy.switch_latency_s, "given"
+    elif latency is not None:
+        switch_latency_s, source = latency, "measured"
+    else:
+        switch_latency_s, source = DEFAULT_SWITCH_LATENCY_S, "default"
+    return PlanRequest(
+        num_stages=workload.num_stages,
+        num_microbatches=workload.num_microbatches,
+        schedule=layout.schedule,
+        num_chunks=layout.num_chunks,
+        placement=layout.placement,
+        recorded=recorded_order(profiles),
+        policy=policy.policy,
+        deadline_s=policy.deadline_s,
+        deadline_ratio=policy.deadline_ratio,
+        argmin=policy.argmin,
+        max_slowdown=policy.max_slowdown,
+        switch_latency_s=switch_latency_s,
+        time_cv=time_cv_for(profiles),
+        time_se=time_se_for(profiles),
+        p_block_w=policy.p_block_w,
+        unit_time_s=policy.unit_time_s,
+        work_hint=None,
+        direct_solver=direct_solver(),  # POWERLIB_DIRECT_SOLVER, as `powerlib plan` honours it
+        frontier_points=_SUMMARY_POINTS if config.run.out_dir is not None else 0,
+        session=SessionInputs(
+            p_block_w=measured_p_block_w,
+            idle_power_w=tuple(p.idle_power_w for p in profiles if p.idle_power_w),
+            switch_latency_source=source,
+        ),
+        say=say,
+    )
 
 
 def make_plan(
-    spec: PlanSpec,
+    config: SessionConfig,
     payloads: Sequence[Payload],
     *,
-    keep: Callable[[Replanner], None] | None = None,
-) -> PlanningOutcome:
+    progress: bool = False,
+    keep: Callable[[KeptFrontier], None] | None = None,
+) -> Planned | NoPlan:
     """Rank 0: merge the profiles, plan, write the files, and return the outcome.
 
-    Each payload: ``{"stage": s, "rows": [...], "errors": [[kind, freq_mhz, error], ...],
-    "p_block_w": ..., "latency_s": ..., "order": [...]}`` (the rank's attributed profile, each
-    row's relative 95 % half-width for :func:`check_resolution`, the blocking power, the
-    measured clock-change latency, the order its loop ran; or ``"unresolved"``: why its sweep
-    gave up); or, for a saved profile, ``{"profile_path": ...}`` on rank 0; or,
-    for a saved plan, ``{"plan_path": ...}`` (checked against the session's workload by the
-    session).
+    Args:
+        config: The session's configuration (workload, policy, ``out_dir``, ``plot``).
+        payloads: Every rank's :class:`~powerlib.runtime.records.ProfilePayload`; or, on rank 0
+            alone, a :class:`~powerlib.runtime.records.SavedProfile` (``plan`` mode) or a
+            :class:`~powerlib.runtime.records.SavedPlan` (``apply`` mode: checked against the
+            workload by each session).
+        progress: Say what the planner does on stderr.
+        keep: Called with the solved frontier, to re-plan from later.
 
     Returns:
-        The plan and the planner's summary, or a ``baseline_reason`` when the profile cannot
-        resolve per-instruction energy or the chosen plan would not pay
+        The plan and the planner's summary, or :class:`~powerlib.runtime.records.NoPlan` when
+        the profile cannot resolve per-instruction energy or the chosen plan would not pay
         (:attr:`Choice.objection <powerlib.planning.choice.Choice.objection>`): then no
         ``plan.json`` is written.
 
@@ -384,145 +307,29 @@ def make_plan(
         PlanError: Incomplete or malformed profiles, or a plan the policy cannot meet.
     """
     first = payloads[0]
-    saved = first if isinstance(first, Mapping) else {}
-    if "plan_path" in saved:
-        return PlanningOutcome(plan=FrequencyPlan.read(saved["plan_path"]))
-    if "profile_path" in saved:
-        profile = Profile.read(saved["profile_path"])
-        measured_p_block: list[float] = []
-        payloads = []
+    if isinstance(first, SavedPlan):
+        return Planned(plan=FrequencyPlan.read(first.path))
+    say = Progress(progress)
+    if isinstance(first, SavedProfile):
+        profile, profiles, measured = Profile.read(first.path), [], None
     else:
-        payloads = as_profiles(payloads)
-        rows, measured = merge_profiles(payloads)
-        if not rows and not any(p.gave_up for p in payloads):
+        profiles = as_profiles(payloads)
+        rows, measured = merge_profiles(profiles)
+        if not rows and not any(p.gave_up for p in profiles):
             raise PlanError("no rank measured any instruction: was the session's step() called?")
-        reason = check_resolution(rows, payloads)
+        reason = check_resolution(rows, profiles)
         if reason is not None:
-            write_no_plan(spec.out_dir, {"refused": reason})
-            return PlanningOutcome(baseline_reason=reason, p_block_w=measured)
+            write_no_plan(config.run.out_dir, {"refused": reason})
+            return NoPlan(reason=reason, p_block_w=measured)
         profile = Profile(rows, source=GATHERED)
-        measured_p_block = [] if measured is None else [measured]
-    profile.validate_for(spec.num_stages, ())  # kinds: checked against the order
-    if spec.p_block_w is not None:
-        p_block_w = spec.p_block_w
-    elif profile.p_block_w is not None and not measured_p_block:  # a saved profile carries it
-        p_block_w = profile.p_block_w
-    elif measured_p_block:
-        p_block_w = sum(measured_p_block) / len(measured_p_block)
-    elif idle := [p.idle_power_w for p in payloads if p.idle_power_w]:
-        p_block_w = sum(idle) / len(idle)
-        Progress(spec.progress).say(
-            f"no usable gaps between instructions for P_block; using the devices' power before "
-            f"the session, {p_block_w:.1f} W (pass p_block_w to set it)",
-        )
-    else:
-        raise PlanError(
-            "P_block is unknown: no rank measured time between instructions; pass p_block_w"
-        )
-    unit_time_s = spec.unit_time_s or profile.unit_time_s or default_unit_time_s(profile)
-    schedule, order_source = _schedule_for(spec, payloads)
-    num_microbatches = 1 + max(ins.microbatch for order in schedule for ins in order)
-    num_chunks = 1 + max(ins.chunk for order in schedule for ins in order)
-    Progress(spec.progress).say(
-        f"planning {spec.num_stages} stages x {num_microbatches} microbatches "
-        f"({spec.schedule}, {order_source} order), P_block {p_block_w:.2f} W, "
-        f"tau {unit_time_s * 1e3:g} ms",
-    )
-    started = time.perf_counter()
-    frontier = compute_frontier(
-        profile,
-        schedule,
-        settings=FrontierSettings(unit_time_s=unit_time_s, p_block_w=p_block_w, solver="auto"),
-        schedule_name=spec.schedule,
-        num_microbatches=num_microbatches,
-        num_chunks=num_chunks,
-        placement=spec.placement,
-        # The deadline is known once the frontier is: its point is added below.
-        wanted=Wanted(t_star=True, sweep=_SUMMARY_POINTS if spec.out_dir is not None else 0),
-    )
-    deadline_s = spec.deadline_s
-    if spec.policy == "deadline" and deadline_s is None:
-        assert spec.deadline_ratio is not None
-        deadline_s = spec.deadline_ratio * frontier.baseline_time_s
-    if spec.policy == "deadline":
-        assert deadline_s is not None
-        deadline_s = max(deadline_s, frontier.fastest.time_s)
-    switch_latency_s = switch_latency_for(spec, payloads)
-    time_cv = time_cv_for(payloads)
-    time_se = time_se_for(payloads)
-    policy = Policy(
-        name=spec.policy,
-        deadline_s=deadline_s,
-        argmin=spec.argmin,
-        max_slowdown=spec.max_slowdown,
-        switch_latency_s=switch_latency_s,
-        time_cv=time_cv,
-        time_se=time_se,
-    )
-    frontier = frontier.extend(wanted_for(policy))
-    solve_s = time.perf_counter() - started
-    choice = choose(frontier, policy)
+    request = _request(config, profiles, measured, say)
+    result = plan_profile(profile, request)
     if keep is not None:
-        keep(
-            Replanner(
-                frontier,
-                spec,
-                {"profile_source": profile.source, "order_source": order_source},
-                switch_latency_s,
-                time_cv,
-                time_se,
-            )
-        )
-    info = summary(choice, solve_time_s=solve_s)
-    info["switch_latency_s"] = switch_latency_s
-    info["time_cv"] = time_cv
-    info["time_se"] = time_se
-    info["switch_latency_source"] = (
-        "given"
-        if spec.switch_latency_s is not None
-        else ("measured" if measured_latency_s(payloads) is not None else "default")
-    )
-    objection = choice.objection
-    if objection is not None:
-        info["refused"] = objection
-    # A refused plan is never built: nothing could apply it, or find it later as plan.json.
-    plan = None
-    if objection is None:
-        plan = choice.plan(
-            metadata={
-                "deadline_s": deadline_s,
-                "profile_source": profile.source,
-                "order_source": order_source,
-            },
-        )
-    Progress(spec.progress).say(
-        f"frontier of {len(frontier.points)} points"
-        f"{'' if frontier.complete else ' (solved directly)'} in {solve_s:.1f} s; "
-        f"{spec.policy} plan saves "
-        f"{info['realized']['saving_percent'] or 0.0:.2f} % at "
-        f"{info['realized']['slowdown_percent']:+.3f} % "
-        "(replayed on the profile)",
-    )
-    if spec.out_dir is not None:
-        out = Path(spec.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        # with the P_block and τ it was planned with: `powerlib plan` on it plans the same way
-        Profile(
-            profile.rows, source=profile.source, p_block_w=p_block_w, unit_time_s=unit_time_s
-        ).write_csv(out / "profile.csv")
-        write_frontier_csv(frontier, out / "frontier.csv")
-        if plan is not None:
-            plan.write(out / "plan.json")
-        (out / "summary.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
-        Progress(spec.progress).say(
-            f"profile, frontier, {'plan and ' if plan is not None else ''}summary written to "
-            f"{out}/",
-        )
-        if spec.plot:
-            try:
-                plot_frontier(frontier, choice.point, out / "frontier.png")
-            except BackendUnavailableError as err:
-                Progress(spec.progress).say(f"no frontier.png: {err}")
+        keep(KeptFrontier(result, request))
+    if config.run.out_dir is not None:
+        result.write(PlanOutputs.in_dir(config.run.out_dir, plot=config.run.plot), say=say)
+    plan = result.frequency_plan()
     if plan is None:
-        return PlanningOutcome(baseline_reason=objection, summary=info, p_block_w=p_block_w)
-    return PlanningOutcome(plan=plan, summary=info, p_block_w=p_block_w)
+        assert result.refused is not None
+        return NoPlan(reason=result.refused, summary=result.summary, p_block_w=result.p_block_w)
+    return Planned(plan=plan, summary=result.summary, p_block_w=result.p_block_w)

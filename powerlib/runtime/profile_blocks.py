@@ -22,7 +22,8 @@ from typing import Any
 
 from powerlib.measurement.attribution import REST, Spans, solve_powers
 from powerlib.measurement.sampler import DeviceSampler
-from powerlib.planning.profile import ProfileRow
+from powerlib.planning.profile_rows import ProfileRow
+from powerlib.runtime.records import BlockSummary
 
 __all__ = ["Block", "Blocks", "SolvedRows", "clock_step", "monotone_times"]
 
@@ -49,15 +50,15 @@ class Block:
     energy_j: float | None = None
     """Instruction energy per iteration, once the block ended."""
 
-    def to_json(self) -> dict[str, Any]:
+    def summary(self) -> BlockSummary:
         """The block's summary (the profile payload's ``blocks``)."""
-        return {
-            "freq_mhz": self.freq_mhz,
-            "iterations": self.iterations,
-            "ran_mhz": self.ran_mhz,
-            "temperature_c": self.temperature_c,
-            "dropped": self.dropped,
-        }
+        return BlockSummary(
+            freq_mhz=self.freq_mhz,
+            iterations=self.iterations,
+            ran_mhz=self.ran_mhz,
+            temperature_c=self.temperature_c,
+            dropped=self.dropped,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ and their attribution), the way :mod:`powerlib.measurement` attributes windows: 
 reads locate every counter update in time (:mod:`powerlib.measurement.timeline`),
 and :func:`~powerlib.measurement.attribution.solve_powers` solves each (kind, clock)'s power
 and the blocking power from which spans and gaps each counter interval covered, each with its
-interval (issue 32; docs/measurement.md). The sweep (:mod:`powerlib.profiling.sweep`) ends a
+interval (issue 32; docs/measurement.md). The sweep (:mod:`powerlib.runtime.sweep`) ends a
 clock's block when its rows resolve, and the ranks vote on it at the end of every measured
 iteration.
 
@@ -25,7 +25,7 @@ stamp raised a :class:`~powerlib.errors.PowerlibError`) does not leave the sweep
 resets its clocks and stops its requests, and it keeps counting the sweep's iterations and
 voting at the same iterations as the others, with the vote's last element, *healthy*, False.
 The vote is element-wise over the ranks, so at that vote every rank stops profiling, resets
-its clocks and sends rank 0 a stop payload (``{"stage", "stopped", "reason"}``) instead of its
+its clocks and sends rank 0 a :class:`~powerlib.runtime.records.StopPayload` instead of its
 profile; rank 0 answers with one baseline verdict naming the failing rank's reason, which rank 0
 warns once (docs/real-gpu.md §3). No rank waits in a collective another skipped.
 """
@@ -36,73 +36,61 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from powerlib.device import Device
 from powerlib.errors import InvalidArgumentError, PowerlibError
 from powerlib.measurement.markers import Stamps
 from powerlib.measurement.sampler import DeviceSampler
-from powerlib.planning.profile import ProfileRow
-from powerlib.profiling.sweep import FrequencySweep, ProfileRecorder, SweepConfig
+from powerlib.planning.profile_rows import ProfileRow
 from powerlib.progress import Progress
 from powerlib.runtime.controller import FrequencyController
-from powerlib.runtime.coordination import Coordinator, Future
+from powerlib.runtime.coordination import Coordinator, Future, Vote
 from powerlib.runtime.gathered import GIVE_UP_FACTOR
+from powerlib.runtime.phases import RankFailure, SessionPhase
 from powerlib.runtime.profile_blocks import Blocks
-from powerlib.runtime.records import ProfilePayload
+from powerlib.runtime.records import ProfilePayload, StopPayload
+from powerlib.runtime.sweep import FrequencySweep, ProfileRecorder, SweepConfig
 
-__all__ = ["ProfileConfig", "ProfilePhase"]
+__all__ = ["ProfilePhase", "SweepProgress"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ProfileConfig:
-    """How the session profiles (checked when it is made, before any device is opened).
+class SweepProgress:
+    """How far a sweep got, for a run that ends before it finishes.
 
     Attributes:
-        freqs_mhz: Candidate clocks; ``None`` (or empty): every supported clock.
-        warmup_iterations: Discarded iterations at the highest frequency (the clock-change
-            latency is measured there).
-        settle_iterations: Discarded iterations after each clock change.
-        iterations_per_freq: Measured iterations per frequency, at least.
-        max_iterations_per_freq: Measured iterations per frequency, at most.
-        target_error: Rows resolve to this (relative half-width of the 95 % interval).
-        stop_after_rises: End the coarse pass after this many clocks of rising energy.
-        coarse_stride: Every how many candidates the coarse pass visits.
+        clocks_profiled: Candidates whose block ended (0 while warming up).
+        clocks: Candidates.
+        warming_up: The sweep is still warming up.
+        warmup_iterations: Its warm-up iterations.
+        max_iterations_per_clock: The most iterations one clock takes (settle + measured).
+        iterations_needed: The most iterations the sweep takes (warm-up, then every clock at
+            its maximum; resolving early or ending the coarse pass takes fewer).
     """
 
-    freqs_mhz: tuple[float, ...] | None = None
-    warmup_iterations: int = 2
-    settle_iterations: int = 0
-    iterations_per_freq: int = 1
-    max_iterations_per_freq: int = 4
-    target_error: float = 0.02
-    stop_after_rises: int = 2
-    coarse_stride: int = 3
+    clocks_profiled: int
+    clocks: int
+    warming_up: bool
+    warmup_iterations: int
+    max_iterations_per_clock: int
+    iterations_needed: int
 
-    def __post_init__(self) -> None:
-        if self.freqs_mhz is not None:
-            object.__setattr__(self, "freqs_mhz", tuple(self.freqs_mhz) or None)
-        self.sweep_config((1.0,))  # validate now, not at the with line
-
-    def sweep_config(self, supported_mhz: Sequence[float]) -> SweepConfig:
-        """The sweep over :attr:`freqs_mhz`, or over ``supported_mhz`` when none were given."""
-        return SweepConfig(
-            freqs_mhz=self.freqs_mhz or tuple(supported_mhz),
-            warmup_iterations=self.warmup_iterations,
-            settle_iterations=self.settle_iterations,
-            iterations_per_freq=self.iterations_per_freq,
-            max_iterations_per_freq=self.max_iterations_per_freq,
-            target_error=self.target_error,
-            stop_after_rises=self.stop_after_rises,
-            coarse_stride=self.coarse_stride,
-        )
+    def to_json(self) -> dict[str, int]:
+        """The figures ``summary.json`` keeps (``warming_up`` aside)."""
+        return {
+            "clocks_profiled": self.clocks_profiled,
+            "clocks": self.clocks,
+            "warmup_iterations": self.warmup_iterations,
+            "max_iterations_per_clock": self.max_iterations_per_clock,
+            "iterations_needed": self.iterations_needed,
+        }
 
 
 class ProfilePhase:
     """Sweeps the clocks and attributes every instruction's energy for this rank.
 
     Args:
-        config: The profile settings.
+        config: The sweep's settings (its clocks, when it names none: every supported one).
         stage: This rank's pipeline stage.
         device: The profiled device.
         controller: Applies the sweep's clocks (off the training thread when threaded).
@@ -112,22 +100,22 @@ class ProfilePhase:
         clock: Time source in seconds (the sampler's).
         idle_power_w: The device's power before the session changed anything.
         progress: Where progress lines go.
-        on_finished: Called once with the payload for rank 0 when the sweep is over (a stop
-            payload, ``{"stage", "stopped": True, "reason"}``, when a rank failed).
-        on_refused: Called once with a reason when this rank fails (the device refused a
-            clock change, a read raised): the phase has reset the clocks and keeps voting,
-            marked unhealthy, until every rank stops at the same vote.
+        on_finished: Called once with the payload for rank 0 when the sweep is over (a
+            :class:`~powerlib.runtime.records.StopPayload` when a rank failed).
+        on_failure: Called once when this rank fails (the device refused a clock change, a read
+            raised): the phase has reset the clocks and keeps voting, marked unhealthy, until
+            every rank stops at the same vote.
 
     Raises:
         InvalidArgumentError: The device cannot lock its SM clock, or a candidate clock is not
             one it supports.
     """
 
-    phase = "profile"
+    phase = SessionPhase.PROFILE
 
     def __init__(
         self,
-        config: ProfileConfig,
+        config: SweepConfig,
         *,
         stage: int,
         device: Device,
@@ -138,8 +126,8 @@ class ProfilePhase:
         clock: Callable[[], float],
         idle_power_w: float | None,
         progress: Progress,
-        on_finished: Callable[[ProfilePayload | dict[str, Any]], None],
-        on_refused: Callable[[str], None],
+        on_finished: Callable[[ProfilePayload | StopPayload], None],
+        on_failure: Callable[[RankFailure], None],
     ) -> None:
         supported = device.info.supported_sm_freqs_mhz
         if not supported:
@@ -147,8 +135,9 @@ class ProfilePhase:
                 f"{device.info.name} cannot lock its SM clock, so it cannot be profiled",
                 device=device.device_id,
             )
-        sweep_config = config.sweep_config(supported)
-        for f in sweep_config.freqs_mhz:
+        sweep_config = config.over(supported)
+        freqs = sweep_config.candidates
+        for f in freqs:
             device.validate_sm_clocks(f)
         self._stage = stage
         self._device = device
@@ -160,7 +149,7 @@ class ProfilePhase:
         self._idle_power_w = idle_power_w
         self._progress = progress
         self._on_finished = on_finished
-        self._on_refused = on_refused
+        self._on_failure = on_failure
         self.sweep = FrequencySweep(sweep_config)
         self.recorder = ProfileRecorder()
         self._record = Blocks(sampler)
@@ -168,13 +157,13 @@ class ProfilePhase:
         self._spans = self._record.spans
         self._open: tuple[str, list[float]] | None = None
         self._iter_start: list[float] | None = None
-        self._vote: Future | None = None
+        self._vote: Future[Vote] | None = None
         self._applied_seen = 0
         self._order_now: list[tuple[int, int, str]] = []
         self._recorded_order: list[tuple[int, int, str]] = []
         self._ends = 0
         self._probes: list[tuple[float, float]] = []  # (request time, clock)
-        self._probe_freqs = _probe_pair(sweep_config.freqs_mhz)
+        self._probe_freqs = _probe_pair(freqs)
         self.latency_s: float | None = None
         """The clock-change latency measured while warming up (request to landing)."""
         self.unresolved: str | None = None
@@ -186,8 +175,8 @@ class ProfilePhase:
         self.failed: str | None = None
         """Why this rank stopped profiling (it still votes, unhealthy), or ``None``."""
         progress.say(
-            f"profiling up to {len(sweep_config.freqs_mhz)} clocks, {sweep_config.freqs_mhz[0]:g}"
-            f"-{sweep_config.freqs_mhz[-1]:g} MHz, interleaved, each until its energy resolves "
+            f"profiling up to {len(freqs)} clocks, {freqs[0]:g}"
+            f"-{freqs[-1]:g} MHz, interleaved, each until its energy resolves "
             f"to +-{100 * sweep_config.target_error:g} %"
             + ("" if sampler.has_counter else " (energy integrated from power)")
         )
@@ -301,7 +290,7 @@ class ProfilePhase:
         """A failure this phase found itself: :meth:`fail`, then tell the session once."""
         if self.failed is None:
             self.fail(reason)
-            self._on_refused(reason)
+            self._on_failure(RankFailure(reason))
 
     def start_iteration(self) -> None:
         """Resolve a pending vote and lock the iteration's clock (through the controller)."""
@@ -311,6 +300,7 @@ class ProfilePhase:
             if vote is None:
                 return  # not every rank has voted yet; retried by the next call
             self._vote = None
+            assert isinstance(vote, tuple)  # the sweep votes four things at once
             done, rose, resolvable, healthy = vote
             if not healthy:  # a rank failed: every rank stops here, at the same vote
                 self._stop()
@@ -349,22 +339,17 @@ class ProfilePhase:
         """Stop the stamps' waiter (the session owns the sampler)."""
         self._stamps.close()
 
-    def so_far(self) -> dict[str, Any]:
-        """How far the sweep got, for a run that ends before it finishes.
-
-        ``clocks_profiled`` of ``clocks`` candidates ended their block (0 while ``warming_up``);
-        the sweep takes at most ``iterations_needed`` iterations (warm-up, then every clock at
-        ``max_iterations_per_freq``; resolving early or ending the coarse pass takes fewer).
-        """
+    def so_far(self) -> SweepProgress:
+        """How far the sweep got, for a run that ends before it finishes."""
         config = self.sweep.config
-        return {
-            "clocks_profiled": len(self.sweep.visited),
-            "clocks": len(config.freqs_mhz),
-            "warming_up": self.sweep.warming_up,
-            "warmup_iterations": config.warmup_iterations,
-            "max_iterations_per_clock": config.settle_iterations + config.max_iterations_per_freq,
-            "iterations_needed": config.max_iterations,
-        }
+        return SweepProgress(
+            clocks_profiled=len(self.sweep.visited),
+            clocks=len(config.candidates),
+            warming_up=self.sweep.warming_up,
+            warmup_iterations=config.warmup_iterations,
+            max_iterations_per_clock=config.settle_iterations + config.max_iterations_per_freq,
+            iterations_needed=config.max_iterations,
+        )
 
     def partial_rows(self) -> list[ProfileRow]:
         """This rank's rows from the clocks whose block ended (a run that ended mid-sweep).
@@ -376,7 +361,7 @@ class ProfilePhase:
         if self.failed is not None or not ended:
             return []
         solved = self._record.solve_rows(
-            self._stage, self.sweep.config.freqs_mhz, self.latency_s, num_blocks=ended
+            self._stage, self.sweep.config.candidates, self.latency_s, num_blocks=ended
         )
         return solved.rows
 
@@ -467,9 +452,9 @@ class ProfilePhase:
         self._controller.reset()
         self._on_finished(self._stop_payload())
 
-    def _stop_payload(self) -> dict[str, Any]:
+    def _stop_payload(self) -> StopPayload:
         """What every rank sends rank 0 when a rank failed (``reason``: this rank's failure)."""
-        return {"stage": self._stage, "stopped": True, "reason": self.failed}
+        return StopPayload(stage=self._stage, reason=self.failed)
 
     def _check_reads(self) -> None:
         """A device the sampler stopped reading fails this rank, with that reason.
@@ -498,7 +483,7 @@ class ProfilePhase:
     def _finish(self) -> None:
         self._check_reads()
         self._controller.reset()
-        payload: ProfilePayload | dict[str, Any] | None = None
+        payload: ProfilePayload | None = None
         if self.failed is None:
             try:
                 payload = self._profile_payload()
@@ -509,7 +494,7 @@ class ProfilePhase:
 
     def _profile_payload(self) -> ProfilePayload:
         """This rank's resolved profile (the whole sweep solved at once)."""
-        solved = self._record.solve_rows(self._stage, self.sweep.config.freqs_mhz, self.latency_s)
+        solved = self._record.solve_rows(self._stage, self.sweep.config.candidates, self.latency_s)
         self.time_se = solved.time_se
         rows, p_block, p_block_error = solved.rows, solved.p_block_w, solved.p_block_error
         self.recorder.set(rows, solved.errors, p_block, p_block_error)
@@ -522,7 +507,7 @@ class ProfilePhase:
             order=tuple(self._recorded_order),  # what the loop really ran
             idle_power_w=self._idle_power_w,
             latency_s=self.latency_s,
-            blocks=tuple(b.to_json() for b in self._blocks),
+            blocks=tuple(b.summary() for b in self._blocks),
             counter_period_s=self._record.counter_period_s(self._clock()),
             time_cv=solved.time_cv,
             time_se=self.time_se,

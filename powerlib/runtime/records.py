@@ -1,11 +1,19 @@
-"""Typed records the runtime passes around: a rank's profile, the plan's prediction, what it did.
+"""Typed records the runtime passes between floors: what ranks send, what rank 0 answers.
 
-Each is a frozen dataclass with ``to_json`` (and ``from_json`` where one arrives as JSON data),
-so code reads fields, not string paths into nested dicts (issue 32, point 6):
+Each is a frozen dataclass (``to_json`` where it ends up in a file or a report), so code reads
+fields and matches on types, never string paths into nested dicts:
 
-- :class:`ProfilePayload`: what a rank sends rank 0 at the end of its sweep;
-- :class:`Prediction`: the planner's figures for the plan it chose (replayed on the profile);
-- :class:`Realized`: what the closed loop measured against interleaved all-max windows.
+- **Payloads**, what a rank sends rank 0 (:data:`Payload`): its :class:`ProfilePayload` at the
+  end of the sweep, or a :class:`StopPayload` when a rank failed; :class:`SavedProfile` or
+  :class:`SavedPlan` in the modes that start from a file; :class:`ReplanReady` when a re-plan
+  may switch; :class:`Windows`, what the closed loop measured.
+- **Outcomes**, what rank 0 sends every rank (:data:`Outcome`, a sum type: exactly one of them):
+  :class:`Planned`, :class:`NoPlan`, :class:`ProfileOnly`, :class:`PlanFailed`,
+  :class:`Verdict` and :class:`Replanned`.
+- **What a session tells**: :class:`Prediction` (the planner's figures for its plan),
+  :class:`Realized` (what the closed loop measured), :class:`ReplanRecord`,
+  :class:`MeasuredIterations` (a disabled session), :class:`SessionReport` (``report()``) and
+  :class:`SessionStatus` (what the exporter publishes).
 """
 
 from __future__ import annotations
@@ -13,11 +21,58 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from powerlib.planning.profile import ProfileRow
+from powerlib.planning.perseus.report import PlanSummary
+from powerlib.planning.plan import FrequencyPlan
+from powerlib.planning.profile_rows import ProfileRow
 
-__all__ = ["Prediction", "ProfilePayload", "Realized"]
+__all__ = [
+    "BlockSummary",
+    "MeasuredIterations",
+    "NoPlan",
+    "Outcome",
+    "Payload",
+    "PlanFailed",
+    "Planned",
+    "Prediction",
+    "ProfileOnly",
+    "ProfilePayload",
+    "Realized",
+    "ReplanReady",
+    "ReplanRecord",
+    "Replanned",
+    "SavedPlan",
+    "SavedProfile",
+    "SessionReport",
+    "SessionStatus",
+    "StopPayload",
+    "Verdict",
+    "Windows",
+]
+
+
+# -- payloads: what a rank sends rank 0 ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockSummary:
+    """One clock block of a rank's sweep, as the profile payload reports it.
+
+    Attributes:
+        freq_mhz: The clock requested.
+        iterations: Measured iterations.
+        ran_mhz: The clock the device was seen to run, when read.
+        temperature_c: Its temperature, when read.
+        dropped: Why the block was dropped (throttled), or ``None``.
+    """
+
+    freq_mhz: float
+    iterations: int
+    ran_mhz: float | None = None
+    temperature_c: float | None = None
+    dropped: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,7 +105,7 @@ class ProfilePayload:
     order: tuple[tuple[int, int, str], ...] = ()
     idle_power_w: float | None = None
     latency_s: float | None = None
-    blocks: tuple[Mapping[str, Any], ...] = ()
+    blocks: tuple[BlockSummary, ...] = ()
     counter_period_s: float | None = None
     time_cv: float | None = None
     time_se: float | None = None
@@ -58,46 +113,68 @@ class ProfilePayload:
     gave_up: bool = False
     unresolved: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        """JSON data (rows as ``[stage, kind, freq_mhz, time_s, energy_j]``)."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data["rows"] = [
-            [r.stage, r.instruction, r.freq_mhz, r.time_s, r.energy_j] for r in self.rows
-        ]
-        data["errors"] = [[k, f, e] for (k, f), e in self.errors.items()]
-        data["order"] = [list(o) for o in self.order]
-        data["blocks"] = [dict(b) for b in self.blocks]
-        return data
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ProfilePayload:
-        """The inverse of :meth:`to_json` (missing fields take their defaults)."""
-        rows = tuple(
-            ProfileRow(stage=int(s), instruction=str(k), freq_mhz=float(f), time_s=float(t),
-                       energy_j=float(e))
-            for s, k, f, t, e in data.get("rows", ())
-        )  # fmt: skip
-        return cls(
-            stage=int(data.get("stage", 0)),
-            rows=rows,
-            errors={(str(k), float(f)): float(e) for k, f, e in data.get("errors", ())},
-            p_block_w=_opt_float(data.get("p_block_w")),
-            p_block_error=_opt_float(data.get("p_block_error")),
-            order=tuple((int(c), int(m), str(k)) for c, m, k in data.get("order", ())),
-            idle_power_w=_opt_float(data.get("idle_power_w")),
-            latency_s=_opt_float(data.get("latency_s")),
-            blocks=tuple(dict(b) for b in data.get("blocks", ())),
-            counter_period_s=_opt_float(data.get("counter_period_s")),
-            time_cv=_opt_float(data.get("time_cv")),
-            time_se=_opt_float(data.get("time_se")),
-            target_error=_opt_float(data.get("target_error")),
-            gave_up=bool(data.get("gave_up", False)),
-            unresolved=None if data.get("unresolved") is None else str(data["unresolved"]),
-        )
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopPayload:
+    """What every rank sends rank 0 instead of its profile when a rank failed while profiling.
+
+    Attributes:
+        stage: The rank's pipeline stage.
+        reason: This rank's own failure, or ``None`` on the ranks that stopped because another
+            one failed.
+    """
+
+    stage: int
+    reason: str | None = None
 
 
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SavedProfile:
+    """``plan`` mode: rank 0 plans from this saved profile."""
+
+    stage: int
+    path: Path
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SavedPlan:
+    """``apply`` mode: rank 0 reads this saved plan (each rank checks it against its workload)."""
+
+    stage: int
+    path: Path
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplanReady:
+    """Every rank has voted that rank 0's re-plan is ready: this rank's current iteration."""
+
+    deadline_s: float
+    iteration: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Windows:
+    """What one rank's closed loop measured, for rank 0 to judge.
+
+    Attributes:
+        stage: The rank's pipeline stage.
+        rounds: Per round ``(ref J, ref s, plan J, plan s)`` per iteration of this rank.
+        stopped: This rank stopped applying the plan before the verdict (its loop does not run
+            the plan's order, or its device failed).
+        reason: Why, for a failure (``None`` for a loop off the plan's order).
+    """
+
+    stage: int
+    rounds: tuple[tuple[float, float, float, float], ...] = ()
+    stopped: bool = False
+    reason: str | None = None
+
+
+Payload = ProfilePayload | StopPayload | SavedProfile | SavedPlan | ReplanReady | Windows
+"""What a rank sends rank 0 in an exchange."""
+
+
+# -- outcomes: what rank 0 sends every rank --------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,25 +197,86 @@ class Prediction:
     time_cv: float | None = None
 
     @classmethod
-    def from_summary(cls, summary: Mapping[str, Any] | None) -> Prediction | None:
-        """From a planner summary (``summary.json``); ``None`` without one."""
-        if not summary:
+    def from_summary(cls, summary: PlanSummary | None) -> Prediction | None:
+        """From the planner's summary of the plan (``summary.json``); ``None`` without one."""
+        if summary is None:
             return None
-        realized = summary.get("realized") or {}
-        per_iteration = realized.get("saving_per_iteration_percent")
+        realized, guard = summary.realized, summary.guard
+        per_iteration = realized.saving_per_iteration_percent
         return cls(
-            saving_percent=_opt_float(
-                realized.get("saving_percent") if per_iteration is None else per_iteration
-            ),
-            slowdown_percent=_opt_float(realized.get("slowdown_percent")),
-            switch_latency_s=_opt_float(summary.get("switch_latency_s")),
-            switch_latency_source=summary.get("switch_latency_source"),
-            time_cv=_opt_float(summary.get("time_cv")),
+            saving_percent=realized.saving_percent if per_iteration is None else per_iteration,
+            slowdown_percent=realized.slowdown_percent,
+            switch_latency_s=None if guard is None else guard.switch_latency_s,
+            switch_latency_source=None if guard is None else guard.switch_latency_source,
+            time_cv=None if guard is None else guard.time_cv,
         )
 
     def to_json(self) -> dict[str, Any]:
         """Every field, by name."""
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Planned:
+    """Rank 0 planned: apply ``plan``.
+
+    Attributes:
+        plan: The plan.
+        summary: The planner's summary of it (``summary.json``: frontier, chosen point,
+            baseline, replayed saving), or ``None`` for a saved plan.
+        p_block_w: The blocking power it was planned with, when rank 0 planned.
+    """
+
+    plan: FrequencyPlan
+    summary: PlanSummary | None = None
+    p_block_w: float | None = None
+
+    @property
+    def prediction(self) -> Prediction | None:
+        """The planner's figures for the plan (from :attr:`summary`)."""
+        return Prediction.from_summary(self.summary)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NoPlan:
+    """Rank 0 applies no plan: every rank runs at the baseline clocks; rank 0 warns once.
+
+    Attributes:
+        reason: Why, one line (a profile that cannot resolve per-instruction energy, a plan
+            that would not pay, a rank that failed while profiling).
+        summary: The planner's summary of the plan it refused, when it planned one.
+        p_block_w: The blocking power measured between instructions, when known.
+    """
+
+    reason: str
+    summary: PlanSummary | None = None
+    p_block_w: float | None = None
+
+    @property
+    def prediction(self) -> Prediction | None:
+        """The planner's figures for the refused plan (from :attr:`summary`)."""
+        return Prediction.from_summary(self.summary)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileOnly:
+    """``profile`` mode: the profile was merged (and written, unless ``reason``); no plan.
+
+    Attributes:
+        p_block_w: The blocking power measured between instructions, when known.
+        reason: Why the profile was not written (it cannot resolve per-instruction energy, a
+            rank failed), or ``None``.
+    """
+
+    p_block_w: float | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanFailed:
+    """Planning raised on rank 0: every rank raises (at the ``with`` line) or stops with it."""
+
+    error: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,4 +322,160 @@ class Realized:
             f"measured saving {self.saving_percent:.2f} +- {self.saving_ci_percent:.2f} %"
             f"{predicted}, slowdown {self.slowdown_percent:+.3f} +- "
             f"{self.slowdown_ci_percent:.3f} % over {self.rounds} paired rounds: {self.verdict}"
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verdict:
+    """The closed loop's verdict: rank 0 judged every rank's :class:`Windows`."""
+
+    realized: Realized
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Replanned:
+    """A re-plan every rank switches to (or logs as refused) at ``switch_iteration``.
+
+    Attributes:
+        outcome: The new plan, or why there is none (the current plan then stays).
+        switch_iteration: The iteration every rank starts it at (one past the latest rank's).
+    """
+
+    outcome: Planned | NoPlan
+    switch_iteration: int
+
+
+Outcome = Planned | NoPlan | ProfileOnly | PlanFailed | Verdict | Replanned
+"""What rank 0 sends every rank: exactly one of these (match on the type)."""
+
+
+# -- what a session tells ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplanRecord:
+    """One re-plan a session switched to (``session.replans``).
+
+    Attributes:
+        iteration: The iteration it started at.
+        deadline_s: The iteration time it was planned for.
+        policy: The plan's policy.
+        realized_saving_percent: Its saving replayed on the profile, when known.
+    """
+
+    iteration: int
+    deadline_s: float
+    policy: str
+    realized_saving_percent: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field, by name."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeasuredIterations:
+    """What a disabled session measured: mean time and energy per iteration.
+
+    Attributes:
+        iterations: Iterations measured.
+        time_s: Mean iteration time (``None`` before one ended).
+        energy_j: Mean energy per iteration of this rank's device (``None`` without a device).
+    """
+
+    iterations: int
+    time_s: float | None = None
+    energy_j: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field, by name."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionReport:
+    """What a session did (``Session.report()``); :meth:`to_json` is its JSON form.
+
+    Attributes:
+        stage: This rank's pipeline stage.
+        phase: The session's phase (``Session.phase``).
+        iterations: Iterations stepped.
+        apply_started_iteration: The iteration the plan started at, or ``None``.
+        profiled_freqs_mhz: The clocks this rank's profile resolved, high to low.
+        measured_p_block_w: The blocking power this rank measured, when resolved.
+        frequency_changes: Driver calls the controller made.
+        plan: The applied plan's summary fields, or ``None``.
+        replans: Each re-plan switched to.
+        measured_latency_s: The clock-change latency measured while warming up.
+        realized: The closed loop's verdict, once it arrived.
+        predicted: The planner's figures for the plan rank 0 sent, when it planned.
+        disabled: What a disabled session measured (``None`` when enabled).
+    """
+
+    stage: int
+    phase: str
+    iterations: int
+    apply_started_iteration: int | None
+    profiled_freqs_mhz: tuple[float, ...]
+    measured_p_block_w: float | None
+    frequency_changes: int
+    plan: Mapping[str, Any] | None
+    replans: tuple[ReplanRecord, ...]
+    measured_latency_s: float | None
+    realized: Realized | None
+    predicted: Prediction | None
+    disabled: MeasuredIterations | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON data (the keys are the field names)."""
+        return {
+            "stage": self.stage,
+            "phase": str(self.phase),
+            "iterations": self.iterations,
+            "apply_started_iteration": self.apply_started_iteration,
+            "profiled_freqs_mhz": list(self.profiled_freqs_mhz),
+            "measured_p_block_w": self.measured_p_block_w,
+            "frequency_changes": self.frequency_changes,
+            "plan": None if self.plan is None else dict(self.plan),
+            "replans": [r.to_json() for r in self.replans],
+            "measured_latency_s": self.measured_latency_s,
+            "realized": None if self.realized is None else self.realized.to_json(),
+            "predicted": None if self.predicted is None else self.predicted.to_json(),
+            "disabled": None if self.disabled is None else self.disabled.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionStatus:
+    """What a running session publishes (the Prometheus exporter reads it).
+
+    Attributes:
+        stage: The session's pipeline stage (-1 before it is entered).
+        predicted_saving_percent: The saving of the plan rank 0 sent, replayed on the profile
+            at the plan's own time (``summary.json``'s ``realized.saving_percent``; percent),
+            or ``None`` before there is one.
+        sm_freq_mhz: The clock the session last asked for, or ``None``.
+        measured: The closed loop's verdict, once at least one paired round was measured.
+    """
+
+    stage: int
+    predicted_saving_percent: float | None
+    sm_freq_mhz: float | None
+    measured: Realized | None
+
+    @classmethod
+    def of(
+        cls,
+        stage: int,
+        outcome: Outcome | None,
+        sm_freq_mhz: float | None,
+        realized: Realized | None,
+    ) -> SessionStatus:
+        """A session's status from what rank 0 sent and what the closed loop measured."""
+        summary = outcome.summary if isinstance(outcome, (Planned, NoPlan)) else None
+        return cls(
+            stage=stage,
+            predicted_saving_percent=None if summary is None else summary.realized.saving_percent,
+            sm_freq_mhz=sm_freq_mhz,
+            measured=realized if realized is not None and realized.rounds > 0 else None,
         )

@@ -2,36 +2,39 @@
 
 A straggler changes the deadline an iteration can meet (Perseus, SOSP'24 §4.3): the other
 stages can slow down to it. :meth:`Session.replan <powerlib.runtime.session.Session.replan>`
-starts one :class:`Replanning`: rank 0 solves the new point on its planning thread, from the
-frontier it kept (:class:`~powerlib.runtime.planning_step.Replanner`; the direct solve re-uses
-its last basis), while every rank keeps training on the current plan. At each iteration
+starts one :class:`PendingReplan`: rank 0 solves the new point on its planning thread, from the
+frontier it kept (:class:`~powerlib.runtime.planning_step.KeptFrontier`; the direct solve
+re-uses its last basis), while every rank keeps training on the current plan. At each iteration
 boundary the ranks vote whether rank 0's plan is ready (one small collective); the first
 boundary where it is, rank 0 ships the plan with the iteration to start it at (one past the
-latest rank's), and every rank switches before that iteration's first instruction: all ranks
-change plans at the same iteration.
+latest rank's, :class:`~powerlib.runtime.records.Replanned`), and every rank switches before that
+iteration's first instruction: all ranks change plans at the same iteration.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
 from concurrent.futures import Future as ThreadFuture
-from typing import Any
 
-from powerlib.runtime.coordination import Coordinator, Future
-from powerlib.runtime.planning_step import PlanningOutcome, Replanner
+from powerlib.errors import PlanError
+from powerlib.runtime.coordination import Coordinator, Future, Vote
+from powerlib.runtime.planning_step import KeptFrontier
+from powerlib.runtime.records import NoPlan, Outcome, Payload, Planned, Replanned, ReplanReady
 
-__all__ = ["Replanning"]
+__all__ = ["PendingReplan"]
+
+logger = logging.getLogger("powerlib.runtime.session")
 
 
-class Replanning:
+class PendingReplan:
     """One re-plan, from the request to the boundary every rank switches at.
 
     Args:
         coordinator: The job's ranks.
         deadline_s: The new iteration time to plan for.
-        replanner: Rank 0's kept frontier (``None`` on the other ranks).
+        frontier: Rank 0's kept frontier (``None`` on the other ranks).
         executor: Rank 0's planning thread.
         iteration: This rank's current iteration.
     """
@@ -40,23 +43,28 @@ class Replanning:
         self,
         coordinator: Coordinator,
         deadline_s: float,
-        replanner: Replanner | None,
+        frontier: KeptFrontier | None,
         executor: Executor | None,
         iteration: Callable[[], int],
     ) -> None:
         self.deadline_s = deadline_s
         self._coordinator = coordinator
-        self._job: ThreadFuture[PlanningOutcome] | None = None
-        if replanner is not None:
+        self._job: ThreadFuture[Planned | NoPlan] | None = None
+        if frontier is not None:
             assert executor is not None
-            self._job = executor.submit(replanner.plan_for, deadline_s)
-        self._vote: Future | None = None
-        self._exchange: Future | None = None
+            self._job = executor.submit(frontier.plan_for, deadline_s)
+        self._vote: Future[Vote] | None = None
+        self._exchange: Future[Outcome] | None = None
         self._iteration = iteration
-        self._arrived: PlanningOutcome | None = None
+        self._arrived: Replanned | None = None
 
-    def poll(self) -> PlanningOutcome | None:
-        """At an iteration boundary: the outcome to switch to now, or ``None`` (not yet).
+    @property
+    def solve(self) -> ThreadFuture[Planned | NoPlan] | None:
+        """Rank 0's solve on its planning thread (``None`` on the other ranks)."""
+        return self._job
+
+    def poll(self) -> Replanned | None:
+        """At an iteration boundary: the re-plan to switch to now, or ``None`` (not yet).
 
         Raises:
             PlanError: Rank 0's re-plan failed (every rank gets the same error).
@@ -73,20 +81,55 @@ class Replanning:
             self._vote = None
             if not agreed:
                 return None
-            payload = {"replan": self.deadline_s, "iteration": self._iteration()}
+            payload = ReplanReady(deadline_s=self.deadline_s, iteration=self._iteration())
             self._exchange = self._coordinator.exchange(payload, self._result)
         got = self._exchange()
         if got is None:
             return None
+        if not isinstance(got, Replanned):
+            raise PlanError(f"rank 0 answered a re-plan with {type(got).__name__}")
         self._arrived = got
         return self._due(got)
 
-    def _due(self, outcome: PlanningOutcome) -> PlanningOutcome | None:
-        """The outcome once this rank reaches the iteration every rank switches at."""
-        due = outcome.switch_iteration or 0
-        return outcome if self._iteration() >= due else None
+    def take(self, *, failed: bool) -> tuple[bool, Planned | None]:
+        """At an iteration boundary: ``(settled, plan to switch to)``.
 
-    def _result(self, payloads: list[dict[str, Any]]) -> PlanningOutcome:
+        ``settled``: the re-plan is over (switched to, refused, failed, or not for this rank,
+        which failed: it voted with the others, its device stays at its baseline); each but
+        the switch is said in one log line.
+        """
+        deadline_s = self.deadline_s
+        try:
+            replanned = self.poll()
+        except PlanError as err:
+            logger.warning(
+                "powerlib: re-planning for %g s failed: %s; keeping the current plan",
+                deadline_s,
+                err,
+            )
+            return True, None
+        if replanned is None:
+            return False, None
+        outcome = replanned.outcome
+        if failed:
+            logger.info(
+                "powerlib: the re-plan for %g s is not applied: this rank failed", deadline_s
+            )
+            return True, None
+        if isinstance(outcome, NoPlan):
+            logger.warning(
+                "powerlib: the re-plan for %g s was refused: %s; keeping the current plan",
+                deadline_s,
+                outcome.reason,
+            )
+            return True, None
+        return True, outcome
+
+    def _due(self, replanned: Replanned) -> Replanned | None:
+        """The re-plan once this rank reaches the iteration every rank switches at."""
+        return replanned if self._iteration() >= replanned.switch_iteration else None
+
+    def _result(self, payloads: list[Payload]) -> Outcome:
         """Rank 0, inside the exchange: the finished plan (its error, if it failed).
 
         Ranks may reach the exchange at different boundaries (in-process groups resolve when
@@ -94,8 +137,8 @@ class Replanning:
         """
         assert self._job is not None
         outcome = self._job.result()
-        latest = max(int(p.get("iteration", 0)) for p in payloads)
-        return dataclasses.replace(outcome, switch_iteration=latest + 1)
+        latest = max(p.iteration for p in payloads if isinstance(p, ReplanReady))
+        return Replanned(outcome=outcome, switch_iteration=latest + 1)
 
     def cancel(self) -> None:
         """The session ends: a solve not yet started never starts."""

@@ -174,7 +174,7 @@ def record(session: Any, driven: dict[str, list]) -> dict[str, Any]:
         "applied_first_iteration": applied[marks[first] : marks[first + 1]] if plan else None,
         "order_source": plan.workload.get("order_source") if plan else None,
         "placement": plan.workload.get("placement") if plan else None,
-        "profiled_freqs_mhz": session.report()["profiled_freqs_mhz"],
+        "profiled_freqs_mhz": list(session.report().profiled_freqs_mhz),
     }
 
 

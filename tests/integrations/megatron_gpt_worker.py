@@ -203,12 +203,12 @@ def _summary(session: powerlib.Session) -> dict:
         "phase": session.phase,
         "iterations": session.iteration,
         "applied_from": session.apply_started_iteration,
-        "profiled_freqs_mhz": session.report()["profiled_freqs_mhz"],
+        "profiled_freqs_mhz": list(session.report().profiled_freqs_mhz),
         "order_source": plan.workload.get("order_source") if plan else None,
         **plan_rows(session),
         "spec": {
-            "num_stages": session.spec.num_stages,
-            "num_microbatches": session.spec.num_microbatches,
+            "num_stages": session.config.workload.num_stages,
+            "num_microbatches": session.config.workload.num_microbatches,
             "stage": session.stage,
         },
     }

@@ -121,7 +121,7 @@ def _session_report() -> dict | None:
         "phase": session.phase,
         "iterations": session.iteration,
         "applied_from": session.apply_started_iteration,
-        "profiled_freqs_mhz": session.report()["profiled_freqs_mhz"],
+        "profiled_freqs_mhz": list(session.report().profiled_freqs_mhz),
         "order_source": plan.workload.get("order_source") if plan else None,
         "plan_stage": [
             [p.instruction.kind, p.instruction.microbatch, p.freq_mhz]
@@ -130,7 +130,7 @@ def _session_report() -> dict | None:
         if plan
         else None,
         "stage": session.stage,
-        "num_microbatches": session.spec.num_microbatches,
+        "num_microbatches": session.config.workload.num_microbatches,
     }
 
 

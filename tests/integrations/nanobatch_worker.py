@@ -154,7 +154,7 @@ def numerics(case: str) -> dict:
         "losses": losses,
         "grad_rel_diff": diffs,
         "consistent": consistent,
-        "report": control.report(),
+        "report": control.report().to_json(),
         "records": [r.to_json() for r in control.records],
         "warnings": [str(w.message) for w in seen if "powerlib" in str(w.message)],
     }
@@ -335,7 +335,7 @@ def train(plan_file: str, rank: int) -> dict:
                 )  # fmt: skip
                 optimizer.step()
                 optimizer.zero_grad()
-            report = control.report()
+            report = control.report().to_json()
             records = [r.to_json() for r in control.records]
             planned = [
                 {"kind": p.instruction.kind, "microbatch": p.instruction.microbatch,

@@ -263,7 +263,7 @@ def test_hf_optimize_runs_a_session_and_restores_the_clocks(
     assert (
         session.iteration == trainer.state.global_step == first + APPLIED_STEPS
     )  # optimizer steps
-    assert session.report()["profiled_freqs_mhz"] == FREQS
+    assert list(session.report().profiled_freqs_mhz) == FREQS
     # the applied iteration ran the plan's order: F0 B0 F1 B1 (the evaluations' forwards,
     # in eval mode without gradients, are not instructions: they would break the order)
     assert [(k[2], k[3]) for k, _ in session.first_apply_requests] == [
@@ -504,7 +504,7 @@ def test_lightning_optimize_runs_a_session_and_restores_the_clocks(
     # warm-up and every clock profiled, then the plan
     assert SWEEP["warmup_iterations"] + len(FREQS) <= first <= MAX_PROFILE_ITERATIONS
     assert session.iteration == trainer.global_step == first + APPLIED_STEPS
-    assert session.report()["profiled_freqs_mhz"] == FREQS
+    assert list(session.report().profiled_freqs_mhz) == FREQS
     # validation forwards (sanity check, val_check_interval) are not instructions
     assert [(k[2], k[3]) for k, _ in session.first_apply_requests] == [
         (0, "forward"),

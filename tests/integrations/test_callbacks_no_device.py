@@ -83,7 +83,7 @@ def test_hf_measuring_without_a_device_trains_and_warns_once(
     assert _no_energy(trainer.state.log_history) and _no_energy([out.metrics])
     assert cb.result.num_steps == 4 and cb.result.devices == ()
     if optimize:
-        assert cb.session.report()["disabled"]["iterations"] == 4
+        assert cb.session.report().to_json()["disabled"]["iterations"] == 4
 
 
 def test_hf_optimize_without_a_device_fails_in_train(tmp_path: Path, no_device: None) -> None:

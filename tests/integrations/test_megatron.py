@@ -119,7 +119,7 @@ class _Recorder:
 
     def __init__(self, stage: int = 0, num_stages: int = 1) -> None:
         self.stage = stage
-        self.spec = types.SimpleNamespace(num_stages=num_stages)
+        self.config = types.SimpleNamespace(workload=types.SimpleNamespace(num_stages=num_stages))
         self.calls: list[tuple[Any, ...]] = []
 
     def begin(self, kind: str, microbatch: int = 0, chunk: int = 0) -> None:

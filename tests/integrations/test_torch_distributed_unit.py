@@ -13,7 +13,9 @@ from powerlib.integrations.torch_distributed import attach_module, attach_pipeli
 class _Recorder:
     def __init__(self, num_stages: int = 2, schedule: str = "1f1b") -> None:
         self.events: list[tuple] = []
-        self.spec = types.SimpleNamespace(num_stages=num_stages, schedule=schedule)
+        layout = types.SimpleNamespace(schedule=schedule)
+        workload = types.SimpleNamespace(num_stages=num_stages, layout=layout)
+        self.config = types.SimpleNamespace(workload=workload)
         self.layout: dict = {}
 
     def set_layout(self, **layout: object) -> None:

@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 from runtime_helpers import FREQS, emulated_sessions, make_emulator, toy_profile
 
+from powerlib.runtime.phases import RankFailure
+
 SETTLE = 1  # emulated_sessions: warm-up 1, settle 1, at least 1 and at most 4 measured per clock
 NEEDED = 1 + len(FREQS) * (SETTLE + 4)
 
@@ -170,7 +172,8 @@ def test_a_failure_no_agreement_carried_before_the_end_is_said_by_its_rank(tmp_p
                 stack.enter_context(s)
             for _ in range(3):
                 emulator.run_iteration(sessions)
-            sessions[1]._disable("stage 1: the device refused 1200 MHz")  # as a failed hook does
+            # as a failed hook does
+            sessions[1]._flow.fail(RankFailure("stage 1: the device refused 1200 MHz"))
     lines = sorted(str(w.message) for w in caught)
     assert len(lines) == 2, lines
     assert lines[0] == (

@@ -35,8 +35,10 @@ from powerlib.planning.profile import Profile
 from powerlib.planning.schedules import build_schedule
 from powerlib.registry import open_backend
 from powerlib.runtime.coordination import SingleProcess
-from powerlib.runtime.planning_step import PlanSpec, make_plan
-from powerlib.runtime.session import Session
+from powerlib.runtime.planning_step import make_plan
+from powerlib.runtime.records import NoPlan, Planned, SavedProfile
+from powerlib.runtime.session import Session, optimize
+from powerlib.runtime.session_config import SessionConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,7 +119,7 @@ def _apply(plan: Path, emulator, **kwargs) -> Session:
         "out_dir": None,
         "progress": False,
     }
-    return Session(**(options | kwargs))
+    return optimize(**(options | kwargs))
 
 
 @pytest.mark.parametrize(
@@ -168,7 +170,7 @@ def test_apply_mismatch_on_the_simulated_backend_changes_nothing(tmp_path: Path)
     settings = Settings(backend="simulated", sim_gpus=1, state_dir=tmp_path / "state")
     with open_backend(settings=settings) as backend:
         before = backend.device(0).read_state()
-    session = Session(
+    session = optimize(
         num_stages=1,
         num_microbatches=8,
         mode="apply",
@@ -211,7 +213,7 @@ def _calls(session: Session) -> dict:
 
 def test_the_hooks_refuse_to_run_outside_the_with_block() -> None:
     emulator = make_emulator(toy_profile(1), 1)
-    session = Session(
+    session = optimize(
         num_stages=1,
         num_microbatches=1,
         backend=emulator.backend,
@@ -245,7 +247,7 @@ def test_the_hooks_refuse_to_run_outside_the_with_block() -> None:
 
 
 def _sim_session(**kwargs) -> Session:
-    return Session(
+    return optimize(
         **{
             "num_stages": 1,
             "num_microbatches": 1,
@@ -427,23 +429,22 @@ def test_a_plan_that_would_spend_more_than_all_max_is_refused_and_not_written(
     path = tmp_path / "noisy.csv"
     path.write_text(NOISY)
     out = tmp_path / "out"
-    spec = PlanSpec(
+    config = SessionConfig.from_keywords(
         num_stages=2,
         num_microbatches=2,
         p_block_w=85.0,
         switch_latency_s=0.0,
         out_dir=out,
-        progress=False,
         policy="min-energy",
     )
-    result = make_plan(spec, [{"profile_path": str(path)}])
-    assert result.plan is None
-    assert result.baseline_reason == (
+    result = make_plan(config, [SavedProfile(stage=0, path=path)])
+    assert isinstance(result, NoPlan)
+    assert result.reason == (
         "the min-energy plan would spend 6.61405 J per iteration, 5.07 % more than all "
         "maximum clocks (6.2951 J at the same iteration time; replayed on the profile)"
     )
     assert not (out / "plan.json").exists()  # nobody can apply it later by mistake
-    assert json.loads((out / "summary.json").read_text())["refused"] == result.baseline_reason
+    assert json.loads((out / "summary.json").read_text())["refused"] == result.reason
 
 
 def test_a_session_planning_from_that_profile_runs_at_the_baseline(tmp_path: Path) -> None:
@@ -472,11 +473,11 @@ def test_the_guarded_plan_of_that_profile_spends_no_more_than_all_max(tmp_path: 
     on which nothing beats all-max here: the plan keeps the top clocks."""
     path = tmp_path / "noisy.csv"
     path.write_text(NOISY)
-    spec = PlanSpec(
-        num_stages=2, num_microbatches=2, p_block_w=85.0, switch_latency_s=0.0, progress=False
+    config = SessionConfig.from_keywords(
+        num_stages=2, num_microbatches=2, p_block_w=85.0, switch_latency_s=0.0, out_dir=None
     )
-    result = make_plan(spec, [{"profile_path": str(path)}])
-    assert result.plan is not None and result.baseline_reason is None
+    result = make_plan(config, [SavedProfile(stage=0, path=path)])
+    assert isinstance(result, Planned)
     assert result.prediction is not None and result.prediction.saving_percent == 0.0
 
 
@@ -579,8 +580,8 @@ def test_the_counter_period_is_estimated_from_how_often_reads_saw_it_move(period
 
 
 def test_the_estimate_says_what_it_cannot_know() -> None:
+    from powerlib.kareus.energy_counter import energy_error
     from powerlib.measurement.counter_period import estimate_counter_period_s
-    from powerlib.profiling.meter import energy_error
 
     assert estimate_counter_period_s([0.01] * 7, 3) is None  # too few reads
     assert estimate_counter_period_s([0.01, 0.02] * 10, 20) == (0.01, True)  # moved every time
@@ -591,7 +592,7 @@ def test_the_estimate_says_what_it_cannot_know() -> None:
 
 
 def test_the_meter_watches_its_reads_of_a_ticking_counter() -> None:
-    from powerlib.profiling.meter import EnergyMeter
+    from powerlib.kareus.energy_counter import EnergyMeter
 
     emulator = make_emulator(toy_profile(1), 1, counter_period_s=0.05)
     device, clock = emulator.devices[0], emulator.clock

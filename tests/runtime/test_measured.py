@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from runtime_helpers import FREQS, emulated_sessions, make_emulator, toy_profile
 
-from powerlib.planning.profile import Profile, ProfileRow
-from powerlib.profiling.sweep import FrequencySweep, SweepConfig
+from powerlib.planning.profile import Profile
+from powerlib.planning.profile_rows import ProfileRow
 from powerlib.runtime.closed_loop import judge
+from powerlib.runtime.records import Windows
+from powerlib.runtime.sweep import FrequencySweep, SweepConfig
 
 
 def _run(emulator, sessions, iterations: int, *, until_apply: bool = False) -> list:
@@ -48,7 +50,7 @@ def test_a_100ms_counter_profiles_every_row_within_3_percent(tmp_path: Path) -> 
     ]
     assert len(errors) >= 4 * 2 * 4
     assert max(errors) < 0.03, sorted(errors)[-5:]
-    p_block = [s.report()["measured_p_block_w"] for s in sessions]
+    p_block = [s.report().measured_p_block_w for s in sessions]
     assert all(p == pytest.approx(80.0, rel=0.05) for p in p_block), p_block
 
 
@@ -92,7 +94,7 @@ def test_the_clock_change_latency_is_measured_and_the_guard_uses_it(tmp_path: Pa
     emulator = make_emulator(toy_profile(), 4, switch_latency_s=0.03)
     sessions = emulated_sessions(emulator, tmp_path, settle_iterations=0)
     _run(emulator, sessions, 60, until_apply=True)
-    latencies = [s.report()["measured_latency_s"] for s in sessions]
+    latencies = [s.report().measured_latency_s for s in sessions]
     # landings are seen by a sampler reading every ~10 ms: within one read of the truth
     assert all(0.03 - 0.006 <= lat <= 0.03 + 0.012 for lat in latencies), latencies
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -156,13 +158,13 @@ def test_a_plan_that_holds_is_kept_and_its_measured_saving_is_reported(tmp_path:
     assert abs(realized.slowdown_percent) < 0.5
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["measured"]["verdict"] == "kept"
-    assert sessions[0].report()["realized"]["saving_percent"] == realized.saving_percent
+    assert sessions[0].report().to_json()["realized"]["saving_percent"] == realized.saving_percent
 
 
 def test_judge_sums_energy_over_ranks_and_takes_the_slowest_time() -> None:
     payloads = [
-        {"rounds": [[100.0, 1.0, 90.0, 1.0], [100.0, 1.0, 90.0, 1.0]]},
-        {"rounds": [[100.0, 1.0, 70.0, 1.02], [100.0, 1.0, 70.0, 1.02]]},
+        Windows(stage=0, rounds=((100.0, 1.0, 90.0, 1.0), (100.0, 1.0, 90.0, 1.0))),
+        Windows(stage=1, rounds=((100.0, 1.0, 70.0, 1.02), (100.0, 1.0, 70.0, 1.02))),
     ]
     realized = judge(payloads, max_slowdown=0.001, predicted=None)
     assert realized.saving_percent == pytest.approx(20.0)
@@ -186,14 +188,14 @@ def test_a_disabled_session_measures_and_changes_nothing(
     assert all(d.switches == 0 for d in emulator.devices)  # no clock was ever requested
     assert not list(tmp_path.iterdir())  # nothing written
     assert all(r.phases == ("disabled",) * 4 for r in results)
-    measured = sessions[1].report()["disabled"]
-    assert measured["iterations"] == 20
+    measured = sessions[1].report().disabled
+    assert measured is not None and measured.iterations == 20
     true_time = sum(r.time_s for r in results) / 20
-    assert measured["time_s"] == pytest.approx(true_time, rel=1e-6)
+    assert measured.time_s == pytest.approx(true_time, rel=1e-6)
     device = emulator.devices[1]
     end = results[-1].start_s + results[-1].time_s
     true_energy = (device.energy_at(end) - device.energy_at(results[0].start_s)) / 20
-    assert measured["energy_j"] == pytest.approx(true_energy, rel=0.01)
+    assert measured.energy_j == pytest.approx(true_energy, rel=0.01)
 
 
 def test_a_rank_whose_order_check_fails_still_joins_the_closed_loop(tmp_path: Path) -> None:

@@ -29,9 +29,10 @@ from powerlib.errors import (
     PermissionDeniedError,
 )
 from powerlib.privilege import WAYS_OUT
+from powerlib.runtime.claim import select_device
 from powerlib.runtime.coordination import SingleProcess
-from powerlib.runtime.options import RunConfig
-from powerlib.runtime.session import Session
+from powerlib.runtime.session import Session, optimize
+from powerlib.runtime.session_config import RunConfig
 from powerlib.testing.fake_nvml import H100_SXM5_80GB, FakeNvml
 
 # -- fakes -----------------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def _nvidia(settings: Settings, gpus: int = 2, **overrides: Any) -> tuple[FakeNv
 
 
 def _session(backend: Any, settings: Settings, **options: Any) -> Session:
-    return Session(
+    return optimize(
         num_stages=1,
         num_microbatches=1,
         mode="profile",
@@ -140,14 +141,14 @@ def test_the_cuda_device_is_found_by_uuid_before_local_rank(
         with _session(backend, settings.replace(local_rank=1)) as session:
             assert session.device is not None and session.device.device_id == uuid
         run = RunConfig()
-        assert run.select_device(backend, settings.replace(local_rank=0)).device_id == uuid
+        assert select_device(run, backend, settings.replace(local_rank=0)).device_id == uuid
         # a named device is taken as named
-        assert RunConfig(device=3).select_device(backend, settings).device_id == fake.gpus[3].uuid
+        assert select_device(RunConfig(device=3), backend, settings).device_id == fake.gpus[3].uuid
         # before CUDA is up, and on ROCm (HIP UUIDs are not the vendor ids), the index decides
         torch.state.initialised = False
-        assert run.select_device(backend, settings.replace(local_rank=1)).index == 1
+        assert select_device(run, backend, settings.replace(local_rank=1)).index == 1
         monkeypatch.setitem(sys.modules, "torch", fake_torch(uuid[4:], hip="6.2"))
-        assert run.select_device(backend, settings.replace(local_rank=1)).index == 1
+        assert select_device(run, backend, settings.replace(local_rank=1)).index == 1
 
 
 def test_no_device_for_local_rank_names_what_was_looked_at(settings: Settings) -> None:
@@ -223,7 +224,7 @@ def test_without_privilege_the_with_line_fails_with_one_line_before_any_journal(
     # a measure-only session changes nothing: it needs no privilege
     with _session(None, sim, enabled=False) as session:
         session.step()
-    assert session.report()["disabled"]["iterations"] == 1
+    assert session.report().to_json()["disabled"]["iterations"] == 1
 
 
 def test_a_non_root_process_is_refused_by_the_nvidia_backend_at_the_with_line(
@@ -296,8 +297,8 @@ def test_a_measure_only_session_without_a_device_warns_once_and_times(
             session.step()
             session.step()
     assert len(caught) == 1
-    measured = session.report()["disabled"]
-    assert measured["iterations"] == 2 and measured["energy_j"] is None
+    measured = session.report().disabled
+    assert measured is not None and measured.iterations == 2 and measured.energy_j is None
     # a training session is an explicit control request: it fails at its with line
     with pytest.raises(BackendUnavailableError, match="no power backend available"):
         with _session(None, settings):

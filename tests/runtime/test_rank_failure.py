@@ -19,7 +19,8 @@ from runtime_helpers import FREQS, make_emulator, toy_profile
 
 from powerlib.errors import DeviceError, InvalidArgumentError
 from powerlib.runtime.coordination import Future, LocalGroup
-from powerlib.runtime.session import Session
+from powerlib.runtime.phases import RankFailure
+from powerlib.runtime.session import Session, optimize
 
 WORLD = 4
 MAX_ASKS = 8
@@ -86,7 +87,7 @@ def _sessions(emulator, group: BoundedGroup, **kwargs: Any) -> list[Session]:
         "check_rounds": 0,
     } | kwargs
     return [
-        Session(stage=s, device=s, coordinator=group.member(s), **options) for s in range(WORLD)
+        optimize(stage=s, device=s, coordinator=group.member(s), **options) for s in range(WORLD)
     ]
 
 
@@ -206,7 +207,7 @@ def test_usage_errors_still_raise_on_every_rank_after_a_failure() -> None:
         for s in sessions:
             stack.enter_context(s)
         emulator.run_iteration(sessions)
-        sessions[3]._disable("stage 3: injected failure")
+        sessions[3]._flow.fail(RankFailure("stage 3: injected failure"))
         for _ in range(8):
             emulator.run_iteration(sessions)
         assert [s.phase for s in sessions] == ["done"] * WORLD
@@ -333,7 +334,9 @@ def test_a_failed_rank_keeps_voting_on_a_replan_and_stays_at_its_baseline(
         assert [s.phase for s in sessions] == ["apply", "done", "apply", "apply"]
         for s in sessions:
             s.replan(fastest_s * 1.25)
-        sessions[0]._replanning._job.result(timeout=60)  # rank 0's planning thread is done
+        sessions[0]._flow.pending_replan.solve.result(
+            timeout=60
+        )  # rank 0's planning thread is done
         for _ in range(3):
             emulator.run_iteration(sessions)
         assert [len(s.replans) for s in sessions] == [1, 0, 1, 1]

@@ -1,7 +1,7 @@
 """Device failures on the real paths, not stubs: one warning, baseline clocks, the true reason
 (docs/real-gpu.md §2, §3).
 
-The NVML case runs a real ``Session(mode="apply")`` on the fake pynvml (real nvidia-ml-py error
+The NVML case runs a real ``powerlib.optimize(mode="apply")`` on the fake pynvml (real nvidia-ml-py error
 types) whose lock call starts timing out mid-apply; the read case profiles on the simulated
 backend while its reads start failing. Nothing here ran on a real GPU.
 """
@@ -20,7 +20,7 @@ from powerlib.backends.nvidia import NvidiaBackend
 from powerlib.config import Settings
 from powerlib.errors import DeviceLostError
 from powerlib.runtime.coordination import SingleProcess
-from powerlib.runtime.session import Session
+from powerlib.runtime.session import optimize
 from powerlib.testing.fake_nvml import H100_SXM5_80GB, FakeNvml
 
 pytest.importorskip("pynvml")
@@ -76,7 +76,7 @@ def test_a_timeout_mid_apply_resets_the_gpu_ends_apply_and_warns_once(
     settings = Settings(state_dir=tmp_path / "state", sysfs_root=tmp_path / "sys")
     fake = FakeNvml([H100_SXM5_80GB])
     fake.gpus[0].busy = True
-    session = Session(
+    session = optimize(
         num_stages=1,
         num_microbatches=2,
         mode="apply",
@@ -123,7 +123,7 @@ def test_a_device_that_stops_answering_mid_profile_is_named_as_the_reason(
         sim_gpus=1,
         sim_energy_period_s=0.0,
     )
-    session = Session(
+    session = optimize(
         num_stages=1,
         num_microbatches=1,
         mode="profile",

@@ -40,12 +40,14 @@ def test_every_rank_switches_to_the_new_deadline_at_the_same_boundary(tmp_path: 
             s.replan(deadline_s)
         with pytest.raises(InvalidArgumentError, match="still pending"):
             sessions[1].replan(deadline_s)
-        sessions[0]._replanning._job.result(timeout=60)  # rank 0's planning thread is done
+        sessions[0]._flow.pending_replan.solve.result(
+            timeout=60
+        )  # rank 0's planning thread is done
         after = [emulator.run_iteration(sessions) for _ in range(3)]
     switched = [s.replans for s in sessions]
     assert all(len(r) == 1 for r in switched)
-    assert len({r[0]["iteration"] for r in switched}) == 1  # the same boundary on every rank
-    assert all(r[0]["deadline_s"] == deadline_s for r in switched)
+    assert len({r[0].iteration for r in switched}) == 1  # the same boundary on every rank
+    assert all(r[0].deadline_s == deadline_s for r in switched)
     for s, before in zip(sessions, old):
         assert s.plan is not before and s.plan.policy == "deadline"
         assert s.plan.workload["deadline_s"] == pytest.approx(deadline_s)
@@ -73,7 +75,7 @@ def test_replan_refuses_what_it_cannot_do(tmp_path: Path) -> None:
         for bad in (0.0, -1.0, float("nan"), "3"):
             with pytest.raises(InvalidArgumentError, match="positive number"):
                 sessions[0].replan(bad)  # type: ignore[arg-type]
-        assert all(s.replans == [] for s in sessions)
+        assert all(s.replans == () for s in sessions)
 
 
 def test_the_megatron_helper_needs_an_attached_session() -> None:

@@ -15,7 +15,7 @@ from powerlib.errors import InvalidArgumentError, PlanError
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile
 from powerlib.runtime.coordination import SingleProcess
-from powerlib.runtime.session import Session
+from powerlib.runtime.session import optimize
 
 
 def _run(emulator, sessions, iterations: int) -> list:
@@ -83,7 +83,7 @@ def test_the_sweep_stops_once_energy_keeps_rising(tmp_path: Path) -> None:
     emulator = make_emulator(profile, 2)
     sessions = emulated_sessions(emulator, None, stop_after_rises=2, progress=False)
     _run(emulator, sessions, 1 + 2 * len(freqs) + 2)
-    profiled = sessions[0].report()["profiled_freqs_mhz"]
+    profiled = sessions[0].report().profiled_freqs_mhz
     assert 465.0 in profiled and 150.0 in profiled
     assert 360.0 not in profiled and 255.0 not in profiled
     assert 570.0 in profiled and 1305.0 in profiled
@@ -110,7 +110,7 @@ def test_a_loop_that_runs_another_order_warns_once_resets_and_continues(tmp_path
     assert len(messages) == 1 and "stage 1" in messages[0] and "order" in messages[0]
     assert len(results) == 3  # training went on
     assert sessions[1].phase == "closed" and sessions[1].plan is not None
-    assert sessions[1].report()["frequency_changes"] >= 1  # the reset
+    assert sessions[1].report().frequency_changes >= 1  # the reset
     assert emulator.devices[1].freq_at(emulator.clock()) == max(FREQS)
     assert len(sessions[0].first_apply_requests) == 8  # the other stages applied their plan
     assert _unlocked(emulator)
@@ -121,7 +121,7 @@ def test_apply_mode_with_a_malformed_plan_fails_before_any_change(tmp_path: Path
     emulator = make_emulator(profile, 4)
     bad = tmp_path / "plan.json"
     bad.write_text(json.dumps({"schema": "powerlib.plan.v1", "stages": [{"instructions": []}]}))
-    session = Session(
+    session = optimize(
         num_stages=1,
         num_microbatches=4,
         mode="apply",
@@ -147,7 +147,7 @@ def test_a_plan_for_clocks_the_device_lacks_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "odd.json"
     path.write_text(json.dumps(data))
     switches = [d.switches for d in emulator.devices]
-    session = Session(
+    session = optimize(
         num_stages=4,
         num_microbatches=4,
         mode="apply",
@@ -226,16 +226,17 @@ def test_a_planning_failure_after_profiling_warns_and_leaves_training_alone(tmp_
         ({"policy": "deadline"}, "needs deadline_s or deadline_ratio"),
         ({"warmup_iterations": -1}, "warmup_iterations"),
         ({"max_slowdown": -0.1}, "max_slowdown"),
+        ({"unit_time_s": 0.0}, "unit_time_s must be a positive time"),
     ],
 )
 def test_bad_options_are_refused_up_front(kwargs: dict, match: str) -> None:
     with pytest.raises((InvalidArgumentError, PlanError), match=match):
-        Session(num_stages=2, num_microbatches=2, **kwargs)
+        optimize(num_stages=2, num_microbatches=2, **kwargs)
 
 
 def test_stage_must_be_given_when_ranks_are_not_stages(tmp_path: Path) -> None:
     emulator = make_emulator(toy_profile(), 2)
-    session = Session(
+    session = optimize(
         num_stages=4,
         num_microbatches=2,
         backend=emulator.backend,
@@ -244,7 +245,7 @@ def test_stage_must_be_given_when_ranks_are_not_stages(tmp_path: Path) -> None:
     )
     with pytest.raises(InvalidArgumentError, match="pass stage="), session:
         pass
-    session = Session(
+    session = optimize(
         num_stages=4,
         num_microbatches=2,
         stage=4,
@@ -259,7 +260,7 @@ def test_stage_must_be_given_when_ranks_are_not_stages(tmp_path: Path) -> None:
 
 def test_kinds_accept_short_names_and_reject_others(tmp_path: Path) -> None:
     emulator = make_emulator(toy_profile(1), 1)
-    with Session(
+    with optimize(
         num_stages=1,
         num_microbatches=1,
         backend=emulator.backend,
@@ -312,19 +313,23 @@ def test_local_rank_and_simulated_counter_period_come_from_the_environment(tmp_p
 
 
 def test_a_counter_that_never_moved_is_one_clear_baseline_verdict() -> None:
-    from powerlib.runtime.planning_step import PlanSpec, make_plan
+    from powerlib.planning.profile_rows import ProfileRow
+    from powerlib.runtime.planning_step import make_plan
+    from powerlib.runtime.records import NoPlan, ProfilePayload
+    from powerlib.runtime.session_config import SessionConfig
 
-    rows = [
-        [0, k, f, 0.001, 0.0 if f == 1410.0 else 0.5]
+    rows = tuple(
+        ProfileRow(
+            stage=0, instruction=k, freq_mhz=f, time_s=0.001, energy_j=0.0 if f == 1410.0 else 0.5
+        )  # fmt: skip
         for k in ("forward", "backward")
         for f in (1410.0, 1200.0)
-    ]
-    result = make_plan(
-        PlanSpec(num_stages=1, num_microbatches=1, progress=False), [{"stage": 0, "rows": rows}]
     )
-    assert result.plan is None  # no plan: the sessions run at the baseline clocks
+    config = SessionConfig.from_keywords(num_stages=1, num_microbatches=1, out_dir=None)
+    result = make_plan(config, [ProfilePayload(stage=0, rows=rows)])
+    assert isinstance(result, NoPlan)  # no plan: the sessions run at the baseline clocks
     assert re.fullmatch(
         r"the energy counter cannot resolve per-instruction energy: stage 0 \w+ at 1410 MHz "
         r"\(1 ms\) is known not at all \(2 of 4 profiled rows worse than \+-8 %\); .*",
-        result.baseline_reason,
-    ), result.baseline_reason
+        result.reason,
+    ), result.reason

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from powerlib.errors import InvalidArgumentError
-from powerlib.planning.profile import ProfileRow
-from powerlib.profiling.sweep import (
+from powerlib.planning.profile_rows import ProfileRow
+from powerlib.runtime.sweep import (
     FrequencySweep,
     ProfileRecorder,
     SweepConfig,

@@ -18,39 +18,51 @@ Iterations run in this order (docs/architecture.md ยง2 step 2, docs/perseus.md ย
 
 The decisions to end a block, to end the coarse pass and to give up are taken by every rank
 together (the session's coordinator), so every rank runs the same clock at every iteration.
+:class:`SweepConfig` is the session's ``sweep`` settings
+(:class:`~powerlib.runtime.session_config.SessionConfig`): each knob and its default is declared
+here once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from powerlib.errors import InvalidArgumentError
-from powerlib.planning.profile import ProfileRow
+from powerlib.planning.profile_rows import ProfileRow
 
 __all__ = ["FrequencySweep", "ProfileRecorder", "SweepConfig", "aggregate_stage_rows"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SweepConfig:
-    """How to sweep.
+    """How the session profiles: the sweep's clocks and its iterations (checked when made).
 
     Attributes:
-        freqs_mhz: Candidate frequencies (any order; duplicates dropped; kept high to low).
-        warmup_iterations: Discarded iterations at the highest frequency.
+        freqs_mhz: Candidate clocks (any order; duplicates dropped; kept high to low);
+            ``None``: every clock the device supports (:meth:`over`).
+        warmup_iterations: Discarded iterations at the highest frequency (the clock-change
+            latency is measured there).
         settle_iterations: Discarded iterations after each clock change (0: the measured window
             starts when the sampler sees the new clock land).
         iterations_per_freq: Measured iterations per frequency, at least.
-        max_iterations_per_freq: Measured iterations per frequency, at most.
-        target_error: A block ends once every row resolves to this (relative 95 % half-width).
+        max_iterations_per_freq: Measured iterations per frequency, at most; a clock's block
+            ends as soon as its energy resolves to ``target_error``.
+        target_error: A block ends once every row resolves to this (relative half-width of the
+            95 % interval).
         stop_after_rises: End the coarse pass after this many coarse clocks of rising energy;
             0 never stops early.
         coarse_stride: Every how many candidates the coarse pass visits (1: one pass).
+
+    Raises:
+        InvalidArgumentError: A clock that is not a positive number of MHz, an empty list of
+            clocks, a count below its minimum, or a target outside (0, 1).
     """
 
-    freqs_mhz: tuple[float, ...]
+    freqs_mhz: tuple[float, ...] | None = None
     warmup_iterations: int = 2
     settle_iterations: int = 0
     iterations_per_freq: int = 1
@@ -60,12 +72,14 @@ class SweepConfig:
     coarse_stride: int = 3
 
     def __post_init__(self) -> None:
-        freqs = tuple(sorted({float(f) for f in self.freqs_mhz}, reverse=True))
-        if not freqs or any(not math.isfinite(f) or f <= 0 for f in freqs):
-            raise InvalidArgumentError(
-                f"profile frequencies must be positive numbers of MHz, got {list(self.freqs_mhz)}"
-            )
-        object.__setattr__(self, "freqs_mhz", freqs)
+        if self.freqs_mhz is not None:
+            freqs = tuple(sorted({float(f) for f in self.freqs_mhz}, reverse=True))
+            if not freqs or any(not math.isfinite(f) or f <= 0 for f in freqs):
+                raise InvalidArgumentError(
+                    "profile frequencies must be positive numbers of MHz, got "
+                    f"{list(self.freqs_mhz)}"
+                )
+            object.__setattr__(self, "freqs_mhz", freqs)
         for name, minimum in (
             ("warmup_iterations", 0),
             ("settle_iterations", 0),
@@ -84,11 +98,28 @@ class SweepConfig:
                 f"target_error must be a fraction in (0, 1), got {self.target_error!r}"
             )
 
+    def over(self, supported_mhz: Sequence[float]) -> SweepConfig:
+        """This sweep, over ``supported_mhz`` when it names no clocks of its own."""
+        if self.freqs_mhz is not None:
+            return self
+        return dataclasses.replace(self, freqs_mhz=tuple(supported_mhz))
+
+    @property
+    def candidates(self) -> tuple[float, ...]:
+        """The clocks to sweep, high to low.
+
+        Raises:
+            InvalidArgumentError: None were named (call :meth:`over` with the device's first).
+        """
+        if self.freqs_mhz is None:
+            raise InvalidArgumentError("the sweep has no clocks yet: use over(supported clocks)")
+        return self.freqs_mhz
+
     @property
     def max_iterations(self) -> int:
         """Iterations of a sweep that never stops early and never resolves early."""
         per_freq = self.settle_iterations + self.max_iterations_per_freq
-        return self.warmup_iterations + len(self.freqs_mhz) * per_freq
+        return self.warmup_iterations + len(self.candidates) * per_freq
 
 
 class FrequencySweep:
@@ -96,7 +127,7 @@ class FrequencySweep:
 
     def __init__(self, config: SweepConfig) -> None:
         self.config = config
-        freqs = config.freqs_mhz
+        freqs = config.candidates
         self._coarse = list(freqs[:: config.coarse_stride])
         if freqs[-1] not in self._coarse and config.coarse_stride > 1:
             self._coarse.append(freqs[-1])
@@ -121,7 +152,7 @@ class FrequencySweep:
     def position(self) -> tuple[int, int]:
         """``(clocks begun, clocks planned so far)``; 0 during warm-up."""
         if self.warming_up:
-            return 0, len(self.config.freqs_mhz)
+            return 0, len(self.config.candidates)
         return len(self.visited) + 1, len(self.visited) + 1 + len(self._queue)
 
     @property
@@ -178,7 +209,7 @@ class FrequencySweep:
         if stopped and rises > 0 and len(self.visited) > rises:
             floor = self.visited[-rises]  # the first coarse clock of the rising run
         done = set(self.visited)
-        self._queue = [f for f in self.config.freqs_mhz if f not in done and f > floor]
+        self._queue = [f for f in self.config.candidates if f not in done and f > floor]
 
 
 class ProfileRecorder:
