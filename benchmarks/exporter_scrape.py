@@ -28,7 +28,7 @@ from pathlib import Path
 
 from powerlib.backends.simulated import SimulatedBackend
 from powerlib.config import Settings
-from powerlib.measurement.exporter import Exporter
+from powerlib.exporter import Exporter
 
 
 def _pct(values: list[float], q: float) -> float:

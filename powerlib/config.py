@@ -38,6 +38,24 @@ Environment variables:
 Also honoured, with their usual meaning: ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``
 (NVIDIA), ``ROCR_VISIBLE_DEVICES`` and ``HIP_VISIBLE_DEVICES`` (AMD). Unset means "all devices";
 set to the empty string means "no devices".
+
+Read at each use, by the functions below rather than :class:`Settings` (a process may change
+them while it runs, and a bad value falls back instead of failing):
+
+- ``POWERLIB_MAX_INPUT_BYTES``: the cap on an untrusted file (:func:`max_input_bytes`);
+- ``POWERLIB_MEASURE_EVENTS``: the events file ``powerlib measure -- CMD`` names for its child
+  (:func:`measure_events_path`; docs/measurement.md §6);
+- ``RANK``: the launcher's rank of this process, before ``torch.distributed`` starts
+  (:func:`launcher_rank`);
+- ``POWERLIB_DIRECT_SOLVER``: ``highs`` makes ``powerlib plan`` and a session's rank 0 solve
+  their direct points with HiGHS even where the compiled flow is built (:func:`direct_solver`; benchmarks compare both);
+- ``POWERLIB_DISABLE``: ``1`` (``true``, ``yes``, ``on``) runs every training session disabled,
+  measuring only (:func:`sessions_disabled`; the A side of an A/B run);
+- ``POWERLIB_MEGATRON`` and ``POWERLIB_MEGATRON_OPTIONS``: the Megatron launcher's switch and
+  its session keywords as JSON (:func:`megatron_launch`; docs/megatron.md).
+
+A child process powerlib starts (the guardian, ``powerlib measure``'s command) inherits this
+process's environment plus what :func:`child_environment` adds.
 """
 
 from __future__ import annotations
@@ -56,10 +74,18 @@ from powerlib.errors import ConfigError
 __all__ = [
     "DEFAULT_AGENT_SOCKET",
     "MAX_SIM_NOISE",
+    "MEASURE_EVENTS_ENV",
     "NODE_STATE_DIR",
     "SIM_CLOCKS",
     "Settings",
+    "child_environment",
     "default_state_dir",
+    "direct_solver",
+    "launcher_rank",
+    "max_input_bytes",
+    "measure_events_path",
+    "megatron_launch",
+    "sessions_disabled",
     "user_state_dirs",
 ]
 
@@ -82,6 +108,64 @@ NODE_STATE_DIR = Path("/run/powerlib")
 
 DEFAULT_AGENT_SOCKET = NODE_STATE_DIR / "agent" / "agent.sock"
 """The agent's socket, alone in its folder: the one folder a pod mounts (read-only)."""
+
+
+MEASURE_EVENTS_ENV = "POWERLIB_MEASURE_EVENTS"
+"""Names the events file a measured command's own measurements append to (docs/measurement.md §6)."""
+
+
+def max_input_bytes(environ: Mapping[str, str] | None = None) -> int | None:
+    """``POWERLIB_MAX_INPUT_BYTES`` when set to a positive integer, else ``None`` (the default cap)."""
+    env = os.environ if environ is None else environ
+    raw = env.get("POWERLIB_MAX_INPUT_BYTES", "").strip()
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    return None
+
+
+def measure_events_path(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The events file ``POWERLIB_MEASURE_EVENTS`` names (``None``: unset or empty)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(MEASURE_EVENTS_ENV) or None
+    return Path(raw) if raw else None
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
+    """The launcher's ``RANK`` of this process (torchrun, Slurm wrappers); 0 when unset or bad."""
+    env = os.environ if environ is None else environ
+    try:
+        return int(env.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def direct_solver(environ: Mapping[str, str] | None = None) -> str:
+    """``highs`` when ``POWERLIB_DIRECT_SOLVER=highs`` forces HiGHS, else ``auto``."""
+    env = os.environ if environ is None else environ
+    return "highs" if env.get("POWERLIB_DIRECT_SOLVER", "") == "highs" else "auto"
+
+
+def child_environment(
+    extra: Mapping[str, str], base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment a child process starts with: ``base`` (default this process's) plus ``extra``."""
+    return dict(os.environ if base is None else base) | dict(extra)
+
+
+def sessions_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """``POWERLIB_DISABLE`` set to 1/true/yes/on: every training session measures only."""
+    env = os.environ if environ is None else environ
+    return env.get("POWERLIB_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def megatron_launch(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """``(POWERLIB_MEGATRON, POWERLIB_MEGATRON_OPTIONS)`` as set, stripped (``""`` when unset).
+
+    The Megatron launcher (``python -m powerlib.integrations.megatron``) checks the values.
+    """
+    env = os.environ if environ is None else environ
+    switch = env.get("POWERLIB_MEGATRON", "0").strip()
+    return switch, env.get("POWERLIB_MEGATRON_OPTIONS", "").strip()
 
 
 def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:

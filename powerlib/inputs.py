@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from powerlib.config import max_input_bytes
 from powerlib.errors import PowerlibError
 
 __all__ = [
@@ -50,7 +51,7 @@ DEFAULT_MAX_DEPTH = 64
 #: No field of a powerlib CSV is longer than a number or an instruction name.
 CSV_FIELD_LIMIT = 4096
 
-_MAX_BYTES_ENV = "POWERLIB_MAX_INPUT_BYTES"
+_MAX_BYTES_ENV = "POWERLIB_MAX_INPUT_BYTES"  # read by powerlib.config.max_input_bytes
 
 
 def human_bytes(n: int) -> str:
@@ -65,10 +66,8 @@ def human_bytes(n: int) -> str:
 
 def default_max_bytes() -> int:
     """The input cap: ``POWERLIB_MAX_INPUT_BYTES`` when set to a positive integer, else 64 MiB."""
-    raw = os.environ.get(_MAX_BYTES_ENV, "").strip()
-    if raw.isdigit() and int(raw) > 0:
-        return int(raw)
-    return DEFAULT_MAX_BYTES
+    cap = max_input_bytes()
+    return DEFAULT_MAX_BYTES if cap is None else cap
 
 
 def read_bytes(

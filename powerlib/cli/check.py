@@ -1,6 +1,6 @@
 """``powerlib check``: is this node ready? (docs/real-gpu.md §8).
 
-Parses the options, makes one call into :func:`powerlib.measurement.node_check.check_settings`
+Parses the options, makes one call into :func:`powerlib.node_check.check.check_settings`
 and prints the report (a block per device ending in its verdict, or ``--json``); exits with the
 report's code.
 """
@@ -14,7 +14,7 @@ import click
 from powerlib.cli.options import Number, Options, emit_json, settings_for
 
 if TYPE_CHECKING:
-    from powerlib.measurement.node_check import DeviceCheck, NodeCheck
+    from powerlib.node_check.report import DeviceCheck, NodeCheck
 
 __all__ = ["check"]
 
@@ -46,8 +46,7 @@ def check(
     Exit code: 0 every device ready; else the first failing device's (4 no permission, 5 MIG or
     no clock control, 9 device lost; 3 when the backend is unavailable).
     """
-    # powerlib.measurement loads numpy: not when `powerlib --help` lists this command
-    from powerlib.measurement.node_check import check_settings  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.node_check.check import check_settings  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     opts: Options = ctx.obj
     report = check_settings(settings_for(opts), selector=selector, duration_s=duration_s, load=load)

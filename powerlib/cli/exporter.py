@@ -75,7 +75,7 @@ def exporter(
     powerlib exporter --port 9464
     powerlib exporter --textfile /var/lib/node_exporter/textfile/powerlib.prom
     """  # noqa: D301 - "\b" is click's keep-these-lines marker (a backspace), not "\\b"
-    from powerlib.measurement.exporter import Exporter  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.exporter import Exporter  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     if once and textfile is None:
         raise click.UsageError("--once needs --textfile")

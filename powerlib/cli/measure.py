@@ -1,6 +1,6 @@
 """``powerlib measure -- CMD ARGS``: the energy of an unmodified command, per device.
 
-Parses the options, runs :func:`powerlib.measurement.command.run_command` (the child process,
+Parses the options, runs :func:`powerlib.measure_api.command.run_command` (the child process,
 signal forwarding, the steps the child reports; docs/measurement.md §6) and formats its result:
 a table on stderr, or ``--json`` on stdout, ``--out`` and ``--plot`` files. With ``--json`` the
 child's stdout goes to stderr, so that ``> file`` holds one JSON document. powerlib exits with
@@ -87,8 +87,8 @@ def measure(
     powerlib measure -- python train.py --epochs 1
     powerlib measure --json --plot power.png -- torchrun --nproc-per-node 8 train.py
     """  # noqa: D301 - "\b" is click's keep-these-lines marker (a backspace), not "\\b"
-    from powerlib.measurement.command import run_command  # noqa: PLC0415 - a command loads only what it runs (fast --help)
-    from powerlib.measurement.result import finite_json  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.measure_api.command import run_command  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.measure_api.result import finite_json  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     argv = list(command)
     if argv and argv[0] == "--":
@@ -118,7 +118,7 @@ def measure(
     if out_path is not None:
         Path(out_path).write_text(finite_json(doc, indent=2) + "\n", encoding="utf-8")
     if plot_path is not None:
-        from powerlib.measurement.plot import plot_power  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+        from powerlib.measure_api.plot import plot_power  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
         plot_power(run.power_series, run.result, plot_path, title=" ".join(argv))
     if as_json:

@@ -27,6 +27,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from powerlib.config import child_environment
+
 if TYPE_CHECKING:
     from powerlib.config import Settings
     from powerlib.control.state import Owner
@@ -110,7 +112,7 @@ _GUARDIAN_EXIT_WAIT_S = 2.0  # a cleanly closed guardian exits in milliseconds o
 
 def start(settings: Settings, owner: Owner) -> subprocess.Popen[bytes]:
     """Start ``python -m powerlib.control.guardian`` in its own session, holding a pipe from us."""
-    env = dict(os.environ, POWERLIB_STATE_DIR=str(settings.state_dir))
+    env = child_environment({"POWERLIB_STATE_DIR": str(settings.state_dir)})
     return subprocess.Popen(
         [
             sys.executable,

@@ -1,50 +1,13 @@
-"""Energy measurement: ``powerlib.measure`` windows, commands, results and their JSON schema.
+"""The energy engine: device counters to the energy of spans, windows and labels.
 
-See :mod:`powerlib.measurement.measure` for the API, :mod:`powerlib.measurement.reader` for the
-sampler thread, :mod:`powerlib.measurement.timeline` for how energy is attributed to windows,
-:mod:`powerlib.measurement.command` for ``powerlib measure -- CMD`` (:func:`run_command`),
-:mod:`powerlib.measurement.exporter` for the Prometheus exporter (the ``prometheus`` extra,
-imported only from there), and ``docs/measurement.md`` for the accuracy and overhead figures.
+One way of turning timestamped counter reads into energy, shared by every product above it
+(docs/measurement.md): :mod:`~powerlib.measurement.sampler` (one device's reads, for the
+session's profile and apply phases), :mod:`~powerlib.measurement.reader` (which devices
+``powerlib.measure`` reads, and its reading thread), :mod:`~powerlib.measurement.timeline`
+(``E(t)``: counter updates located in time), :mod:`~powerlib.measurement.attribution` (power
+per label by least squares), :mod:`~powerlib.measurement.markers` (stream markers without a
+synchronize) and :mod:`~powerlib.measurement.counter_period` (the counter's update period and
+read cost). The engine imports none of its users: the runtime, the ``powerlib.measure`` API
+(:mod:`powerlib.measure_api`), the exporter (:mod:`powerlib.exporter`) and the node check
+(:mod:`powerlib.node_check`) import it.
 """
-
-from __future__ import annotations
-
-from powerlib.measurement.command import CommandMeasurement, run_command
-from powerlib.measurement.events import EVENTS_ENV, read_events
-from powerlib.measurement.markers import StreamMarker
-from powerlib.measurement.measure import (
-    Measurement,
-    Window,
-    active_measurements,
-    measure,
-)
-from powerlib.measurement.plot import plot_power
-from powerlib.measurement.reader import LOCAL
-from powerlib.measurement.result import (
-    SCHEMA,
-    DeviceEnergy,
-    MeasurementResult,
-    WindowEnergy,
-    finite_json,
-    reduce_results,
-)
-
-__all__ = [
-    "EVENTS_ENV",
-    "LOCAL",
-    "SCHEMA",
-    "CommandMeasurement",
-    "DeviceEnergy",
-    "Measurement",
-    "MeasurementResult",
-    "StreamMarker",
-    "Window",
-    "WindowEnergy",
-    "active_measurements",
-    "finite_json",
-    "measure",
-    "plot_power",
-    "read_events",
-    "reduce_results",
-    "run_command",
-]

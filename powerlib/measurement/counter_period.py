@@ -2,12 +2,12 @@
 
 A counter publishes a new value only every so often (NVML and the simulator: about every
 100 ms); how often its value changed between reads tells how often it updates
-(:func:`estimate_counter_period_s`, docs/measurement.md). The profiling meter estimates it from
-its own reads (:class:`~powerlib.profiling.meter.EnergyMeter`); ``powerlib check`` reads a device
-back to back for a while and times every ``read_state`` (:func:`measure_counter`): the median
+(:func:`estimate_counter_period_s`, docs/measurement.md). Kareus's energy meter estimates it
+from its own reads (:class:`~powerlib.kareus.energy_counter.EnergyMeter`); ``powerlib check``
+reads a device back to back for a while and times every ``read_state`` (:func:`measure_counter`): the median
 and 99th percentile of a read's cost, and the period, "at least" when the counter never moved,
 "at most" when every read saw a new value (docs/real-gpu.md §8). The readiness check that
-reports both is :mod:`powerlib.measurement.node_check`.
+reports both is :mod:`powerlib.node_check.check`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A hook on the training thread runs ahead of the GPU. Recording a CUDA event on the current
 stream costs a few microseconds and never blocks; another thread waits for it and so learns
-when the device reached that point: :mod:`powerlib.measurement.measure` stamps step boundaries
+when the device reached that point: :mod:`powerlib.measure_api.measure` stamps step boundaries
 this way, and the frequency controller holds a clock change until the stream reaches the
 instruction it is for (docs/measurement.md).
 
@@ -100,6 +100,7 @@ def cuda_marker(align: str) -> StreamMarker | None:
     if align == "cuda":
         if torch is None:
             import torch  # noqa: PLC0415 - optional dependency, imported where used
+        assert torch is not None  # for the type checker: the import bound it
         if not torch.cuda.is_available():
             raise InvalidArgumentError("align='cuda' needs CUDA, and torch sees no GPU")
         return _CudaMarker(torch)

@@ -1,6 +1,6 @@
 """The device side of ``powerlib.measure``: which devices it reads, and the thread that reads them.
 
-A :class:`~powerlib.measurement.measure.Measurement` has two halves (docs/measurement.md §1):
+A :class:`~powerlib.measure_api.measure.Measurement` has two halves (docs/measurement.md §1):
 the training thread records window boundaries, and a sampler thread reads every device's
 energy counter and power. This module is the second half:
 

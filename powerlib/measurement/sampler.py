@@ -1,6 +1,6 @@
 """One device's sampler: timestamped reads of its energy counter, power, clock and temperature.
 
-The sessions' profile and apply phases and :mod:`powerlib.measurement.measure` read devices the
+The sessions' profile and apply phases and :mod:`powerlib.measure_api.measure` read devices the
 same way (docs/measurement.md): the training thread never calls the driver; a sampler reads the
 device every ``period_s`` and keeps ``(time, read duration, counter, power, clock,
 temperature)``. :mod:`powerlib.measurement.timeline` turns the reads into ``E(t)`` (counter

@@ -1,6 +1,6 @@
 """Energy at any instant of a run, from one device's samples: the attribution math of measure.
 
-The sampler thread of :mod:`powerlib.measurement.measure` reads each device every few
+The sampler thread of :mod:`powerlib.measure_api.measure` reads each device every few
 milliseconds and keeps ``(time, counter, power)``. Steps and windows only record their boundary
 times. After the run (never on the training thread) this module turns the samples into a
 function ``E(t)``, the device's cumulative energy at any time, and a window's energy is
@@ -81,7 +81,7 @@ class EnergyTimeline:
         t = self._times_s
         if t.size == 0:
             return np.zeros_like(times_s, dtype=float)
-        q = np.interp(times_s, t, self._q_j)
+        q: np.ndarray = np.interp(times_s, t, self._q_j)
         after = times_s > t[-1]
         q[after] = self._q_j[-1] + self._last_power_w * (times_s[after] - t[-1])
         return q  # before the first read np.interp holds Q at 0: nothing is known there
@@ -339,7 +339,7 @@ def _knot_times(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     missed updates (it waited for the GIL), the last one is the fitted update just before the
     read that saw it, or, without a fit, half a period before that read.
     """
-    mid = 0.5 * (lo + hi)
+    mid: np.ndarray = 0.5 * (lo + hi)
     if mid.size < 2:
         return mid
     period = float(np.median(np.diff(mid)))
@@ -364,6 +364,11 @@ def _knot_times(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(out)  # update instants are ordered
 
 
+def _cumsum_from_zero(values: np.ndarray) -> np.ndarray:
+    """``[0, v0, v0 + v1, ...]``: prefix sums, so a window's sum is a difference of two."""
+    return np.concatenate([[0.0], np.cumsum(values)])
+
+
 def _periodic_fit(
     mid: np.ndarray, period: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -378,7 +383,7 @@ def _periodic_fit(
         return None  # not periodic enough to fit
     n = np.concatenate([[0.0], np.cumsum(steps)])
     w = _FIT_HALF_WIDTH
-    c = lambda v: np.concatenate([[0.0], np.cumsum(v)])  # noqa: E731
+    c = _cumsum_from_zero
     s1, sn, sm, snn, snm = c(np.ones_like(n)), c(n), c(mid), c(n * n), c(n * mid)
     j = np.arange(mid.size)
     a_idx = np.clip(j - w, 0, mid.size)

@@ -26,7 +26,7 @@ from runtime_helpers import emulated_sessions, make_emulator, toy_profile  # noq
 
 import powerlib  # noqa: E402
 from powerlib.backends.simulated_model import WorkUnit  # noqa: E402
-from powerlib.measurement.exporter import Exporter  # noqa: E402
+from powerlib.exporter import Exporter  # noqa: E402
 
 LIMIT_S = 120.0  # an orphaned job never outlives its test for long
 

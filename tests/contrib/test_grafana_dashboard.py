@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from powerlib.backends.simulated import SimulatedBackend  # noqa: E402
 from powerlib.config import Settings  # noqa: E402
-from powerlib.measurement.exporter import Exporter  # noqa: E402
+from powerlib.exporter import Exporter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "contrib" / "grafana"

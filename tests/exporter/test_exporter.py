@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import resource
 import selectors
@@ -25,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 import powerlib  # noqa: E402
 from powerlib.backends.simulated import SimulatedBackend  # noqa: E402
 from powerlib.config import Settings  # noqa: E402
-from powerlib.measurement.exporter import DEFAULT_WORKERS, Exporter  # noqa: E402
+from powerlib.exporter import DEFAULT_WORKERS, Exporter  # noqa: E402
 
 
 def _scrape(port: int, timeout_s: float = 10.0) -> dict[str, list]:
@@ -138,29 +137,45 @@ def test_in_process_sessions_publish_their_steps(settings: Settings) -> None:
     assert after.get("powerlib_session_steps", []) == []  # an ended measurement is gone
 
 
-def test_running_sessions_publish_their_stage_through_the_source_the_runtime_registers(
+def test_running_sessions_publish_their_stage_through_their_status(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The exporter never imports the runtime: runtime.session registers a source of stage
-    gauges when it is imported, and a scrape renders what that source returns."""
+    """The runtime imports nothing of the exporter: a scrape asks the runtime for its running
+    sessions and renders each one's :meth:`~powerlib.runtime.session.Session.status`."""
     from types import SimpleNamespace
 
     from powerlib.runtime import session as session_module
+    from powerlib.runtime.records import Realized, SessionStatus
 
-    planned = SimpleNamespace(
+    def realized(saving_percent: float, rounds: int, verdict: str) -> Realized:
+        return Realized(
+            saving_percent=saving_percent,
+            saving_ci_percent=0.5,
+            slowdown_percent=0.0,
+            slowdown_ci_percent=0.1,
+            predicted_saving_percent=None,
+            predicted_slowdown_percent=None,
+            rounds=rounds,
+            verdict=verdict,
+        )
+
+    def running(status: SessionStatus) -> SimpleNamespace:
+        return SimpleNamespace(status=lambda: status)
+
+    planned = SessionStatus(
         stage=1,
-        outcome=SimpleNamespace(summary={"realized": {"saving_percent": 12.5}}),
-        controller=SimpleNamespace(last_requested=1410.0),
-        realized=SimpleNamespace(saving_percent=11.0, rounds=3, verdict="shortfall"),
+        predicted_saving_percent=12.5,
+        sm_freq_mhz=1410.0,
+        measured=realized(11.0, 3, "shortfall"),
     )
-    profiling = SimpleNamespace(stage=0, outcome=None, controller=None, realized=None)
-    unmeasured = SimpleNamespace(  # reverted before a round was paired: nothing measured
-        stage=2,
-        outcome=None,
-        controller=None,
-        realized=SimpleNamespace(saving_percent=math.nan, rounds=0, verdict="reverted"),
+    profiling = SessionStatus(
+        stage=0, predicted_saving_percent=None, sm_freq_mhz=None, measured=None
     )
-    monkeypatch.setattr(session_module, "active_sessions", lambda: [planned, profiling, unmeasured])
+    unmeasured = SessionStatus(  # reverted before a round was paired: nothing measured
+        stage=2, predicted_saving_percent=None, sm_freq_mhz=None, measured=None
+    )
+    sessions = [running(planned), running(profiling), running(unmeasured)]
+    monkeypatch.setattr(session_module, "active_sessions", lambda: sessions)
     with Exporter([], port=None) as exp:
         fams = {f.name: f.samples for f in text_string_to_metric_families(exp.render().decode())}
     (saving,) = fams["powerlib_session_planned_saving_ratio"]
@@ -170,6 +185,23 @@ def test_running_sessions_publish_their_stage_through_the_source_the_runtime_reg
     (measured,) = fams["powerlib_session_measured_saving_ratio"]
     assert measured.labels["stage"] == "1" and measured.labels["verdict"] == "shortfall"
     assert measured.value == pytest.approx(0.11)
+
+
+def test_a_process_without_the_runtime_publishes_no_stage_and_does_not_load_it() -> None:
+    """A scrape in a process that only measures never imports the runtime."""
+    code = (
+        "import sys\n"
+        "from powerlib.exporter import Exporter\n"
+        "with Exporter([], port=None) as exp:\n"
+        "    text = exp.render().decode()\n"
+        "assert 'powerlib_session_planned_saving_ratio' in text\n"
+        "print(sorted(m for m in sys.modules if m.startswith('powerlib.runtime')))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
 
 
 def test_a_real_session_publishes_the_saving_its_closed_loop_measured(tmp_path: Path) -> None:

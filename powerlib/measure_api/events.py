@@ -1,11 +1,11 @@
 """The events file: how a measured command's own steps reach ``powerlib measure``.
 
-``powerlib measure -- CMD`` (:func:`powerlib.measurement.command.run_command`) names a file in
+``powerlib measure -- CMD`` (:func:`powerlib.measure_api.command.run_command`) names a file in
 ``POWERLIB_MEASURE_EVENTS`` for its child. A measurement in the child (``powerlib.measure``, a
 trainer callback) appends its windows to it as JSON lines (:func:`write_events`, from its
 sampler thread every half second and at its end); the parent reads them when the child ends
 (:func:`read_events`) and records the lowest reporting rank's windows on its own measurement
-(:func:`powerlib.measurement.command.record_child_windows`), so the child's steps get the energy of every measured device.
+(:func:`powerlib.measure_api.command.record_child_windows`), so the child's steps get the energy of every measured device.
 ``time.monotonic`` is the same in every process of a host, so the two clocks agree.
 
 The file is written by a process powerlib does not control: a bad line is skipped with one
@@ -19,13 +19,13 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from powerlib.inputs import json_depth
 
 
 class WindowLike(Protocol):
-    """What :func:`write_events` reads of a window (:class:`powerlib.measurement.measure.Window`)."""
+    """What :func:`write_events` reads of a window (:class:`powerlib.measure_api.measure.Window`)."""
 
     kind: str
     name: str
@@ -36,7 +36,6 @@ class WindowLike(Protocol):
 
 
 __all__ = [
-    "EVENTS_ENV",
     "EVENTS_MAX_DEPTH",
     "WindowLike",
     "number",
@@ -45,10 +44,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-EVENTS_ENV = "POWERLIB_MEASURE_EVENTS"
-"""When set (``powerlib measure`` sets it for its child), measurements append their windows to
-this file as JSON lines, so the parent can mark and attribute the child's steps."""
 
 EVENTS_MAX_DEPTH = 8
 """An events line is one flat object; deeper JSON is refused before the recursive decoder."""
@@ -81,8 +76,8 @@ def write_events(path: str | os.PathLike[str], windows: Sequence[WindowLike], ra
 
 def read_events(
     path: str | os.PathLike[str], *, warn: Callable[[str], None] | None = None
-) -> list[dict[str, Any]]:
-    """The windows a child appended to an events file.
+) -> list[dict[str, object]]:
+    """The windows a child appended to an events file (untrusted JSON objects).
 
     A malformed line (not JSON, not UTF-8, nested deeper than :data:`EVENTS_MAX_DEPTH`, a
     number out of range) is skipped, and one warning says how many were and why the first was:
@@ -92,7 +87,7 @@ def read_events(
         path: The events file (missing: no windows).
         warn: Called with that one warning line instead of logging it.
     """
-    out = []
+    out: list[dict[str, object]] = []
     skipped = 0
     first = ""
     try:
@@ -124,7 +119,7 @@ def read_events(
     return out
 
 
-def number(value: Any) -> float | None:
+def number(value: object) -> float | None:
     """A finite float from a child's JSON number, else ``None`` (``1e999``, a 400-digit int)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None

@@ -50,17 +50,18 @@ from typing import Any
 import numpy as np
 
 from powerlib.backend import Backend
+from powerlib.config import launcher_rank, measure_events_path
 from powerlib.device import Device
 from powerlib.errors import InvalidArgumentError
-from powerlib.measurement.events import EVENTS_ENV, write_events
-from powerlib.measurement.markers import StreamMarker, cuda_marker
-from powerlib.measurement.reader import LOCAL, DeviceReads, open_devices
-from powerlib.measurement.result import (
+from powerlib.measure_api.events import write_events
+from powerlib.measure_api.result import (
     DeviceEnergy,
     MeasurementResult,
     WindowEnergy,
     reduce_results,
 )
+from powerlib.measurement.markers import StreamMarker, cuda_marker
+from powerlib.measurement.reader import LOCAL, DeviceReads, open_devices
 
 __all__ = [
     "Measurement",
@@ -180,11 +181,10 @@ class Measurement:
         self._align = align
         self._sampler_mode = sampler
         self.flush_timeout_s = float(flush_timeout_s)
-        env_path = os.environ.get(EVENTS_ENV) or None
         if events_path is False:  # powerlib measure itself: it reads the file, never writes it
             self._events_path: Path | None = None
         elif events_path is None or events_path is True:
-            self._events_path = Path(env_path) if env_path else None
+            self._events_path = measure_events_path()
         else:
             self._events_path = Path(events_path)
         self._marker_override = stream_marker
@@ -562,7 +562,4 @@ def _rank() -> int:
     dist = _dist()
     if dist is not None:
         return int(dist.get_rank())
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+    return launcher_rank()

@@ -1,6 +1,6 @@
 """What a measurement found: per device, per window, in total; its JSON form; the world reduction.
 
-The JSON form is described by ``powerlib/measurement/result.schema.json`` (JSON Schema draft
+The JSON form is described by ``powerlib/measure_api/result.schema.json`` (JSON Schema draft
 2020-12, ``"schema": "powerlib.measurement/1"``). The world reduction counts each physical
 device once: a device is ``(hostname, device_id)``, and when several ranks measured it (eight
 ranks that each see all eight GPUs of a node), the lowest rank's reading is kept.
@@ -89,7 +89,7 @@ class DeviceEnergy:
     counter_wraps: int
     samples: int
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """The schema's ``device`` object."""
         return {
             "device_id": self.device_id,
@@ -145,7 +145,7 @@ class WindowEnergy:
         """``energy_j / time_s``."""
         return self.energy_j / self.time_s if self.time_s > 0 else None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """The schema's ``window`` object."""
         return {
             "kind": self.kind,
@@ -278,7 +278,7 @@ class MeasurementResult:
 
     # -- JSON ------------------------------------------------------------------------------------
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         """The totals, without the per-window list."""
         energies = self.step_energy_j
         times = self.step_time_s
@@ -296,7 +296,7 @@ class MeasurementResult:
             "step_time_s_median": _r(statistics.median(times)) if times else None,
         }
 
-    def to_json(self, *, windows: bool = True) -> dict[str, Any]:
+    def to_json(self, *, windows: bool = True) -> dict[str, object]:
         """The result as the schema describes it (``windows=False`` leaves the list empty)."""
         return {
             "schema": SCHEMA,

@@ -4,28 +4,29 @@
 collector renders that cache (never calling a device, so a scrape costs the same whatever the
 driver's latency) and this process's ``powerlib.measure`` blocks and optimizing sessions, on a
 ``prometheus_client`` registry of its own (:func:`make_registry`). The metric names and labels
-are listed in :mod:`powerlib.measurement.exporter`; docs/measurement.md §7.
+are listed in :mod:`powerlib.exporter.service`; docs/measurement.md §7.
 
-Sessions are published without this package importing the runtime (which imports
-measurement, not the reverse): the runtime registers a source of :class:`StageGauges` with
-:func:`publish_stages` when its session module is imported.
+Sessions are pulled at each scrape (:func:`running_stages`): the exporter asks the runtime for
+its running sessions and their :meth:`~powerlib.runtime.session.Session.status`; the runtime
+knows nothing of the exporter.
 """
 
 from __future__ import annotations
 
 import math
 import socket
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from powerlib.device import Device, PowerState
 from powerlib.errors import BackendUnavailableError, InvalidArgumentError, PowerlibError
-from powerlib.measurement.measure import active_measurements
+from powerlib.measure_api.measure import active_measurements
 
-__all__ = ["ReadingCache", "StageGauges", "make_registry", "prometheus", "publish_stages"]
+__all__ = ["ReadingCache", "StageGauges", "make_registry", "prometheus", "running_stages"]
 
 _MHZ = 1e6
 
@@ -67,16 +68,29 @@ class StageGauges:
     verdict: str | None = None
 
 
-_STAGE_SOURCES: list[Callable[[], Iterable[StageGauges]]] = []
+def running_stages() -> list[StageGauges]:
+    """Each optimizing session running in this process: its stage's savings and clock.
 
-
-def publish_stages(source: Callable[[], Iterable[StageGauges]]) -> None:
-    """Publish what ``source()`` returns at every scrape that includes sessions (idempotent).
-
-    :mod:`powerlib.runtime.session` registers its running sessions this way.
+    A process that never loaded the runtime runs no session, and a scrape does not load it.
     """
-    if source not in _STAGE_SOURCES:
-        _STAGE_SOURCES.append(source)
+    if "powerlib.runtime.session" not in sys.modules:
+        return []
+    from powerlib.runtime.session import active_sessions  # noqa: PLC0415 - pulled at a scrape: the runtime never imports the exporter, and is loaded already
+
+    out = []
+    for session in active_sessions():
+        status = session.status()
+        predicted, measured = status.predicted_saving_percent, status.measured
+        out.append(
+            StageGauges(
+                stage=status.stage,
+                saving_ratio=None if predicted is None else predicted / 100.0,
+                sm_freq_mhz=status.sm_freq_mhz,
+                measured_saving_ratio=None if measured is None else measured.saving_percent / 100.0,
+                verdict=None if measured is None else measured.verdict,
+            )
+        )
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +226,8 @@ class _Collector:
                 self._rendered = cached
             yield from cached[1]
         if self._sessions:
-            yield from self._session_metrics(core)
+            yield from self._measurement_metrics(core)
+            yield from self._stage_metrics(core)
 
     def _devices(self, core: Any) -> Iterator[Any]:
         assert self._sampler is not None
@@ -276,7 +291,7 @@ class _Collector:
                 fam["lock_max"].add_metric(values, st.locked_sm_freqs_mhz[1] * _MHZ)
         yield from fam.values()
 
-    def _session_metrics(self, core: Any) -> Iterator[Any]:
+    def _measurement_metrics(self, core: Any) -> Iterator[Any]:
         labels = ["measurement", "rank", "Hostname"]
         steps = core.CounterMetricFamily("powerlib_session_steps", "Steps measured", labels=labels)
         step_s = core.SummaryMetricFamily(
@@ -296,6 +311,8 @@ class _Collector:
             energy.add_metric(values, math.fsum(s["energy_j"] or 0.0 for s in m.snapshot()))
             tokens.add_metric(values, math.fsum(w.tokens or 0.0 for w in done))
         yield from (steps, step_s, energy, tokens)
+
+    def _stage_metrics(self, core: Any) -> Iterator[Any]:
         saving = core.GaugeMetricFamily(
             "powerlib_session_planned_saving_ratio",
             "Energy saving of the applied plan, replayed on the profile (fraction)",
@@ -311,18 +328,17 @@ class _Collector:
             "Energy saving of the plan measured against interleaved all-max windows (fraction)",
             labels=["stage", "verdict", "Hostname"],
         )
-        for source in list(_STAGE_SOURCES):
-            for gauges in source():
-                values = [str(gauges.stage), self._hostname]
-                if gauges.saving_ratio is not None:
-                    saving.add_metric(values, gauges.saving_ratio)
-                if gauges.sm_freq_mhz is not None:
-                    clock.add_metric(values, gauges.sm_freq_mhz * _MHZ)
-                ratio = gauges.measured_saving_ratio
-                if ratio is not None and math.isfinite(ratio):
-                    measured.add_metric(
-                        [str(gauges.stage), gauges.verdict or "", self._hostname], ratio
-                    )
+        for gauges in running_stages():
+            values = [str(gauges.stage), self._hostname]
+            if gauges.saving_ratio is not None:
+                saving.add_metric(values, gauges.saving_ratio)
+            if gauges.sm_freq_mhz is not None:
+                clock.add_metric(values, gauges.sm_freq_mhz * _MHZ)
+            ratio = gauges.measured_saving_ratio
+            if ratio is not None and math.isfinite(ratio):
+                measured.add_metric(
+                    [str(gauges.stage), gauges.verdict or "", self._hostname], ratio
+                )
         yield from (saving, clock, measured)
 
 

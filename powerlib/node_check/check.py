@@ -15,7 +15,7 @@ whether a session could change its clocks and measure its energy, and why not:
 * with ``load``, the clock-change landing latency, measured under a short load (an idle GPU parks
   its clock, so its running clock says nothing): a low clock is locked, then a high one, a few
   times, through a :class:`~powerlib.control.ControlSession` (journaled, always restored); see
-  :func:`~powerlib.measurement.landing.measure_landing_latency`;
+  :func:`~powerlib.node_check.landing.measure_landing_latency`;
 * what the power reading covers (the whole board, a Grace Hopper module, a RAPL zone...).
 
 Each device ends with one verdict: ready, or not ready with the reason and the exit code of the
@@ -32,31 +32,28 @@ import importlib.metadata
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 from powerlib._version import __version__
 from powerlib.backend import Backend
 from powerlib.config import Settings
-from powerlib.device import ClockLockState, Device, DeviceKind
+from powerlib.device import Device, DeviceKind
 from powerlib.errors import (
     DeviceBusyError,
     DeviceLostError,
     NotSupportedError,
     PowerlibError,
 )
-from powerlib.measurement.counter_period import CounterCheck, measure_counter
-from powerlib.measurement.landing import (
+from powerlib.measurement.counter_period import measure_counter
+from powerlib.node_check.landing import (
     LANDING_REPETITIONS,
     LANDING_TIMEOUT_S,
     LatencyCheck,
     measure_landing_latency,
 )
+from powerlib.node_check.report import EXIT_NOT_SUPPORTED, EXIT_PERMISSION, DeviceCheck, NodeCheck
 
 __all__ = [
-    "SCHEMA",
-    "DeviceCheck",
-    "NodeCheck",
     "backend_versions",
     "check_device",
     "check_node",
@@ -68,158 +65,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA = "powerlib.check.v1"
-"""The ``schema`` of :meth:`NodeCheck.to_json` (``powerlib check --json``)."""
-
 STUCK_COUNTER_S = 0.5
 """A counter that did not move in this long is reported (NVML's and RAPL's update every 100 ms
 or faster; a shorter window says too little)."""
 
 _LIMIT_TOLERANCE_W = 0.5
-
-# Exit codes of docs/json-and-exit-codes.md (also the PowerlibError subclasses' exit_code).
-EXIT_PERMISSION = 4
-EXIT_NOT_SUPPORTED = 5
-
-
-# -- results ------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True, kw_only=True)
-class DeviceCheck:
-    """Everything :func:`check_device` found about one device, and its verdict.
-
-    Attributes:
-        index: The device's index on its backend.
-        device_id: Its stable id.
-        name: Its name.
-        permission: ``"root"``, ``"direct"``, ``"agent grant"`` or ``"none"``.
-        control_refusal: Why this process may not change it (``permission`` ``"none"``).
-        persistence_mode: True/False where the driver reports it, else ``None``.
-        mig_enabled: True/False where the driver reports it, else ``None``.
-        can_lock_sm_clocks: The device can lock its compute clock at all.
-        lock: What the driver reports about the clock lock (``None``: unreadable).
-        power_limit_w: The power limit in force.
-        default_power_limit_w: The device's default limit.
-        counter: The energy counter and read cost (``None``: not measured).
-        latency: The landing latency (``None``: ``load`` was not asked for).
-        power_scope: What the power and energy readings cover.
-        warnings: Findings that do not stop a session (persistence off, an existing lock...).
-        reasons: Why the device is not ready, first the one that sets ``exit_code``.
-        exit_code: 0 when ready, else the exit code of the first reason.
-    """
-
-    index: int
-    device_id: str
-    name: str
-    permission: str | None = None
-    control_refusal: str | None = None
-    persistence_mode: bool | None = None
-    mig_enabled: bool | None = None
-    can_lock_sm_clocks: bool = False
-    lock: ClockLockState | None = None
-    power_limit_w: float | None = None
-    default_power_limit_w: float | None = None
-    counter: CounterCheck | None = None
-    latency: LatencyCheck | None = None
-    power_scope: str | None = None
-    warnings: list[str] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
-    exit_code: int = 0
-
-    @property
-    def ready(self) -> bool:
-        """No reason stops a session from controlling this device."""
-        return not self.reasons
-
-    @property
-    def verdict(self) -> str:
-        """``"ready"`` or ``"not ready: <reasons>"``, one line."""
-        return "ready" if self.ready else "not ready: " + "; ".join(self.reasons)
-
-    def fail(self, reason: str, exit_code: int) -> None:
-        """Record a reason the device is not ready (the first one sets the exit code)."""
-        self.reasons.append(reason)
-        if self.exit_code == 0:
-            self.exit_code = exit_code
-
-    def to_json(self) -> dict[str, object]:
-        """JSON-ready fields."""
-        return {
-            "index": self.index,
-            "device_id": self.device_id,
-            "name": self.name,
-            "ready": self.ready,
-            "verdict": self.verdict,
-            "exit_code": self.exit_code,
-            "reasons": list(self.reasons),
-            "warnings": list(self.warnings),
-            "permission": self.permission,
-            "control_refusal": self.control_refusal,
-            "persistence_mode": self.persistence_mode,
-            "mig_enabled": self.mig_enabled,
-            "can_lock_sm_clocks": self.can_lock_sm_clocks,
-            "clock_lock": None if self.lock is None else self.lock.to_json(),
-            "power_limit_w": self.power_limit_w,
-            "default_power_limit_w": self.default_power_limit_w,
-            "energy_counter": None if self.counter is None else self.counter.to_json(),
-            "landing_latency": None if self.latency is None else self.latency.to_json(),
-            "power_scope": self.power_scope,
-        }
-
-
-@dataclass(slots=True, kw_only=True)
-class NodeCheck:
-    """The whole report: the backend, then one :class:`DeviceCheck` per device.
-
-    Attributes:
-        backend: The backend's registry name (what was asked for when it could not open).
-        available: The backend opened.
-        error: Why it could not open (one line), else ``None``.
-        error_code: The exit code of that error (3: backend unavailable).
-        versions: Driver and library versions (``None`` values: unknown).
-        devices: The devices checked.
-        duration_s: How long the counter was read per device.
-        load: Whether the landing latency was measured under load.
-    """
-
-    backend: str
-    available: bool = True
-    error: str | None = None
-    error_code: int = 0
-    versions: dict[str, str | None] = field(default_factory=dict)
-    devices: list[DeviceCheck] = field(default_factory=list)
-    duration_s: float = 0.0
-    load: bool = False
-
-    @property
-    def exit_code(self) -> int:
-        """0 when all is ready, else the backend's error code or the first failing device's."""
-        if not self.available:
-            return self.error_code or 3
-        return next((d.exit_code for d in self.devices if d.exit_code), 0)
-
-    @property
-    def ready(self) -> bool:
-        """The backend opened and every device checked is ready."""
-        return self.exit_code == 0
-
-    def to_json(self) -> dict[str, object]:
-        """The ``powerlib.check.v1`` object."""
-        return {
-            "schema": SCHEMA,
-            "ready": self.ready,
-            "exit_code": self.exit_code,
-            "backend": {
-                "name": self.backend,
-                "available": self.available,
-                "error": self.error,
-                "versions": dict(self.versions),
-            },
-            "duration_s": self.duration_s,
-            "load": self.load,
-            "devices": [d.to_json() for d in self.devices],
-        }
 
 
 # -- backend-wide facts -------------------------------------------------------------------------
@@ -359,6 +209,21 @@ def _check_into(
     repetitions: int,
     landing_timeout_s: float,
 ) -> None:
+    _read_facts(check, backend, dev, duration_s, permission)
+    _judge(check, dev)
+    busy = _warn(check, backend, dev)
+    if load:
+        _measure_landing(check, backend, dev, busy, repetitions, landing_timeout_s)
+
+
+def _read_facts(
+    check: DeviceCheck,
+    backend: Backend,
+    dev: Device,
+    duration_s: float,
+    permission: tuple[str, str | None] | None,
+) -> None:
+    """Fill in what the driver says, and read the counter back to back for ``duration_s``."""
     info = dev.info
     check.permission, check.control_refusal = (
         permission_of(backend) if permission is None else permission
@@ -375,7 +240,10 @@ def _check_into(
     check.power_limit_w = state.power_limit_w
     check.counter = measure_counter(dev, duration_s)
 
-    # Verdict: what stops a session, in the order a user has to fix it.
+
+def _judge(check: DeviceCheck, dev: Device) -> None:
+    """What stops a session, in the order a user has to fix it."""
+    info = dev.info
     if check.permission == "none":
         check.fail(
             check.control_refusal or "this process may not change the device", EXIT_PERMISSION
@@ -392,14 +260,19 @@ def _check_into(
             EXIT_NOT_SUPPORTED,
         )
 
-    # Warnings: a session can run, but the user should know.
+
+def _existing_lock(check: DeviceCheck) -> bool:
+    return check.lock is not None and check.lock.locked is True
+
+
+def _warn(check: DeviceCheck, backend: Backend, dev: Device) -> str | None:
+    """What a session can run with but the user should know; the line of a session holding it."""
     if check.persistence_mode is False:
         check.warnings.append(
             "persistence mode is off: the driver may drop clock locks and power limits when no "
             "process holds the GPU (nvidia-smi -pm 1, or run nvidia-persistenced)"
         )
-    existing_lock = check.lock is not None and check.lock.locked is True
-    if existing_lock:
+    if _existing_lock(check):
         assert check.lock is not None
         shown = (
             "range not reported by the driver"
@@ -411,6 +284,7 @@ def _check_into(
     if limit is not None and default is not None and abs(limit - default) > _LIMIT_TOLERANCE_W:
         check.warnings.append(f"the power limit is {limit:g} W, not the default {default:g} W")
     counter = check.counter
+    assert counter is not None
     if not counter.has_counter:
         check.warnings.append(
             "no energy counter: energy is integrated from power readings (read often)"
@@ -423,13 +297,22 @@ def _check_into(
     busy = _controlled_by(backend, dev)
     if busy is not None:
         check.warnings.append(busy)
+    return busy
 
-    if not load:
-        return
+
+def _measure_landing(
+    check: DeviceCheck,
+    backend: Backend,
+    dev: Device,
+    busy: str | None,
+    repetitions: int,
+    landing_timeout_s: float,
+) -> None:
+    """The landing latency under load, unless the device is not ready, locked or in use."""
     skip = None
     if not check.ready:
         skip = "the device is not ready"
-    elif existing_lock:
+    elif _existing_lock(check):
         skip = "a clock lock is already in force (measuring would replace it)"
     elif busy is not None:
         skip = "another powerlib session controls the device"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from powerlib.errors import InvalidArgumentError
-from powerlib.measurement import CommandMeasurement, finite_json, run_command
+from powerlib.measure_api import CommandMeasurement, finite_json, run_command
 
 
 @pytest.fixture(autouse=True)

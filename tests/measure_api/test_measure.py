@@ -19,9 +19,9 @@ from powerlib.backends.simulated_model import WorkUnit
 from powerlib.config import Settings
 from powerlib.device import Capabilities, Device, DeviceInfo, DeviceKind, PowerState
 from powerlib.errors import DeviceNotFoundError, InvalidArgumentError
-from powerlib.measurement import SCHEMA, Measurement, MeasurementResult, read_events
+from powerlib.measure_api import SCHEMA, Measurement, MeasurementResult, read_events
 
-SCHEMA_PATH = Path(powerlib.__file__).parent / "measurement" / "result.schema.json"
+SCHEMA_PATH = Path(powerlib.__file__).parent / "measure_api" / "result.schema.json"
 
 
 class Rig:

@@ -5,18 +5,18 @@ opens it to other hosts, with a fixed pool of threads and a timeout on every req
 (docs/measurement.md §7); ``--textfile PATH`` writes them for node_exporter's textfile
 collector instead. In a training process::
 
-    from powerlib.measurement.exporter import Exporter
+    from powerlib.exporter import Exporter
     with Exporter(port=9464):             # also publishes powerlib.measure / optimize series
         train()
 
 Built on ``prometheus-client`` (the ``prometheus`` extra), on a registry of its own (the
 process's default registry is left alone). A
-:class:`~powerlib.measurement.exporter_metrics.ReadingCache` thread reads the devices every
+:class:`~powerlib.exporter.metrics.ReadingCache` thread reads the devices every
 ``interval_s`` into a cache; a scrape renders the cache and never calls a device, so a
 scrape costs the same whatever the driver's latency and cannot slow a training loop's devices.
 The exporter only reads: it changes no clock, no limit and writes no journal.
-The cache and the metric families are :mod:`powerlib.measurement.exporter_metrics`; the bounded
-HTTP server is :mod:`powerlib.measurement.exporter_server`.
+The cache and the metric families are :mod:`powerlib.exporter.metrics`; the bounded
+HTTP server is :mod:`powerlib.exporter.server`.
 
 Names follow Prometheus conventions: base units (joules, watts, hertz, celsius, seconds),
 ``_total`` on counters. Labels match dcgm-exporter's where they mean the same (``gpu``: the
@@ -64,8 +64,8 @@ from typing import Any
 from powerlib.backend import Backend
 from powerlib.device import Device
 from powerlib.errors import InvalidArgumentError
-from powerlib.measurement.exporter_metrics import ReadingCache, make_registry, prometheus
-from powerlib.measurement.exporter_server import MetricsServer
+from powerlib.exporter.metrics import ReadingCache, make_registry, prometheus
+from powerlib.exporter.server import MetricsServer
 
 __all__ = [
     "DEFAULT_ADDR",

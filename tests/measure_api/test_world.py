@@ -13,7 +13,7 @@ pytest.importorskip("torch.distributed")
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from multiproc import launch_ranks  # noqa: E402
 
-from powerlib.measurement import DeviceEnergy, MeasurementResult, WindowEnergy, reduce_results  # noqa: E402
+from powerlib.measure_api import DeviceEnergy, MeasurementResult, WindowEnergy, reduce_results  # noqa: E402
 
 WORKER = Path(__file__).with_name("world_worker.py")
 

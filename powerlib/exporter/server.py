@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from powerlib.measurement.exporter_metrics import prometheus
+from powerlib.exporter.metrics import prometheus
 
 __all__ = ["MetricsServer"]
 

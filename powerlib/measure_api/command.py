@@ -7,9 +7,9 @@ process while the child runs are forwarded to the child once (from the main thre
 delivers signals there). A signal sent to every process of a job (a cgroup-wide kill) reaches
 the child directly as well as through this process.
 
-The devices are sampled by a :class:`~powerlib.measurement.measure.Measurement` in this
+The devices are sampled by a :class:`~powerlib.measure_api.measure.Measurement` in this
 process. A child that uses ``powerlib.measure`` itself (or a trainer callback) reports its
-steps through the file named by ``POWERLIB_MEASURE_EVENTS`` (:mod:`powerlib.measurement.events`);
+steps through the file named by ``POWERLIB_MEASURE_EVENTS`` (:mod:`powerlib.measure_api.events`);
 its steps then appear in the result, with the energy of every measured device attributed to
 them (the lowest reporting rank's steps, so that ranks sharing the devices are not counted
 twice). docs/measurement.md §6.
@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.backend import Backend
+from powerlib.config import MEASURE_EVENTS_ENV, child_environment
 from powerlib.device import Device
 from powerlib.errors import InvalidArgumentError
-from powerlib.measurement.events import EVENTS_ENV, number, read_events
-from powerlib.measurement.measure import Measurement
-from powerlib.measurement.result import MeasurementResult, finite_json
+from powerlib.measure_api.events import number, read_events
+from powerlib.measure_api.measure import Measurement
+from powerlib.measure_api.result import MeasurementResult, finite_json
 
 __all__ = ["FORWARDED", "CommandMeasurement", "run_command"]
 
@@ -60,7 +61,7 @@ class CommandMeasurement:
         exit_status: The child's status: its exit code, or ``-N`` when signal ``N`` killed it.
         result: The measurement, with the steps and windows the child reported.
         power_series: Per device id: read times (s after the start) and power (W), the input
-            of :func:`~powerlib.measurement.plot.plot_power`.
+            of :func:`~powerlib.measure_api.plot.plot_power`.
     """
 
     command: tuple[str, ...]
@@ -73,7 +74,7 @@ class CommandMeasurement:
         """The status a shell reports for the child: its exit code, or ``128 + N`` for signal N."""
         return self.exit_status if self.exit_status >= 0 else 128 - self.exit_status
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """The result's JSON (``powerlib.measurement/1``) plus ``command`` and ``exit_status``."""
         return self.result.to_json() | {
             "command": list(self.command),
@@ -104,7 +105,7 @@ def run_command(
         sample_period_s: How often the devices are read.
         jsonl: While the command runs, append one JSON line per device here every
             ``jsonl_interval_s`` (``time_unix_s`` and the
-            :meth:`~powerlib.measurement.measure.Measurement.snapshot` row).
+            :meth:`~powerlib.measure_api.measure.Measurement.snapshot` row).
         jsonl_interval_s: Seconds between those lines.
         env: The child's environment (default this process's), to which
             ``POWERLIB_MEASURE_EVENTS`` is added.
@@ -136,7 +137,7 @@ def run_command(
     )
     with tempfile.TemporaryDirectory(prefix="powerlib-measure-") as tmp:
         events = Path(tmp) / "events.jsonl"
-        child_env = dict(os.environ if env is None else env) | {EVENTS_ENV: str(events)}
+        child_env = child_environment({MEASURE_EVENTS_ENV: str(events)}, env)
         with m:
             status = _run(list(command), child_env, m, jsonl, jsonl_interval_s, stdout)
         record_child_windows(m, read_events(events, warn=warn))
@@ -238,13 +239,13 @@ def _set_foreground(fd: int, pgid: int) -> None:
         signal.signal(signal.SIGTTOU, old)
 
 
-def record_child_windows(m: Measurement, events: list[dict[str, Any]]) -> None:
+def record_child_windows(m: Measurement, events: list[dict[str, object]]) -> None:
     """Record on ``m`` the steps and windows the child reported: the lowest reporting rank's.
 
     The child's numbers are checked: a window without finite start and end is dropped, and
     tokens that are not a finite number count as unreported (docs/measurement.md §6).
     """
-    ranks = [e.get("rank", 0) for e in events if isinstance(e.get("rank", 0), int)]
+    ranks = [rank for e in events if isinstance(rank := e.get("rank", 0), int)]
     if not ranks:
         return
     first = min(ranks)
@@ -262,5 +263,5 @@ def record_child_windows(m: Measurement, events: list[dict[str, Any]]) -> None:
                 start_s,
                 end_s,
                 tokens=number(e.get("tokens")),
-                index=e.get("index") if isinstance(e.get("index"), int) else None,
+                index=index if isinstance(index := e.get("index"), int) else None,
             )

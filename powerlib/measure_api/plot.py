@@ -2,7 +2,7 @@
 
 What ``powerlib measure --plot FILE`` draws (docs/measuring.md,
 ``docs/images/measure_power.png``), from :meth:`Measurement.power_series
-<powerlib.measurement.measure.Measurement.power_series>` and its result. matplotlib is the
+<powerlib.measure_api.measure.Measurement.power_series>` and its result. matplotlib is the
 optional ``plot`` extra, imported only when a plot is drawn.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from powerlib.measurement.result import MeasurementResult
+from powerlib.measure_api.result import MeasurementResult
 
 __all__ = ["plot_power"]
 
@@ -26,7 +26,7 @@ def plot_power(
 
     Args:
         series: Per device id: times (s after the start) and power (W), as
-            :meth:`~powerlib.measurement.measure.Measurement.power_series` returns them.
+            :meth:`~powerlib.measure_api.measure.Measurement.power_series` returns them.
         result: The measurement's result: device names, steps, windows and totals.
         path: The image to write; its suffix picks the format (PNG, SVG, PDF).
         title: A first title line (cut at 70 characters); the second gives the totals.

@@ -5,7 +5,7 @@ load runs on the device (the backend's own, simulated work on the simulator; els
 torch matmul loop on the CUDA/ROCm device with the GPU's UUID): a low clock is locked, then a high
 one, a few times, through a :class:`~powerlib.control.ControlSession` (journaled first, always
 restored), and each change is timed until the running clock shows it (docs/real-gpu.md §8). The
-readiness check that reports it is :mod:`powerlib.measurement.node_check`.
+readiness check that reports it is :mod:`powerlib.node_check.check`.
 """
 
 from __future__ import annotations
