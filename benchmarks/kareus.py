@@ -61,10 +61,10 @@ from typing import Any
 
 import numpy as np
 
+from powerlib.kareus.comparison import compare_frontiers
 from powerlib.kareus.compose import (
     METHODS,
     calibrate_correction,
-    compare_frontiers,
     measure_components,
     sample_frontier,
 )
@@ -381,7 +381,9 @@ def run_config(name: str, seed: int) -> dict[str, Any]:
         schedule="1f1b",
         unit_time_s=unit_time_s,
     )
-    cmp_ = compare_frontiers(frontiers["kareus"], frontiers["perseus"], frontiers["nanobatch"])
+    cmp_ = compare_frontiers(
+        frontiers["kareus"], frontiers["perseus"], frontiers["nanobatch"]
+    ).to_json()
     kareus = frontiers["kareus"]
     cmp_["iso_time_vs_megatron"] = _iso_time_vs_megatron(kareus, frontiers["perseus"])
     sampled = sample_frontier(kareus.points)

@@ -266,9 +266,9 @@ def main() -> int:
         },
         "rounds": rounds,
         "overlap": {
-            "paths": report["paths"],
-            "enforced": report["enforced"],
-            "disabled": report["disabled"],
+            "paths": report.paths,
+            "enforced": report.enforced,
+            "disabled": report.disabled,
         },  # fmt: skip
         "note": None
         if cuda

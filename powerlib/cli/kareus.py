@@ -14,10 +14,19 @@ partition, and the same study layout.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from powerlib.cli.options import Number, OutputPath, PhaseBars, emit_json, plan_outputs
 from powerlib.errors import PlanError
+from powerlib.kareus.shapes import MODEL_SHAPES
+from powerlib.kareus.sim_params import GPUS
+from powerlib.kareus.workflow import SCHEDULES
+from powerlib.planning.names import COST_MODELS, POLICIES
+
+if TYPE_CHECKING:
+    from powerlib.kareus.workflow import StudyPlanResult
 
 __all__ = ["kareus", "overlap"]
 
@@ -56,7 +65,7 @@ def kareus() -> None:
 @click.argument("study_dir", metavar="STUDY_DIR", type=OutputPath(folder=True))
 @click.option(
     "--model",
-    type=click.Choice(["llama3.2-3b", "qwen3-1.7b"]),
+    type=click.Choice(list(MODEL_SHAPES)),
     default="llama3.2-3b",
     show_default=True,
     help="Layer shapes (docs/kareus.md §5.4).",
@@ -89,7 +98,7 @@ def kareus() -> None:
     multiple=True,
     help="Search only these partition types (repeatable; default all).",
 )
-@click.option("--gpu", type=click.Choice(["a100", "h100"]), default="a100", show_default=True)
+@click.option("--gpu", type=click.Choice(list(GPUS)), default="a100", show_default=True)
 @click.option(
     "--noise",
     type=Number(min=0.0, max=0.2),
@@ -139,7 +148,6 @@ def search(
     from powerlib.kareus.evaluator import MeasureProtocol  # noqa: PLC0415 - a command loads only what it runs (fast --help)
     from powerlib.kareus.shapes import Parallelism  # noqa: PLC0415 - a command loads only what it runs (fast --help)
     from powerlib.kareus.sim_model import SimulatedOverlapEvaluator  # noqa: PLC0415 - keep CLI start fast
-    from powerlib.kareus.sim_params import A100, H100  # noqa: PLC0415 - keep CLI start fast
     from powerlib.kareus.workflow import search_study  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     par = Parallelism(
@@ -147,7 +155,7 @@ def search(
     )
     layers = _layers(stage_layers)
     evaluator = SimulatedOverlapEvaluator(
-        A100 if gpu == "a100" else H100,
+        GPUS[gpu],
         protocol=MeasureProtocol(window_s=window_s, cooldown_s=cooldown_s),
         noise=noise,
         seed=seed,
@@ -172,10 +180,9 @@ def search(
             seed=seed,
             progress=bars,
         )
-    data = result.to_json()
-    rows, path, freqs = data["partitions"], result.study_path, result.freqs_mhz
+    rows, path, freqs = result.partitions, result.study_path, result.freqs_mhz
     if as_json:
-        emit_json(data)
+        emit_json(result.to_json())
         return
     click.echo(f"{result.workload_label}: {len(rows)} partition type(s), {len(freqs)} clocks")
     click.echo(
@@ -184,9 +191,8 @@ def search(
     )
     for r in rows:
         click.echo(
-            f"{r['partition']:<12} {r['space']:>5} {r['evaluations']:>5} "
-            f"{r['budget']:>6} {r['pareto_points']:>5} {r['stopped']:<9} "
-            f"{r['profiling_h']:>8.2f}h"
+            f"{r.partition:<12} {r.space:>5} {r.evaluations:>5} {r.budget:>6} "
+            f"{r.pareto_points:>5} {r.stopped:<9} {r.profiling_h:>8.2f}h"
         )
     click.echo(f"study written to {path}; next: powerlib kareus plan {study_dir} --microbatches 8")
 
@@ -199,7 +205,7 @@ def search(
     required=True,
     help="Microbatches M per iteration.",
 )
-@click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True)
+@click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True)
 @click.option(
     "--unit-time-s",
     type=Number(min=0.0, min_open=True),
@@ -209,10 +215,10 @@ def search(
 )
 @click.option(
     "--cost-model",
-    type=click.Choice(["convex", "exp"]),
+    type=click.Choice(COST_MODELS),
     default="convex",
     show_default=True,
-    help="Lower convex hull (frontiers of nested option sets nest) or the exponential fit.",
+    help="Exponential fit, or the lower convex hull (frontiers of nested option sets nest).",
 )
 @click.option(
     "--correction",
@@ -223,7 +229,7 @@ def search(
 )
 @click.option(
     "--policy",
-    type=click.Choice(["fastest", "deadline", "min-energy"]),
+    type=click.Choice(POLICIES),
     default="fastest",
     show_default=True,
 )
@@ -259,7 +265,7 @@ def plan_(
     """
     from powerlib.kareus.workflow import plan_from_study  # noqa: PLC0415 - a command loads only what it runs (fast --help)
     from powerlib.planning.choice import Policy  # noqa: PLC0415 - keep CLI start fast
-    from powerlib.planning.workflow import write_outputs  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.planning.perseus.report import PlanOutputs, write_plan_outputs  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     if policy == "deadline" and deadline_s is None:
         raise click.UsageError("--policy deadline needs --deadline-s")
@@ -282,51 +288,55 @@ def plan_(
             max_work=max_work,
             progress=bars,
         )
-    write_outputs(
+    write_plan_outputs(
+        PlanOutputs.files(frontier=frontier_out, plan=plan_out, plot=plot_path),
         result.choice,
-        frontier_out=frontier_out,
-        plan_out=plan_out,
-        plot_path=plot_path,
-        metadata=result.plan_metadata,
+        plan_metadata=result.plan_metadata.to_json(),
     )
-    data, frontier, solve_time_s = result.summary, result.frontier, result.solve_time_s
-    nano, options_used = result.nanobatch_instructions, result.choice.options
     if as_json:
-        emit_json(data)
+        emit_json(result.summary.to_json())
         return
-    c = data["chosen"]
-    click.echo(
-        f"frontier: {data['num_points']} points, {data['t_max_s']:.4f} s -> "
-        f"{data['t_min_s']:.4f} s (T_min); minimum energy {data['t_star_energy_j']:.1f} J at "
-        f"T* = {data['t_star_s']:.4f} s; Megatron-LM (sequential, max clock) "
-        f"{frontier.baseline_time_s:.4f} s; solved in {solve_time_s:.1f} s"
-    )
-    click.echo(
-        f"chosen ({policy}): {c['time_s']:.4f} s, {c['energy_j']:.1f} J planned; "
-        f"{c['realized_time_s']:.4f} s, {c['realized_energy_j']:.1f} J replayed; "
-        f"{nano} of {len(options_used)} instructions nanobatched"
-    )
-    click.echo(
-        f"Megatron-LM energy at that time: {data['baseline']['energy_j']:.1f} J -> "
-        f"saving {data['saving_percent']:.2f} % planned"
-    )
-    if compare:
-        cmp_ = data["comparison"]
-        iso_t, iso_e = cmp_["iso_time_energy_reduction"], cmp_["iso_energy_time_reduction"]
-        click.echo(
-            "vs Perseus-only: iso-time energy reduction "
-            + ("n/a" if iso_t is None else f"{100 * iso_t:.2f} %")
-            + ", iso-energy time reduction "
-            + ("n/a" if iso_e is None else f"{100 * iso_e:.2f} %")
-        )
-        for name, d in cmp_["dominance"].items():
-            click.echo(
-                f"  weakly dominates {name}+Perseus at {d['samples']} sampled points: "
-                f"{'yes' if d['weakly_dominated'] else 'NO'}"
-            )
+    _echo_plan(result, policy)
     for label, written in (("frontier", frontier_out), ("plan", plan_out), ("plot", plot_path)):
         if written:
             click.echo(f"{label} written to {written}")
+
+
+def _echo_plan(result: StudyPlanResult, policy: str) -> None:
+    """``kareus plan``'s text report: the frontier, the chosen point, the comparison."""
+    data, frontier = result.summary.plan, result.frontier
+    c = data.chosen
+    click.echo(
+        f"frontier: {data.num_points} points, {data.t_max_s:.4f} s -> "
+        f"{data.t_min_s:.4f} s (T_min); minimum energy {data.t_star_energy_j:.1f} J at "
+        f"T* = {data.t_star_s:.4f} s; Megatron-LM (sequential, max clock) "
+        f"{frontier.baseline_time_s:.4f} s; solved in {result.solve_time_s:.1f} s"
+    )
+    click.echo(
+        f"chosen ({policy}): {c.time_s:.4f} s, {c.energy_j:.1f} J planned; "
+        f"{c.realized_time_s:.4f} s, {c.realized_energy_j:.1f} J replayed; "
+        f"{result.nanobatch_instructions} of {len(result.choice.options)} instructions "
+        "nanobatched"
+    )
+    click.echo(
+        f"Megatron-LM energy at that time: {data.baseline.energy_j:.1f} J -> "
+        f"saving {data.saving_percent:.2f} % planned"
+    )
+    cmp_ = result.summary.comparison
+    if cmp_ is None:
+        return
+    iso_t, iso_e = cmp_.iso_time_energy_reduction, cmp_.iso_energy_time_reduction
+    click.echo(
+        "vs Perseus-only: iso-time energy reduction "
+        + ("n/a" if iso_t is None else f"{100 * iso_t:.2f} %")
+        + ", iso-energy time reduction "
+        + ("n/a" if iso_e is None else f"{100 * iso_e:.2f} %")
+    )
+    for name, d in cmp_.dominance.items():
+        click.echo(
+            f"  weakly dominates {name}+Perseus at {d.samples} sampled points: "
+            f"{'yes' if d.weakly_dominated else 'NO'}"
+        )
 
 
 #: ``powerlib overlap``: the group's former name, kept as a hidden alias.

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from powerlib.errors import PlanError
 from powerlib.kareus.evaluator import Evaluator, Measurement
@@ -48,8 +48,10 @@ __all__ = [
     "STOCK_SM_COUNT",
     "Components",
     "Knob",
+    "ComposedOptions",
+    "KnobFields",
+    "SettingFields",
     "calibrate_correction",
-    "compare_frontiers",
     "compose_options",
     "measure_components",
     "method_frontier",
@@ -68,6 +70,22 @@ Perseus, "M+P"); ``nanobatch``: stock nanobatching only ("N+P")."""
 _KINDS = (FORWARD, BACKWARD)
 
 
+class SettingFields(TypedDict):
+    """One partition type's setting in a plan (:class:`~powerlib.planning.plan.PartitionSetting`)."""
+
+    slot: str | None
+    sm_count: int
+    block_size: int
+
+
+class KnobFields(TypedDict):
+    """The plan fields of a Kareus option: what the planner writes into its instruction."""
+
+    execution: str
+    overlap: dict[str, SettingFields]
+    option_source: str
+
+
 @dataclass(frozen=True, slots=True)
 class Knob:
     """What an instruction option sets besides its clock.
@@ -82,7 +100,7 @@ class Knob:
     configs: tuple[tuple[str, Config], ...] = ()
     source: str = "search"
 
-    def to_plan(self) -> dict[str, Any]:
+    def to_plan(self) -> KnobFields:
         """Plan fields: ``execution`` and ``overlap`` (slot, SM count, block size per type)."""
         return {
             "execution": self.execution,
@@ -92,6 +110,10 @@ class Knob:
             },
             "option_source": self.source,
         }
+
+
+ComposedOptions = dict[tuple[int, str], list[tuple[float, float, float, Knob]]]
+"""Per ``(stage, kind)``, an instruction's options ``(freq_mhz, time_s, energy_j, knob)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +215,8 @@ def pareto_indices(times: Sequence[float], costs: Sequence[float]) -> list[int]:
 
 
 _Partial = tuple[float, float, tuple[tuple[str, Config], ...]]
+_Fronts = dict[str, dict[float, list[_Partial]]]
+"""Per partition type key, per clock: the Pareto set of its measured configurations."""
 
 
 def _pareto(items: list[_Partial]) -> list[_Partial]:
@@ -223,7 +247,7 @@ def compose_options(
     *,
     method: str = "kareus",
     correction: float = 1.0,
-) -> dict[tuple[int, str], list[tuple[float, float, float, Knob]]]:
+) -> ComposedOptions:
     """Per ``(stage, kind)``, the instruction options ``(freq_mhz, time_s, energy_j, knob)``.
 
     Args:
@@ -249,26 +273,10 @@ def compose_options(
         raise PlanError(f"correction must be a positive number, got {correction!r}")
     p_s = components.p_static_w
     freqs = list(components.freqs_mhz)
-    by_type: dict[str, dict[float, list[_Partial]]] = {}
+    by_type: _Fronts = {}
     if method == "kareus":
-        for p in workload.partitions:
-            got = records.get(p.key)
-            if got is None:
-                raise PlanError(f"no search results for partition type {p.key!r}")
-            per_f: dict[float, list[_Partial]] = {}
-            for config, time_s, dyn_j in got:
-                per_f.setdefault(float(config.freq_mhz), []).append(
-                    (float(time_s), float(dyn_j), ((p.key, config),))
-                )
-            by_type[p.key] = {f: _pareto(items) for f, items in per_f.items()}
-        common = set(freqs)
-        for per_f in by_type.values():
-            common &= set(per_f)
-        if not common:
-            raise PlanError("the partition types were not measured at any common clock")
-        freqs = sorted(common)
-
-    out: dict[tuple[int, str], list[tuple[float, float, float, Knob]]] = {}
+        by_type, freqs = _searched_fronts(workload, records, freqs)
+    out: ComposedOptions = {}
     for st in workload.stages:
         for kind in _KINDS:
             types = _types_of(workload, kind, st.layers)
@@ -278,56 +286,94 @@ def compose_options(
                 ext_t = ext.time_s if ext else 0.0
                 ext_d = ext.dynamic_energy_j if ext else 0.0
                 if method in ("kareus", "perseus"):
-                    phases = workload.phases(kind)
-                    t = sum(components.sequential[(ph, f)].time_s for ph in phases) * st.layers
-                    d = sum(components.sequential[(ph, f)].dynamic_energy_j for ph in phases)
-                    cands.append(
-                        (f, t + ext_t, d * st.layers + ext_d, Knob("sequential", (), "sequential"))
-                    )
+                    t, d = _sequential_sum(workload, components, kind, f, st.layers)
+                    cands.append((f, t + ext_t, d + ext_d, Knob("sequential", (), "sequential")))
+                nanobatched: list[tuple[float, float, Knob]] = []
                 if method in ("kareus", "nanobatch"):
-                    t = d = 0.0
-                    stock_configs: list[tuple[str, Config]] = []
-                    for key, ptype, mult in types:
-                        m = components.stock[(ptype.key, f)]
-                        t += mult * m.time_s
-                        d += mult * m.dynamic_energy_j
-                        stock_configs.append(
-                            (key, _stock_config(ptype, f, components.stock_sm_count))
-                        )
-                    cands.append(
-                        (
-                            f,
-                            correction * t + ext_t,
-                            correction * d + ext_d,
-                            Knob("nanobatch", tuple(stock_configs), "stock"),
-                        )
-                    )
+                    nanobatched.append(_stock_sum(components, types, f))
                 if method == "kareus":
-                    acc: list[_Partial] = [(0.0, 0.0, ())]
-                    for key, ptype, mult in types:
-                        opts = by_type[ptype.key][f]
-                        acc = _pareto(
-                            [
-                                (ta + mult * tb, ea + mult * eb, ca + ((key, cb[0][1]),))
-                                for ta, ea, ca in acc
-                                for tb, eb, cb in opts
-                            ]
-                        )
-                    for t, d, configs in acc:
-                        cands.append(
-                            (
-                                f,
-                                correction * t + ext_t,
-                                correction * d + ext_d,
-                                Knob("nanobatch", configs, "search"),
-                            )
-                        )
+                    nanobatched += _searched_sums(by_type, types, f)
+                for t, d, knob in nanobatched:
+                    cands.append((f, correction * t + ext_t, correction * d + ext_d, knob))
             keep = pareto_indices([c[1] for c in cands], [c[2] for c in cands])
             out[(st.stage, kind)] = [
                 (cands[i][0], cands[i][1], cands[i][2] + p_s * cands[i][1], cands[i][3])
                 for i in sorted(keep, key=lambda i: (cands[i][1], cands[i][0]))
             ]
     return out
+
+
+def _searched_fronts(
+    workload: PartitionWorkload,
+    records: Mapping[str, Iterable[tuple[Config, float, float]]],
+    freqs: list[float],
+) -> tuple[_Fronts, list[float]]:
+    """Each partition type's fronts per clock, and the clocks of ``freqs`` every type has.
+
+    Raises:
+        PlanError: A partition type without records, or no clock common to all.
+    """
+    by_type: _Fronts = {}
+    for p in workload.partitions:
+        got = records.get(p.key)
+        if got is None:
+            raise PlanError(f"no search results for partition type {p.key!r}")
+        per_f: dict[float, list[_Partial]] = {}
+        for config, time_s, dyn_j in got:
+            per_f.setdefault(float(config.freq_mhz), []).append(
+                (float(time_s), float(dyn_j), ((p.key, config),))
+            )
+        by_type[p.key] = {f: _pareto(items) for f, items in per_f.items()}
+    common = set(freqs)
+    for per_f in by_type.values():
+        common &= set(per_f)
+    if not common:
+        raise PlanError("the partition types were not measured at any common clock")
+    return by_type, sorted(common)
+
+
+def _sequential_sum(
+    workload: PartitionWorkload, components: Components, kind: str, f: float, layers: int
+) -> tuple[float, float]:
+    """``(time_s, dynamic_energy_j)`` of an instruction's layers run sequentially at ``f``."""
+    phases = workload.phases(kind)
+    t = sum(components.sequential[(ph, f)].time_s for ph in phases) * layers
+    d = sum(components.sequential[(ph, f)].dynamic_energy_j for ph in phases)
+    return t, d * layers
+
+
+def _stock_sum(
+    components: Components, types: list[tuple[str, PartitionType, int]], f: float
+) -> tuple[float, float, Knob]:
+    """An instruction's partitions in their stock configuration at ``f``: time, energy, knob."""
+    t = d = 0.0
+    stock_configs: list[tuple[str, Config]] = []
+    for key, ptype, mult in types:
+        m = components.stock[(ptype.key, f)]
+        t += mult * m.time_s
+        d += mult * m.dynamic_energy_j
+        stock_configs.append((key, _stock_config(ptype, f, components.stock_sm_count)))
+    return t, d, Knob("nanobatch", tuple(stock_configs), "stock")
+
+
+def _searched_sums(
+    by_type: _Fronts, types: list[tuple[str, PartitionType, int]], f: float
+) -> list[tuple[float, float, Knob]]:
+    """The Pareto set of an instruction's sums of searched configurations at ``f`` (Alg. 2).
+
+    Pruned after every type, which is exact: a dominated partial sum stays dominated.
+    """
+    acc: list[_Partial] = [(0.0, 0.0, ())]
+    for key, ptype, mult in types:
+        opts = by_type[ptype.key][f]
+        acc = _pareto(
+            [
+                (ta + mult * tb, ea + mult * eb, ca + ((key, cb[0][1]),))
+                for ta, ea, ca in acc
+                for tb, eb, cb in opts
+            ]
+        )
+    return [(t, d, Knob("nanobatch", configs, "search")) for t, d, configs in acc]
 
 
 def calibrate_correction(pairs: Iterable[tuple[float, float]]) -> float:
@@ -414,75 +460,3 @@ def sample_frontier(points: Sequence[FrontierPoint], n: int = 10) -> list[Fronti
     if sampled[-1] is not points[-1]:
         sampled.append(points[-1])
     return sampled
-
-
-def _lowest_energy_within(points: Sequence[FrontierPoint], time_s: float) -> FrontierPoint | None:
-    fits = [p for p in points if p.time_s <= time_s + 1e-12]
-    return min(fits, key=lambda p: (p.energy_j, p.time_s)) if fits else None
-
-
-def compare_frontiers(
-    kareus: Frontier, perseus: Frontier, nanobatch: Frontier | None = None, *, samples: int = 10
-) -> dict[str, Any]:
-    """The paper's metrics (docs/kareus.md §4 "Metrics") on planner frontiers.
-
-    - ``iso_time_energy_reduction``: the lowest energy Kareus reaches with ``T ≤`` the fastest
-      Perseus-only (M+P) time, against that M+P point's energy.
-    - ``iso_energy_time_reduction``: the shortest Kareus time with ``E ≤`` the minimum-energy
-      M+P point's energy, against that point's time.
-    - ``max_throughput``: each method's fastest plan, replayed on the measurements, against
-      Megatron-LM (sequential, highest clock, the frontiers' common baseline): time and energy
-      reductions.
-    - ``dominates``: per baseline, whether at each of its ``samples`` sampled points Kareus has a
-      point no slower and no costlier (weak dominance), with the worst margin.
-    """
-    out: dict[str, Any] = {}
-    mp_fast = perseus.fastest
-    got = _lowest_energy_within(kareus.points, mp_fast.time_s)
-    out["iso_time_energy_reduction"] = (
-        None if got is None else 1.0 - got.energy_j / mp_fast.energy_j
-    )
-    out["iso_time"] = {
-        "time_s": mp_fast.time_s,
-        "perseus_energy_j": mp_fast.energy_j,
-        "kareus_energy_j": None if got is None else got.energy_j,
-        "kareus_time_s": None if got is None else got.time_s,
-    }
-    mp_min = perseus.min_energy
-    fits = [p for p in kareus.points if p.energy_j <= mp_min.energy_j + 1e-9]
-    fastest = min(fits, key=lambda p: p.time_s) if fits else None
-    out["iso_energy_time_reduction"] = (
-        None if fastest is None else 1.0 - fastest.time_s / mp_min.time_s
-    )
-    base = perseus.baseline()
-    methods = {"kareus": kareus, "perseus": perseus}
-    if nanobatch is not None:
-        methods["nanobatch"] = nanobatch
-    out["megatron"] = {"time_s": base.time_s, "energy_j": base.energy_j}
-    out["max_throughput"] = {}
-    for name, f in methods.items():
-        # Replayed on the measurements (real, not floor-quantized, durations), so that the
-        # comparison with Megatron-LM's critical path is like for like.
-        run = f.replay(f.fastest)
-        out["max_throughput"][name] = {
-            "time_s": run.time_s,
-            "energy_j": run.energy_j,
-            "planned_time_s": f.fastest.time_s,
-            "time_reduction": 1.0 - run.time_s / base.time_s,
-            "energy_reduction": 1.0 - run.energy_j / base.energy_j,
-        }
-    dominance: dict[str, Any] = {}
-    for name, f in methods.items():
-        if name == "kareus":
-            continue
-        margins = []
-        for p in sample_frontier(f.points, samples):
-            k = _lowest_energy_within(kareus.points, p.time_s)
-            margins.append(-math.inf if k is None else (p.energy_j - k.energy_j) / p.energy_j)
-        dominance[name] = {
-            "weakly_dominated": all(m >= -1e-9 for m in margins),
-            "min_margin": min(margins),
-            "samples": len(margins),
-        }
-    out["dominance"] = dominance
-    return out

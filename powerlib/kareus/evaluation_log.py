@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -18,7 +18,7 @@ from powerlib.errors import PlanError
 from powerlib.inputs import parse_json, read_text
 from powerlib.kareus.partition_types import Config
 
-__all__ = ["LOG_SCHEMA", "PASSES", "SOURCES", "EvaluationRecord", "read_log"]
+__all__ = ["LOG_SCHEMA", "PASSES", "SOURCES", "EvaluationRecord", "LogHeader", "read_log"]
 
 LOG_SCHEMA = "powerlib.kareus-log.v1"
 """Schema tag of the evaluation log's header line."""
@@ -33,6 +33,17 @@ SOURCES: tuple[str, ...] = ("init", *PASSES, "fill")
 # --------------------------------------------------------------------------------------------
 # Records
 # --------------------------------------------------------------------------------------------
+
+
+def _num(value: object, name: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise PlanError(f"{where}: {name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _optional(obj: Mapping[str, object], name: str, where: str) -> float | None:
+    value = obj.get(name)
+    return None if value is None else _num(value, name, where)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,26 +91,133 @@ class EvaluationRecord:
             "predicted_energy_j": self.predicted_energy_j,
         }
 
+    @classmethod
+    def from_json(
+        cls, obj: Mapping[str, object], *, partition: str, where: str
+    ) -> EvaluationRecord:
+        """The record of one log line of ``partition``'s log, validated.
+
+        Raises:
+            PlanError: A record of another partition, or a malformed field (naming ``where``).
+        """
+        if obj.get("partition") != partition:
+            raise PlanError(
+                f"{where}: a record of partition {obj.get('partition')!r} in the log of "
+                f"{partition!r}"
+            )
+        slot = obj.get("slot")
+        sm = obj.get("sm_count")
+        if slot is not None and not isinstance(slot, str):
+            raise PlanError(f"{where}: slot must be a string or null, got {slot!r}")
+        if isinstance(sm, bool) or not isinstance(sm, int) or sm < 1:
+            raise PlanError(f"{where}: sm_count must be a positive integer, got {sm!r}")
+        source = obj.get("source")
+        if not isinstance(source, str) or source not in SOURCES:
+            raise PlanError(f"{where}: source must be one of {', '.join(SOURCES)}, not {source!r}")
+        batch = obj.get("batch")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+            raise PlanError(f"{where}: batch must be a non-negative integer, got {batch!r}")
+        freq = _num(obj.get("freq_mhz"), "freq_mhz", where)
+        t = _num(obj.get("time_s"), "time_s", where)
+        e = _num(obj.get("energy_j"), "energy_j", where)
+        ed = _num(obj.get("dynamic_energy_j"), "dynamic_energy_j", where)
+        if t <= 0:
+            raise PlanError(f"{where}: time_s must be positive, got {t}")
+        return cls(
+            config=Config(freq_mhz=freq, sm_count=sm, slot=slot),
+            time_s=t,
+            energy_j=e,
+            dynamic_energy_j=ed,
+            source=source,
+            batch=batch,
+            wall_s=_num(obj.get("wall_s", 0.0), "wall_s", where) or 0.0,
+            predicted_time_s=_optional(obj, "predicted_time_s", where),
+            predicted_dynamic_energy_j=_optional(obj, "predicted_dynamic_energy_j", where),
+            predicted_energy_j=_optional(obj, "predicted_energy_j", where),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogHeader:
+    """The first line of an evaluation log: which search wrote it (:data:`LOG_SCHEMA`).
+
+    Attributes:
+        partition: The partition type searched.
+        space_size: Configurations in its space.
+        p_static_w: The static power the dynamic energies were computed with.
+        seed: The search seed.
+        budget: ``(initial samples, batches, batch size)``.
+        passes: The acquisition passes.
+        shares: Each pass's share of a batch.
+        created_unix_s: When the log was started.
+    """
+
+    partition: str
+    space_size: int
+    p_static_w: float
+    seed: int
+    budget: tuple[int, int, int]
+    passes: tuple[str, ...]
+    shares: tuple[float, ...]
+    created_unix_s: float
+
+    def to_json(self) -> dict[str, object]:
+        """The header line (``schema`` first)."""
+        return {
+            "schema": LOG_SCHEMA,
+            "partition": self.partition,
+            "space_size": self.space_size,
+            "p_static_w": self.p_static_w,
+            "seed": self.seed,
+            "budget": list(self.budget),
+            "passes": list(self.passes),
+            "shares": list(self.shares),
+            "created_unix_s": self.created_unix_s,
+        }
+
+    def check(self, obj: Mapping[str, object], where: str) -> None:
+        """Whether a log's header line ``obj`` is of this search: partition, space, P_static.
+
+        The seed, budget, passes and shares are not compared: a rerun with other ones diverges
+        from the log, which the search detects as it replays it.
+
+        Raises:
+            PlanError: Another schema, partition, space size or static power.
+        """
+        _check_schema(obj, self.partition, where)
+        if obj.get("space_size") != self.space_size:
+            raise PlanError(
+                f"{where}: the log's space has {obj.get('space_size')!r} configurations, this "
+                f"search's {self.space_size}"
+            )
+        p_static = _num(obj.get("p_static_w"), "p_static_w", where)
+        if not math.isclose(p_static, self.p_static_w, rel_tol=1e-9):
+            raise PlanError(
+                f"{where}: the log was measured with P_static {p_static} W, the evaluator "
+                f"reports {self.p_static_w} W"
+            )
+
+
+def _check_schema(obj: Mapping[str, object], partition: str | None, where: str) -> None:
+    """A header line of :data:`LOG_SCHEMA` for ``partition`` (``None``: any partition)."""
+    if obj.get("schema") != LOG_SCHEMA:
+        raise PlanError(f"{where}: not a {LOG_SCHEMA} header (schema {obj.get('schema')!r})")
+    key = obj.get("partition")
+    if partition is not None and key != partition:
+        raise PlanError(f"{where}: the log is for partition {key!r}, not {partition!r}")
+
 
 # --------------------------------------------------------------------------------------------
 # The evaluation log
 # --------------------------------------------------------------------------------------------
 
 
-def _num(value: Any, name: str, where: str, *, optional: bool = False) -> float | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise PlanError(f"{where}: {name} must be a finite number, got {value!r}")
-    return float(value)
-
-
 class _Log:
     """The JSON Lines evaluation log: replayed on open, appended to as measurements arrive."""
 
-    def __init__(self, path: Path | None, key: str, header: dict[str, Any]) -> None:
+    def __init__(self, path: Path | None, header: LogHeader) -> None:
         self.path = path
-        self.key = key
+        self.key = header.partition
         self.records: dict[Config, EvaluationRecord] = {}
         self.used: set[Config] = set()
         self._file: IO[str] | None = None
@@ -111,84 +229,17 @@ class _Log:
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("w", encoding="utf-8")
-            self._write(header)
+            self._write(header.to_json())
 
-    def _read(self, path: Path, header: dict[str, Any]) -> None:
+    def _read(self, path: Path, header: LogHeader) -> None:
         for lineno, obj, where in _log_objects(path):
             if lineno == 1:
-                self._check_header(obj, header, where)
+                header.check(obj, where)
                 continue
-            rec = self._parse_record(obj, where)
+            rec = EvaluationRecord.from_json(obj, partition=self.key, where=where)
             if rec.config in self.records:
                 raise PlanError(f"{where}: configuration {rec.config} is logged twice")
             self.records[rec.config] = rec
-
-    def _check_header(self, obj: dict[str, Any], header: dict[str, Any], where: str) -> None:
-        if obj.get("schema") != LOG_SCHEMA:
-            raise PlanError(f"{where}: not a {LOG_SCHEMA} header (schema {obj.get('schema')!r})")
-        if obj.get("partition") != header["partition"]:
-            raise PlanError(
-                f"{where}: the log is for partition {obj.get('partition')!r}, not "
-                f"{header['partition']!r}"
-            )
-        if obj.get("space_size") != header["space_size"]:
-            raise PlanError(
-                f"{where}: the log's space has {obj.get('space_size')!r} configurations, this "
-                f"search's {header['space_size']}"
-            )
-        p_static = _num(obj.get("p_static_w"), "p_static_w", where)
-        if p_static is None or not math.isclose(p_static, header["p_static_w"], rel_tol=1e-9):
-            raise PlanError(
-                f"{where}: the log was measured with P_static {p_static} W, the evaluator "
-                f"reports {header['p_static_w']} W"
-            )
-
-    def _parse_record(self, obj: dict[str, Any], where: str) -> EvaluationRecord:
-        if obj.get("partition") != self.key:
-            raise PlanError(
-                f"{where}: a record of partition {obj.get('partition')!r} in the log of "
-                f"{self.key!r}"
-            )
-        slot = obj.get("slot")
-        sm = obj.get("sm_count")
-        if slot is not None and not isinstance(slot, str):
-            raise PlanError(f"{where}: slot must be a string or null, got {slot!r}")
-        if isinstance(sm, bool) or not isinstance(sm, int) or sm < 1:
-            raise PlanError(f"{where}: sm_count must be a positive integer, got {sm!r}")
-        source = obj.get("source")
-        if source not in SOURCES:
-            raise PlanError(f"{where}: source must be one of {', '.join(SOURCES)}, not {source!r}")
-        batch = obj.get("batch")
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
-            raise PlanError(f"{where}: batch must be a non-negative integer, got {batch!r}")
-        freq = _num(obj.get("freq_mhz"), "freq_mhz", where)
-        t = _num(obj.get("time_s"), "time_s", where)
-        e = _num(obj.get("energy_j"), "energy_j", where)
-        ed = _num(obj.get("dynamic_energy_j"), "dynamic_energy_j", where)
-        assert freq is not None and t is not None and e is not None and ed is not None
-        if t <= 0:
-            raise PlanError(f"{where}: time_s must be positive, got {t}")
-        return EvaluationRecord(
-            config=Config(freq_mhz=freq, sm_count=sm, slot=slot),
-            time_s=t,
-            energy_j=e,
-            dynamic_energy_j=ed,
-            source=source,
-            batch=batch,
-            wall_s=_num(obj.get("wall_s", 0.0), "wall_s", where) or 0.0,
-            predicted_time_s=_num(
-                obj.get("predicted_time_s"), "predicted_time_s", where, optional=True
-            ),
-            predicted_dynamic_energy_j=_num(
-                obj.get("predicted_dynamic_energy_j"),
-                "predicted_dynamic_energy_j",
-                where,
-                optional=True,
-            ),
-            predicted_energy_j=_num(
-                obj.get("predicted_energy_j"), "predicted_energy_j", where, optional=True
-            ),
-        )
 
     def check_space(self, index: dict[Config, int]) -> None:
         for config in self.records:
@@ -219,7 +270,7 @@ class _Log:
     def append(self, record: EvaluationRecord) -> None:
         self._write(record.to_json(self.key))
 
-    def _write(self, obj: dict[str, Any]) -> None:
+    def _write(self, obj: dict[str, object]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(obj, allow_nan=False) + "\n")
             self._file.flush()
@@ -260,21 +311,15 @@ def read_log(path: str | Path, *, partition: str | None = None) -> list[Evaluati
         PlanError: Unreadable or malformed log, naming the file and line, or a log of another
             partition.
     """
-    log = _Log(None, partition or "", {})
     out: list[EvaluationRecord] = []
     seen: set[Config] = set()
+    key = partition or ""
     for lineno, obj, where in _log_objects(Path(path)):
         if lineno == 1:
-            if obj.get("schema") != LOG_SCHEMA:
-                raise PlanError(
-                    f"{where}: not a {LOG_SCHEMA} header (schema {obj.get('schema')!r})"
-                )
-            key = obj.get("partition")
-            if partition is not None and key != partition:
-                raise PlanError(f"{where}: the log is for partition {key!r}, not {partition!r}")
-            log.key = str(key)
+            _check_schema(obj, partition, where)
+            key = str(obj.get("partition"))
             continue
-        rec = log._parse_record(obj, where)
+        rec = EvaluationRecord.from_json(obj, partition=key, where=where)
         if rec.config in seen:
             raise PlanError(f"{where}: configuration {rec.config} is logged twice")
         seen.add(rec.config)

@@ -73,11 +73,11 @@ import re
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from powerlib.errors import InvalidArgumentError
+from powerlib.kareus.launch_records import LaunchRecord, LaunchReport
 from powerlib.kareus.launch_schedule import PartitionSchedule, warn_degraded
 from powerlib.kareus.sm_groups import SMGroups
 from powerlib.planning.pipeline import KINDS, InstructionKey
@@ -88,7 +88,6 @@ __all__ = [
     "GroupRanks",
     "LaunchControl",
     "LaunchFn",
-    "LaunchRecord",
     "Partition",
     "active_control",
     "attach",
@@ -99,7 +98,7 @@ __all__ = [
 LaunchFn = Callable[[Any, "PartitionSetting | None"], Any]
 """``launch(group, setting) -> work | None``: enqueue one partition's collective on ``group``."""
 
-GroupRanks = Sequence[Sequence[int]] | Callable[[], Sequence[Sequence[int]]] | None
+GroupRanks = Sequence[Sequence[int]] | Callable[[], Sequence[Sequence[int]] | None] | None
 """Global ranks of every group the partitions' collectives run on (a zero-argument callable is
 asked when a plan with partition settings is applied); ``None``: the whole world."""
 
@@ -112,49 +111,6 @@ _CURRENT: list[LaunchControl] = []
 # --------------------------------------------------------------------------------------------
 # The launch-point API
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchRecord:
-    """One partition's collective launch: what was planned and what happened.
-
-    Attributes:
-        iteration: Completed iterations of the schedule before this one (0 without a plan).
-        position: The instruction's index in the stage's plan, or -1 outside a planned one.
-        key: Partition type (``fwd_attn``, ...).
-        planned_slot: The plan's launch slot, or ``None`` (no overlap / no setting).
-        launched_at: The slot at which ``launch`` was called, or ``None``: at partition exit.
-        sm_count: The requested SM count, or ``None`` (default path).
-        block_size: The requested threads per CTA (recorded; NCCL cannot set it per group).
-        enforced: An SM-limited NCCL communicator carried the collective.
-        path: ``overlap`` (planned slot), ``no-overlap`` (a ``None`` slot), ``sequential``,
-            ``no-setting`` (plan lacks the key), ``no-plan`` (no schedule, or it is off), or
-            ``slot-not-reached`` (the planned slot was never announced).
-    """
-
-    iteration: int
-    position: int
-    key: str
-    planned_slot: str | None
-    launched_at: str | None
-    sm_count: int | None
-    block_size: int | None
-    enforced: bool
-    path: str
-
-    def to_json(self) -> dict[str, Any]:
-        """The record as JSON data."""
-        return {
-            "iteration": self.iteration,
-            "position": self.position,
-            "key": self.key,
-            "planned_slot": self.planned_slot,
-            "launched_at": self.launched_at,
-            "sm_count": self.sm_count,
-            "block_size": self.block_size,
-            "enforced": self.enforced,
-            "path": self.path,
-        }
 
 
 class Partition:
@@ -484,23 +440,23 @@ class LaunchControl:
                 out.setdefault(r.key, set()).add(r.sm_count)
         return {k: sorted(v) for k, v in sorted(out.items())}
 
-    def report(self) -> dict[str, Any]:
-        """What the launch control did, as JSON data."""
+    def report(self) -> LaunchReport:
+        """What the launch control did (:meth:`LaunchReport.to_json`: as JSON data)."""
         schedule = self.schedule
         paths: dict[str, int] = {}
         for r in self.records:
             paths[r.path] = paths.get(r.path, 0) + 1
-        return {
-            "loaded": schedule is not None,
-            "active": self.active,
-            "disabled": None if schedule is None else schedule.disabled,
-            "iterations": 0 if schedule is None else schedule.iteration,
-            "communicators": len(self.groups.groups),
-            "launches": len(self.records),
-            "paths": paths,
-            "enforced": sum(r.enforced for r in self.records),
-            "requested_sm_counts": self.requested_sm_counts(),
-        }
+        return LaunchReport(
+            loaded=schedule is not None,
+            active=self.active,
+            disabled=None if schedule is None else schedule.disabled,
+            iterations=0 if schedule is None else schedule.iteration,
+            communicators=len(self.groups.groups),
+            launches=len(self.records),
+            paths=paths,
+            enforced=sum(r.enforced for r in self.records),
+            requested_sm_counts=self.requested_sm_counts(),
+        )
 
     def _warn_message(self, message: str) -> None:
         self._warn(message)

@@ -88,17 +88,15 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from powerlib.errors import InvalidArgumentError
 from powerlib.kareus import megatron_run as _run
 from powerlib.kareus.launch import LaunchControl, active_control
-from powerlib.kareus.launch_schedule import PartitionSchedule
-from powerlib.kareus.megatron_run import MEGATRON, Pending, Run, function, grad_of, load
+from powerlib.kareus.megatron_measure import PartitionRunner
+from powerlib.kareus.megatron_run import Run, function, load
 from powerlib.kareus.partition_types import Config, PartitionType, Segment
 from powerlib.kareus.sm_groups import SMGroups
-from powerlib.planning.pipeline import Instruction
-from powerlib.planning.plan import PartitionSetting, PlannedInstruction
 
 __all__ = [  # noqa: F822 (NanobatchTransformerLayer: made on first use, module __getattr__)
     "ControlSource",
@@ -158,7 +156,31 @@ def _resolve(source: ControlSource) -> LaunchControl | None:
     return None
 
 
-class _NanobatchLayer:
+if TYPE_CHECKING:
+
+    class _TransformerLayer:
+        """What the mixin uses of megatron-core's ``TransformerLayer`` (its base at run time)."""
+
+        config: Any
+        tp_group: Any
+        layer_number: int
+        training: bool
+        self_attention: Any
+        cross_attention: Any
+        mlp: Any
+        recompute_input_layernorm: bool
+        recompute_pre_mlp_layernorm: bool
+        recompute_mlp: bool
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+        def parameters(self) -> Iterator[Any]: ...
+        def forward(self, *args: Any, **kwargs: Any) -> Any: ...
+
+else:
+    _TransformerLayer = object
+
+
+class _NanobatchLayer(_TransformerLayer):
     """The behaviour of :class:`NanobatchTransformerLayer` (a mixin before ``TransformerLayer``).
 
     megatron-core's ``TransformerLayer`` that executes Kareus plans (module doc).
@@ -268,9 +290,10 @@ class _NanobatchLayer:
             return f"a micro-batch of {hidden_states.shape[1]} cannot be split into two nanobatches"
         if getattr(cfg, "context_parallel_size", 1) > 1:
             return "context parallelism (splitting along the sequence is not implemented)"
-        if not isinstance(self.mlp, MEGATRON["MLP"]):
+        megatron = load()
+        if not isinstance(self.mlp, megatron.mlp):
             return "the MLP is not megatron's dense MLP (MoE)"
-        if not isinstance(self.cross_attention, MEGATRON["IdentityOp"]):
+        if not isinstance(self.cross_attention, megatron.identity_op):
             return "cross-attention"
         if type(self.self_attention).__name__ != "SelfAttention":
             return f"{type(self.self_attention).__name__} (only SelfAttention)"
@@ -382,80 +405,9 @@ class _NanobatchLayer:
         groups = groups if groups is not None else SMGroups()
         if group_ranks is None and dist.is_initialized():
             group_ranks = [dist.get_process_group_ranks(self.tp_group)]
-        prepared: set[int] = set()
         run = Run(self, None, hidden_states, attention_mask, attention_kwargs, True, retain=True)
-        h0, h1 = run.halves
-        comm = run.comm
-
-        def reduced(t: torch.Tensor) -> torch.Tensor:
-            return comm.reduce(t.detach().clone(), async_op=False)[1]
-
         params = [p for p in self.parameters() if p.requires_grad]
-        with torch.enable_grad():  # everything before the partitions, once
-            run.attn(h0)
-            run.attn(h1)
-            r0, r1 = reduced(h0.p), reduced(h1.p)
-            run.mlp(h0, r0)
-            run.mlp(h1, r1)
-            run.finish(h0, reduced(h0.q))
-            run.finish(h1, reduced(h1.q))
-            g = torch.ones_like(h0.out)
-            run.b_mlp(h0, g)
-            run.b_mlp(h1, g)
-            gb0 = reduced(grad_of(h0.b_in))
-        bodies: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], None]]] = {
-            "fwd_attn": (lambda: h0.p.detach(), lambda: run.attn(h1)),
-            "fwd_mlp": (lambda: h1.p.detach(), lambda: run.mlp(h0, r0)),
-            "bwd_mlp": (lambda: grad_of(h0.b_in), lambda: run.b_mlp(h1, g)),
-            "bwd_attn": (lambda: grad_of(h1.b_in), lambda: run.b_attn(h0, gb0)),
-        }
-
-        def clear() -> None:
-            for p in params:
-                p.grad = None
-            for h in (h0, h1):
-                for t in (h.x, h.a_in, h.r, h.hh, h.b_in, h.qr):
-                    if t is not None:
-                        t.grad = None
-
-        clear()
-
-        def run_partition(ptype: PartitionType, config: Config) -> LaunchControl:
-            key = ptype.key.removeprefix("recompute_")
-            if key not in bodies:
-                raise InvalidArgumentError(
-                    f"partition type {ptype.key!r}: this layer runs {', '.join(bodies)}"
-                )
-            source, compute = bodies[key]
-            kind = "forward" if key.startswith("fwd") else "backward"
-            sm = int(config.sm_count)
-            planned = PlannedInstruction(
-                instruction=Instruction(stage=0, microbatch=0, kind=kind),
-                freq_mhz=float(config.freq_mhz),
-                execution="nanobatch",
-                overlap={key: PartitionSetting(slot=config.slot, sm_count=sm)},
-            )
-            measured = LaunchControl(
-                PartitionSchedule([planned], source="partition_runner"), groups=groups
-            )
-            if sm not in prepared:
-                groups.prepare({sm}, group_ranks)
-                prepared.add(sm)
-            measured.begin(kind, 0)
-            run.control = measured
-            pending = Pending(comm, lambda: source().clone())
-            try:
-                with torch.enable_grad(), run.partition(key, pending):
-                    compute()
-                pending.value()
-            finally:
-                measured.end()
-                run.control = None
-                clear()
-            synchronize()
-            return measured
-
-        return run_partition
+        return PartitionRunner(run, params, groups, group_ranks, synchronize)
 
     def sequential_runner(
         self,
@@ -473,7 +425,7 @@ class _NanobatchLayer:
         group (``sm_count`` is not applied: the stock collective keeps the default communicator).
         Parameter gradients are cleared after each call.
         """
-        stock = MEGATRON["TransformerLayer"].forward
+        stock = load().transformer_layer.forward
         if synchronize is None:
             synchronize = torch.cuda.synchronize if hidden_states.is_cuda else (lambda: None)
         params = [p for p in self.parameters() if p.requires_grad]
@@ -507,7 +459,7 @@ def layer_class() -> type:
         _CLASS.append(
             type(
                 "NanobatchTransformerLayer",
-                (_NanobatchLayer, MEGATRON["TransformerLayer"]),
+                (_NanobatchLayer, load().transformer_layer),
                 {"__module__": __name__, "__doc__": _NanobatchLayer.__doc__},
             )
         )

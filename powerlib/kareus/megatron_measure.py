@@ -1,9 +1,9 @@
 """Measuring a megatron-core GPT's Kareus components on a device, over torch.distributed.
 
-The helpers :class:`~powerlib.kareus.meter.DeviceEvaluator` needs besides the layer's own
-runners (:meth:`NanobatchTransformerLayer.partition_runner
-<powerlib.kareus.megatron.NanobatchTransformerLayer.partition_runner>` and
-``sequential_runner``): :func:`gpt_compute_runner` runs a GPT's work outside its layers (the
+What :class:`~powerlib.kareus.meter.DeviceEvaluator` needs: :class:`PartitionRunner`, the
+layer's one-partition runner (:meth:`NanobatchTransformerLayer.partition_runner
+<powerlib.kareus.megatron.NanobatchTransformerLayer.partition_runner>` makes it; the layer's
+``sequential_runner`` runs the stock layer); :func:`gpt_compute_runner` runs a GPT's work outside its layers (the
 partition model's embedding, output layer and loss, :mod:`powerlib.kareus.partition`);
 :func:`group_measurement` and :func:`group_agreement` make the ranks of a tensor-parallel group
 measure alike (docs/kareus.md §2.1). torch is imported on first use.
@@ -12,14 +12,129 @@ measure alike (docs/kareus.md §2.1). torch is imported on first use.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from powerlib.errors import InvalidArgumentError
 from powerlib.kareus import megatron_run as _run
 from powerlib.kareus.evaluator import Measurement
-from powerlib.kareus.partition_types import Op
+from powerlib.kareus.launch import LaunchControl
+from powerlib.kareus.launch_schedule import PartitionSchedule
+from powerlib.kareus.partition_types import Config, Op, PartitionType
+from powerlib.kareus.sm_groups import SMGroups
+from powerlib.planning.pipeline import Instruction
+from powerlib.planning.plan import PartitionSetting, PlannedInstruction
 
-__all__ = ["gpt_compute_runner", "group_agreement", "group_measurement"]
+__all__ = ["PartitionRunner", "gpt_compute_runner", "group_agreement", "group_measurement"]
+
+
+class PartitionRunner:
+    """The layer's one-partition runner: ``run(ptype, config)`` for ``DeviceEvaluator``.
+
+    Made by :meth:`NanobatchTransformerLayer.partition_runner
+    <powerlib.kareus.megatron.NanobatchTransformerLayer.partition_runner>` (which documents a
+    call). Everything before the partitions (both nanobatches' forward and the MLP backward the
+    backward partitions start from) runs once, when it is made; each call then runs one
+    partition's compute with the other nanobatch's collective launched under a one-instruction
+    launch control.
+    """
+
+    def __init__(
+        self,
+        run: _run.Run,
+        params: list[Any],
+        groups: SMGroups,
+        group_ranks: Sequence[Sequence[int]] | None,
+        synchronize: Callable[[], None],
+    ) -> None:
+        self._run = run
+        self._params = params
+        self._groups = groups
+        self._group_ranks = group_ranks
+        self._synchronize = synchronize
+        self._prepared: set[int] = set()  # SM counts whose communicators exist
+        self._bodies = self._prepare()
+        self._clear()
+
+    def _prepare(self) -> dict[str, tuple[Callable[[], Any], Callable[[], None]]]:
+        """Run what comes before the partitions; per type, its collective's input and compute."""
+        run = self._run
+        h0, h1 = run.halves
+        comm = run.comm
+
+        def reduced(t: Any) -> Any:
+            return comm.reduce(t.detach().clone(), async_op=False)[1]
+
+        torch = _run.torch
+        with torch.enable_grad():  # everything before the partitions, once
+            run.attn(h0)
+            run.attn(h1)
+            r0, r1 = reduced(h0.p), reduced(h1.p)
+            run.mlp(h0, r0)
+            run.mlp(h1, r1)
+            run.finish(h0, reduced(h0.q))
+            run.finish(h1, reduced(h1.q))
+            g = torch.ones_like(h0.out)
+            run.b_mlp(h0, g)
+            run.b_mlp(h1, g)
+            gb0 = reduced(_run.grad_of(h0.b_in))
+        return {
+            "fwd_attn": (lambda: _run.detached(h0.p), lambda: run.attn(h1)),
+            "fwd_mlp": (lambda: _run.detached(h1.p), lambda: run.mlp(h0, r0)),
+            "bwd_mlp": (lambda: _run.grad_of(h0.b_in), lambda: run.b_mlp(h1, g)),
+            "bwd_attn": (lambda: _run.grad_of(h1.b_in), lambda: run.b_attn(h0, gb0)),
+        }
+
+    def _clear(self) -> None:
+        """Drop the gradients a partition accumulated (parameters and the halves' leaves)."""
+        for p in self._params:
+            p.grad = None
+        for h in self._run.halves:
+            for t in (h.x, h.a_in, h.r, h.hh, h.b_in, h.qr):
+                if t is not None:
+                    t.grad = None
+
+    def _control(self, key: str, kind: str, config: Config) -> LaunchControl:
+        """A launch control of one instruction with one partition: ``key`` under ``config``."""
+        sm = int(config.sm_count)
+        planned = PlannedInstruction(
+            instruction=Instruction(stage=0, microbatch=0, kind=kind),
+            freq_mhz=float(config.freq_mhz),
+            execution="nanobatch",
+            overlap={key: PartitionSetting(slot=config.slot, sm_count=sm)},
+        )
+        control = LaunchControl(
+            PartitionSchedule([planned], source="partition_runner"), groups=self._groups
+        )
+        if sm not in self._prepared:
+            self._groups.prepare({sm}, self._group_ranks)
+            self._prepared.add(sm)
+        return control
+
+    def __call__(self, ptype: PartitionType, config: Config) -> LaunchControl:
+        """Run one partition of type ``ptype.key``: the launch control it ran under."""
+        key = ptype.key.removeprefix("recompute_")
+        if key not in self._bodies:
+            raise InvalidArgumentError(
+                f"partition type {ptype.key!r}: this layer runs {', '.join(self._bodies)}"
+            )
+        source, compute = self._bodies[key]
+        kind = "forward" if key.startswith("fwd") else "backward"
+        measured = self._control(key, kind, config)
+        run = self._run
+        measured.begin(kind, 0)
+        run.control = measured
+        pending = _run.Pending(run.comm, lambda: source().clone())
+        try:
+            with _run.torch.enable_grad(), run.partition(key, pending):
+                compute()
+            pending.value()
+        finally:
+            measured.end()
+            run.control = None
+            self._clear()
+        self._synchronize()
+        return measured
 
 
 def gpt_compute_runner(

@@ -22,16 +22,36 @@ from typing import Any
 from powerlib.kareus.launch import LaunchControl
 from powerlib.planning.plan import PartitionSetting
 
-__all__ = ["Comm", "Half", "Pending", "Run", "function", "grad_of", "load"]
+__all__ = [
+    "Comm",
+    "Half",
+    "MegatronClasses",
+    "Pending",
+    "Run",
+    "detached",
+    "function",
+    "grad_of",
+    "load",
+]
 
 # The frameworks, bound by load() on first use
 torch: Any = None
 dist: Any = None
-MEGATRON: dict[str, Any] = {}
-"""megatron-core's ``IdentityOp``, ``MLP`` and ``TransformerLayer`` (after :func:`load`)."""
 
 
-def load() -> None:
+@dataclasses.dataclass(frozen=True, slots=True)
+class MegatronClasses:
+    """The megatron-core classes the nanobatched layer extends and checks against."""
+
+    identity_op: type[Any]
+    mlp: type[Any]
+    transformer_layer: type[Any]
+
+
+_MEGATRON: list[MegatronClasses] = []
+
+
+def load() -> MegatronClasses:
     """Import torch, ``torch.distributed`` and the megatron-core classes the layer needs."""
     global torch, dist
     if torch is None:
@@ -39,12 +59,13 @@ def load() -> None:
         import torch.distributed as dist_module  # noqa: PLC0415 - optional dependency, imported where used
 
         torch, dist = torch_module, dist_module
-    if not MEGATRON:
+    if not _MEGATRON:
         from megatron.core.transformer.identity_op import IdentityOp  # noqa: PLC0415 - optional dependency, imported where used
         from megatron.core.transformer.mlp import MLP  # noqa: PLC0415 - optional dependency, imported where used
         from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415 - optional dependency, imported where used
 
-        MEGATRON.update(IdentityOp=IdentityOp, MLP=MLP, TransformerLayer=TransformerLayer)
+        _MEGATRON.append(MegatronClasses(IdentityOp, MLP, TransformerLayer))
+    return _MEGATRON[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,6 +139,12 @@ def _backward(t: torch.Tensor, g: torch.Tensor | None, retain: bool) -> None:
 def grad_of(t: torch.Tensor) -> torch.Tensor:
     """``t``'s gradient, zeros when none arrived."""
     return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+def detached(t: torch.Tensor | None) -> torch.Tensor:
+    """``t``, which an earlier piece of the schedule made, detached."""
+    assert t is not None, "the schedule reads a tensor before the piece that makes it"
+    return t.detach()
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,20 +257,20 @@ class Run:
         h0, h1 = self.halves
         comm = self.comm
         self.attn(h0)
-        r0 = Pending(comm, lambda: h0.p.detach())
+        r0 = Pending(comm, lambda: detached(h0.p))
         with self.partition("fwd_attn", r0):
             self.attn(h1)
-        r1 = Pending(comm, lambda: h1.p.detach())
+        r1 = Pending(comm, lambda: detached(h1.p))
         with self.partition("fwd_mlp", r1):
             self.mlp(h0, r0.value())
-        q0 = Pending(comm, lambda: h0.q.detach())
+        q0 = Pending(comm, lambda: detached(h0.q))
         with self.partition("fwd_mlp", q0):
             self.mlp(h1, r1.value())
-        q1 = Pending(comm, lambda: h1.q.detach())
+        q1 = Pending(comm, lambda: detached(h1.q))
         q1(None, None)  # the layer's last collective: overlaps nanobatch 0's bias-add only
         self.finish(h0, q0.value())
         self.finish(h1, q1.value())
-        return torch.cat([h0.out.detach(), h1.out.detach()], dim=1)
+        return torch.cat([detached(h0.out), detached(h1.out)], dim=1)
 
     # -- backward pieces --------------------------------------------------------------------
 

@@ -48,9 +48,9 @@ from powerlib.backend import Backend
 from powerlib.control import ControlSession
 from powerlib.device import Device
 from powerlib.errors import DeviceError, InvalidArgumentError, NotSupportedError
+from powerlib.kareus.energy_counter import EnergyMeter
 from powerlib.kareus.evaluator import Measurement, MeasureProtocol
 from powerlib.kareus.partition_types import Config, Op, PartitionType, Segment
-from powerlib.profiling.meter import EnergyMeter
 
 __all__ = [
     "COUNTER_WAIT_S",
@@ -141,7 +141,7 @@ class SpanMeter:
 
     Args:
         devices: The devices, read in this order through an
-            :class:`~powerlib.profiling.meter.EnergyMeter` each (closed by :meth:`close`).
+            :class:`~powerlib.kareus.energy_counter.EnergyMeter` each (closed by :meth:`close`).
         clock: Time source in seconds (the caller's: wall or virtual).
         stop: Called after every execution with whether *this* process has seen every counter
             move; returns whether to stop (a group's agreement, so that every rank runs as many

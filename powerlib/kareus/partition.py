@@ -179,10 +179,25 @@ def _attention(
     return Op(name=name, slot=slot, flops=flops, hbm_bytes=data, ctas=ctas)
 
 
-def _layer_segments(
-    model: ModelShape, par: Parallelism, batch: float
-) -> dict[str, tuple[Segment, ...]]:
-    """One layer's forward and backward segments for ``batch`` sequences on one GPU."""
+@dataclass(frozen=True, slots=True)
+class _LayerOps:
+    """One layer's forward ops, its attention backward and the sizes of its collectives."""
+
+    norm: Op
+    qkv: Op
+    rope: Op
+    attn: Op
+    proj: Op
+    fc1: Op
+    act: Op
+    fc2: Op
+    attn_b: Op
+    tp_ar: Collective  # the tensor-parallel all-reduce of one segment's output
+    kv_bytes: float  # gathered K and V (context parallelism: one fused collective)
+
+
+def _layer_ops(model: ModelShape, par: Parallelism, batch: float) -> _LayerOps:
+    """The ops of one layer for ``batch`` sequences on one GPU."""
     h, d = model.hidden, model.head_dim
     q_heads = model.heads / par.tp
     kv_heads = model.kv_groups / par.tp
@@ -191,87 +206,88 @@ def _layer_segments(
     kv_tokens = batch * par.seq_len  # causal attention sees the whole (gathered) sequence
     ffn = model.ffn / par.tp
     tp_ar = Collective(kind=ALL_REDUCE, payload_bytes=_BF16 * tokens * h, group_size=par.tp)
-
-    norm = _elementwise("bda_norm", "norm_0", tokens * h, 4, 8)
-    qkv = _gemm("qkv", "linear_0", tokens, h, qkv_out)
-    rope = _elementwise("qkv_post_rope", "rope_0", tokens * qkv_out, 2, 6)
-    attn = _attention(
-        "flash_attn", "attn_0", tokens, par.seq_len, kv_tokens, q_heads, kv_heads, d, backward=False
+    attention = (tokens, par.seq_len, kv_tokens, q_heads, kv_heads, d)
+    return _LayerOps(
+        norm=_elementwise("bda_norm", "norm_0", tokens * h, 4, 8),
+        qkv=_gemm("qkv", "linear_0", tokens, h, qkv_out),
+        rope=_elementwise("qkv_post_rope", "rope_0", tokens * qkv_out, 2, 6),
+        attn=_attention("flash_attn", "attn_0", *attention, backward=False),
+        proj=_gemm("out_proj", "linear_1", tokens, q_heads * d, h),
+        fc1=_gemm("fc1", "linear_0", tokens, h, 2 * ffn),
+        act=_elementwise("swiglu", "activation_0", tokens * ffn, 3, 4),
+        fc2=_gemm("fc2", "linear_1", tokens, ffn, h),
+        attn_b=_attention("flash_attn_bwd", "attn_0", *attention, backward=True),
+        tp_ar=tp_ar,
+        kv_bytes=_BF16 * 2 * kv_tokens * kv_heads * d,
     )
-    proj = _gemm("out_proj", "linear_1", tokens, q_heads * d, h)
-    fc1 = _gemm("fc1", "linear_0", tokens, h, 2 * ffn)
-    act = _elementwise("swiglu", "activation_0", tokens * ffn, 3, 4)
-    fc2 = _gemm("fc2", "linear_1", tokens, ffn, h)
 
-    # Backward: data and weight gradients double each GEMM; memory-bound ops re-read their input.
-    def bwd_gemm(op: Op, slot: str) -> Op:
-        return Op(
-            name=op.name + "_bwd",
-            slot=slot,
-            flops=2 * op.flops,
-            hbm_bytes=2 * op.hbm_bytes,
-            ctas=op.ctas,
-        )
 
-    def bwd_elem(op: Op, slot: str) -> Op:
-        return Op(
-            name=op.name + "_bwd",
-            slot=slot,
-            flops=1.5 * op.flops,
-            hbm_bytes=1.5 * op.hbm_bytes,
-            ctas=op.ctas,
-        )
-
-    attn_b = _attention(
-        "flash_attn_bwd",
-        "attn_0",
-        tokens,
-        par.seq_len,
-        kv_tokens,
-        q_heads,
-        kv_heads,
-        d,
-        backward=True,
+# Backward: data and weight gradients double each GEMM; memory-bound ops re-read their input.
+def _bwd_gemm(op: Op, slot: str) -> Op:
+    return Op(
+        name=op.name + "_bwd",
+        slot=slot,
+        flops=2 * op.flops,
+        hbm_bytes=2 * op.hbm_bytes,
+        ctas=op.ctas,
     )
-    norm_b = bwd_elem(norm, "norm_0")
-    mlp_fwd = Segment(name="mlp", ops=(norm, fc1, act, fc2), comm=tp_ar)
+
+
+def _bwd_elem(op: Op, slot: str) -> Op:
+    return Op(
+        name=op.name + "_bwd",
+        slot=slot,
+        flops=1.5 * op.flops,
+        hbm_bytes=1.5 * op.hbm_bytes,
+        ctas=op.ctas,
+    )
+
+
+def _layer_segments(
+    model: ModelShape, par: Parallelism, batch: float
+) -> dict[str, tuple[Segment, ...]]:
+    """One layer's forward and backward segments for ``batch`` sequences on one GPU."""
+    ops = _layer_ops(model, par, batch)
+    tp_ar = ops.tp_ar
+    norm_b = _bwd_elem(ops.norm, "norm_0")
+    mlp_fwd = Segment(name="mlp", ops=(ops.norm, ops.fc1, ops.act, ops.fc2), comm=tp_ar)
     mlp_bwd = Segment(
         name="mlp",
         ops=(
             norm_b,
-            bwd_gemm(fc2, "linear_0"),
-            bwd_elem(act, "activation_0"),
-            bwd_gemm(fc1, "linear_1"),
+            _bwd_gemm(ops.fc2, "linear_0"),
+            _bwd_elem(ops.act, "activation_0"),
+            _bwd_gemm(ops.fc1, "linear_1"),
         ),
         comm=tp_ar,
     )
     if par.cp == 1:
-        attn_ops = (
+        attn_fwd = (ops.norm, ops.qkv, ops.rope, ops.attn, ops.proj)
+        attn_bwd = (
             norm_b,
-            bwd_gemm(proj, "linear_0"),
-            attn_b,
-            bwd_elem(rope, "rope_0"),
-            bwd_gemm(qkv, "linear_1"),
+            _bwd_gemm(ops.proj, "linear_0"),
+            ops.attn_b,
+            _bwd_elem(ops.rope, "rope_0"),
+            _bwd_gemm(ops.qkv, "linear_1"),
         )
         return {
-            "fwd": (Segment(name="attn", ops=(norm, qkv, rope, attn, proj), comm=tp_ar), mlp_fwd),
-            "bwd": (mlp_bwd, Segment(name="attn", ops=attn_ops, comm=tp_ar)),
+            "fwd": (Segment(name="attn", ops=attn_fwd, comm=tp_ar), mlp_fwd),
+            "bwd": (mlp_bwd, Segment(name="attn", ops=attn_bwd, comm=tp_ar)),
         }
-    kv_bytes = _BF16 * 2 * kv_tokens * kv_heads * d  # gathered K and V (one fused collective)
-    ag = Collective(kind=ALL_GATHER, payload_bytes=kv_bytes, group_size=par.cp)
-    rs = Collective(kind=REDUCE_SCATTER, payload_bytes=kv_bytes, group_size=par.cp)
+    ag = Collective(kind=ALL_GATHER, payload_bytes=ops.kv_bytes, group_size=par.cp)
+    rs = Collective(kind=REDUCE_SCATTER, payload_bytes=ops.kv_bytes, group_size=par.cp)
     fwd = (
-        Segment(name="qkv", ops=(norm, qkv, rope), comm=ag),
-        Segment(name="ao", ops=(attn, proj), comm=tp_ar),
+        Segment(name="qkv", ops=(ops.norm, ops.qkv, ops.rope), comm=ag),
+        Segment(name="ao", ops=(ops.attn, ops.proj), comm=tp_ar),
         mlp_fwd,
     )
     bwd = (
         mlp_bwd,
-        Segment(name="o", ops=(norm_b, bwd_gemm(proj, "linear_0")), comm=ag),
-        Segment(name="a", ops=(attn_b,), comm=rs),
+        Segment(name="o", ops=(norm_b, _bwd_gemm(ops.proj, "linear_0")), comm=ag),
+        Segment(name="a", ops=(ops.attn_b,), comm=rs),
         Segment(
             name="qkv",
-            ops=(bwd_elem(rope, "rope_0"), bwd_gemm(qkv, "linear_0")),
+            ops=(_bwd_elem(ops.rope, "rope_0"), _bwd_gemm(ops.qkv, "linear_0")),
             comm=tp_ar,
         ),
     )

@@ -51,8 +51,9 @@ Inputs:
 frequency in MHz, the index of the SM count in the space's sorted SM counts, and a one-hot
 launch slot, where "no overlap" (``slot=None``) is a category of its own.
 
-Resumable log (:mod:`powerlib.kareus.evaluation_log`). With ``log_path`` every measurement is appended as one JSON line and flushed as it
-is taken (schema :data:`LOG_SCHEMA`; a header line first). Rerunning with the same log replays
+Resumable log (:mod:`powerlib.kareus.evaluation_log`). With ``log_path`` every measurement is
+appended as one JSON line and flushed as it is taken (a
+:class:`~powerlib.kareus.evaluation_log.LogHeader` line first). Rerunning with the same log replays
 it: the search runs again from the start with the same seed, and each configuration it selects
 that the log already holds is taken from the log instead of being measured. Surrogate training
 is deterministic, so the same seed and log give exactly the continuation an uninterrupted run
@@ -77,10 +78,10 @@ import numpy as np
 
 from powerlib.errors import PlanError
 from powerlib.kareus.evaluation_log import (
-    LOG_SCHEMA,
     PASSES,
     SOURCES,
     EvaluationRecord,
+    LogHeader,
     _Log,
 )
 from powerlib.kareus.evaluator import Evaluator, Measurement
@@ -360,18 +361,17 @@ def search_partition(
     p_static = float(evaluator.p_static_w)
     if not math.isfinite(p_static):
         raise PlanError(f"the evaluator's p_static_w must be finite, got {p_static!r}")
-    header = {
-        "schema": LOG_SCHEMA,
-        "partition": ptype.key,
-        "space_size": n,
-        "p_static_w": p_static,
-        "seed": seed,
-        "budget": [budget.n_init, budget.batches, budget.batch_size],
-        "passes": list(passes),
-        "shares": list(shares),
-        "created_unix_s": time.time(),
-    }
-    log = _Log(None if log_path is None else Path(log_path), ptype.key, header)
+    header = LogHeader(
+        partition=ptype.key,
+        space_size=n,
+        p_static_w=p_static,
+        seed=seed,
+        budget=(budget.n_init, budget.batches, budget.batch_size),
+        passes=passes,
+        shares=shares,
+        created_unix_s=time.time(),
+    )
+    log = _Log(None if log_path is None else Path(log_path), header)
     try:
         log.check_space(index)
         run = _Run(

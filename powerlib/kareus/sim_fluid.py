@@ -98,6 +98,87 @@ def _check_sms(sm_count: int, params: OverlapDeviceParams) -> int:
     return int(sm_count)
 
 
+@dataclass(slots=True, kw_only=True)
+class _Link:
+    """The partition's collective during a run: its rates, its power and what is left of it.
+
+    Attributes:
+        r_link: The wire rate (B/s) the link and the collective's SMs allow.
+        link_w: Link power per wire byte per second.
+        sm_w: Power of the SMs the collective holds busy.
+        lat_left: Launch latency still to run (s).
+        bytes_left: Wire bytes still to move.
+        on: In flight now.
+        done: Finished (at once without a collective).
+        end_s: When it finished.
+    """
+
+    r_link: float = 0.0
+    link_w: float = 0.0
+    sm_w: float = 0.0
+    lat_left: float = 0.0
+    bytes_left: float = 0.0
+    on: bool = False
+    done: bool = True
+    end_s: float = 0.0
+
+    @classmethod
+    def of(
+        cls,
+        comm: Collective | None,
+        sms: int,
+        freq_mhz: float,
+        phi_sm: float,
+        params: OverlapDeviceParams,
+    ) -> _Link:
+        """The collective ``comm`` on ``sms`` SMs at ``freq_mhz``, not yet launched."""
+        if comm is None:
+            return cls()
+        fr = freq_mhz / params.max_freq_mhz
+        r_sm = sms * params.sm_link_bw_bps * fr**params.comm_freq_gamma
+        q = params.comm_smooth_p
+        return cls(
+            r_link=(params.link_bw_bps**-q + r_sm**-q) ** (-1.0 / q),
+            link_w=params.link_power_w / params.link_bw_bps,
+            sm_w=phi_sm * sms * params.comm_busy,
+            lat_left=params.comm_latency_s,
+            bytes_left=comm.wire_bytes,
+            done=False,
+        )
+
+    def advance(self, dt: float, rate: float, t: float) -> None:
+        """Run it ``dt`` seconds from ``t`` at ``rate`` wire bytes per second."""
+        if self.lat_left > 0.0:
+            self.lat_left -= dt
+            if self.lat_left <= 1e-15:
+                self.lat_left = 0.0
+        else:
+            self.bytes_left -= rate * dt
+            if self.bytes_left <= 1e-6:
+                self.on, self.done, self.end_s = False, True, t + dt
+
+    def alone(self, hbm_cap: float, kappa: float, hbm_w: float) -> tuple[float, float]:
+        """The rest of it run alone (full HBM, idle SMs): its time and dynamic energy."""
+        rate = min(self.r_link, hbm_cap / kappa)
+        t_alone = self.lat_left + self.bytes_left / rate
+        e_alone = self.sm_w * t_alone + (rate * (kappa * hbm_w + self.link_w)) * (
+            self.bytes_left / rate
+        )
+        return t_alone, e_alone
+
+
+def _fair_hbm(d_c: float, d_m: float, hbm_cap: float) -> tuple[float, float]:
+    """Max-min fair HBM sharing between a kernel's demand ``d_c`` and the collective's ``d_m``."""
+    if d_c + d_m > hbm_cap:
+        half = 0.5 * hbm_cap
+        if d_c <= half:
+            return d_c, hbm_cap - d_c
+        if d_m <= half:
+            return hbm_cap - d_m, d_m
+        return half, half
+    return hbm_cap, d_m
+
+
 def _run(
     pre: tuple[_PreOp, ...],
     comm: Collective | None,
@@ -114,7 +195,6 @@ def _run(
     """
     p = params.smooth_p
     inv_p = 1.0 / p
-    fr = freq_mhz / params.max_freq_mhz
     phi_sm = params.sm_power_w * params.phi(freq_mhz)
     sm_rate = params.flops_per_sm_cycle * freq_mhz * 1e6  # FLOP/s per SM at full efficiency
     hbm_cap = params.eta_mem * params.hbm_bw_bps
@@ -122,98 +202,60 @@ def _run(
     launch = params.launch_overhead_s
     hbm_w = params.hbm_power_w / params.hbm_bw_bps
     n_all = float(params.num_sms)
-
-    if comm is not None:
-        r_sm = sms * params.sm_link_bw_bps * fr**params.comm_freq_gamma
-        q = params.comm_smooth_p
-        r_link = (params.link_bw_bps**-q + r_sm**-q) ** (-1.0 / q)
-        link_w = params.link_power_w / params.link_bw_bps
-        comm_sm_w = phi_sm * sms * params.comm_busy
-        lat_left = params.comm_latency_s
-        bytes_left = comm.wire_bytes
-    else:
-        r_link = link_w = comm_sm_w = lat_left = bytes_left = 0.0
-    comm_on = False
-    comm_done = comm is None
-    comm_end = 0.0
+    link = _Link.of(comm, sms, freq_mhz, phi_sm, params)
     t = 0.0
     e = 0.0
 
     for i, (flops, nbytes, max_sms, eta) in enumerate(pre):
-        if not comm_done and start == i:
-            comm_on = True
+        if not link.done and start == i:
+            link.on = True
         x = 1.0  # remaining fraction of the op
         while x > 1e-12:
-            n = n_all - sms if comm_on else n_all
+            n = n_all - sms if link.on else n_all
             n_used = n if n < max_sms else max_sms
             t_comp = flops / (eta * n_used * sm_rate) if flops > 0 else 0.0
-            if comm_on and lat_left <= 0.0:
-                # Max-min fair HBM sharing between the kernel's demand and the collective's.
+            if link.on and link.lat_left <= 0.0:
                 t_mem_full = nbytes / hbm_cap
                 t_full = (t_comp**p + t_mem_full**p) ** inv_p + launch
-                d_c = nbytes / t_full
-                d_m = kappa * r_link
-                if d_c + d_m > hbm_cap:
-                    half = 0.5 * hbm_cap
-                    if d_c <= half:
-                        a_c, a_m = d_c, hbm_cap - d_c
-                    elif d_m <= half:
-                        a_c, a_m = hbm_cap - d_m, d_m
-                    else:
-                        a_c = a_m = half
-                else:
-                    a_c, a_m = hbm_cap, d_m
+                a_c, a_m = _fair_hbm(nbytes / t_full, kappa * link.r_link, hbm_cap)
                 t_mem = nbytes / a_c
-                rate = min(r_link, a_m / kappa)
+                rate = min(link.r_link, a_m / kappa)
             else:
                 t_mem = nbytes / hbm_cap
                 rate = 0.0
             t_i = (t_comp**p + t_mem**p) ** inv_p + launch
             dt = x * t_i
-            if comm_on:
-                dt_comm = lat_left if lat_left > 0.0 else bytes_left / rate
+            power = phi_sm * n_used * (t_comp / t_i) + hbm_w * (nbytes / t_i)
+            if link.on:
+                dt_comm = link.lat_left if link.lat_left > 0.0 else link.bytes_left / rate
                 if dt_comm < dt:
                     dt = dt_comm
-            power = phi_sm * n_used * (t_comp / t_i) + hbm_w * (nbytes / t_i)
-            if comm_on:
-                power += comm_sm_w + rate * (kappa * hbm_w + link_w)
-                if lat_left > 0.0:
-                    lat_left -= dt
-                    if lat_left <= 1e-15:
-                        lat_left = 0.0
-                else:
-                    bytes_left -= rate * dt
-                    if bytes_left <= 1e-6:
-                        comm_on, comm_done, comm_end = False, True, t + dt
+                power += link.sm_w + rate * (kappa * hbm_w + link.link_w)
+                link.advance(dt, rate, t)
             e += power * dt
             t += dt
             x -= dt / t_i
             if trace is not None:
                 trace.append((dt, power))
     compute_end = t
-    if not comm_done:
-        # The collective runs alone (never started, or still in flight): full HBM, idle SMs.
-        rate = min(r_link, hbm_cap / kappa)
-        t_alone = lat_left + bytes_left / rate
-        e_alone = comm_sm_w * t_alone + (rate * (kappa * hbm_w + link_w)) * (bytes_left / rate)
+    if not link.done:  # the collective runs alone (never started, or still in flight)
+        t_alone, e_alone = link.alone(hbm_cap, kappa, hbm_w)
         e += e_alone
         t += t_alone
         if trace is not None and t_alone > 0:
             trace.append((t_alone, e_alone / t_alone))
-        comm_end = t
-    exposed = max(0.0, comm_end - compute_end)
+        link.end_s = t
     if comm is not None:
         t += params.sync_overhead_s
         if trace is not None:
             trace.append((params.sync_overhead_s, 0.0))
-    energy = e + params.p_static_w * t
     return OverlapResult(
         time_s=t,
-        energy_j=energy,
+        energy_j=e + params.p_static_w * t,
         dynamic_energy_j=e,
         compute_end_s=compute_end,
-        comm_end_s=comm_end,
-        exposed_comm_s=exposed,
+        comm_end_s=link.end_s,
+        exposed_comm_s=max(0.0, link.end_s - compute_end),
     )
 
 

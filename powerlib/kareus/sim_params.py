@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from powerlib.gpu_specs import GPU_SPECS, GpuSpec, VoltageCurve
 
-__all__ = ["A100", "H100", "OverlapDeviceParams"]
+__all__ = ["A100", "GPUS", "H100", "OverlapDeviceParams"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,3 +194,6 @@ H100 = _from_spec(
     },
 )
 """H100 SXM5 80GB: unvalidated starting values (docs/kareus.md §5.4 marks most as [D])."""
+
+GPUS: dict[str, OverlapDeviceParams] = {"a100": A100, "h100": H100}
+"""The simulated GPUs by the name ``powerlib kareus search --gpu`` takes."""

@@ -50,8 +50,9 @@ def log_path(directory: str | Path, key: str) -> Path:
     return Path(directory) / f"{key}.jsonl"
 
 
-def _m_json(m: Measurement) -> dict[str, Any]:
-    out: dict[str, Any] = {"time_s": m.time_s, "energy_j": m.energy_j}
+def _m_json(m: Measurement) -> dict[str, float]:
+    """A measurement's fields in ``study.json`` (its row adds where it was taken)."""
+    out = {"time_s": m.time_s, "energy_j": m.energy_j}
     if m.avg_freq_mhz is not None:
         out["avg_freq_mhz"] = m.avg_freq_mhz
     return out

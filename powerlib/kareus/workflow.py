@@ -22,17 +22,23 @@ from powerlib.errors import PlanError
 from powerlib.planning.perseus.work import DEFAULT_MAX_WORK
 
 if TYPE_CHECKING:
-    from powerlib.kareus.compose import Components, Knob
+    from powerlib.kareus.comparison import FrontierComparison
+    from powerlib.kareus.compose import Components, ComposedOptions, Knob
     from powerlib.kareus.evaluator import Evaluator
     from powerlib.kareus.partition import PartitionWorkload
-    from powerlib.kareus.partition_types import Config
+    from powerlib.kareus.partition_types import Config, PartitionType
     from powerlib.kareus.shapes import Parallelism
     from powerlib.kareus.study import Study
     from powerlib.planning.choice import Choice, Policy
     from powerlib.planning.perseus.frontier import Frontier
+    from powerlib.planning.perseus.report import PlanSummary
 
 __all__ = [
     "METHODS",
+    "SCHEDULES",
+    "KareusPlanMetadata",
+    "KareusPlanSummary",
+    "OverlapSummary",
     "PartitionSearch",
     "StudyPlanResult",
     "StudySearchResult",
@@ -44,6 +50,10 @@ __all__ = [
 
 #: Kareus, then the baselines ``--compare`` adds.
 METHODS = ("kareus", "perseus", "nanobatch")
+
+#: The pipeline schedules a Kareus plan is solved on: those of
+#: :data:`~powerlib.planning.schedules.SCHEDULE_NAMES` with one model chunk per stage.
+SCHEDULES = ("1f1b", "gpipe")
 
 #: ``progress(phase, done, total)``: a phase (partition type, ``components`` or a method) starts
 #: with ``done == 0`` and advances to ``total``.
@@ -116,6 +126,95 @@ class StudySearchResult:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class OverlapSummary:
+    """How the chosen plan's instructions run (the summary's ``overlap``).
+
+    Attributes:
+        workload: The workload planned.
+        instructions: Instructions of the plan.
+        nanobatch_instructions: Those that run as overlapped nanobatches.
+        sequential_instructions: Those that run sequentially.
+        partition_types: The workload's partition types.
+        megatron_time_s: Megatron-LM's iteration time (sequential, highest clock).
+    """
+
+    workload: str
+    instructions: int
+    nanobatch_instructions: int
+    sequential_instructions: int
+    partition_types: tuple[str, ...]
+    megatron_time_s: float
+
+    def to_json(self) -> dict[str, object]:
+        """Every field, by name."""
+        return {
+            "workload": self.workload,
+            "instructions": self.instructions,
+            "nanobatch_instructions": self.nanobatch_instructions,
+            "sequential_instructions": self.sequential_instructions,
+            "partition_types": list(self.partition_types),
+            "megatron_time_s": self.megatron_time_s,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KareusPlanSummary:
+    """What ``powerlib kareus plan --json`` prints.
+
+    Attributes:
+        plan: The planner's summary of the choice (``powerlib.plan-summary.v1``).
+        overlap: How the chosen plan's instructions run.
+        comparison: The frontier against the baselines (``compare`` only).
+    """
+
+    plan: PlanSummary
+    overlap: OverlapSummary
+    comparison: FrontierComparison | None = None
+
+    def to_json(self) -> dict[str, object]:
+        """The plan summary's keys, then ``overlap`` (and ``comparison``)."""
+        data = self.plan.to_json()
+        data["overlap"] = self.overlap.to_json()
+        if self.comparison is not None:
+            data["comparison"] = self.comparison.to_json()
+        return data
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KareusPlanMetadata:
+    """The Kareus fields a plan from a study carries (its workload's ``kareus``).
+
+    Attributes:
+        model: The model key.
+        workload: The workload's label.
+        stage_layers: Layers per pipeline stage.
+        correction: The factor on composed partition sums.
+        p_static_w: The static power of the study's dynamic energies.
+        evaluator: How the study's evaluator is described.
+    """
+
+    model: str
+    workload: str
+    stage_layers: tuple[int, ...]
+    correction: float
+    p_static_w: float
+    evaluator: Mapping[str, object]
+
+    def to_json(self) -> dict[str, object]:
+        """``{"kareus": {...}}``: the fields by name."""
+        return {
+            "kareus": {
+                "model": self.model,
+                "workload": self.workload,
+                "stage_layers": list(self.stage_layers),
+                "correction": self.correction,
+                "p_static_w": self.p_static_w,
+                "evaluator": dict(self.evaluator),
+            }
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StudyPlanResult:
     """What :func:`plan_from_study` found.
 
@@ -127,16 +226,16 @@ class StudyPlanResult:
         summary: What ``powerlib kareus plan --json`` prints: the plan summary plus ``overlap``
             (and ``comparison`` with ``compare``).
         solve_time_s: Wall time of every frontier solve together.
-        plan_metadata: The Kareus fields the plan file carries (for
-            :func:`powerlib.planning.workflow.write_outputs`).
+        plan_metadata: The Kareus fields the plan file carries (their ``to_json()`` for
+            :func:`powerlib.planning.perseus.report.write_plan_outputs`).
     """
 
     study: Study
     frontiers: dict[str, Frontier]
     choice: Choice
-    summary: dict[str, Any]
+    summary: KareusPlanSummary
     solve_time_s: float
-    plan_metadata: dict[str, Any]
+    plan_metadata: KareusPlanMetadata
 
     @property
     def frontier(self) -> Frontier:
@@ -146,7 +245,7 @@ class StudyPlanResult:
     @property
     def nanobatch_instructions(self) -> int:
         """Instructions of the chosen plan that run as overlapped nanobatches."""
-        return int(self.summary["overlap"]["nanobatch_instructions"])
+        return self.summary.overlap.nanobatch_instructions
 
 
 def compose_methods(
@@ -156,7 +255,7 @@ def compose_methods(
     *,
     methods: Sequence[str] = METHODS,
     correction: float = 1.0,
-) -> dict[str, Any]:
+) -> dict[str, ComposedOptions]:
     """Each method's per-instruction options (:func:`~.compose.compose_options`)."""
     from powerlib.kareus.compose import compose_options  # noqa: PLC0415 - search and plan each load only their own parts
 
@@ -283,7 +382,7 @@ def plan_from_study(
         PlanError: A missing or invalid study or log, too much work, or a deadline the frontier
             cannot meet.
     """
-    from powerlib.kareus.compose import compare_frontiers  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.kareus.comparison import compare_frontiers  # noqa: PLC0415 - search and plan each load only their own parts
     from powerlib.kareus.study import read_study  # noqa: PLC0415 - search and plan each load only their own parts
     from powerlib.planning.choice import choose  # noqa: PLC0415 - search and plan each load only their own parts
     from powerlib.planning.perseus.report import summary  # noqa: PLC0415 - search and plan each load only their own parts
@@ -312,38 +411,48 @@ def plan_from_study(
     )
     solve_time_s = time.perf_counter() - started
     frontier = frontiers["kareus"]
-    metadata = {
-        "kareus": {
-            "model": study.model_key,
-            "workload": workload.label,
-            "stage_layers": list(study.stage_layers),
-            "correction": correction,
-            "p_static_w": study.components.p_static_w,
-            "evaluator": dict(study.evaluator),
-        }
-    }
     choice = choose(frontier, policy)
-    data = summary(choice, solve_time_s=solve_time_s)
-    nano = sum(1 for o in choice.options if o.knob is not None and o.knob.execution == "nanobatch")
-    data["overlap"] = {
-        "workload": workload.label,
-        "instructions": len(choice.options),
-        "nanobatch_instructions": nano,
-        "sequential_instructions": len(choice.options) - nano,
-        "partition_types": [p.key for p in workload.partitions],
-        "megatron_time_s": frontier.baseline_time_s,
-    }
+    comparison = None
     if compare:
-        data["comparison"] = compare_frontiers(
-            frontiers["kareus"], frontiers["perseus"], frontiers["nanobatch"]
-        )
+        comparison = compare_frontiers(frontier, frontiers["perseus"], frontiers["nanobatch"])
     return StudyPlanResult(
         study=study,
         frontiers=frontiers,
         choice=choice,
-        summary=data,
+        summary=KareusPlanSummary(
+            plan=summary(choice, solve_time_s=solve_time_s),
+            overlap=_overlap_summary(workload, choice, frontier),
+            comparison=comparison,
+        ),
         solve_time_s=solve_time_s,
-        plan_metadata=metadata,
+        plan_metadata=_plan_metadata(study, correction),
+    )
+
+
+def _plan_metadata(study: Study, correction: float) -> KareusPlanMetadata:
+    """The Kareus fields a plan from ``study`` carries."""
+    return KareusPlanMetadata(
+        model=study.model_key,
+        workload=study.workload.label,
+        stage_layers=study.stage_layers,
+        correction=correction,
+        p_static_w=study.components.p_static_w,
+        evaluator=study.evaluator,
+    )
+
+
+def _overlap_summary(
+    workload: PartitionWorkload, choice: Choice, frontier: Frontier
+) -> OverlapSummary:
+    """How the chosen plan's instructions run."""
+    nano = sum(1 for o in choice.options if o.knob is not None and o.knob.execution == "nanobatch")
+    return OverlapSummary(
+        workload=workload.label,
+        instructions=len(choice.options),
+        nanobatch_instructions=nano,
+        sequential_instructions=len(choice.options) - nano,
+        partition_types=tuple(p.key for p in workload.partitions),
+        megatron_time_s=frontier.baseline_time_s,
     )
 
 
@@ -380,10 +489,9 @@ def search_study(
         PlanError: A stage split or partition type the model does not have.
     """
     from powerlib.kareus.compose import measure_components  # noqa: PLC0415 - search and plan each load only their own parts
-    from powerlib.kareus.partition import build_workload, config_space, search_budget  # noqa: PLC0415 - search and plan each load only their own parts
-    from powerlib.kareus.search import search_partition  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.kareus.partition import build_workload  # noqa: PLC0415 - search and plan each load only their own parts
     from powerlib.kareus.shapes import MODEL_SHAPES  # noqa: PLC0415 - search and plan each load only their own parts
-    from powerlib.kareus.study import log_path, write_study  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.kareus.study import write_study  # noqa: PLC0415 - search and plan each load only their own parts
 
     layers = tuple(stage_layers)
     workload = build_workload(MODEL_SHAPES[model], parallelism, layers)
@@ -393,39 +501,8 @@ def search_study(
     freqs = evaluator.freqs_mhz
     out = Path(study_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
     started = time.perf_counter()
-    for ptype in wanted:
-        space = config_space(ptype, freqs)
-        budget = search_budget(ptype)
-        on_step = None
-        if progress is not None:
-            progress(ptype.key, 0, budget.total)
-            on_step = _search_phase(progress, ptype.key)
-        result = search_partition(
-            ptype,
-            space,
-            evaluator,
-            budget=budget,
-            seed=seed,
-            log_path=log_path(out, ptype.key),
-            progress=on_step,
-        )
-        front = result.pareto("total")
-        rows.append(
-            PartitionSearch(
-                partition=ptype.key,
-                space=len(space),
-                budget=budget.total,
-                evaluations=result.evaluations_used,
-                batches=result.batches_run,
-                stopped=result.stopped,
-                pareto_points=len(front),
-                profiling_h=result.wall_s / 3600.0,
-                fastest_s=front[0].time_s if front else None,
-                log=str(log_path(out, ptype.key)),
-            )
-        )
+    rows = [_search_one(ptype, evaluator, freqs, out, seed, progress) for ptype in wanted]
     on_component = None
     if progress is not None:
         progress("components", 0, 1)
@@ -446,6 +523,49 @@ def search_study(
         freqs_mhz=tuple(freqs),
         partitions=tuple(rows),
         elapsed_s=time.perf_counter() - started,
+    )
+
+
+def _search_one(
+    ptype: PartitionType,
+    evaluator: Evaluator,
+    freqs: Sequence[float],
+    out: Path,
+    seed: int,
+    progress: PhaseProgress | None,
+) -> PartitionSearch:
+    """Search one partition type at clocks ``freqs``; its log goes into ``out``."""
+    from powerlib.kareus.partition import config_space, search_budget  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.kareus.search import search_partition  # noqa: PLC0415 - search and plan each load only their own parts
+    from powerlib.kareus.study import log_path  # noqa: PLC0415 - search and plan each load only their own parts
+
+    space = config_space(ptype, freqs)
+    budget = search_budget(ptype)
+    on_step = None
+    if progress is not None:
+        progress(ptype.key, 0, budget.total)
+        on_step = _search_phase(progress, ptype.key)
+    result = search_partition(
+        ptype,
+        space,
+        evaluator,
+        budget=budget,
+        seed=seed,
+        log_path=log_path(out, ptype.key),
+        progress=on_step,
+    )
+    front = result.pareto("total")
+    return PartitionSearch(
+        partition=ptype.key,
+        space=len(space),
+        budget=budget.total,
+        evaluations=result.evaluations_used,
+        batches=result.batches_run,
+        stopped=result.stopped,
+        pareto_points=len(front),
+        profiling_h=result.wall_s / 3600.0,
+        fastest_s=front[0].time_s if front else None,
+        log=str(log_path(out, ptype.key)),
     )
 
 

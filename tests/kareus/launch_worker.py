@@ -95,7 +95,7 @@ def main() -> int:
         records = [
             r.to_json() | {"worker_slot": s} for r, s in zip(control.records, state["slots"])
         ]
-        report = control.report()
+        report = control.report().to_json()
         assert len(records) == len(state["slots"]) == state["checked"]
     (out / f"rank{rank}.json").write_text(
         json.dumps(

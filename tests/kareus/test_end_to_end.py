@@ -9,11 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from powerlib.kareus.compose import (
-    METHODS,
-    compare_frontiers,
-    measure_components,
-)
+from powerlib.kareus.comparison import compare_frontiers
+from powerlib.kareus.compose import METHODS, measure_components
 from powerlib.kareus.partition import build_workload, config_space, search_budget
 from powerlib.kareus.shapes import MODEL_SHAPES, Parallelism
 from powerlib.kareus.sim_fluid import model
@@ -122,8 +119,20 @@ def test_communication_heavy_layer_overlaps_and_saves_10_to_30_percent_at_iso_ti
     modes = [o.knob.execution for o in kareus.planned_options(kareus.fastest)]
     assert modes.count("nanobatch") >= 0.9 * len(modes)
     cmp_ = compare_frontiers(kareus, fronts["perseus"], fronts["nanobatch"])
-    assert 0.10 <= cmp_["iso_time_energy_reduction"] <= 0.30
-    assert all(d["weakly_dominated"] for d in cmp_["dominance"].values())
+    assert cmp_.iso_time_energy_reduction is not None
+    assert 0.10 <= cmp_.iso_time_energy_reduction <= 0.30
+    assert all(d.weakly_dominated for d in cmp_.dominance.values())
+    data = cmp_.to_json()
+    assert list(data) == [
+        "iso_time_energy_reduction",
+        "iso_time",
+        "iso_energy_time_reduction",
+        "megatron",
+        "max_throughput",
+        "dominance",
+    ]
+    assert list(data["max_throughput"]) == ["kareus", "perseus", "nanobatch"]
+    assert data["megatron"] == {"time_s": cmp_.megatron_time_s, "energy_j": cmp_.megatron_energy_j}
     # Total energy along the Kareus frontier is U-shaped: static energy dominates at the slow end.
     energies = [p.energy_j for p in kareus.points]
     k = int(np.argmin(energies))

@@ -132,7 +132,7 @@ def test_a_loop_off_the_plan_warns_once_and_takes_the_default_path(loop: list, d
     assert len(messages) == 1 and detail in messages[0] and "default path" in messages[0]
     assert not control.active and control.schedule.disabled == detail
     assert control.records[-1].path == "no-plan" and rec.calls[-1][1] is None
-    assert control.report()["disabled"] == detail
+    assert control.report().disabled == detail
 
 
 def test_a_step_without_instructions_is_not_checked() -> None:

@@ -20,7 +20,7 @@ from powerlib.errors import InvalidArgumentError, PlanError
 from powerlib.kareus.launch import LaunchControl, active_control, attach
 from powerlib.planning.plan import FrequencyPlan, PartitionSetting
 from powerlib.runtime.coordination import SingleProcess
-from powerlib.runtime.session import Session
+from powerlib.runtime.session import Session, optimize
 
 WORKER = Path(__file__).with_name("launch_worker.py")
 
@@ -35,7 +35,7 @@ def _session(plan_path: Path, tmp_path: Path) -> Session:
     backend = SimulatedBackend(
         Settings(backend="simulated", sim_gpus=1, state_dir=tmp_path / "st"), clock=clock
     )
-    return Session(
+    return optimize(
         num_stages=1,
         num_microbatches=2,
         mode="apply",
@@ -84,8 +84,19 @@ def test_the_session_drives_the_launch_control_from_its_hooks(tmp_path: Path) ->
     ]
     assert seen[4:] == seen[:4]
     report = control.report()
-    assert report["active"] and report["iterations"] == 2
-    assert report["requested_sm_counts"] == {"fwd_attn": [9, 12]}
+    assert report.active and report.iterations == 2
+    assert report.requested_sm_counts == {"fwd_attn": [9, 12]}
+    assert report.to_json() == {
+        "loaded": True,
+        "active": True,
+        "disabled": None,
+        "iterations": 2,
+        "communicators": len(control.groups.groups),
+        "launches": len(control.records),
+        "paths": report.paths,
+        "enforced": report.enforced,
+        "requested_sm_counts": {"fwd_attn": [9, 12]},
+    }
 
 
 def test_a_launch_control_given_as_a_session_keyword_takes_the_plan(tmp_path: Path) -> None:
@@ -94,10 +105,10 @@ def test_a_launch_control_given_as_a_session_keyword_takes_the_plan(tmp_path: Pa
     asked = []
     control = LaunchControl(group_ranks=lambda: asked.append(1) or [[0]])
     session = _session(path, tmp_path)
-    session = Session.from_config(
-        session.spec, profile=session.profile_config, apply=session.apply_config,
-        run=dataclasses.replace(session.run_config, listeners=(control,)),
-    )  # fmt: skip
+    config = session.config
+    session = Session(
+        dataclasses.replace(config, run=dataclasses.replace(config.run, listeners=(control,)))
+    )
     with session:
         assert control.active and asked == [1] and attach(session) is control
 
@@ -170,7 +181,7 @@ def test_a_perseus_plan_leaves_the_launch_control_inactive(tmp_path: Path) -> No
             assert control.config("fwd_attn") is None and not control.active
         with pytest.raises(InvalidArgumentError, match="before the first instruction"):
             session.add_instruction_listener(LaunchControl())
-        assert "overlap" not in session.report()
+        assert "overlap" not in session.report().to_json()
 
 
 class _Listener:

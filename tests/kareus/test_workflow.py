@@ -36,9 +36,22 @@ def test_search_then_plan_a_study(tmp_path: Path) -> None:
     assert found.to_json()["evaluations"] == sum(p.evaluations for p in found.partitions)
     result = plan_from_study(tmp_path, microbatches=4, policy=Policy(), compare=True)
     assert set(result.frontiers) == {"kareus", "perseus", "nanobatch"}
-    assert result.summary["overlap"]["instructions"] == len(result.choice.options)
+    assert result.summary.overlap.instructions == len(result.choice.options)
+    assert result.nanobatch_instructions == result.summary.overlap.nanobatch_instructions
+    assert result.summary.comparison is not None
+    data = result.summary.to_json()
+    assert list(data)[-2:] == ["overlap", "comparison"]
+    assert data["overlap"] == result.summary.overlap.to_json()
     assert result.frontier.fastest.time_s <= result.frontiers["perseus"].fastest.time_s + 1e-9
-    assert result.plan_metadata["kareus"]["model"] == "qwen3-1.7b"
+    assert result.plan_metadata.model == "qwen3-1.7b"
+    assert result.plan_metadata.to_json()["kareus"] == {
+        "model": "qwen3-1.7b",
+        "workload": "qwen3-1.7b_tp8_mbs8_seq4096",
+        "stage_layers": [15, 13],
+        "correction": 1.0,
+        "p_static_w": evaluator.p_static_w,
+        "evaluator": {"kind": "simulated"},
+    }
     (tmp_path / "fwd_mlp.jsonl").unlink()
     with pytest.raises(PlanError, match="--partition fwd_mlp"):
         plan_from_study(tmp_path, microbatches=4, policy=Policy())
