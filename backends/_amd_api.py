@@ -187,7 +187,7 @@ def _translate(
     smi: Any, err: Exception, name: str, device: str | None, operation: str | None
 ) -> PowerlibError:
     """Turn anything an amdsmi call raised into a powerlib error."""
-    context: dict[str, Any] = {"device": device, "operation": operation}
+    context = {"device": device, "operation": operation}
     code = _status_code(smi, err)
     if code is not None:
         cls, hint = STATUS.get(code, (DeviceError, "amdsmi reported an error"))

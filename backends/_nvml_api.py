@@ -14,6 +14,7 @@ with its units and privileges is listed in docs/vendor-calls.md.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import logging
 import warnings
@@ -118,7 +119,8 @@ def import_pynvml() -> ModuleType:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
-            import pynvml  # noqa: PLC0415 - lazy by design
+            # import_module: the binding has no type information; the caller holds a module
+            pynvml = importlib.import_module("pynvml")
     except ImportError as err:
         raise BackendUnavailableError(
             f"the pynvml module is not installed: {INSTALL_HINT}"
@@ -143,7 +145,8 @@ def call(
         return fn(*args)
     except nvml.NVMLError as err:
         code = getattr(err, "value", None)
-        cls, hint = _NVML_ERRORS.get(code, (DeviceError, "NVML reported an error"))  # type: ignore[arg-type]
+        known = _NVML_ERRORS.get(code) if isinstance(code, int) else None
+        cls, hint = known or (DeviceError, "NVML reported an error")
         name = getattr(fn, "__name__", "nvml call")
         raise cls(
             f"{name}: {err}: {hint}", device=device, operation=operation, vendor_code=code

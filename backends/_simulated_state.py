@@ -82,15 +82,23 @@ class SimState:
             raise ValueError(f"switches must be a count, got {switches!r}")
         return cls(
             locked_mhz=locked,
-            power_limit_w=float(data["power_limit_w"]),  # type: ignore[arg-type]
-            energy_j=float(data["energy_j"]),  # type: ignore[arg-type]
-            counter_j=float(data["counter_j"]),  # type: ignore[arg-type]
-            t_s=float(data["t_s"]),  # type: ignore[arg-type]
-            temperature_c=float(data["temperature_c"]),  # type: ignore[arg-type]
+            power_limit_w=_float(data, "power_limit_w"),
+            energy_j=_float(data, "energy_j"),
+            counter_j=_float(data, "counter_j"),
+            t_s=_float(data, "t_s"),
+            temperature_c=_float(data, "temperature_c"),
             running_mhz=running,
             pending=sorted(pending, key=lambda change: change[0]),
             switches=switches,
         )
+
+
+def _float(data: dict[str, object], key: str) -> float:
+    """``float(data[key])``: what ``float`` takes from JSON (a number or its text)."""
+    value = data[key]
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"{key} must be a number, got {value!r}")
+    return float(value)
 
 
 def lock_from_json(value: object) -> tuple[float, float] | None:

@@ -54,6 +54,7 @@ from typing import Any, ClassVar
 from powerlib.backend import Backend, ProbeResult
 from powerlib.backends import _amd_api as api
 from powerlib.backends._amd_enumeration import Gpu, enumerate_gpus
+from powerlib.backends._power_limit import write_power_limit
 from powerlib.config import Settings
 from powerlib.device import Capabilities, ClockLockState, Device, DeviceInfo, DeviceKind, PowerState
 from powerlib.errors import (
@@ -70,7 +71,6 @@ __all__ = ["AmdBackend", "AmdDevice"]
 
 logger = logging.getLogger(__name__)
 
-_READBACK_TOLERANCE_W = 1.0
 _MIN_PLAUSIBLE_CAP_UW = 1_000_000  # a maximum cap under 1 W means the unit is not µW
 _MILLIDEGREE_THRESHOLD = 1000.0  # no GPU reports 1000 °C: larger values are m°C
 _PROC_STATUS_PATH = Path("/proc/self/status")  # where control_refusal reads CapEff (tests move it)
@@ -455,24 +455,21 @@ class AmdDevice(Device):
             DeviceError: The cap read back differs from the request by more than 1 W.
         """
         op = "set_power_limit"
-        self._call("amdsmi_set_power_cap", self._handle, 0, to_uw(power_limit_w), operation=op)
-        caps = self._call("amdsmi_get_power_cap_info", self._handle, operation=op)
-        readback_uw = api.number((caps or {}).get("power_cap"))
-        if readback_uw is None:
-            raise DeviceError(
-                "the power cap could not be read back after setting it",
-                device=self.device_id,
-                operation=op,
-            )
-        readback_w = from_uw(readback_uw)
-        if abs(readback_w - power_limit_w) > _READBACK_TOLERANCE_W:
-            raise DeviceError(
-                f"the power cap did not take effect: asked {power_limit_w:g} W, the GPU reports "
-                f"{readback_w:g} W",
-                device=self.device_id,
-                operation=op,
-            )
-        return readback_w
+
+        def read_back() -> float | None:
+            caps = self._call("amdsmi_get_power_cap_info", self._handle, operation=op)
+            readback_uw = api.number((caps or {}).get("power_cap"))
+            return None if readback_uw is None else from_uw(readback_uw)
+
+        return write_power_limit(
+            power_limit_w,
+            lambda: self._call(
+                "amdsmi_set_power_cap", self._handle, 0, to_uw(power_limit_w), operation=op
+            ),
+            read_back,
+            device_id=self.device_id,
+            what="power cap",
+        )
 
     def _reset_power_limit(self) -> None:
         """Writes: the default cap (``default_power_cap`` of amdsmi_get_power_cap_info) as the cap."""

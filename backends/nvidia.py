@@ -41,11 +41,11 @@ from typing import Any, ClassVar
 
 from powerlib.backend import Backend, ProbeResult
 from powerlib.backends import _nvml_api as api
+from powerlib.backends._power_limit import write_power_limit
 from powerlib.backends._visible import select_visible
 from powerlib.config import Settings
 from powerlib.device import Capabilities, ClockLockState, Device, DeviceInfo, DeviceKind, PowerState
 from powerlib.errors import (
-    DeviceError,
     NotSupportedError,
     PermissionDeniedError,
     PowerlibError,
@@ -57,7 +57,6 @@ __all__ = ["NvidiaBackend", "NvidiaDevice"]
 
 logger = logging.getLogger(__name__)
 
-_READBACK_TOLERANCE_W = 1.0
 _PROC_STATUS_PATH = Path("/proc/self/status")  # where control_refusal reads CapEff (tests move it)
 
 
@@ -357,23 +356,19 @@ class NvidiaDevice(Device):
         """Writes: nvmlDeviceSetPowerManagementLimit (mW; root), verified by reading it back."""
         self._before_write()
         op = "set_power_limit"
-        self._call(
-            self._nvml.nvmlDeviceSetPowerManagementLimit,
-            self._handle,
-            to_mw(power_limit_w),
-            operation=op,
-        )
-        readback_w = from_mw(
-            self._call(self._nvml.nvmlDeviceGetPowerManagementLimit, self._handle, operation=op)
-        )
-        if abs(readback_w - power_limit_w) > _READBACK_TOLERANCE_W:
-            raise DeviceError(
-                f"the power limit did not take effect: asked {power_limit_w:g} W, "
-                f"the GPU reports {readback_w:g} W",
-                device=self.device_id,
+        return write_power_limit(
+            power_limit_w,
+            lambda: self._call(
+                self._nvml.nvmlDeviceSetPowerManagementLimit,
+                self._handle,
+                to_mw(power_limit_w),
                 operation=op,
-            )
-        return readback_w
+            ),
+            lambda: from_mw(
+                self._call(self._nvml.nvmlDeviceGetPowerManagementLimit, self._handle, operation=op)
+            ),
+            device_id=self.device_id,
+        )
 
     def _reset_power_limit(self) -> None:
         """Writes: the default limit (nvmlDeviceGetPowerManagementDefaultLimit) as the limit."""

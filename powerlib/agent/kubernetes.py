@@ -264,7 +264,9 @@ class KubernetesGrants:
             _under(Path(cgroup_fs)) if isinstance(cgroup_fs, str | Path) else cgroup_fs
         )
         self._pods: tuple[float, dict[tuple[str, str, str], tuple[str, ...]]] | None = None
-        self._verdicts: dict[tuple[str, tuple[int, int]], tuple[float, Any]] = {}
+        self._verdicts: dict[
+            tuple[str, tuple[int, int]], tuple[float, PodDevices | ConfigError]
+        ] = {}
         """Recent placements by (cgroup text, pid namespace): two processes that share both are
         in the same container, so one runtime question answers for both, refusals included."""
 

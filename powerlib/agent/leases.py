@@ -114,7 +114,7 @@ class Lease:
     """Whether a change was made: the first writes and fsyncs the journal, on the pool."""
     changed: bool = False
     """Whether a change through it succeeded; a lease whose first change failed is dropped."""
-    targets: dict[str, Any] = field(default_factory=dict)
+    targets: dict[str, object] = field(default_factory=dict)
     """The value each item was last set to through this lease (for a restore's report)."""
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Held by a change in flight and by the restore: a restore never runs under a change that
@@ -147,7 +147,7 @@ class Leases:
         )
         self._leases: dict[str, Lease] = {}
         self._by_form: dict[str, Device] = {}
-        self.wire_devices: list[dict[str, Any]] = []
+        self.wire_devices: list[dict[str, object]] = []
         """Every device's static facts, as op ``devices`` answers them."""
         self.events: collections.deque[AgentEvent] = collections.deque(maxlen=10_000)
         """The latest ended leases (bounded: a client looping change/release cannot grow it)."""
@@ -454,7 +454,7 @@ class Leases:
             logger.info("agent: %s: ending %d lease(s)", reason, len(leases))
         await asyncio.gather(*(self.restore(lease, reason) for lease in leases))
 
-    async def _revoke(self, job: str) -> list[dict[str, Any]]:
+    async def _revoke(self, job: str) -> list[dict[str, object]]:
         """``powerlib agent revoke``: end the job's leases; every one that ended, whoever ended it."""
         await self._end_job(job, f"job {job}'s grant was revoked")
         ended = self._job_events.pop(job, [])

@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["BoundedQueueHandler", "LogLimiter", "QueueLogging", "queue_logging"]
 
@@ -46,13 +46,14 @@ class BoundedQueueHandler(logging.handlers.QueueHandler):
 
     def __init__(self, records: queue.Queue[Any]) -> None:
         super().__init__(records)
+        self._records = records  # typeshed types self.queue as put-only
         self._count_lock = threading.Lock()
         self.dropped = 0
         self._unreported = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         """Queue the record (formatted here), or count it when the queue is full."""
-        if self.queue.full():  # don't format what would be dropped anyway
+        if self._records.full():  # don't format what would be dropped anyway
             self._drop()
             return
         super().emit(record)
@@ -83,6 +84,9 @@ class BoundedQueueHandler(logging.handlers.QueueHandler):
 class _Listener(logging.handlers.QueueListener):
     """Writes queued records to the real handlers, each after a notice of drops before it."""
 
+    # QueueListener's end-of-queue record (None in CPython), which typeshed leaves undeclared
+    _sentinel: ClassVar[None] = None
+
     def __init__(
         self,
         records: queue.Queue[Any],
@@ -91,6 +95,7 @@ class _Listener(logging.handlers.QueueListener):
         notice_every_s: float,
     ) -> None:
         super().__init__(records, *handlers, respect_handler_level=True)
+        self._records = records  # typeshed's QueueListener.queue has no timeout on get
         self.source = source
         self.notice_every_s = notice_every_s
 
@@ -98,7 +103,7 @@ class _Listener(logging.handlers.QueueListener):
         """The next record; while none comes, report drops every ``notice_every_s``."""
         while True:
             try:
-                return self.queue.get(block, self.notice_every_s)
+                return self._records.get(block, self.notice_every_s)
             except queue.Empty:
                 if not block:
                     raise
@@ -138,7 +143,8 @@ class QueueLogging:
         target: logging.Logger | None = None,
     ) -> None:
         self.target = target if target is not None else logging.getLogger()
-        self.handlers = list(self.target.handlers) or [logging.lastResort]  # type: ignore[list-item]
+        last = [] if logging.lastResort is None else [logging.lastResort]
+        self.handlers: list[logging.Handler] = list(self.target.handlers) or last
         self.queue: queue.Queue[Any] = queue.Queue(capacity)
         self.handler = BoundedQueueHandler(self.queue)
         self.listener = _Listener(self.queue, self.handler, self.handlers, notice_every_s)

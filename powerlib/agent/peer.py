@@ -157,7 +157,10 @@ def pidfd_of(peer: Peer) -> int | None:
     differ and the peer counts as gone.
     """
     if peer.pidfd is not None:
-        return peer.pidfd if peer.start_ticks is not None else _closed(peer.pidfd)
+        if peer.start_ticks is not None:
+            return peer.pidfd
+        os.close(peer.pidfd)
+        return None
     try:
         fd = os.pidfd_open(peer.pid)
     except (ProcessLookupError, OSError):
@@ -166,8 +169,3 @@ def pidfd_of(peer: Peer) -> int | None:
         os.close(fd)
         return None
     return fd
-
-
-def _closed(fd: int) -> None:
-    os.close(fd)
-    return None

@@ -142,7 +142,7 @@ def decode_request(line: bytes) -> dict[str, Any]:
         value = msg[name]
         if isinstance(value, bool) or not isinstance(value, types):
             raise ProtocolError(f"{op}: {name} has the wrong type ({type(value).__name__})")
-        if name in _NUMBERS and not _finite(value):
+        if name in _NUMBERS and not (isinstance(value, int | float) and _finite(value)):
             raise ProtocolError(f"{op}: {name} must be a finite number")
         if isinstance(value, int) and value.bit_length() > _MAX_INT_BITS:
             raise ProtocolError(f"{op}: {name} is out of range")
@@ -188,17 +188,17 @@ def one_line(text: str, limit: int = 2000) -> str:
 # -- errors ----------------------------------------------------------------------------------------
 
 
-def reply(rid: Any, result: Any) -> dict[str, Any]:
+def reply(rid: Any, result: Any) -> dict[str, object]:
     """A success response to request ``rid``."""
     return {"v": VERSION, "id": rid, "ok": True, "result": result}
 
 
-def error_reply(rid: Any, err: BaseException) -> dict[str, Any]:
+def error_reply(rid: Any, err: BaseException) -> dict[str, object]:
     """An error response to request ``rid`` (``None``: the line could not be read)."""
     return {"v": VERSION, "id": rid, "ok": False, "error": error_to_wire(err)}
 
 
-def error_to_wire(err: BaseException) -> dict[str, Any]:
+def error_to_wire(err: BaseException) -> dict[str, object]:
     """A powerlib error as ``{"type", "message", "device", "operation"}``."""
     if isinstance(err, errors.PowerlibError):
         return {
@@ -230,7 +230,7 @@ def error_from_wire(data: Any) -> errors.PowerlibError:
 # -- devices and states ----------------------------------------------------------------------------
 
 
-def info_to_wire(info: DeviceInfo, details: Mapping[str, Any]) -> dict[str, Any]:
+def info_to_wire(info: DeviceInfo, details: Mapping[str, Any]) -> dict[str, object]:
     """A device's static facts, plus its PCI bus id when the backend knows it."""
     out = asdict(info)
     out["kind"] = info.kind.value
@@ -262,7 +262,7 @@ def info_from_wire(data: Mapping[str, Any], backend: str) -> DeviceInfo:
     )
 
 
-def state_to_wire(state: PowerState) -> dict[str, Any]:
+def state_to_wire(state: PowerState) -> dict[str, object]:
     """A power-state snapshot (tuples become lists)."""
     out = asdict(state)
     for key, value in out.items():

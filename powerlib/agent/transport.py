@@ -467,7 +467,7 @@ class Agent:
             return await self._send(client, protocol.error_reply(rid, err))
         return await self._send(client, protocol.reply(rid, result))
 
-    async def _send(self, client: Client, message: dict[str, Any]) -> bool:
+    async def _send(self, client: Client, message: dict[str, object]) -> bool:
         if client.ended:
             return False
         try:
@@ -497,9 +497,12 @@ class Agent:
 
     def _on_exit(self, client: Client) -> None:
         """The pidfd became readable: the client process exited (its socket may live on)."""
-        if client.pidfd is not None and self._loop is not None:
-            self._loop.remove_reader(client.pidfd)
-        task = self._loop.create_task(self._end(client, "process exited"))  # type: ignore[union-attr]
+        loop = self._loop
+        if loop is None:  # pragma: no cover - the reader is only added while the loop serves
+            return
+        if client.pidfd is not None:
+            loop.remove_reader(client.pidfd)
+        task = loop.create_task(self._end(client, "process exited"))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

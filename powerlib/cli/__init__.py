@@ -58,7 +58,8 @@ class _CliError(click.ClickException):
 
     def __init__(self, err: PowerlibError) -> None:
         super().__init__(str(err))
-        self.exit_code = err.exit_code
+        # click declares exit_code a ClassVar, yet exits with the instance's: this error's own
+        self.exit_code = err.exit_code  # type: ignore[misc]
 
     def show(self, file: Any = None) -> None:
         click.echo(f"powerlib: error: {self.format_message()}", err=True)

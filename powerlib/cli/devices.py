@@ -310,15 +310,15 @@ def set_(
                 }
             )
             return
-        if "locked_sm_freqs_mhz" in applied:
-            lo, hi = applied["locked_sm_freqs_mhz"]  # type: ignore[misc]
+        if result.locked_sm_freqs_mhz is not None:
+            lo, hi = result.locked_sm_freqs_mhz
             click.echo(
                 f"device {dev.index} ({dev.device_id}): SM clock locked to "
                 + (f"{lo:g} MHz" if lo == hi else f"{lo:g}-{hi:g} MHz")
             )
-        if "power_limit_w" in applied:
+        if result.power_limit_w is not None:
             click.echo(
-                f"device {dev.index} ({dev.device_id}): power limit set to {applied['power_limit_w']:g} W"
+                f"device {dev.index} ({dev.device_id}): power limit set to {result.power_limit_w:g} W"
             )
 
 

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from powerlib.backend import Backend
     from powerlib.config import Settings
 
+    _StrParam = click.ParamType[str]
+else:
+    _StrParam = click.ParamType  # a generic class only in later click 8 releases
+
 
 @dataclass(slots=True)
 class Options:
@@ -122,7 +126,7 @@ def _writable(path: Path, mode: int = os.W_OK | os.X_OK) -> bool:
     return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
 
 
-class OutputPath(click.ParamType):
+class OutputPath(_StrParam):
     """A file or folder powerlib will write: checked before any work starts.
 
     A missing or non-folder parent is an invalid argument (exit 7), a folder the caller cannot

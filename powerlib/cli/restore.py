@@ -166,9 +166,7 @@ def restore(
     try:
         if acting_for:
             uid = acting_for[0]
-            grants = grants_dir if grants_dir is not None else settings.state_dir / "grants"
-            devices = _job_devices(uid, job, device_list, grants)
-            folders = list(user_dirs) or list(user_state_dirs(uid, settings.state_dir))
+            devices, folders = _user_scope(uid, settings, job, device_list, user_dirs, grants_dir)
             report.update(for_user=uid, devices=devices, user_state_dirs=[str(f) for f in folders])
             outcomes = restore_for_user(
                 settings_for(opts),
@@ -182,43 +180,76 @@ def restore(
             outcomes = restore_journals(settings, include_live=mode == "all", dry_run=dry_run)
     except PowerlibError as err:  # the state folder itself: nothing was done
         if as_json:
-            report.update(
-                ok=False,
-                error=str(err),
-                exit_code=err.exit_code,
-                outcomes=[],
-                still_modified=[
-                    {
-                        "device_id": "?",
-                        "item": "unknown",
-                        "journal": None,
-                        "reason": str(err),
-                        "error_code": err.exit_code,
-                    }
-                ],
-            )
-            emit_json(report)
+            emit_json(_refused(report, err))
         raise
     failure = restore_failure(outcomes)
     if as_json:
-        report.update(
-            ok=failure is None,
-            error=None if failure is None else str(failure),
-            exit_code=0 if failure is None else failure.exit_code,
-            outcomes=[o.to_json() for o in outcomes],
-            still_modified=[_still_modified(o) for o in outcomes if not o.ok],
-        )
-        emit_json(report)
-    elif not outcomes:
-        click.echo(f"nothing to restore in {settings.state_dir}")
+        emit_json(_restored(report, outcomes, failure))
     else:
-        for o in outcomes:
-            owner = f" (journal of pid {o.owner_pid})" if o.owner_pid is not None else ""
-            line = f"{o.device_id} {o.item}: {o.action}{owner}"
-            color = "red" if not o.ok else ("yellow" if o.skipped else None)
-            click.echo(click.style(line, fg=color))
+        _echo_outcomes(outcomes, settings.state_dir)
     if failure is not None:
         raise failure
+
+
+def _refused(report: dict[str, object], err: PowerlibError) -> dict[str, object]:
+    """``report`` for a restore refused before anything was done (the state folder)."""
+    report.update(
+        ok=False,
+        error=str(err),
+        exit_code=err.exit_code,
+        outcomes=[],
+        still_modified=[
+            {
+                "device_id": "?",
+                "item": "unknown",
+                "journal": None,
+                "reason": str(err),
+                "error_code": err.exit_code,
+            }
+        ],
+    )
+    return report
+
+
+def _restored(
+    report: dict[str, object], outcomes: list[RestoreOutcome], failure: PowerlibError | None
+) -> dict[str, object]:
+    """``report`` with the restore's outcomes and what is still modified."""
+    report.update(
+        ok=failure is None,
+        error=None if failure is None else str(failure),
+        exit_code=0 if failure is None else failure.exit_code,
+        outcomes=[o.to_json() for o in outcomes],
+        still_modified=[_still_modified(o) for o in outcomes if not o.ok],
+    )
+    return report
+
+
+def _echo_outcomes(outcomes: list[RestoreOutcome], state_dir: Path) -> None:
+    """One line per outcome: red when the device is still modified, yellow when skipped."""
+    if not outcomes:
+        click.echo(f"nothing to restore in {state_dir}")
+        return
+    for o in outcomes:
+        owner = f" (journal of pid {o.owner_pid})" if o.owner_pid is not None else ""
+        line = f"{o.device_id} {o.item}: {o.action}{owner}"
+        color = "red" if not o.ok else ("yellow" if o.skipped else None)
+        click.echo(click.style(line, fg=color))
+
+
+def _user_scope(
+    uid: int,
+    settings: Settings,
+    job: str | None,
+    device_list: str | None,
+    user_dirs: tuple[Path, ...],
+    grants_dir: Path | None,
+) -> tuple[list[str], list[Path]]:
+    """A restore for ``uid``: the job's devices and the state folders to restore from."""
+    grants = grants_dir if grants_dir is not None else settings.state_dir / "grants"
+    devices = _job_devices(uid, job, device_list, grants)
+    folders = list(user_dirs) or list(user_state_dirs(uid, settings.state_dir))
+    return devices, folders
 
 
 def _job_devices(uid: int, job: str | None, device_list: str | None, grants_dir: Path) -> list[str]:

@@ -35,10 +35,9 @@ from powerlib.control.trust import (
     create_new,
     finite_number,
     is_int,
-    show_path,
 )
 from powerlib.errors import ConfigError, PermissionDeniedError, PowerlibError, UntrustedStateError
-from powerlib.inputs import decode_text, parse_json, read_bytes
+from powerlib.inputs import decode_text, parse_json, read_bytes, show_path
 
 __all__ = [
     "JOURNAL_SCHEMA",
@@ -150,7 +149,7 @@ class JournalEntry:
         """The change of ``item``, if any."""
         return next((c for c in self.changes if c.item == item), None)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """JSON form (schema ``powerlib.journal.v1``)."""
         return {
             "schema": JOURNAL_SCHEMA,
@@ -247,8 +246,8 @@ def _setting(item: str, value: Any, name: str) -> Any:
     return [lo, hi]
 
 
-def _backend_settings(saved: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _backend_settings(saved: Mapping[str, Any]) -> dict[str, object]:
+    out: dict[str, object] = {}
     for key, value in saved.items():
         if key == "sysfs_root":
             out[key] = bounded_text(value, f"backend_settings.{key}", limit=4096)

@@ -80,11 +80,11 @@ def set_device(
         dev.validate_sm_clocks(*sm_clocks_mhz)
     if power_limit_w is not None:
         dev.validate_power_limit(power_limit_w)
-    locked = None if sm_clocks_mhz is None else tuple(dev.lock_sm_clocks(*sm_clocks_mhz))
+    locked = None if sm_clocks_mhz is None else dev.lock_sm_clocks(*sm_clocks_mhz)
     limit = None if power_limit_w is None else dev.set_power_limit(power_limit_w)
     return SetResult(
         device=dev,
-        locked_sm_freqs_mhz=locked,  # type: ignore[arg-type]
+        locked_sm_freqs_mhz=None if locked is None else (locked[0], locked[1]),
         power_limit_w=limit,
         state=dev.read_state(),
     )

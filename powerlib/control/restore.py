@@ -40,7 +40,7 @@ from powerlib.control.journal import (
 )
 from powerlib.control.locks import DeviceLock
 from powerlib.control.state import Owner, StateDir
-from powerlib.device import ClockLockState, Device
+from powerlib.device import ClockLockState, Device, PowerState
 from powerlib.errors import (
     DeviceNotFoundError,
     PermissionDeniedError,
@@ -105,7 +105,7 @@ class RestoreOutcome:
     found: Any = None
     verified: bool | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """JSON form."""
         return {
             "device_id": self.device_id,
@@ -270,7 +270,7 @@ def _verify(device: Device, outcomes: list[RestoreOutcome], expected: dict[int, 
     """
     freqs = device.info.supported_sm_freqs_mhz
     full_range = (freqs[0], freqs[-1]) if freqs else None
-    reads: dict[str, Any] = {}
+    reads: dict[str, ClockLockState | PowerState] = {}
     for i, want in expected.items():
         item = outcomes[i].item
         try:
@@ -284,11 +284,12 @@ def _verify(device: Device, outcomes: list[RestoreOutcome], expected: dict[int, 
                 error_code=err.exit_code,
             )
             continue
-        if item == "sm_clocks":
+        read = reads[item]
+        if isinstance(read, ClockLockState):  # the sm_clocks item
             want_range = None if want is None else (float(want[0]), float(want[1]))
-            same, shown = _sm_lock_reads_as(reads[item], want_range, full_range)
+            same, shown = _sm_lock_reads_as(read, want_range, full_range)
         else:
-            got_w = reads[item].power_limit_w
+            got_w = read.power_limit_w
             same = None if got_w is None else abs(got_w - want) <= _POWER_TOLERANCE_W
             shown = f"at {got_w:g} W" if got_w is not None else "the power limit"
         if same is None:
@@ -322,8 +323,10 @@ def _sm_lock_reads_as(
     """
     if found.range_mhz is not None:
         shown = "locked to {:g}-{:g} MHz".format(*found.range_mhz)
+    elif found.locked is None:
+        shown = "whether a lock is in force"
     else:
-        shown = {True: "locked", False: "unlocked"}.get(found.locked, "whether a lock is in force")
+        shown = "locked" if found.locked else "unlocked"
     if want is None:
         if found.locked is None:
             return None, "whether a lock is in force"

@@ -86,7 +86,7 @@ _POWER_TOLERANCE_W = 1.0  # as restore's: a limit within a watt of the default i
 _CLOCK_TOLERANCE_MHZ = 0.5
 
 
-def _backend_settings(backend: Backend) -> dict[str, Any]:
+def _backend_settings(backend: Backend) -> dict[str, object]:
     s = backend.settings
     return {"sysfs_root": str(s.sysfs_root), "sim_model": s.sim_model, "sim_gpus": s.sim_gpus}
 

@@ -37,9 +37,9 @@ from powerlib.control.trust import (
     describe_owner,
     finite_number,
     is_int,
-    show_path,
 )
 from powerlib.errors import ConfigError, PermissionDeniedError, UntrustedStateError
+from powerlib.inputs import show_path
 
 __all__ = ["Owner", "StateDir", "device_key"]
 
@@ -89,11 +89,12 @@ class Owner:
             proc = psutil.Process(self.pid)
             if proc.status() == psutil.STATUS_ZOMBIE:
                 return False
-            return abs(proc.create_time() - self.start_time_s) <= _START_TIME_TOLERANCE_S
+            started_s: float = proc.create_time()  # psutil is untyped
+            return abs(started_s - self.start_time_s) <= _START_TIME_TOLERANCE_S
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return False
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """JSON form."""
         return {
             "pid": self.pid,

@@ -29,6 +29,7 @@ recordings of real devices.
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,9 +38,8 @@ __all__ = ["A100_SXM4_40GB", "H100_SXM5_80GB", "V100_SXM2_16GB", "FakeGpuSpec", 
 
 
 def _real_pynvml() -> types.ModuleType:
-    import pynvml  # noqa: PLC0415 - nvidia-ml-py is a test dependency, imported when a fake is made
-
-    return pynvml
+    # nvidia-ml-py is a test dependency, imported when a fake is made; it has no type information
+    return importlib.import_module("pynvml")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -606,7 +606,7 @@ def test_optimize_and_attach_module_run_unchanged_through_the_agent(
                 if started is not None and session.iteration >= started + 3:
                     break
         assert session.plan is not None and session.apply_started_iteration is not None
-        assert session.report()["profiled_freqs_mhz"] == FREQS
+        assert list(session.report().profiled_freqs_mhz) == FREQS
         assert any(lock is not None for lock in locked_mid_run)  # the agent locked GPU 0
         assert _wait(lambda: n.truth() == DEFAULT)
     finally:

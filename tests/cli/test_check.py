@@ -24,7 +24,8 @@ from powerlib.backends.simulated import SimulatedBackend
 from powerlib.cli import cli
 from powerlib.config import Settings
 from powerlib.measurement.counter_period import measure_counter
-from powerlib.measurement.node_check import SCHEMA, check_node
+from powerlib.node_check.check import check_node
+from powerlib.node_check.report import SCHEMA
 
 pytest.importorskip("pynvml")
 
@@ -285,7 +286,7 @@ def test_counter_period_and_read_cost_are_measured_from_the_reads(settings: Sett
 
 
 def test_the_load_runs_on_the_cuda_device_with_the_nvml_uuid(fake: FakeNvml, settings) -> None:
-    from powerlib.measurement.landing import _cuda_ordinal
+    from powerlib.node_check.landing import _cuda_ordinal
 
     def torch_with(uuids: list[str | None]) -> Any:
         props = [SimpleNamespace(uuid=u) for u in uuids]

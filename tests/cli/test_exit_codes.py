@@ -165,7 +165,7 @@ def _interrupted(env: Env) -> Run:
     code = (
         "import runpy, signal\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "import powerlib.measurement.node_check as node_check\n"
+        "import powerlib.node_check.check as node_check\n"
         "real = node_check.check_settings\n"
         "def started(*args, **kwargs):\n"
         "    print('checking', flush=True)\n"

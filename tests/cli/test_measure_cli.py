@@ -17,7 +17,7 @@ import pytest
 import powerlib
 
 SCHEMA = json.loads(
-    (Path(powerlib.__file__).parent / "measurement" / "result.schema.json").read_text()
+    (Path(powerlib.__file__).parent / "measure_api" / "result.schema.json").read_text()
 )
 
 
@@ -192,7 +192,7 @@ def test_json_output_never_contains_infinity(tmp_path: Path) -> None:
 
 
 def test_finite_json_writes_null_for_every_non_finite_number() -> None:
-    from powerlib.measurement.result import finite_json
+    from powerlib.measure_api.result import finite_json
 
     text = finite_json({"a": [math.inf, {"b": math.nan}], "c": (-math.inf, 1.5), "d": "NaN"})
     assert _strict(text) == {"a": [None, {"b": None}], "c": [None, 1.5], "d": "NaN"}

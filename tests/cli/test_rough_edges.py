@@ -20,9 +20,8 @@ from click.testing import CliRunner
 
 from powerlib.cli import cli
 from powerlib.errors import PlanError
-from powerlib.planning.choice import Policy
 from powerlib.planning.profile import Profile
-from powerlib.planning.workflow import default_unit_time_s, plan_from_profile
+from powerlib.planning.workflow import PlanRequest, default_unit_time_s, plan_profile
 
 REPO = Path(__file__).resolve().parents[2]
 GPT3_A100 = (
@@ -210,13 +209,15 @@ def test_plan_defaults_the_quantum(tmp_path: Path) -> None:
     assert default_unit_time_s(small) == pytest.approx(1e-4)
 
 
-def test_plan_from_profile_without_p_block_is_one_plan_error() -> None:
+def test_plan_profile_without_p_block_is_one_plan_error() -> None:
     small = Profile.from_csv_text("\n".join([HEADER, *_small_profile_lines()]), source="s.csv")
+    request = PlanRequest(num_stages=2, num_microbatches=4, policy="fastest")
     with pytest.raises(PlanError, match=r"^s.csv: the profile does not carry the blocking power"):
-        plan_from_profile(small, stages=2, microbatches=4, policy=Policy(name="fastest"))
+        plan_profile(small, request)
     carried = Profile(small.rows, source="s.csv", p_block_w=60.0)
-    result = plan_from_profile(carried, stages=2, microbatches=4, policy=Policy(name="fastest"))
+    result = plan_profile(carried, request)
     assert (result.p_block_w, result.unit_time_s) == (60.0, pytest.approx(1e-4))
+    assert (result.p_block_source, result.unit_time_source) == ("profile", "default")
     assert result.frontier.settings.p_block_w == 60.0
 
 

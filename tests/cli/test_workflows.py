@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,10 @@ from powerlib.config import Settings
 from powerlib.control import reset_devices, set_device
 from powerlib.errors import PlanError, PowerlibError
 from powerlib.inspection import env_report, state_json, status_json, watch_samples
-from powerlib.planning.choice import Policy
+from powerlib.planning.perseus.report import PlanOutputs
 from powerlib.planning.plan import FrequencyPlan
-from powerlib.planning.workflow import plan_from_profile, write_outputs
+from powerlib.planning.profile import Profile
+from powerlib.planning.workflow import PlanRequest, plan_profile
 from powerlib.registry import open_backend
 
 PROFILE = Path(__file__).parents[2] / "powerlib/emulator/data/gpt3-175b_a100_sxm.csv"
@@ -22,46 +24,27 @@ def _settings(tmp_path: Path) -> Settings:
     return Settings.from_env().replace(backend="simulated", state_dir=tmp_path / "state")
 
 
-def test_plan_from_profile_chooses_a_plan_that_saves_energy(tmp_path: Path) -> None:
-    result = plan_from_profile(
-        str(PROFILE),
-        stages=8,
-        microbatches=12,
-        p_block_w=83.64,
-        unit_time_s=0.001,
-        policy=Policy(name="fastest"),
-    )
-    assert result.summary["num_points"] == len(result.frontier.points) > 1
-    assert result.choice.point.time_s == pytest.approx(result.summary["chosen"]["time_s"])
-    assert result.summary["saving_percent"] > 0
-    write_outputs(result.choice, plan_out=tmp_path / "plan.json", frontier_out=tmp_path / "f.csv")
+REQUEST = PlanRequest(num_stages=8, num_microbatches=12, p_block_w=83.64, unit_time_s=0.001)
+
+
+def test_plan_profile_chooses_a_plan_that_saves_energy(tmp_path: Path) -> None:
+    result = plan_profile(Profile.read(PROFILE), REQUEST)
+    assert result.summary.num_points == len(result.frontier.points) > 1
+    assert result.choice.point.time_s == pytest.approx(result.summary.chosen.time_s)
+    assert result.summary.saving_percent is not None and result.summary.saving_percent > 0
+    result.write(PlanOutputs.files(plan=tmp_path / "plan.json", frontier=tmp_path / "f.csv"))
     assert FrequencyPlan.read(tmp_path / "plan.json").num_stages == 8
     assert (tmp_path / "f.csv").read_text().count("\n") == len(result.frontier.points) + 1
 
 
-def test_plan_from_profile_refuses_a_deadline_below_t_min() -> None:
+def test_plan_profile_refuses_a_deadline_below_t_min() -> None:
     with pytest.raises(PlanError):
-        plan_from_profile(
-            str(PROFILE),
-            stages=8,
-            microbatches=12,
-            p_block_w=83.64,
-            unit_time_s=0.001,
-            policy=Policy(name="deadline", deadline_s=0.01),
-        )
+        plan_profile(Profile.read(PROFILE), replace(REQUEST, policy="deadline", deadline_s=0.01))
 
 
-def test_plan_from_profile_refuses_too_much_work_before_solving() -> None:
+def test_plan_profile_refuses_too_much_work_before_solving() -> None:
     with pytest.raises(PlanError, match="max-work"):
-        plan_from_profile(
-            str(PROFILE),
-            stages=8,
-            microbatches=12,
-            p_block_w=83.64,
-            unit_time_s=0.001,
-            policy=Policy(),
-            max_work=10,
-        )
+        plan_profile(Profile.read(PROFILE), replace(REQUEST, max_work=10))
 
 
 def test_env_report_names_the_explicit_backend(tmp_path: Path) -> None:
