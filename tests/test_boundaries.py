@@ -137,86 +137,181 @@ def test_backends_and_core_keep_their_layers() -> None:
             )
 
 
-# The design's layering (docs/architecture.md §1): what each part may not import. Lazy imports
-# inside functions and imports under TYPE_CHECKING count: a cycle of types is still a cycle.
-_APPS = ("powerlib.cli", "powerlib.integrations", "powerlib.kareus")
-_FOUNDATION = (
-    "powerlib/errors.py", "powerlib/config.py", "powerlib/units.py", "powerlib/inputs.py",
-    "powerlib/progress.py", "powerlib/gpu_specs.py", "powerlib/_version.py",
-)  # fmt: skip
-_HAL = (
-    "powerlib/device.py",
-    "powerlib/backend.py",
-    "powerlib/registry.py",
-    "powerlib/inspection.py",
-    "powerlib/privilege.py",
-)
-_ABOVE_HAL = (
-    "powerlib.control", "powerlib.runtime", "powerlib.planning", "powerlib.measurement",
-    "powerlib.profiling", "powerlib.emulator", "powerlib.agent", *_APPS,
-)  # fmt: skip
-LAYER_RULES: dict[str, tuple[str, ...]] = {
-    **{
-        leaf: (
-            "powerlib.device", "powerlib.backend", "powerlib.registry", "powerlib.inspection",
-            "powerlib.privilege", *_ABOVE_HAL,
-        )
-        for leaf in _FOUNDATION
-    },
-    **{hal: _ABOVE_HAL for hal in _HAL},
-    "powerlib/control": (
-        "powerlib.runtime", "powerlib.planning", "powerlib.measurement", "powerlib.profiling",
-        "powerlib.emulator", "powerlib.agent", *_APPS,
+# The design's layering (docs/architecture.md §1) as allow-lists: every module belongs to one
+# part, and each part names the parts it MAY import (its own always). A package nobody placed
+# belongs to no part and fails, so a new package is constrained from its first commit. Lazy
+# imports inside functions and imports under TYPE_CHECKING count: a cycle of types is still a
+# cycle. A part is files or folders (``/``); the most specific entry places a module.
+PARTS: dict[str, tuple[str, ...]] = {
+    "foundation": (
+        "powerlib/errors.py", "powerlib/units.py", "powerlib/inputs.py", "powerlib/progress.py",
+        "powerlib/gpu_specs.py", "powerlib/_version.py",
     ),
-    "powerlib/planning": (  # pure: no device, no environment (config), no runtime
-        "powerlib.runtime", "powerlib.profiling", "powerlib.control", "powerlib.measurement",
-        "powerlib.emulator", "powerlib.agent", "powerlib.registry", "powerlib.device",
-        "powerlib.backend", "powerlib.inspection", "powerlib.privilege", "powerlib.config",
-        *_APPS,
+    "config": ("powerlib/config.py",),  # foundation too, but never imported by pure planning
+    "hal": (
+        "powerlib/device.py", "powerlib/backend.py", "powerlib/registry.py",
+        "powerlib/inspection.py", "powerlib/privilege.py",
     ),
-    "powerlib/measurement": (
-        "powerlib.runtime", "powerlib.profiling", "powerlib.emulator", "powerlib.agent", *_APPS,
-    ),
-    "powerlib/profiling": ("powerlib.runtime", "powerlib.emulator", "powerlib.agent", *_APPS),
-    "powerlib/runtime": ("powerlib.emulator", "powerlib.agent", *_APPS),
-    "powerlib/emulator": ("powerlib.agent", *_APPS),
-    "powerlib/agent": (
-        "powerlib.runtime", "powerlib.planning", "powerlib.measurement", "powerlib.profiling",
-        "powerlib.emulator", *_APPS,
-    ),
-    "powerlib/testing": ("powerlib.runtime", "powerlib.planning", *_APPS),
-    "powerlib/kareus": ("powerlib.cli", "powerlib.agent"),
-    # The agent backend is the agent's client: it may use the client and the wire protocol,
-    # never the daemon's modules.
-    "backends": (
-        "powerlib.planning", "powerlib.runtime", "powerlib.measurement", "powerlib.control",
-        "powerlib.profiling", "powerlib.emulator", *_APPS,
-        *(f"powerlib.agent.{m}" for m in (
-            "transport", "leases", "listener", "authz", "kubernetes", "node", "peer", "logs",
-        )),
-    ),
-    "integrations": ("powerlib.cli", "powerlib.kareus", "powerlib.emulator"),
+    "backends": ("backends/",),
+    "control": ("powerlib/control/",),
+    "planning": ("powerlib/planning/",),
+    "measurement": ("powerlib/measurement/",),  # the counter-to-energy engine
+    "measure_api": ("powerlib/measure_api/",),  # powerlib.measure, powerlib measure -- CMD
+    "exporter": ("powerlib/exporter/",),
+    "node_check": ("powerlib/node_check/",),
+    "runtime": ("powerlib/runtime/",),
+    "agent_wire": ("powerlib/agent/client.py", "powerlib/agent/protocol.py"),
+    "agent": ("powerlib/agent/",),  # the daemon
+    "emulator": ("powerlib/emulator/",),
+    "kareus": ("powerlib/kareus/",),
+    "cli": ("powerlib/cli/", "powerlib/__main__.py"),
+    "integrations": ("integrations/",),
+    "testing": ("powerlib/testing/",),
+    "api": ("powerlib/__init__.py",),  # the public surface: optimize, Session, measure, ...
 }  # fmt: skip
+_FOUNDATION = {"foundation", "config"}
+_CORE = {*_FOUNDATION, "hal", "control", "planning", "measurement"}
+MAY_IMPORT: dict[str, set[str]] = {
+    "foundation": {"config"},
+    "config": {"foundation"},
+    "hal": _FOUNDATION,
+    # The agent backend is the agent's client: its connection and wire protocol, not the daemon.
+    "backends": {*_FOUNDATION, "hal", "agent_wire"},
+    "agent_wire": {*_FOUNDATION, "hal"},
+    "control": {*_FOUNDATION, "hal"},
+    "planning": {"foundation"},  # pure: no device, no environment (config), no runtime
+    "measurement": {*_FOUNDATION, "hal"},
+    "measure_api": {*_FOUNDATION, "hal", "measurement", "planning"},
+    "node_check": {*_FOUNDATION, "hal", "control", "measurement"},  # it changes clocks
+    "runtime": _CORE,
+    "exporter": {*_FOUNDATION, "hal", "measurement", "measure_api", "runtime"},
+    "agent": {*_FOUNDATION, "hal", "control", "agent_wire"},  # never runtime, planning, measurement
+    "emulator": {*_CORE, "runtime"},  # it drives the runtime, never the reverse
+    "kareus": {*_CORE, "runtime"},  # registers itself with the session; the core never imports it
+    "integrations": {*_FOUNDATION, "api", "runtime", "measure_api"},  # thin: the public API
+    "cli": set(PARTS) - {"backends", "integrations", "testing"},  # a shell over the library
+    "testing": {*_FOUNDATION, "hal", "backends"},  # the sysfs fake builds on the backend's I/O seam
+    "api": {*_CORE, "measure_api", "runtime"},
+}  # fmt: skip
+
+# The folders that install under another name (pyproject.toml package-dir).
+_INSTALLED_AS = {"backends": "powerlib.backends", "integrations": "powerlib.integrations"}
+
+
+def _part_prefix(entry: str) -> str:
+    """The module name (or package prefix) a :data:`PARTS` entry stands for."""
+    top, _, rest = entry.partition("/")
+    dotted = ".".join(p for p in rest.removesuffix(".py").split("/") if p)
+    base = _INSTALLED_AS.get(top, top)
+    if dotted == "__init__":
+        return base
+    return f"{base}.{dotted}" if dotted else base
+
+
+def part_of_file(rel: str) -> str | None:
+    """The part a file (``powerlib/x/y.py``) belongs to, or None: no part names it."""
+    found = [
+        (len(entry), part)
+        for part, entries in PARTS.items()
+        for entry in entries
+        if rel == entry or (entry.endswith("/") and rel.startswith(entry))
+    ]
+    return max(found)[1] if found else None
+
+
+def part_of_module(name: str, root: Path = ROOT) -> str | None:
+    """The part an imported ``powerlib`` module belongs to, or None: no part holds it.
+
+    ``powerlib`` itself, and a name under it that is no module on disk (``from powerlib import
+    Session``), is the public surface (``api``).
+    """
+    found = [
+        (len(prefix), part)
+        for part, entries in PARTS.items()
+        if part != "api"
+        for prefix in map(_part_prefix, entries)
+        if name == prefix or name.startswith(prefix + ".")
+    ]
+    if found:
+        return max(found)[1]
+    head = name.split(".")
+    if len(head) > 1 and (
+        (root / "powerlib" / head[1]).is_dir() or (root / "powerlib" / f"{head[1]}.py").exists()
+    ):
+        return None  # a module or package no part places
+    return "api"
+
+
+def _is_module(name: str, root: Path) -> bool:
+    top, _, rest = name.partition(".")
+    parts = rest.split(".") if rest else []
+    if top == "powerlib" and parts and f"powerlib.{parts[0]}" in _INSTALLED_AS.values():
+        base, parts = root / parts[0], parts[1:]
+    else:
+        base = root / top
+    path = base.joinpath(*parts)
+    return path.is_dir() or path.with_suffix(".py").exists()
+
+
+def _imported_modules(path: Path, root: Path = ROOT) -> set[str]:
+    """The ``powerlib`` modules ``path`` imports, anywhere in it (lazy and TYPE_CHECKING too).
+
+    ``from pkg import sub`` imports the submodule ``pkg.sub`` when it is one, else ``pkg``; the
+    implicit import of parent packages is not counted (a package's ``__init__`` is its surface).
+    """
+    found: set[str] = set()
+    package = _module_of(path, root)
+    if path.name != "__init__.py":
+        package = package[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                found.add(sub if _is_module(sub, root) or module == "powerlib" else module)
+    return {n for n in found if n == "powerlib" or n.startswith("powerlib.")}
+
+
+def _library_files(root: Path) -> list[Path]:
+    return [
+        p
+        for folder in ("powerlib", "backends", "integrations")
+        if (root / folder).exists()
+        for p in sorted((root / folder).rglob("*.py"))
+        if "__pycache__" not in p.parts
+    ]
 
 
 def layer_violations(root: Path = ROOT) -> list[str]:
-    """Every ``file imports name`` that breaks :data:`LAYER_RULES`."""
+    """Every module no part places, and every import a part's :data:`MAY_IMPORT` leaves out."""
     found = []
-    for part, forbidden in LAYER_RULES.items():
-        where = root / part
-        if not where.exists():
-            continue  # test_every_layer_rule_names_a_real_part keeps the rules honest
-        paths = [where] if where.suffix == ".py" else sorted(where.rglob("*.py"))
-        for path in paths:
-            for name in sorted(_all_imports(path, root)):
-                if any(name == f or name.startswith(f + ".") for f in forbidden):
-                    found.append(f"{path.relative_to(root)} imports {name}")
+    for path in _library_files(root):
+        rel = path.relative_to(root).as_posix()
+        part = part_of_file(rel)
+        if part is None:
+            found.append(f"{rel} belongs to no part")
+            continue
+        for name in sorted(_imported_modules(path, root)):
+            target = part_of_module(name, root)
+            if target is None:
+                found.append(f"{rel} imports {name}, which belongs to no part")
+            elif target != part and target not in MAY_IMPORT[part]:
+                found.append(f"{rel} ({part}) imports {name} ({target})")
     return found
 
 
-def test_every_layer_rule_names_a_real_part() -> None:
+def test_every_part_has_its_rule_and_a_place_on_disk() -> None:
     """A renamed module or folder must not silently drop its rule."""
-    assert [part for part in LAYER_RULES if not (ROOT / part).exists()] == []
+    assert set(MAY_IMPORT) == set(PARTS)
+    assert {p for allowed in MAY_IMPORT.values() for p in allowed} <= set(PARTS)
+    missing = [e for entries in PARTS.values() for e in entries if not (ROOT / e).exists()]
+    assert missing == []
 
 
 def import_cycles(root: Path = ROOT) -> list[list[str]]:
@@ -301,9 +396,10 @@ def test_the_cycle_check_sees_type_level_and_lazy_cycles(tmp_path: Path) -> None
 
 
 def test_every_part_keeps_the_design_layers() -> None:
-    """Foundation < HAL < control < planning/measurement < runtime < apps (docs/architecture.md
-    §1): the control plane imports no runtime, planning or measurement; planning is pure;
-    nothing imports the CLI or an integration; the core never imports Kareus."""
+    """Foundation < HAL < control < planning/measurement < runtime < products and apps
+    (docs/architecture.md §1), as allow-lists: the control plane imports no runtime, planning or
+    measurement; planning is pure; nothing imports the CLI or an integration; the core never
+    imports Kareus; every module belongs to a part."""
     assert layer_violations() == []
 
 
@@ -335,38 +431,45 @@ def test_the_core_never_imports_kareus() -> None:
     )
 
 
-def test_the_layer_check_sees_lazy_imports(tmp_path: Path) -> None:
-    (tmp_path / "powerlib" / "planning").mkdir(parents=True)
-    (tmp_path / "powerlib" / "control").mkdir(parents=True)
-    (tmp_path / "backends").mkdir()
-    (tmp_path / "powerlib" / "planning" / "bad.py").write_text(
-        "def f():\n    from powerlib.runtime.session import Session\n"
-    )
-    (tmp_path / "powerlib" / "control" / "ok.py").write_text("import powerlib.runtimex\n")
-    (tmp_path / "powerlib" / "control" / "typed.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from powerlib.measurement import measure\n"
-    )
-    (tmp_path / "powerlib" / "errors.py").write_text("from powerlib.device import Device\n")
-    (tmp_path / "powerlib" / "planning" / "facade.py").write_text("from powerlib import runtime\n")
-    (tmp_path / "powerlib" / "planning" / "relative.py").write_text("from ..control import x\n")
-    (tmp_path / "backends" / "bad.py").write_text("import powerlib.planning.plan\n")
-    (tmp_path / "backends" / "agentish.py").write_text(
-        "from powerlib.agent import protocol\nfrom powerlib.agent.leases import Leases\n"
-    )
-    assert layer_violations(tmp_path) == [
-        "powerlib/errors.py imports powerlib.device",
-        "powerlib/errors.py imports powerlib.device.Device",
-        "powerlib/control/typed.py imports powerlib.measurement",
-        "powerlib/control/typed.py imports powerlib.measurement.measure",
-        "powerlib/planning/bad.py imports powerlib.runtime.session",
-        "powerlib/planning/bad.py imports powerlib.runtime.session.Session",
-        "powerlib/planning/facade.py imports powerlib.runtime",
-        "powerlib/planning/relative.py imports powerlib.control",
-        "powerlib/planning/relative.py imports powerlib.control.x",
-        "backends/agentish.py imports powerlib.agent.leases",
-        "backends/agentish.py imports powerlib.agent.leases.Leases",
-        "backends/bad.py imports powerlib.planning.plan",
-    ]
+def test_the_layer_check_sees_lazy_imports_and_unplaced_modules(tmp_path: Path) -> None:
+    files = {
+        "powerlib/planning/bad.py": "def f():\n    from powerlib.runtime.session import Session\n",
+        "powerlib/planning/facade.py": "from powerlib import runtime\n",
+        "powerlib/planning/relative.py": "from ..control import x\n",
+        "powerlib/planning/env.py": "from powerlib.config import Settings\n",
+        "powerlib/planning/public.py": "from powerlib import optimize\n",
+        "powerlib/planning/pure.py": "from powerlib.errors import PlanError\nimport numpy\n",
+        "powerlib/control/ok.py": "from powerlib import device\nimport powerlib.config\n",
+        "powerlib/control/typed.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from powerlib.measurement import measure\n"
+        ),
+        "powerlib/control/uses_new.py": "from powerlib.newpkg.thing import y\n",
+        "powerlib/errors.py": "from powerlib.device import Device\n",
+        "powerlib/newpkg/thing.py": "from powerlib.errors import PlanError\n",
+        "powerlib/agent/protocol.py": "",
+        "powerlib/agent/leases.py": "",
+        "backends/bad.py": "import powerlib.planning.plan\n",
+        "backends/agentish.py": (
+            "from powerlib.agent import protocol\nfrom powerlib.agent.leases import Leases\n"
+        ),
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert sorted(layer_violations(tmp_path)) == sorted([
+        "backends/agentish.py (backends) imports powerlib.agent.leases (agent)",
+        "backends/bad.py (backends) imports powerlib.planning.plan (planning)",
+        "powerlib/control/typed.py (control) imports powerlib.measurement (measurement)",
+        "powerlib/control/uses_new.py imports powerlib.newpkg.thing, which belongs to no part",
+        "powerlib/errors.py (foundation) imports powerlib.device (hal)",
+        "powerlib/newpkg/thing.py belongs to no part",
+        "powerlib/planning/bad.py (planning) imports powerlib.runtime.session (runtime)",
+        "powerlib/planning/env.py (planning) imports powerlib.config (config)",
+        "powerlib/planning/facade.py (planning) imports powerlib.runtime (runtime)",
+        "powerlib/planning/public.py (planning) imports powerlib.optimize (api)",
+        "powerlib/planning/relative.py (planning) imports powerlib.control (control)",
+    ])  # fmt: skip
 
 
 _LAYOUT_DOC = ROOT / "docs" / "architecture.md"
@@ -467,7 +570,7 @@ try:
 except SystemExit:
     pass
 loaded = sorted(m for m in sys.modules if m.startswith(('powerlib.control',
-                'powerlib.agent', 'powerlib.measurement.exporter', 'powerlib.cli.devices',
+                'powerlib.agent', 'powerlib.exporter', 'powerlib.cli.devices',
                 'scipy')))
 print(json.dumps(loaded), file=sys.stderr)
 """
