@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from powerlib.emulator.engine import Emulator
-from powerlib.planning.profile import Profile, ProfileRow
+from powerlib.planning.profile import Profile
+from powerlib.planning.profile_rows import ProfileRow
 from powerlib.planning.schedules import build_schedule
 
 FREQS = (1410.0, 1305.0, 1200.0, 1095.0, 990.0, 885.0, 780.0)
@@ -54,7 +55,7 @@ def make_emulator(profile: Profile, microbatches: int = 4, **kwargs: object) -> 
 def emulated_sessions(emulator: Emulator, tmp_out, **kwargs: object) -> list:
     """One session per stage of ``emulator``, coordinated in-process (not yet entered)."""
     from powerlib.runtime.coordination import LocalGroup
-    from powerlib.runtime.session import Session
+    from powerlib.runtime.session import optimize
 
     n = emulator.num_stages
     group = LocalGroup(n)
@@ -73,6 +74,6 @@ def emulated_sessions(emulator: Emulator, tmp_out, **kwargs: object) -> list:
     }
     options.update(kwargs)
     return [
-        Session(stage=s, device=s, coordinator=group.member(s), **options)  # type: ignore[arg-type]
+        optimize(stage=s, device=s, coordinator=group.member(s), **options)
         for s in range(n)
     ]

@@ -78,8 +78,8 @@ def test_the_api_reference_renders_the_docstrings(site: Path) -> None:
         "powerlib.open_backend",
         "powerlib.control.ControlSession",
         "powerlib.runtime.session.Session",
-        "powerlib.measurement.measure.measure",
-        "powerlib.planning.workflow.plan_from_profile",
+        "powerlib.measure_api.measure.measure",
+        "powerlib.planning.workflow.plan_profile",
         # backends/ and integrations/ install as powerlib.*: docs/site_plugins.py maps them
         "powerlib.integrations.torch_distributed.attach_pipeline",
         "powerlib.integrations.megatron.patch_training",
