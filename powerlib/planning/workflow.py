@@ -412,8 +412,16 @@ def _policy(request: PlanRequest, frontier: Frontier | None = None) -> Policy:
             deadline_s = request.deadline_ratio * frontier.baseline_time_s
         if request.session is not None:
             deadline_s = max(deadline_s, frontier.fastest.time_s)
+    return _guarded(request, request.policy, deadline_s)
+
+
+def _guarded(request: PlanRequest, name: str, deadline_s: float | None) -> Policy:
+    """Policy ``name`` at ``deadline_s`` with the request's guard settings.
+
+    The first plan's and every re-plan's: argmin, slowdown, switch latency and noise.
+    """
     return Policy(
-        name=request.policy,
+        name=name,
         deadline_s=deadline_s,
         argmin=request.argmin,
         max_slowdown=request.max_slowdown,
@@ -541,15 +549,7 @@ def replan(result: PlanResult, request: PlanRequest, deadline_s: float) -> PlanR
         deadline_s: The straggler's iteration time T′.
     """
     deadline_s = max(float(deadline_s), result.frontier.fastest.time_s)
-    policy = Policy(
-        name="deadline",
-        deadline_s=deadline_s,
-        argmin=request.argmin,
-        max_slowdown=request.max_slowdown,
-        switch_latency_s=request.switch_latency_s,
-        time_cv=request.time_cv,
-        time_se=request.time_se,
-    )
+    policy = _guarded(request, "deadline", deadline_s)
     started = time.perf_counter()
     frontier = result.frontier.extend(wanted_for(policy))
     choice = choose(frontier, policy)
