@@ -29,9 +29,13 @@ from dataclasses import dataclass, field
 
 from powerlib.errors import PlanError
 from powerlib.planning.choice import Choice, Policy, check_policy, choose
-from powerlib.planning.names import SOLVERS
-from powerlib.planning.perseus.direct import direct_available
-from powerlib.planning.perseus.frontier import Frontier, FrontierSettings, compute_frontier
+from powerlib.planning.perseus.frontier import (
+    Frontier,
+    FrontierSettings,
+    check_solver,
+    compute_frontier,
+    resolve_solver,
+)
 from powerlib.planning.perseus.points import Wanted
 from powerlib.planning.perseus.report import (
     GuardInputs,
@@ -152,8 +156,7 @@ class PlanRequest:
         check_policy(
             self.policy, max_slowdown=self.max_slowdown, switch_latency_s=self.switch_latency_s
         )
-        if self.solver not in SOLVERS:
-            raise PlanError(f"unknown solver {self.solver!r}; choose one of {', '.join(SOLVERS)}")
+        check_solver(self.solver)
         if self.policy == "deadline" and self.deadline_s is None and self.deadline_ratio is None:
             raise PlanError(
                 "the deadline policy needs --deadline-s (the straggler's iteration time)"
@@ -171,9 +174,7 @@ class PlanRequest:
     @property
     def solver_to_run(self) -> str:
         """:attr:`solver` with ``auto`` resolved (direct where highspy is installed)."""
-        if self.solver == "auto":
-            return "direct" if direct_available() else "walk"
-        return self.solver
+        return resolve_solver(self.solver)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

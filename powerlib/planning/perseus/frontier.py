@@ -44,7 +44,9 @@ __all__ = [
     "Baseline",
     "Frontier",
     "FrontierSettings",
+    "check_solver",
     "compute_frontier",
+    "resolve_solver",
 ]
 
 
@@ -529,14 +531,28 @@ def _cost_models(
     return options, [costs_of[(ins.stage, ins.kind)] for ins in dag.instructions]
 
 
-def _resolve_solver(settings: FrontierSettings) -> FrontierSettings:
-    """``settings`` with ``solver="auto"`` resolved to the solver that will run.
+def check_solver(solver: str) -> None:
+    """Refuse a solver name that is not one of :data:`SOLVERS`.
 
     Raises:
         PlanError: An unknown solver.
     """
-    if settings.solver not in SOLVERS:
-        raise PlanError(f"unknown solver {settings.solver!r}; choose one of {', '.join(SOLVERS)}")
-    if settings.solver == "auto":
-        return dataclasses.replace(settings, solver="direct" if direct_available() else "walk")
-    return settings
+    if solver not in SOLVERS:
+        raise PlanError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+
+
+def resolve_solver(solver: str) -> str:
+    """The solver that will run: ``auto`` is ``direct`` where a direct solve can run, else ``walk``.
+
+    Raises:
+        PlanError: An unknown solver.
+    """
+    check_solver(solver)
+    if solver == "auto":
+        return "direct" if direct_available() else "walk"
+    return solver
+
+
+def _resolve_solver(settings: FrontierSettings) -> FrontierSettings:
+    """``settings`` with ``solver="auto"`` resolved to the solver that will run."""
+    return dataclasses.replace(settings, solver=resolve_solver(settings.solver))
