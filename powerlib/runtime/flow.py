@@ -255,10 +255,7 @@ class Flow:
                     f"{plan.source}: the plan has {plan.num_stages} stages, the session has "
                     f"{workload.num_stages}"
                 )
-            # Before any per-rank check: a listener may make a collective for the plan (Kareus
-            # creates its NCCL communicators), which every rank must join at the same point.
-            self._listeners.hand_plan(plan, job.stage)
-            plan.check_frequencies(job.device.info.supported_sm_freqs_mhz, job.stage)
+            self._accept(job, plan)
         except PowerlibError as err:
             if strict:
                 raise
@@ -449,6 +446,19 @@ class Flow:
 
     # -- plans: applying one, re-planning ---------------------------------------------------------
 
+    def _accept(self, job: Job, plan: FrequencyPlan) -> None:
+        """Hand ``plan`` to the listeners, then check its clocks on this rank's device.
+
+        The listeners first, before any per-rank check: one may make a collective for the plan
+        (Kareus creates its NCCL communicators), which every rank must join at the same point.
+
+        Raises:
+            PlanError: A listener refuses it, or the device lacks one of its clocks.
+        """
+        assert job.device is not None
+        self._listeners.hand_plan(plan, job.stage)
+        plan.check_frequencies(job.device.info.supported_sm_freqs_mhz, job.stage)
+
     def _apply_phase(self, job: Job, plan: FrequencyPlan) -> ApplyPhase:
         """This rank's stage of ``plan``, through the session's controller."""
         assert job.controller is not None
@@ -516,10 +526,7 @@ class Flow:
             return False
         plan = outcome.plan
         try:
-            # every rank at the same boundary: a listener may make a collective
-            self._listeners.hand_plan(plan, job.stage)
-            assert job.device is not None
-            plan.check_frequencies(job.device.info.supported_sm_freqs_mhz, job.stage)
+            self._accept(job, plan)  # every rank at the same boundary
         except PlanError as err:
             logger.warning("powerlib: the re-plan for %g s cannot be applied: %s", deadline_s, err)
             return False

@@ -392,15 +392,8 @@ class SessionConfig:
             raise TypeError(f"optimize() got unexpected keyword argument(s) {', '.join(unknown)}")
         if keywords.get("freqs_mhz") is not None:
             keywords["freqs_mhz"] = tuple(keywords["freqs_mhz"]) or None
-        run, policy = _part(RunConfig, keywords), _part(PolicyConfig, keywords)
-        workload = _part(WorkloadConfig, keywords)
-        return cls(
-            workload=workload,
-            policy=policy,
-            sweep=_part(SweepConfig, keywords),
-            apply=_part(ApplyConfig, keywords),
-            run=run,
-        )
+        # in _PARTS's order: the same part's error comes first as before
+        return cls(**{name: _part(kind, keywords) for name, kind in _PARTS})
 
     def with_layout(
         self,
