@@ -1,8 +1,9 @@
 """Settings, read from the environment in one place.
 
-This is the only module that reads ``os.environ``. Everything else receives a frozen
-:class:`Settings`, so tests build one directly instead of patching the environment, and a library
-user can pass one explicitly.
+This is the only module that reads ``os.environ``, apart from the systemd socket protocol
+(``LISTEN_FDS``, ``NOTIFY_SOCKET``) that powerlib/agent/listener.py speaks. Everything else
+receives a frozen :class:`Settings`, so tests build one directly instead of patching the
+environment, and a library user can pass one explicitly.
 
 Environment variables:
 
@@ -73,6 +74,7 @@ from powerlib.errors import ConfigError
 
 __all__ = [
     "DEFAULT_AGENT_SOCKET",
+    "MAX_INPUT_BYTES_ENV",
     "MAX_SIM_NOISE",
     "MEASURE_EVENTS_ENV",
     "NODE_STATE_DIR",
@@ -114,10 +116,14 @@ MEASURE_EVENTS_ENV = "POWERLIB_MEASURE_EVENTS"
 """Names the events file a measured command's own measurements append to (docs/measurement.md §6)."""
 
 
+MAX_INPUT_BYTES_ENV = "POWERLIB_MAX_INPUT_BYTES"
+"""Raises the cap on an untrusted input file (:func:`max_input_bytes`)."""
+
+
 def max_input_bytes(environ: Mapping[str, str] | None = None) -> int | None:
     """``POWERLIB_MAX_INPUT_BYTES`` when set to a positive integer, else ``None`` (the default cap)."""
     env = os.environ if environ is None else environ
-    raw = env.get("POWERLIB_MAX_INPUT_BYTES", "").strip()
+    raw = env.get(MAX_INPUT_BYTES_ENV, "").strip()
     if raw.isdigit() and int(raw) > 0:
         return int(raw)
     return None

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from powerlib.config import max_input_bytes
+from powerlib.config import MAX_INPUT_BYTES_ENV, max_input_bytes
 from powerlib.errors import PowerlibError
 
 __all__ = [
@@ -50,8 +50,6 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_DEPTH = 64
 #: No field of a powerlib CSV is longer than a number or an instruction name.
 CSV_FIELD_LIMIT = 4096
-
-_MAX_BYTES_ENV = "POWERLIB_MAX_INPUT_BYTES"  # read by powerlib.config.max_input_bytes
 
 
 def human_bytes(n: int) -> str:
@@ -130,7 +128,7 @@ def read_bytes(
 
 def _too_large(path: str | Path, what: str, size: int, cap: int, env_cap: bool) -> str:
     # Only the default cap comes from the environment; a caller's own cap (journals) is fixed.
-    hint = f" (set {_MAX_BYTES_ENV} to raise it)" if env_cap else ""
+    hint = f" (set {MAX_INPUT_BYTES_ENV} to raise it)" if env_cap else ""
     return (
         f"{path}: the {what} is {'at least ' if size == cap + 1 else ''}{human_bytes(size)}, "
         f"over the {human_bytes(cap)} input limit; nothing was read{hint}"
