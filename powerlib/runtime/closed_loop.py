@@ -74,6 +74,24 @@ class CheckConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
+    @property
+    def per_round(self) -> int:
+        """Iterations in one round: its reference window, then its plan window."""
+        return self.reference_iterations + self.plan_iterations
+
+    @property
+    def checked_iterations(self) -> int:
+        """Iterations in the windows of every round (they follow iteration 0, the order check)."""
+        return self.rounds * self.per_round
+
+    @property
+    def exchange_iteration(self) -> int:
+        """The loop's iteration at which the ranks exchange their windows.
+
+        One past the last window's end: the counter has published past it by then.
+        """
+        return 2 + self.checked_iterations
+
 
 def _mean_ci(values: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(values)
@@ -207,11 +225,10 @@ class ClosedLoop:
         """``ref`` or ``plan`` for a checked iteration, ``None`` outside the check."""
         if iteration < 1 or self.realized is not None:
             return None  # iteration 0: the order check
-        per_round = self.config.reference_iterations + self.config.plan_iterations
         k = iteration - 1
-        if k >= self.config.rounds * per_round:
+        if k >= self.config.checked_iterations:
             return None
-        return "ref" if k % per_round < self.config.reference_iterations else "plan"
+        return "ref" if k % self.config.per_round < self.config.reference_iterations else "plan"
 
     @property
     def phase(self) -> SessionPhase:
@@ -223,12 +240,7 @@ class ClosedLoop:
     def _checking(self) -> bool:
         if self.realized is not None or self.config.rounds == 0:
             return False
-        return (
-            self._iteration
-            <= 1
-            + self.config.rounds * (self.config.reference_iterations + self.config.plan_iterations)
-            or self._future is not None
-        )
+        return self._iteration <= 1 + self.config.checked_iterations or self._future is not None
 
     @property
     def pending(self) -> bool:
@@ -278,13 +290,11 @@ class ClosedLoop:
             self.applying.step()
         self._iteration += 1
         self._start_s = now
-        per_round = self.config.reference_iterations + self.config.plan_iterations
         if (
             self.config.rounds
             and self.realized is None
             and self._future is None
-            # one iteration after the last window: the counter has published past its end
-            and self._iteration == 2 + self.config.rounds * per_round
+            and self._iteration == self.config.exchange_iteration
         ):
             rounds: tuple[tuple[float, float, float, float], ...] = ()
             if self.applying.active:

@@ -554,8 +554,8 @@ class Flow:
     def iteration_budget(self) -> int:
         """The most iterations until the plan is applied and judged: the sweep's, the check's."""
         sweep = 0 if self.profiling is None else self.profiling.sweep.config.max_iterations
-        check = CheckConfig(rounds=self.config.apply.check_rounds)
-        return sweep + check.rounds * (check.reference_iterations + check.plan_iterations) + 3
+        # the check's windows are exchanged at its exchange_iteration; the verdict lands one later
+        return sweep + CheckConfig(rounds=self.config.apply.check_rounds).exchange_iteration + 1
 
     def stop_replanning(self) -> None:
         """The session ends: a re-plan not yet solved never is."""
