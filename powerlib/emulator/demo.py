@@ -35,7 +35,7 @@ from powerlib.emulator.engine import (
     NvmlLikeModel,
 )
 from powerlib.errors import BackendUnavailableError, InvalidArgumentError, PlanError
-from powerlib.planning.perseus.report import pyplot
+from powerlib.planning.perseus.report import PlanOutputs, pyplot
 from powerlib.planning.pipeline import KIND_LETTERS
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile
@@ -225,13 +225,12 @@ def _write_pictures(
     if config.out_dir is None:
         return {}
     out_dir = Path(config.out_dir)
-    outputs = {
-        name: str(out_dir / name)
-        for name in ("profile.csv", "frontier.csv", "plan.json", "summary.json")
-    }
+    files = PlanOutputs.in_dir(out_dir, plot=True)  # the names rank 0's writer uses
+    written = (files.profile_csv, files.frontier_csv, files.plan_json, files.summary_json)
+    outputs = {path.name: str(path) for path in written if path is not None}
     if config.plot:
-        if (out_dir / "frontier.png").exists():
-            outputs["frontier.png"] = str(out_dir / "frontier.png")
+        if files.frontier_png is not None and files.frontier_png.exists():
+            outputs[files.frontier_png.name] = str(files.frontier_png)
         try:
             write_timeline(
                 managed, out_dir / "timeline.png", title=f"one managed iteration ({policy})"
