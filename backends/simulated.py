@@ -32,6 +32,13 @@ What NVML adds besides (issue 32; the emulator models the same, :mod:`powerlib.e
 Time is either wall-clock time (the default: state persists in ``POWERLIB_STATE_DIR`` so that
 ``powerlib set`` is seen by the next ``powerlib status``) or a :class:`VirtualClock` that advances only
 when simulated work runs (tests, the emulator): no sleeping, fully deterministic.
+
+On the wall clock the device follows a session's job (:meth:`SimulatedDevice.work_follower`,
+:mod:`powerlib.backends._simulated_work`): power follows the work (each instruction runs its
+kind's work unit), blocked between instructions (clock up, P2P-blocked power, as in a NCCL wait:
+unlocked under load equals all-max), idle once the session ends. Time follows the clock
+(``POWERLIB_SIM_TIME_FOLLOWS_CLOCK``, default 1): the host's time is the instruction's time at the maximum
+clock, and the end hook sleeps what its clocks add. On a :class:`VirtualClock` nothing follows.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from powerlib.backends._simulated_state import (
     save_state,
     state_lock,
 )
+from powerlib.backends._simulated_work import LandingLog, SimulatedWorkFollower
 from powerlib.backends.simulated_model import GPU_MODELS, GpuModel, WorkResult, WorkUnit
 from powerlib.config import Settings
 from powerlib.device import Capabilities, ClockLockState, Device, DeviceInfo, DeviceKind, PowerState
@@ -108,6 +116,7 @@ class SimulatedDevice(Device):
         read_cost_s: float = 0.0,
         noise: float = 0.0,
         seed: int = 0,
+        time_follows_clock: bool = False,
     ) -> None:
         """One simulated GPU.
 
@@ -122,6 +131,8 @@ class SimulatedDevice(Device):
             noise: Standard deviation of the multiplicative noise on each work unit's duration
                 and energy (clipped to ±3 σ).
             seed: Seed of the latency and noise draws.
+            time_follows_clock: On a wall clock, a session's instructions last what the clocks
+                they ran at make them (:meth:`work_follower`).
         """
         device_id = "GPU-" + str(
             uuid.uuid5(uuid.NAMESPACE_URL, f"powerlib-sim/{model.key}/{index}")
@@ -152,6 +163,7 @@ class SimulatedDevice(Device):
         self.model = model
         self.read_cost_s = read_cost_s
         self.noise = noise
+        self.time_follows_clock = time_follows_clock
         self._seed = seed
         self._noise_rng = random.Random(f"{seed}:{index}:noise")
         self._clock = clock
@@ -159,6 +171,7 @@ class SimulatedDevice(Device):
         self._work: WorkUnit | None = None
         self._power_scale = 1.0  # the running work's energy noise over its time noise
         self._memory_state: SimState | None = None
+        self._landings = LandingLog()  # when the running lock changed, as this process saw it
         with self._transaction():  # the device exists, and draws idle power, from now on
             pass
 
@@ -227,7 +240,9 @@ class SimulatedDevice(Device):
             land_t, lock = state.pending.pop(0)
             self._integrate(state, land_t)
             state.running_mhz = lock
+            self._landings.note(land_t, lock)
         self._integrate(state, now)
+        self._landings.note(now, state.running_mhz)  # another process may have changed it
 
     def _integrate(self, state: SimState, now: float) -> None:
         """Integrate energy and temperature from ``state.t_s`` to ``now`` at the current power."""
@@ -269,6 +284,7 @@ class SimulatedDevice(Device):
         if latency_s <= 0:
             state.pending.clear()
             state.running_mhz = lock
+            self._landings.note(self._clock.now(), lock)
             return
         land_t = self._clock.now() + latency_s
         while state.pending and state.pending[-1][0] >= land_t:
@@ -373,6 +389,29 @@ class SimulatedDevice(Device):
             return state.energy_j
 
     # -- running simulated work ----------------------------------------------------------------
+
+    def work_follower(self) -> SimulatedWorkFollower | None:
+        """Makes this GPU follow a session's job (:mod:`powerlib.backends._simulated_work`).
+
+        ``None`` on a :class:`VirtualClock`: the caller runs the work there (:meth:`run`).
+        """
+        if isinstance(self._clock, VirtualClock):
+            return None
+        return SimulatedWorkFollower(
+            self, now=self._clock.now, time_follows_clock=self.time_follows_clock
+        )
+
+    def running_clocks_mhz(self, start_s: float) -> tuple[float, list[tuple[float, float]]]:
+        """The running SM clock under the current work (and power limit) from ``start_s`` on.
+
+        Returns:
+            ``(now_s, [(from_s, freq_mhz), ...])``: the clock at ``start_s``, each change this
+            process saw land since, then each in flight (``from_s`` after now).
+        """
+        with self._transaction(save=False) as state:
+            limit_w = state.power_limit_w
+            changes = [*self._landings.since(start_s), *state.pending]
+            return state.t_s, [(t, self._freq_under(lock, limit_w)) for t, lock in changes]
 
     def begin_work(self, work: WorkUnit) -> float:
         """Start running ``work`` now; returns its duration at the clocks it will run at.
@@ -507,6 +546,7 @@ class SimulatedBackend(Backend):
                 read_cost_s=settings.sim_read_cost_s,
                 noise=settings.sim_noise,
                 seed=settings.sim_seed,
+                time_follows_clock=settings.sim_time_follows_clock,
             )
             for i in range(settings.sim_gpus)
         ]

@@ -29,8 +29,10 @@ Environment variables:
                           model's 0.1 s), ``SWITCH_LATENCY_S`` and ``LATENCY_SPREAD``
                           (clock-change landing, default the model's 0.02 s ± 50 %),
                           ``READ_COST_S`` (what a ``read_state`` takes, default 0), ``NOISE``
-                          (run-to-run noise on each work unit, default 0) and ``SEED``
-                          (default 0).
+                          (run-to-run noise on each work unit, default 0), ``SEED``
+                          (default 0) and ``TIME_FOLLOWS_CLOCK`` (``1``: a session's
+                          instructions last what the running clock makes them; default 1,
+                          ``0``: the host's time whatever the clock).
 ``POWERLIB_AGENT_SOCKET`` The node agent's socket for ``POWERLIB_BACKEND=agent`` (default
                           ``/run/powerlib/agent/agent.sock``, in a folder of its own that pods
                           mount read-only; docs/agent.md).
@@ -256,6 +258,9 @@ class Settings:
         sim_noise: Run-to-run multiplicative noise (standard deviation) on each simulated work
             unit's duration and energy.
         sim_seed: Seed of the simulated latency and noise draws.
+        sim_time_follows_clock: A session's instructions on a wall-clock simulated GPU last
+            what its running clock makes them (``POWERLIB_SIM_TIME_FOLLOWS_CLOCK``, default 1:
+            a CPU job then shows the trade-off a GPU job has; 0: the host's time).
         agent_socket: The node agent's socket (``POWERLIB_AGENT_SOCKET``).
     """
 
@@ -276,6 +281,7 @@ class Settings:
     sim_read_cost_s: float = 0.0
     sim_noise: float = 0.0
     sim_seed: int = 0
+    sim_time_follows_clock: bool = True
     agent_socket: Path = DEFAULT_AGENT_SOCKET
 
     def __post_init__(self) -> None:
@@ -371,6 +377,11 @@ class Settings:
                     f"POWERLIB_SIM_SEED must be an integer in [0, 2**63), got {raw!r}"
                 )
             kwargs["sim_seed"] = int(raw)
+        raw = env.get("POWERLIB_SIM_TIME_FOLLOWS_CLOCK", "").strip()
+        if raw:
+            if raw not in ("0", "1"):
+                raise ConfigError(f"POWERLIB_SIM_TIME_FOLLOWS_CLOCK must be 0 or 1, got {raw!r}")
+            kwargs["sim_time_follows_clock"] = raw == "1"
         if env.get("LOCAL_RANK", "").strip():
             raw = env["LOCAL_RANK"].strip()
             if not raw.isdigit():

@@ -27,7 +27,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from powerlib.errors import (
     DeviceError,
@@ -43,6 +43,7 @@ __all__ = [
     "DeviceInfo",
     "DeviceKind",
     "PowerState",
+    "WorkFollower",
     "snap_freq_range_mhz",
 ]
 
@@ -261,6 +262,22 @@ class ClockLockState:
         }
 
 
+class WorkFollower(Protocol):
+    """Lets a simulated device follow the job's instructions (:meth:`Device.work_follower`).
+
+    A session calls it from its hooks; none of its methods may raise into training.
+    """
+
+    def instruction_began(self, kind: str) -> None:
+        """An instruction of ``kind`` (``forward``, ``backward``, ...) starts running."""
+
+    def instruction_ended(self) -> None:
+        """The instruction that began last ends (may block: its time may follow the clock)."""
+
+    def close(self) -> None:
+        """The job stops running on the device (it idles)."""
+
+
 class Device(ABC):
     """One controllable device. Subclasses implement the ``_``-prefixed hooks.
 
@@ -312,6 +329,10 @@ class Device(ABC):
         the device (sysfs, amdsmi, the simulator) need nothing more; NVML overrides it.
         """
         return self._read_sm_lock()
+
+    def work_follower(self) -> WorkFollower | None:
+        """What makes a simulated device follow the job's work; ``None`` (a real one runs it)."""
+        return None
 
     def mig_enabled(self) -> bool | None:
         """Whether the GPU is split into MIG instances (read from the driver); ``None``: unknown.

@@ -37,6 +37,9 @@ def launch_ranks(worker: Path, args: list[str], world: int, state: Path) -> list
             "POWERLIB_SIM_GPUS": str(world),
             "POWERLIB_STATE_DIR": str(state),
             "POWERLIB_SIM_ENERGY_PERIOD_S": "0.001",  # per-instruction energy needs a fine counter
+            # the workers' own Delay sleeps for the clock in force (tests/integrations/clocked.py):
+            # the simulated GPU must not stretch the instructions a second time
+            "POWERLIB_SIM_TIME_FOLLOWS_CLOCK": "0",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()),
             "WORLD_SIZE": str(world),

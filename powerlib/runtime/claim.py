@@ -7,7 +7,9 @@ in one line and before any lock or journal, a device the session cannot change
 sampler; :func:`claim_device` takes the device's lock so that a second session on it fails at
 its ``with`` line. :func:`open_for_measuring` opens what a disabled session reads (nothing it
 cannot). What is opened is kept in a :class:`Job`, filled as it opens, so the session closes
-exactly what opened when a later step fails.
+exactly what opened when a later step fails. Both take the device's work follower
+(:meth:`Device.work_follower <powerlib.device.Device.work_follower>`: a simulated GPU follows the
+job's instructions, a disabled session's too); :meth:`Job.follow_work` tells it what runs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from powerlib.backend import Backend
 from powerlib.config import Settings
 from powerlib.control import ControlSession
-from powerlib.device import Device, DeviceKind
+from powerlib.device import Device, DeviceKind, WorkFollower
 from powerlib.errors import (
     BackendUnavailableError,
     DeviceBusyError,
@@ -67,6 +69,7 @@ class Job:
         control: The control session every change goes through.
         controller: The frequency controller.
         sampler: The device's reads (profile attribution, the closed loop, measuring).
+        work: What makes the device follow the job's instructions (a simulated GPU's).
     """
 
     coordinator: Coordinator
@@ -81,6 +84,36 @@ class Job:
     control: ControlSession | None = None
     controller: FrequencyController | None = None
     sampler: DeviceSampler | None = None
+    work: WorkFollower | None = None
+
+    def follow_work(self, kind: str | None) -> None:
+        """Tell the device's work follower what runs; never raises into training.
+
+        Args:
+            kind: An instruction of this (canonical) kind began; ``None``: the instruction that
+                began last ended (this may block while its time follows the clock).
+        """
+        work = self.work
+        if work is None:
+            return
+        try:
+            if kind is None:
+                work.instruction_ended()
+            else:
+                work.instruction_began(kind)
+        except Exception as err:  # noqa: BLE001 - a device's follower never reaches training
+            self.work = None
+            logger.warning("powerlib: %s stopped following the job: %s", self.device, err)
+
+    def close_work(self) -> None:
+        """The job ends on the device: its work follower closes (the device idles); never raises."""
+        work, self.work = self.work, None
+        if work is None:
+            return
+        try:
+            work.close()
+        except Exception as err:  # noqa: BLE001 - closing the session never fails here
+            logger.warning("powerlib: %s could not stop following the job: %s", self.device, err)
 
 
 def join_job(run: RunConfig, num_stages: int, settings: Settings) -> Job:
@@ -120,6 +153,7 @@ def _open_device(job: Job, run: RunConfig) -> tuple[Backend, Device]:
     if not isinstance(backend, Backend):
         backend = job.own_backend = open_backend(backend, job.settings)
     job.device = device = select_device(run, backend, job.settings)
+    job.work = device.work_follower()
     return backend, device
 
 

@@ -321,6 +321,7 @@ class Session:
         if self._flow.profiling is not None:
             self._flow.profiling.close()
         if job is not None:
+            job.close_work()  # a simulated GPU idles
             if job.sampler is not None:
                 job.sampler.close()
             if job.control is not None:
@@ -473,7 +474,9 @@ class Session:
         kind = instruction_kind(kind)  # on every rank and in every phase, before any device work
         runner = self._flow.runner
         if runner.position == 0 and (not self._started or runner.wants_start):
-            self.start_iteration()
+            self.start_iteration()  # (may wait for the other ranks: not the instruction's time)
+        if self._job is not None:  # a simulated GPU starts running the instruction
+            self._job.follow_work(kind)
         runner = self._flow.runner
         if not self._listeners and isinstance(runner, Idle):
             return
@@ -494,6 +497,8 @@ class Session:
         """
         if not self._active:
             self._refuse_outside("end")
+        if self._job is not None:  # first: a simulated GPU's time may follow its clock
+            self._job.follow_work(None)
         try:
             self._listeners.end()
             self._flow.runner.end()
