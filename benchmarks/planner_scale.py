@@ -252,8 +252,8 @@ def main() -> None:
                             energy_j=data["chosen"]["energy_j"],
                             realized_time_s=data["chosen"]["realized_time_s"],
                             realized_energy_j=data["chosen"]["realized_energy_j"],
-                            sped_up=data["realized"]["instructions_sped_up"],
-                            saving_percent=data["realized"]["saving_percent"],
+                            sped_up=data["replay"]["instructions_sped_up"],
+                            saving_percent=data["saving_percent"],
                             num_points=data["num_points"],
                         )
                     case[solver] = entry

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from powerlib.cli.format import pct
 from powerlib.cli.options import Number, OutputPath, PhaseBars, emit_json, plan_outputs
 from powerlib.errors import PlanError
 from powerlib.kareus.shapes import MODEL_SHAPES
@@ -319,8 +320,9 @@ def _echo_plan(result: StudyPlanResult, policy: str) -> None:
         "nanobatched"
     )
     click.echo(
-        f"Megatron-LM energy at that time: {data.baseline.energy_j:.1f} J -> "
-        f"saving {data.saving_percent:.2f} % planned"
+        f"Megatron-LM energy at that time: {data.baseline.energy_j:.1f} J "
+        f"({pct(data.saving_at_plan_time_percent)} less at the plan's time); predicted "
+        f"{pct(data.saving_percent)} per iteration at {data.slowdown_percent:+.3f} %"
     )
     cmp_ = result.summary.comparison
     if cmp_ is None:

@@ -210,7 +210,7 @@ _SOURCES = {
 
 
 def _echo_result(result: PlanResult, policy: str) -> None:
-    """The result in words: settings, frontier, chosen point, saving planned and replayed."""
+    """The result in words: settings, frontier, chosen point, the one predicted figure."""
     data = result.summary
     click.echo(
         f"planned with P_block {result.p_block_w:g} W ({_SOURCES[result.p_block_source]}) and "
@@ -228,15 +228,17 @@ def _echo_result(result: PlanResult, policy: str) -> None:
         f"{c.realized_time_s:.4f} s, {c.realized_energy_j:.1f} J replayed on the profile"
     )
     click.echo(
-        f"all max frequency at that time: {data.baseline.energy_j:.1f} J -> "
-        f"saving {pct(data.saving_percent)} planned"
+        f"all max frequency at that time: {data.baseline.energy_j:.1f} J "
+        f"({pct(data.saving_at_plan_time_percent)} less at the plan's time, the Perseus "
+        "convention)"
     )
-    r = data.realized
-    sped_up = r.instructions_sped_up
+    sped_up, held_s = data.replay.instructions_sped_up, data.per_iteration.baseline_time_s
+    held = f" held to {held_s:.4f} s" if held_s > data.baseline.own_time_s else ""
     click.echo(
-        f"replayed on the measured profile: saving {pct(r.saving_percent)} at "
-        f"{r.slowdown_percent:+.3f} % iteration time vs all max"
-        + (f" ({sped_up} instruction(s) sped up by the slowdown guard)" if sped_up else "")
+        f"predicted per iteration: saving {pct(data.saving_percent)} at "
+        f"{data.slowdown_percent:+.3f} % iteration time vs all max{held} (replayed on the "
+        "measured profile)"
+        + (f"; {sped_up} instruction(s) sped up by the slowdown guard" if sped_up else "")
     )
 
 

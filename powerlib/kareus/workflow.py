@@ -162,7 +162,7 @@ class KareusPlanSummary:
     """What ``powerlib kareus plan --json`` prints.
 
     Attributes:
-        plan: The planner's summary of the choice (``powerlib.plan-summary.v1``).
+        plan: The planner's summary of the choice (``powerlib.plan-summary.v2``).
         overlap: How the chosen plan's instructions run.
         comparison: The frontier against the baselines (``compare`` only).
     """

@@ -185,7 +185,7 @@ class PlanResult:
         profile: The profile planned on.
         frontier: The solved time-energy frontier (with the policy's points).
         choice: The policy's point, guarded and judged.
-        summary: The ``powerlib.plan-summary.v1`` record (``summary.json``, ``plan --json``).
+        summary: The ``powerlib.plan-summary.v2`` record (``summary.json``, ``plan --json``).
         plan_metadata: The extra workload fields of the plan file (a session's: its deadline,
             profile and order sources), or ``None``.
         solve_time_s: Wall time the frontier solve took.
@@ -510,8 +510,9 @@ def plan_profile(profile: Profile, request: PlanRequest) -> PlanResult:
     request.say.say(
         f"frontier of {len(frontier.points)} points"
         f"{'' if frontier.complete else ' (solved directly)'} in {solve_time_s:.1f} s; "
-        f"{request.policy} plan saves {info.realized.saving_percent or 0.0:.2f} % at "
-        f"{info.realized.slowdown_percent:+.3f} % (replayed on the profile)",
+        f"{request.policy} plan: predicted saving "
+        f"{'n/a' if info.saving_percent is None else f'{info.saving_percent:.2f} %'} per "
+        f"iteration at {info.slowdown_percent:+.3f} % iteration time (replayed on the profile)",
     )
     return PlanResult(
         profile=profile,

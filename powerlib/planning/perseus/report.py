@@ -27,9 +27,10 @@ __all__ = [
     "PLAN_SUMMARY_SCHEMA",
     "ChosenPoint",
     "GuardInputs",
+    "PerIteration",
     "PlanOutputs",
     "PlanSummary",
-    "ReplayedFigures",
+    "ReplayGuard",
     "SummaryBaseline",
     "plot_frontier",
     "pyplot",
@@ -62,15 +63,25 @@ def write_frontier_csv(frontier: Frontier, path: str | Path) -> None:
             )
 
 
-PLAN_SUMMARY_SCHEMA = "powerlib.plan-summary.v1"
-"""The schema of :meth:`PlanSummary.to_json` (``summary.json``, ``powerlib plan --json``)."""
+PLAN_SUMMARY_SCHEMA = "powerlib.plan-summary.v2"
+"""The schema of :meth:`PlanSummary.to_json` (``summary.json``, ``powerlib plan --json``).
+
+Described by ``powerlib/planning/perseus/plan_summary.schema.json`` (JSON Schema draft 2020-12).
+v2 (issue 44): ``saving_percent`` and ``slowdown_percent`` are the plan's one predicted figure,
+per iteration as the job runs it; the Perseus figure at the plan's own time is
+``saving_at_plan_time_percent``.
+"""
 
 _ALL_MAX = "every instruction at its maximum frequency, blocking power up to the chosen time"
 _MEGATRON = (
     "Megatron-LM: sequential execution at the maximum clock, blocking power up to the chosen "
     "time (or its own, if slower)"
 )
-_REPLAYED = "the plan replayed on the measured profile, against all max frequency at its own time"
+_PER_ITERATION = (
+    "per iteration as the job runs it: the plan replayed on the measured profile against "
+    "iterations at the baseline clocks ({}), both held to the straggler's T' under deadline"
+)
+_REPLAYED = "the plan replayed on the measured profile at the switch latency planned for"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,8 +110,47 @@ class ChosenPoint:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PerIteration:
+    """The plan's predicted iteration against a baseline one, as the job runs them.
+
+    The ``per_iteration`` block of ``summary.json``: what :attr:`PlanSummary.saving_percent` and
+    :attr:`PlanSummary.slowdown_percent` are computed from (see :func:`_per_iteration`).
+
+    Attributes:
+        description: In words (all-max, or Kareus's Megatron-LM baseline).
+        time_s: The plan's iteration time, replayed on the profile (held to T′ under deadline).
+        energy_j: Its energy, every stage, blocking power while held included.
+        baseline_time_s: The baseline iteration's time (its own, or T′ under deadline).
+        baseline_energy_j: Its energy, likewise.
+    """
+
+    description: str
+    time_s: float
+    energy_j: float
+    baseline_time_s: float
+    baseline_energy_j: float
+
+    @property
+    def saving_percent(self) -> float | None:
+        """Energy saved per iteration; ``None`` when the baseline's is not positive."""
+        return _saving_percent(self.energy_j, self.baseline_energy_j)
+
+    @property
+    def slowdown_percent(self) -> float:
+        """Iteration time against the baseline's (negative: faster)."""
+        return 100.0 * (self.time_s / self.baseline_time_s - 1.0)
+
+    def to_json(self) -> dict[str, object]:
+        """Every field, by name."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SummaryBaseline:
-    """What the savings are measured against (``baseline``).
+    """What :attr:`PlanSummary.saving_at_plan_time_percent` is against (``baseline``).
+
+    The Perseus convention (docs/perseus.md §4.4, Table 6): the baseline charged at the chosen
+    point's time, blocking power up to it.
 
     Attributes:
         description: In words (all-max, or Kareus's Megatron-LM baseline).
@@ -120,24 +170,16 @@ class SummaryBaseline:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ReplayedFigures:
-    """The plan replayed on the measured profile (``realized``: what a job should see).
+class ReplayGuard:
+    """How the plan was replayed on the measured profile, and what the guard did (``replay``).
 
     Attributes:
-        slowdown_percent: Iteration time against all-max at its own time.
-        saving_percent: Energy saved against all-max at the replayed time; ``None``: no
-            positive baseline energy.
-        saving_per_iteration_percent: Against all-max iterations as they really run (see
-            :func:`_per_iteration_saving`).
         max_slowdown_guard: The guard's allowed slowdown (``fastest``, ``deadline``), else
             ``None``.
         switch_latency_s: The clock-change latency the replay assumed.
         instructions_sped_up: Instructions the guard sped up (guarded policies), else ``None``.
     """
 
-    slowdown_percent: float
-    saving_percent: float | None
-    saving_per_iteration_percent: float | None
     max_slowdown_guard: float | None
     switch_latency_s: float
     instructions_sped_up: int | None
@@ -172,7 +214,10 @@ class GuardInputs:
 class PlanSummary:
     """The planner's summary of a choice (:data:`PLAN_SUMMARY_SCHEMA`, :meth:`to_json`).
 
-    What ``powerlib plan --json`` prints and a session's ``summary.json`` holds.
+    What ``powerlib plan --json`` prints and a session's ``summary.json`` holds. The plan's one
+    predicted figure is :attr:`saving_percent` and :attr:`slowdown_percent`: per iteration, as
+    the job runs it (what a session's ``Prediction`` carries, the planning log line prints and
+    the closed loop measures).
 
     Attributes:
         solver: ``walk`` (complete frontier) or ``direct``.
@@ -182,11 +227,13 @@ class PlanSummary:
         t_max_s: The all-slowest start (not a point).
         t_star_s: T*, when solved.
         t_star_energy_j: Its energy, when solved.
+        per_iteration: The plan's iteration against the baseline's, as the job runs them.
         chosen: The policy's point.
-        baseline: What the savings are against.
-        saving_percent: Planned saving against :attr:`baseline`; ``None``: no positive
-            baseline energy.
-        realized: The plan replayed on the measured profile.
+        baseline: What :attr:`saving_at_plan_time_percent` is against.
+        saving_at_plan_time_percent: The chosen point as planned against :attr:`baseline` at
+            the point's own time (the Perseus convention, the paper's Table 6 figure); not
+            what a job saves per iteration. ``None``: no positive baseline energy.
+        replay: How the plan was replayed and guarded.
         solve_time_s: Wall time of the solve.
         guard: A session's guard inputs (``None`` for ``powerlib plan``: no keys written).
         refused: Why a session does not apply the plan (the choice's objection); ``None``: no
@@ -200,16 +247,30 @@ class PlanSummary:
     t_max_s: float
     t_star_s: float | None
     t_star_energy_j: float | None
+    per_iteration: PerIteration
     chosen: ChosenPoint
     baseline: SummaryBaseline
-    saving_percent: float | None
-    realized: ReplayedFigures
+    saving_at_plan_time_percent: float | None
+    replay: ReplayGuard
     solve_time_s: float
     guard: GuardInputs | None = None
     refused: str | None = None
 
+    @property
+    def saving_percent(self) -> float | None:
+        """The predicted energy saving per iteration, as the job runs it (percent).
+
+        ``None``: no positive baseline energy.
+        """
+        return self.per_iteration.saving_percent
+
+    @property
+    def slowdown_percent(self) -> float:
+        """The predicted iteration time against the baseline's, as the job runs it (percent)."""
+        return self.per_iteration.slowdown_percent
+
     def to_json(self) -> dict[str, object]:
-        """The ``powerlib.plan-summary.v1`` record (the keys and their order as always)."""
+        """The ``powerlib.plan-summary.v2`` record (``plan_summary.schema.json``)."""
         data: dict[str, object] = {
             "schema": PLAN_SUMMARY_SCHEMA,
             "solver": self.solver,
@@ -219,10 +280,13 @@ class PlanSummary:
             "t_max_s": self.t_max_s,
             "t_star_s": self.t_star_s,
             "t_star_energy_j": self.t_star_energy_j,
+            "saving_percent": self.saving_percent,
+            "slowdown_percent": self.slowdown_percent,
+            "per_iteration": self.per_iteration.to_json(),
             "chosen": self.chosen.to_json(),
             "baseline": self.baseline.to_json(),
-            "saving_percent": self.saving_percent,
-            "realized": self.realized.to_json(),
+            "saving_at_plan_time_percent": self.saving_at_plan_time_percent,
+            "replay": self.replay.to_json(),
             "solve_time_s": self.solve_time_s,
         }
         if self.guard is not None:
@@ -241,7 +305,7 @@ def summary(
 ) -> PlanSummary:
     """The planner's summary of ``choice`` (what ``powerlib plan --json`` prints).
 
-    The realized figures and the slowdown guard's effect come from the choice's options.
+    The predicted figures and the slowdown guard's effect come from the choice's options.
 
     Args:
         choice: The chosen point, guarded and judged.
@@ -252,7 +316,6 @@ def summary(
     frontier, chosen, policy = choice.frontier, choice.point, choice.policy
     baseline = frontier.baseline(chosen.time_s)
     realized = choice.realized
-    own = frontier.baseline()
     t_star = frontier.min_energy if frontier.has_t_star else None
     first = frontier.points[0]
     return PlanSummary(
@@ -264,6 +327,7 @@ def summary(
         t_max_s=first.time_s + frontier.settings.unit_time_s,
         t_star_s=None if t_star is None else t_star.time_s,
         t_star_energy_j=None if t_star is None else t_star.energy_j,
+        per_iteration=_per_iteration(choice),
         chosen=ChosenPoint(
             policy=policy.name,
             iteration=chosen.iteration,
@@ -278,13 +342,8 @@ def summary(
             time_s=baseline.time_s,
             energy_j=baseline.energy_j,
         ),
-        saving_percent=_saving_percent(chosen.energy_j, baseline.energy_j),
-        realized=ReplayedFigures(
-            slowdown_percent=100.0 * (realized.time_s / own.time_s - 1.0),
-            saving_percent=_saving_percent(
-                realized.energy_j, frontier.baseline(realized.time_s).energy_j
-            ),
-            saving_per_iteration_percent=_per_iteration_saving(choice),
+        saving_at_plan_time_percent=_saving_percent(chosen.energy_j, baseline.energy_j),
+        replay=ReplayGuard(
             max_slowdown_guard=policy.max_slowdown if choice.guarded else None,
             switch_latency_s=policy.switch_latency_s,
             instructions_sped_up=choice.instructions_sped_up if choice.guarded else None,
@@ -303,7 +362,7 @@ class PlanOutputs:
         profile_csv: The profile, with the P_block and τ planned with.
         frontier_csv: The frontier, one row per point.
         plan_json: The plan (``powerlib.plan.v1``), when there is one.
-        summary_json: The summary (``powerlib.plan-summary.v1``).
+        summary_json: The summary (``powerlib.plan-summary.v2``).
         frontier_png: The frontier plot (``powerlib[plot]``).
         folder: The folder of :meth:`in_dir` (created; the files written are said).
     """
@@ -401,25 +460,33 @@ def write_plan_outputs(
             say.say(f"no frontier.png: {err}")
 
 
-def _per_iteration_saving(choice: Choice) -> float | None:
-    """What a job saves per iteration: the plan against all-max iterations as they really run.
+def _per_iteration(choice: Choice) -> PerIteration:
+    """The plan's iteration against the baseline's, as the job runs them.
 
-    ``saving_percent`` compares at the plan's own time (all-max plus blocking power up to it,
-    the Perseus convention); a job compares iterations. All-max iterations last T_min, or the
-    straggler's T′ under ``deadline`` (the iteration is held until then either way), and so does
-    a faster plan. For ``min-energy`` (slower than T_min) the two figures differ by the
-    blocking energy of the extra time.
+    ``saving_at_plan_time_percent`` charges the baseline at the plan's own time (all-max plus
+    blocking power up to it, the Perseus convention); a job compares iterations. A baseline
+    iteration lasts its own time (T_min, all-max), the plan's its replayed time; under
+    ``deadline`` a straggler holds both to its T′ and the held stages draw blocking power
+    meanwhile. For a plan slower than T_min (``min-energy``) the two conventions differ by the
+    baseline's blocking energy of the extra time.
     """
     frontier, policy, realized = choice.frontier, choice.policy, choice.realized
-    reference_s = frontier.baseline_time_s
+    hold_s = 0.0
     if policy.name == "deadline" and policy.deadline_s is not None:
-        reference_s = max(reference_s, policy.deadline_s)
-    base = frontier.baseline(reference_s).energy_j
-    energy = realized.energy_j
-    if realized.time_s < reference_s:  # held until the reference: blocking power meanwhile
-        stages = frontier.dag.num_stages
-        energy += frontier.settings.p_block_w * stages * (reference_s - realized.time_s)
-    return _saving_percent(energy, base)
+        hold_s = policy.deadline_s
+    base = frontier.baseline(max(frontier.baseline_time_s, hold_s))
+    time_s = max(realized.time_s, hold_s)
+    blocking_w = frontier.settings.p_block_w * frontier.dag.num_stages
+    what = "every instruction at its maximum frequency"
+    if frontier.reference_times is not None:
+        what = "Megatron-LM, sequential execution at the maximum clock"
+    return PerIteration(
+        description=_PER_ITERATION.format(what),
+        time_s=time_s,
+        energy_j=realized.energy_j + blocking_w * (time_s - realized.time_s),
+        baseline_time_s=base.time_s,
+        baseline_energy_j=base.energy_j,
+    )
 
 
 def _saving_percent(energy_j: float, baseline_j: float) -> float | None:
