@@ -199,6 +199,14 @@ class DeviceSampler:
             previous = float(times[i])
         return None
 
+    def clock_reads(self, since_s: float) -> tuple[np.ndarray, np.ndarray]:
+        """The read times from ``since_s`` on and the SM clock each showed (``nan``: none)."""
+        with self._lock:
+            lo = int(np.searchsorted(np.asarray(self._times), since_s, side="left"))
+            times = np.asarray(self._times[lo:], dtype=float)
+            freqs = np.asarray([math.nan if f is None else f for f in self._freq[lo:]], dtype=float)
+        return times, freqs
+
     def reading(self, start_s: float, end_s: float) -> BlockReading:
         """The clock and temperature the reads in ``[start_s, end_s]`` showed."""
         with self._lock:

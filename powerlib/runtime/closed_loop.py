@@ -1,22 +1,22 @@
-"""The apply phase's closed loop: measure what the plan achieves against all-max clocks.
+"""The apply phase's closed loop: measure what the plan achieves against the baseline clocks.
 
 A plan's saving is a prediction from the profile; what a job gets depends on what the profile
 missed (a clock change that lands late, noise, drift). :class:`ClosedLoop` wraps the
 :class:`~powerlib.runtime.apply_phase.ApplyPhase` and, after its first (order-checked)
 iteration, runs ``rounds`` rounds of ``reference_iterations`` at the baseline clocks (clocks
-unlocked: all maximum) followed by ``plan_iterations`` with the plan, interleaved so that a
-slow drift (temperature) hits both alike (docs/measurement.md §8). Each window's energy comes
-from the same engine as the profile (the session's sampler and
-:mod:`powerlib.measurement.timeline`), its time from the iteration boundaries.
+unlocked: what the job runs without powerlib, docs/measurement.md §8) followed by
+``plan_iterations`` with the plan. Every checked iteration is recorded: its instruction spans
+(the session's stamps: CUDA events on a GPU), the clocks the device ran at (each change the
+controller made, shifted by the clock-change latency measured while profiling), its energy
+(the counter, through :mod:`powerlib.measurement.timeline`).
 
-Rank 0 gathers every rank's windows (the job's energy is the sum over devices, its time the
-slowest rank's) and judges: the measured saving and slowdown, each with a 95 % interval from
-the spread of the paired rounds, and the planner's prediction beside them
-(:class:`Realized`). A plan whose slowdown exceeds ``max_slowdown`` beyond its interval, or
-that saves nothing, is reverted: every rank resets its clocks and runs at the baseline, with
-one warning. A plan that saves more than one point less than predicted but still saves is
-kept, with one warning naming both figures (reverting it would cost the job the saving it
-does get).
+Rank 0 gathers every rank's records and estimates (:mod:`powerlib.runtime.estimator`): each
+plan iteration against its own counterfactual at the baseline clocks (paired), with the
+interleaved windows as the check of that estimate's bias. The verdict keeps the plan, keeps
+it with a warning (``shortfall``), reverts it (every rank resets its clocks and runs at the
+baseline, one warning), or, when the intervals are too wide to judge, first measures another
+batch of rounds (up to ``max_rounds``) and then says ``inconclusive`` in one line and
+withdraws the plan (what cannot be shown to save is not kept).
 
 A rank that stops before the verdict (its loop does not run the plan's order, or its device
 failed: a clock change refused, a read that raised) keeps counting the windows' iterations and
@@ -27,19 +27,26 @@ exchange for one that left it.
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from powerlib.errors import DeviceError, PlanError, PowerlibError
-from powerlib.measurement.attribution import t95
+from powerlib.measurement.markers import Stamps
 from powerlib.measurement.sampler import DeviceSampler
+from powerlib.planning.perseus.counterfactual import IterationRecord, Replayer
+from powerlib.planning.perseus.replay import ReplayModel
 from powerlib.runtime.apply_phase import ApplyPhase
+from powerlib.runtime.controller import AppliedChange
 from powerlib.runtime.coordination import Coordinator, Future
+from powerlib.runtime.estimator import interleaved, paired, verdict
 from powerlib.runtime.phases import SessionPhase
 from powerlib.runtime.records import (
     MeasuredIterations,
+    MeasureMore,
     Outcome,
     Payload,
     Prediction,
@@ -48,10 +55,7 @@ from powerlib.runtime.records import (
     Windows,
 )
 
-__all__ = ["CheckConfig", "ClosedLoop", "MeasureOnly", "judge"]
-
-SHORTFALL_POINTS = 1.0
-"""A measured saving this many points below the prediction is reported as a shortfall."""
+__all__ = ["CheckConfig", "ClosedLoop", "Judge", "MeasureOnly"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,20 +63,31 @@ class CheckConfig:
     """How the closed loop measures.
 
     Attributes:
-        rounds: Reference/plan window pairs (0: no check; the report then has no measurement).
+        rounds: Reference/plan window pairs per batch (0: no check; the report then has no
+            measurement).
         reference_iterations: Iterations at the baseline clocks per round.
         plan_iterations: Iterations with the plan per round.
+        max_rounds: The most rounds measured when the first batches are too noisy to judge
+            (default: four batches).
     """
 
     rounds: int = 3
     reference_iterations: int = 2
-    plan_iterations: int = 4
+    plan_iterations: int = 8
+    max_rounds: int | None = None
 
     def __post_init__(self) -> None:
         for name, minimum in (("rounds", 0), ("reference_iterations", 1), ("plan_iterations", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        if self.max_rounds is not None and self.max_rounds < self.rounds:
+            raise ValueError(f"max_rounds must be >= rounds, got {self.max_rounds!r}")
+
+    @property
+    def round_limit(self) -> int:
+        """The most rounds measured in all (``max_rounds``, or four batches)."""
+        return 4 * self.rounds if self.max_rounds is None else self.max_rounds
 
     @property
     def per_round(self) -> int:
@@ -81,102 +96,150 @@ class CheckConfig:
 
     @property
     def checked_iterations(self) -> int:
-        """Iterations in the windows of every round (they follow iteration 0, the order check)."""
+        """Iterations in the windows of one batch of rounds."""
         return self.rounds * self.per_round
 
     @property
     def exchange_iteration(self) -> int:
-        """The loop's iteration at which the ranks exchange their windows.
+        """The loop's iteration at which the ranks exchange the first batch's windows.
 
         One past the last window's end: the counter has published past it by then.
         """
         return 2 + self.checked_iterations
 
-
-def _mean_ci(values: list[float]) -> tuple[float, float]:
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, math.inf
-    # Student's t over the rounds: with a few rounds, not 1.96
-    return mean, t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    @property
+    def most_iterations(self) -> int:
+        """Iterations until the last possible verdict (every batch measured), from the plan."""
+        batches = math.ceil(self.round_limit / self.rounds) if self.rounds else 0
+        return batches * (self.checked_iterations + 1) + 2
 
 
-def _reverted(reason: str) -> Realized:
-    """A verdict that reverts the plan with nothing measured."""
-    return Realized(math.nan, math.inf, math.nan, math.inf, None, None, 0, "reverted", reason)
-
-
-def judge(
-    payloads: Sequence[Windows],
-    *,
-    max_slowdown: float | None,
-    predicted: Prediction | None,
-) -> Realized:
-    """Rank 0: the measured saving and slowdown from every rank's windows, and the verdict.
-
-    Each rank's :attr:`Windows.rounds` holds, per round, ``(ref_energy_j, ref_time_s,
-    plan_energy_j, plan_time_s)`` per iteration of this rank. Per round the job's energy is the
-    sum over ranks, its time the slowest rank's; saving and slowdown are averaged over the
-    paired rounds.
+class Judge:
+    """Rank 0: gathers every batch of every rank's records and gives the verdict.
 
     Args:
-        payloads: Every rank's windows.
-        max_slowdown: The policy's bound (fraction), ``None`` for no bound (min-energy).
-        predicted: The planner's prediction, when known.
+        config: The windows.
+        max_slowdown: The policy's bound (``None``: no bound).
+        predicted: The planner's prediction.
+        model: Rank 0's planned workload (``None``: a saved plan; only the interleaved windows
+            measure then).
+        held_by_reference: The baseline iteration is held by a straggler (``deadline``): its
+            time is at least the reference windows' mean.
     """
-    stopped = [p for p in payloads if p.stopped]
-    if stopped:
-        # a failure carries its reason; a loop off the plan's order carries none
-        why = [p.reason for p in stopped if p.reason]
-        off_order = sorted(p.stage for p in stopped if not p.reason)
-        if off_order:
-            stages = ", ".join(map(str, off_order))
-            why.append(f"stage(s) {stages} do not run the plan's instruction order")
-        return _reverted("; ".join(why))
-    rounds = min(len(p.rounds) for p in payloads)
-    savings, slowdowns = [], []
-    for r in range(rounds):
-        ref_e = math.fsum(p.rounds[r][0] for p in payloads)
-        ref_t = max(p.rounds[r][1] for p in payloads)
-        plan_e = math.fsum(p.rounds[r][2] for p in payloads)
-        plan_t = max(p.rounds[r][3] for p in payloads)
-        if ref_e > 0 and ref_t > 0:
-            savings.append(100.0 * (1.0 - plan_e / ref_e))
-            slowdowns.append(100.0 * (plan_t / ref_t - 1.0))
-    if not savings:
-        return Realized(math.nan, math.inf, math.nan, math.inf, None, None, 0, "kept",
-                        "no window could be measured")  # fmt: skip
-    saving, saving_ci = _mean_ci(savings)
-    slowdown, slowdown_ci = _mean_ci(slowdowns)
-    p_saving = None if predicted is None else predicted.saving_percent
-    p_slowdown = None if predicted is None else predicted.slowdown_percent
-    verdict, reason = "kept", None
-    if max_slowdown is not None and slowdown - slowdown_ci > 100.0 * max_slowdown:
-        verdict = "reverted"
-        reason = (
-            f"the plan runs {slowdown:+.3f} +- {slowdown_ci:.3f} % slower than all-max clocks, "
-            f"past the allowed {100.0 * max_slowdown:.3g} %"
+
+    def __init__(
+        self,
+        config: CheckConfig,
+        *,
+        max_slowdown: float | None,
+        predicted: Prediction | None,
+        model: ReplayModel | None,
+        held_by_reference: bool = False,
+    ) -> None:
+        self._config = config
+        self._max_slowdown = max_slowdown
+        self._predicted = predicted
+        self._replayer = None if model is None else Replayer(model)
+        self._held = held_by_reference
+        # (slot, round) -> stage -> record, over every batch so far
+        self._records: dict[tuple[str, int, int], dict[int, IterationRecord]] = {}
+        self.rounds = 0
+
+    def __call__(self, payloads: Sequence[Windows]) -> Outcome:
+        """Every rank's windows of one batch in; a verdict, or ``MeasureMore``, out."""
+        stopped = [p for p in payloads if p.stopped]
+        if stopped:
+            # a failure carries its reason; a loop off the plan's order carries none
+            why = [p.reason for p in stopped if p.reason]
+            off_order = sorted(p.stage for p in stopped if not p.reason)
+            if off_order:
+                named = ", ".join(map(str, off_order))
+                why.append(f"stage(s) {named} do not run the plan's instruction order")
+            return Verdict(realized=Realized.nothing("reverted", "; ".join(why)))
+        stages = {p.stage for p in payloads}
+        for p in payloads:
+            for slot, rnd, iteration, record in p.iterations:
+                self._records.setdefault((slot, rnd, iteration), {})[p.stage] = record
+        self.rounds += self._config.rounds
+        realized = self.realized(stages)
+        if realized.verdict == "inconclusive" and self.rounds < self._config.round_limit:
+            return MeasureMore(rounds=self.rounds)
+        return Verdict(realized=realized)
+
+    def _iterations(
+        self, stages: set[int]
+    ) -> dict[int, tuple[list[list[IterationRecord]], list[list[IterationRecord]]]]:
+        """Per round its reference and plan iterations (each: every stage's record)."""
+        out: dict[int, tuple[list[list[IterationRecord]], list[list[IterationRecord]]]] = {}
+        for (slot, rnd, _), by_stage in sorted(self._records.items(), key=lambda kv: kv[0][2]):
+            if set(by_stage) != stages:
+                continue  # a rank could not time this iteration
+            refs, plans = out.setdefault(rnd, ([], []))
+            (refs if slot == "ref" else plans).append([by_stage[s] for s in sorted(stages)])
+        return out
+
+    def realized(self, stages: set[int]) -> Realized:
+        """The estimate over every batch so far, and its verdict."""
+        rounds = self._iterations(stages)
+        check = interleaved([rounds[r] for r in sorted(rounds)])
+        estimate = None
+        if self._replayer is not None:
+            refs = [it for r in rounds.values() for it in r[0]]
+            plans = [it for r in rounds.values() for it in r[1]]
+            held_s = None
+            if self._held and refs:
+                held_s = sum(max(x.end_s - x.start_s for x in it) for it in refs) / len(refs)
+            estimate = paired(self._replayer, refs, plans, held_s=held_s)
+        primary = estimate or check
+        if primary is None:
+            return Realized.nothing("inconclusive", "no window could be measured", self.rounds)
+        note = None
+        if estimate is not None and check is not None and not estimate.agrees_with(check):
+            primary = check  # the paired figure shows a bias: the windows judge
+            note = (
+                f"the paired estimate ({estimate.saving_percent:.2f} +- "
+                f"{estimate.saving_ci_percent:.2f} %, {estimate.slowdown_percent:+.3f} +- "
+                f"{estimate.slowdown_ci_percent:.3f} %) disagrees with the interleaved windows; "
+                "the windows judge"
+            )
+        p = self._predicted
+        result, reason = verdict(
+            primary,
+            max_slowdown=self._max_slowdown,
+            predicted_saving_percent=None if p is None else p.saving_percent,
         )
-    elif saving + saving_ci <= 0.0:
-        verdict = "reverted"
-        reason = f"the plan saves no energy ({saving:.2f} +- {saving_ci:.2f} %)"
-    elif p_saving is not None and saving + saving_ci < p_saving - SHORTFALL_POINTS:
-        verdict = "shortfall"
-        reason = (
-            f"the plan saves {saving:.2f} +- {saving_ci:.2f} %, more than "
-            f"{SHORTFALL_POINTS:g} point below the {p_saving:.2f} % predicted; kept"
+        if note is not None:
+            reason = note if reason is None else f"{reason} ({note})"
+        return Realized(
+            saving_percent=primary.saving_percent,
+            saving_ci_percent=primary.saving_ci_percent,
+            slowdown_percent=primary.slowdown_percent,
+            slowdown_ci_percent=primary.slowdown_ci_percent,
+            predicted_saving_percent=None if p is None else p.saving_percent,
+            predicted_slowdown_percent=None if p is None else p.slowdown_percent,
+            rounds=len(rounds),
+            verdict=result,
+            reason=reason,
+            method=primary.method,
+            plan_iterations=sum(len(r[1]) for r in rounds.values()),
+            check=check if primary is not check else None,
         )
-    return Realized(
-        saving_percent=saving,
-        saving_ci_percent=saving_ci,
-        slowdown_percent=slowdown,
-        slowdown_ci_percent=slowdown_ci,
-        predicted_saving_percent=p_saving,
-        predicted_slowdown_percent=p_slowdown,
-        rounds=len(savings),
-        verdict=verdict,
-        reason=reason,
-    )
+
+
+Cell = list[float]
+"""A stamp: the time the device reached a point (``nan`` until it did)."""
+
+
+@dataclass(slots=True)
+class _Checked:
+    """One checked iteration as recorded on this rank (stamps resolve later)."""
+
+    slot: str
+    round: int
+    iteration: int
+    start: Cell
+    end: Cell | None = None
+    spans: list[tuple[int, int, str, Cell, Cell]] | None = None
 
 
 class ClosedLoop:
@@ -186,10 +249,12 @@ class ClosedLoop:
         applying: The plan's apply phase (hooks are passed to it in plan iterations).
         config: The windows.
         sampler: Reads this rank's device.
+        stamps: Times instructions (the session's: CUDA events on a GPU).
         clock: The session's clock.
         coordinator: The job's ranks (rank 0 judges).
-        max_slowdown: The policy's bound (``None``: no bound).
-        predicted: The planner's prediction, on rank 0.
+        judge: Rank 0's judge (``None`` elsewhere: only rank 0's is called).
+        latency_s: When a clock change typically lands after the driver call, as this rank
+            measured it (the median; ``None``: unknown, taken as 0).
         on_verdict: Called on every rank with the verdict once it arrives.
     """
 
@@ -199,23 +264,28 @@ class ClosedLoop:
         config: CheckConfig,
         *,
         sampler: DeviceSampler,
+        stamps: Stamps,
         clock: Callable[[], float],
         coordinator: Coordinator,
-        max_slowdown: float | None,
-        predicted: Prediction | None,
+        judge: Judge | None,
+        latency_s: float | None,
         on_verdict: Callable[[Realized], None],
     ) -> None:
         self.applying = applying
         self.config = config
         self._sampler = sampler
+        self._stamps = stamps
         self._clock = clock
         self._coordinator = coordinator
-        self._max_slowdown = max_slowdown
-        self._predicted = predicted
+        self._judge = judge
+        self._latency_s = latency_s or 0.0
         self._on_verdict = on_verdict
         self._iteration = 0  # iterations since the plan arrived
-        self._start_s: float | None = None
-        self._windows: list[tuple[str, float, float, int]] = []  # (kind, start, end, iterations)
+        self._batch_start = 1  # the iteration the current batch's first window starts at
+        self._batches = 0  # batches measured before the current one
+        self._start: Cell | None = None  # the current iteration's start
+        self._checked: list[_Checked] = []  # the current batch's iterations
+        self._open: tuple[int, int, str, Cell] | None = None
         self._future: Future[Outcome] | None = None
         self.realized: Realized | None = None
 
@@ -223,11 +293,11 @@ class ClosedLoop:
 
     def _slot(self, iteration: int) -> str | None:
         """``ref`` or ``plan`` for a checked iteration, ``None`` outside the check."""
-        if iteration < 1 or self.realized is not None:
-            return None  # iteration 0: the order check
-        k = iteration - 1
-        if k >= self.config.checked_iterations:
+        if self.realized is not None:
             return None
+        k = iteration - self._batch_start
+        if k < 0 or k >= self.config.checked_iterations:
+            return None  # iteration 0: the order check; after a batch: the plan, unrecorded
         return "ref" if k % self.config.per_round < self.config.reference_iterations else "plan"
 
     @property
@@ -235,12 +305,7 @@ class ClosedLoop:
         """``CHECK`` while windows are measured, then the apply phase's."""
         if not self.applying.active:
             return self.applying.phase
-        return SessionPhase.CHECK if self._checking() else SessionPhase.APPLY
-
-    def _checking(self) -> bool:
-        if self.realized is not None or self.config.rounds == 0:
-            return False
-        return self._iteration <= 1 + self.config.checked_iterations or self._future is not None
+        return SessionPhase.CHECK if self.pending else SessionPhase.APPLY
 
     @property
     def pending(self) -> bool:
@@ -257,60 +322,73 @@ class ClosedLoop:
         """Instructions begun in this iteration."""
         return self.applying.position
 
+    @property
+    def iterations_left(self) -> int:
+        """Iterations until the current batch's exchange (0 once it was sent)."""
+        return max(self._batch_start + self.config.checked_iterations + 1 - self._iteration, 0)
+
     # -- hooks -----------------------------------------------------------------------------------
 
     def begin(self, kind: str, microbatch: int, chunk: int) -> None:
         """Plan iterations hand the clock to the controller; reference ones leave it unlocked."""
-        if self._slot(self._iteration) == "ref":
+        slot = self._slot(self._iteration)
+        if slot == "ref":
             self.applying.position += 1
-            return
-        self.applying.begin(kind, microbatch, chunk)
+        else:
+            self.applying.begin(kind, microbatch, chunk)
+        if slot is not None and self.applying.active:
+            self._open = (chunk, microbatch, kind, self._stamps.stamp())
 
     def end(self) -> None:
-        """Prefetch the next clock (plan iterations only)."""
-        if self._slot(self._iteration) == "ref":
-            return
-        self.applying.end()
+        """Time the instruction; prefetch the next clock (plan iterations only)."""
+        slot = self._slot(self._iteration)
+        if self._open is not None and slot is not None and self._checked:
+            chunk, mb, kind, t0 = self._open
+            spans = self._checked[-1].spans
+            if spans is not None:
+                spans.append((chunk, mb, kind, t0, self._stamps.stamp()))
+        self._open = None
+        if slot != "ref":
+            self.applying.end()
 
     def step(self) -> None:
-        """The iteration ended: close its window; after the last round, send the windows."""
+        """The iteration ended: close its record; after the batch's last, send the windows."""
         self.applying.check_changes()  # a failed change stops the plan (ref windows included)
-        now = self._clock()
         slot = self._slot(self._iteration)
-        if self._start_s is not None and slot is not None:
-            last = self._windows[-1] if self._windows else None
-            if last is not None and last[0] == slot and last[2] == self._start_s:
-                kind, start, _, n = last
-                self._windows[-1] = (kind, start, now, n + 1)
-            else:
-                self._windows.append((slot, self._start_s, now, 1))
+        end = self._stamps.stamp()
+        if slot is not None and self._checked and self._checked[-1].end is None:
+            self._checked[-1].end = end
         if slot == "ref":
             self.applying.position = 0
         else:
             self.applying.step()
         self._iteration += 1
-        self._start_s = now
+        self._start = end
         if (
             self.config.rounds
             and self.realized is None
             and self._future is None
-            and self._iteration == self.config.exchange_iteration
+            and self._iteration == self._batch_start + self.config.checked_iterations + 1
         ):
-            rounds: tuple[tuple[float, float, float, float], ...] = ()
-            if self.applying.active:
-                try:
-                    rounds = self._rounds()
-                except PowerlibError as err:  # still sends its part: the others wait for it
-                    self.applying.fail(f"stage {self.applying.stage}: measuring failed: {err}")
-            # stopped: this rank's order check failed, or its device failed (with the reason)
-            stopped = not self.applying.active
-            windows = Windows(
-                stage=self.applying.stage,
-                rounds=() if stopped else rounds,
-                stopped=stopped,
-                reason=self.applying.stopped_reason,
-            )
-            self._future = self._coordinator.exchange(windows, self._judge)
+            self._send()
+
+    def _send(self) -> None:
+        iterations: tuple[tuple[str, int, int, IterationRecord], ...] = ()
+        if self.applying.active:
+            try:
+                iterations = self._records()
+            except PowerlibError as err:  # still sends its part: the others wait for it
+                self.applying.fail(f"stage {self.applying.stage}: measuring failed: {err}")
+        # stopped: this rank's order check failed, or its device failed (with the reason)
+        stopped = not self.applying.active
+        windows = Windows(
+            stage=self.applying.stage,
+            iterations=() if stopped else iterations,
+            stopped=stopped,
+            reason=self.applying.stopped_reason,
+        )
+        self._checked = []
+        self._future = self._coordinator.exchange(windows, self._rank0)
 
     def start_iteration(self) -> None:
         """Set the clocks for the iteration's slot; resolve the verdict when it is pending."""
@@ -318,55 +396,118 @@ class ClosedLoop:
             try:
                 outcome = self._future()
             except PlanError as err:  # rank 0 could not judge: every rank gets the same error
-                outcome = Verdict(realized=_reverted(f"measuring the plan failed: {err}"))
+                outcome = Verdict(
+                    realized=Realized.nothing("reverted", f"measuring the plan failed: {err}")
+                )
             if outcome is None:
                 return
             self._future = None
-            if isinstance(outcome, Verdict):
+            if isinstance(outcome, MeasureMore):
+                self._batches += 1
+                self._batch_start = self._iteration  # every rank resolves at the same iteration
+            elif isinstance(outcome, Verdict):
                 self.realized = outcome.realized
                 self._on_verdict(outcome.realized)
-        if self._start_s is None:
-            self._start_s = self._clock()
+        if self._start is None:
+            self._start = self._stamps.stamp()
+        slot = self._slot(self._iteration)
+        fresh = not self._checked or self._checked[-1].iteration != self._iteration
+        if slot is not None and fresh:  # (called again before the first begin: once)
+            k = self._iteration - self._batch_start
+            rnd = self._batches * self.config.rounds + k // self.config.per_round
+            self._checked.append(_Checked(slot, rnd, self._iteration, self._start, spans=[]))
         controller = self.applying.controller
-        if self._slot(self._iteration) == "ref":
-            if controller.last_requested is not None:
-                controller.reset()
+        if slot == "ref" and controller.last_requested is not None:
+            controller.reset()
         self.applying.start_iteration()
+
+    def close(self) -> None:
+        """Stop timing (the verdict arrived, or the session ends). Idempotent."""
+        self._stamps.close()
 
     # -- the measurement -------------------------------------------------------------------------
 
-    def _rounds(self) -> tuple[tuple[float, float, float, float], ...]:
-        """Per round ``(ref J, ref s, plan J, plan s)`` per iteration of this rank.
+    def _clocks(self, since_s: float) -> tuple[tuple[float, float | None], ...]:
+        """When each clock change the controller made since ``since_s`` landed, and its clock.
+
+        A change lands where the sampler's reads first show its clock (the middle of the
+        bracketing reads), when they do before the next change could land; else the typical
+        landing latency after the driver call (the median this rank measured while profiling).
+        """
+        changes = [c for c in self.applied_since(since_s)]
+        times, freqs = self._sampler.clock_reads(since_s)
+        clocks: list[tuple[float, float | None]] = [(-math.inf, None)]
+        for k, change in enumerate(changes):
+            freq = change.freq_mhz if change.ok else None
+            t_request = change.time_s
+            landing = t_request + self._latency_s
+            if freq is not None:
+                limit = (
+                    changes[k + 1].time_s + self._latency_s if k + 1 < len(changes) else math.inf
+                )
+                i = int(np.searchsorted(times, t_request, side="right"))
+                while i < len(times) and times[i] <= limit:
+                    if abs(freqs[i] - freq) < 0.5:
+                        before = times[i - 1] if i > 0 else t_request
+                        landing = 0.5 * (max(before, t_request) + float(times[i]))
+                        break
+                    i += 1
+            clocks.append((landing, freq))
+        clocks.sort(key=lambda c: c[0])
+        return tuple(clocks)
+
+    def applied_since(self, since_s: float) -> list[AppliedChange]:
+        """The controller's changes from the last one before ``since_s`` on, in time order."""
+        applied = self.applying.controller.applied
+        k = len(applied)
+        while k > 0 and applied[k - 1].time_s >= since_s:
+            k -= 1
+        return list(applied[max(k - 1, 0) :])
+
+    def _records(self) -> tuple[tuple[str, int, int, IterationRecord], ...]:
+        """This batch's iterations as records: resolved stamps, clocks, energy.
 
         Raises:
             DeviceError: The sampler stopped reading the device (lost, or failing in a row).
         """
         if self._sampler.failure is not None:
             raise DeviceError(self._sampler.failure, device=self._sampler.device.device_id)
-        timeline = self._sampler.timeline(
-            since_s=(self._windows[0][1] - 1.0) if self._windows else -math.inf
-        )
-        refs = [w for w in self._windows if w[0] == "ref"]
-        plans = [w for w in self._windows if w[0] == "plan"]
+        done = [
+            c for c in self._checked
+            if c.end is not None and c.spans is not None
+            and math.isfinite(c.start[0]) and math.isfinite(c.end[0])
+            and all(math.isfinite(a[0]) and math.isfinite(b[0]) for *_, a, b in c.spans)
+        ]  # fmt: skip
+        if not done:
+            return ()
+        timeline = self._sampler.timeline(since_s=done[0].start[0] - 1.0)
+        bounds = [t for c in done for t in (c.start[0], c.end[0] if c.end else math.nan)]
+        energy = timeline.energy_at(bounds)
+        clocks = self._clocks(since_s=done[0].start[0] - 1.0)
+        times = [t for t, _ in clocks]
+        stage = self.applying.stage
         out = []
-        for ref, plan in zip(refs, plans):
-            e = timeline.energy_at([ref[1], ref[2], plan[1], plan[2]])
-            out.append(
-                (
-                    float(e[1] - e[0]) / ref[3],
-                    (ref[2] - ref[1]) / ref[3],
-                    float(e[3] - e[2]) / plan[3],
-                    (plan[2] - plan[1]) / plan[3],
-                )
+        for k, c in enumerate(done):
+            assert c.end is not None and c.spans is not None
+            first = c.spans[0][3][0] if c.spans else c.start[0]
+            lo = max(bisect.bisect_right(times, min(c.start[0], first)) - 1, 0)
+            hi = bisect.bisect_right(times, c.end[0])
+            record = IterationRecord(
+                stage=stage,
+                start_s=c.start[0],
+                end_s=c.end[0],
+                spans=tuple((ch, mb, kind, a[0], b[0]) for ch, mb, kind, a, b in c.spans),
+                clocks=clocks[lo:hi],  # the clock in force at its start, and its changes
+                energy_j=float(energy[2 * k + 1] - energy[2 * k]),
             )
+            out.append((c.slot, c.round, c.iteration, record))
         return tuple(out)
 
-    def _judge(self, payloads: list[Payload]) -> Outcome:
+    def _rank0(self, payloads: list[Payload]) -> Outcome:
         windows = [p for p in payloads if isinstance(p, Windows)]
-        if len(windows) != len(payloads):
+        if len(windows) != len(payloads) or self._judge is None:
             raise PlanError("rank 0 expected every rank's closed-loop windows")
-        realized = judge(windows, max_slowdown=self._max_slowdown, predicted=self._predicted)
-        return Verdict(realized=realized)
+        return self._judge(windows)
 
 
 class MeasureOnly:

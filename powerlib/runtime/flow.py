@@ -28,18 +28,18 @@ import logging
 import warnings
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from powerlib.errors import InvalidArgumentError, PlanError, PowerlibError
 from powerlib.measurement.markers import Stamps
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.runtime.apply_phase import ApplyPhase
 from powerlib.runtime.claim import Job
-from powerlib.runtime.closed_loop import CheckConfig, ClosedLoop, MeasureOnly
+from powerlib.runtime.closed_loop import CheckConfig, ClosedLoop, Judge, MeasureOnly
 from powerlib.runtime.coordination import Future
+from powerlib.runtime.events import Event, Judged, Profiled, Tick, Withdrawn
 from powerlib.runtime.listeners import Listeners
 from powerlib.runtime.phases import Awaiting, Idle, RankFailure, Runner, SessionPhase
-from powerlib.runtime.planning_step import KeptFrontier, add_measured, rank0_turn
+from powerlib.runtime.planning_step import KeptFrontier, add_measured, judge_model, rank0_turn
 from powerlib.runtime.profile_phase import ProfilePhase
 from powerlib.runtime.records import (
     NoPlan,
@@ -57,9 +57,9 @@ from powerlib.runtime.records import (
 )
 from powerlib.runtime.replan import PendingReplan
 from powerlib.runtime.session_config import Mode, SessionConfig
-from powerlib.runtime.short_run import say_ended_before_plan
+from powerlib.runtime.short_run import say_ended_before_plan, say_ended_in_check
 
-__all__ = ["Flow", "Judged", "Profiled", "Tick", "Withdrawn"]
+__all__ = ["Flow", "Judged", "Profiled", "Tick", "Withdrawn"]  # the events: runtime/events.py
 
 logger = logging.getLogger("powerlib.runtime.session")
 
@@ -70,31 +70,6 @@ _RESET_ALONE = (
 """How a rank that failed with no collective left to carry it says what it did."""
 
 
-@dataclass(frozen=True, slots=True)
-class Tick:
-    """An iteration starts while the flow waits for something (the plan, a re-plan)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Profiled:
-    """The sweep ended: what this rank sends rank 0."""
-
-    payload: ProfilePayload | StopPayload
-
-
-@dataclass(frozen=True, slots=True)
-class Judged:
-    """The closed loop's verdict arrived (rank 0 judged every rank's windows)."""
-
-    realized: Realized
-
-
-@dataclass(frozen=True, slots=True)
-class Withdrawn:
-    """The saved plan does not fit the layout an integration stated: nothing is applied."""
-
-
-Event = Tick | Profiled | Judged | Withdrawn
 Steps = Generator[Runner, Event, None]
 
 
@@ -271,16 +246,27 @@ class Flow:
         loop = None
         rounds = self.config.apply.check_rounds
         if rounds and job.sampler is not None:
+            config = CheckConfig(rounds=rounds)
+            judge = None
+            if job.rank == 0:
+                judge = Judge(
+                    config,
+                    max_slowdown=None
+                    if plan.policy == "min-energy"
+                    else self.config.policy.max_slowdown,
+                    predicted=prediction,
+                    model=judge_model(self.config, self._kept, plan),
+                    held_by_reference=plan.policy == "deadline",
+                )
             self.runner = loop = ClosedLoop(
                 applying,
-                CheckConfig(rounds=rounds),
+                config,
                 sampler=job.sampler,
+                stamps=Stamps(job.clock, job.controller.marker),
                 clock=job.clock,
                 coordinator=job.coordinator,
-                max_slowdown=None
-                if plan.policy == "min-energy"
-                else self.config.policy.max_slowdown,
-                predicted=prediction,
+                judge=judge,
+                latency_s=None if self.profiling is None else self.profiling.landing_s,
                 on_verdict=lambda realized: self.send(Judged(realized)),
             )
         self.apply_started_iteration = self._iteration()
@@ -313,9 +299,11 @@ class Flow:
         self.realized = realized
         if job.rank == 0:
             add_measured(self.config.run.out_dir, realized)
-        if realized.verdict == "reverted":
+        loop.close()
+        if realized.verdict in ("reverted", "inconclusive"):
+            what = "reverted" if realized.verdict == "reverted" else "withdrawn (not shown to save)"
             self._stop_job_wide(
-                f"{realized.reason}; plan reverted, running at the baseline clocks "
+                f"{realized.reason}; plan {what}, running at the baseline clocks "
                 f"({realized.line()})"
             )
             return
@@ -555,7 +543,7 @@ class Flow:
         """The most iterations until the plan is applied and judged: the sweep's, the check's."""
         sweep = 0 if self.profiling is None else self.profiling.sweep.config.max_iterations
         # the check's windows are exchanged at its exchange_iteration; the verdict lands one later
-        return sweep + CheckConfig(rounds=self.config.apply.check_rounds).exchange_iteration + 1
+        return sweep + CheckConfig(rounds=self.config.apply.check_rounds).most_iterations
 
     def stop_replanning(self) -> None:
         """The session ends: a re-plan not yet solved never is."""
@@ -579,6 +567,16 @@ class Flow:
         Rank 0 says how far it got, once (:mod:`powerlib.runtime.short_run`).
         """
         profiling, job = self.profiling, self._job
+        if isinstance(self.runner, ClosedLoop) and self.runner.pending and job is not None:
+            self.runner.close()
+            if not self.warned and self.realized is None:
+                self.realized = say_ended_in_check(
+                    rank=job.rank,
+                    iterations_left=self.runner.iterations_left,
+                    out_dir=self.config.run.out_dir,
+                )
+                self.warned = True
+            return
         waiting = isinstance(self.runner, Awaiting)
         if profiling is None or job is None or not (waiting or self.runner is profiling):
             return

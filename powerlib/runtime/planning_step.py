@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.config import direct_solver
-from powerlib.errors import PlanError
+from powerlib.errors import PlanError, PowerlibError
+from powerlib.planning.perseus.counterfactual import replay_model
+from powerlib.planning.perseus.replay import ReplayModel
 from powerlib.planning.perseus.report import PlanOutputs
 from powerlib.planning.pipeline import Instruction
 from powerlib.planning.plan import FrequencyPlan
@@ -66,6 +68,7 @@ __all__ = [
     "NO_PLAN_SCHEMA",
     "KeptFrontier",
     "add_measured",
+    "judge_model",
     "make_plan",
     "rank0_turn",
     "stopped_profiles",
@@ -333,3 +336,28 @@ def make_plan(
         assert result.refused is not None
         return NoPlan(reason=result.refused, summary=result.summary, p_block_w=result.p_block_w)
     return Planned(plan=plan, summary=result.summary, p_block_w=result.p_block_w)
+
+
+def judge_model(
+    config: SessionConfig, kept: KeptFrontier | None, plan: FrequencyPlan
+) -> ReplayModel | None:
+    """Rank 0: the planned workload the closed loop replays its plan iterations on.
+
+    The frontier rank 0 planned on; for a saved plan, the profile it was made from when the
+    session was given one (``profile_path``: its rows and carried P_block); else ``None`` (only
+    the interleaved windows measure the plan).
+    """
+    if kept is not None:
+        return kept.result.frontier.model
+    path = config.run.profile_path
+    if config.run.mode is not Mode.APPLY or path is None:
+        return None
+    try:
+        profile = Profile.read(path)
+        if profile.p_block_w is None:
+            raise PlanError(f"{path}: the profile carries no blocking power (p_block_w)")
+        return replay_model(plan, profile, profile.p_block_w)
+    except PowerlibError as err:
+        logger.warning("powerlib: the closed loop measures unpaired: %s", err)
+        return None
+

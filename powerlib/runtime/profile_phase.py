@@ -165,7 +165,10 @@ class ProfilePhase:
         self._probes: list[tuple[float, float]] = []  # (request time, clock)
         self._probe_freqs = _probe_pair(freqs)
         self.latency_s: float | None = None
-        """The clock-change latency measured while warming up (request to landing)."""
+        """The clock-change latency measured while warming up (request to landing, its 90th
+        percentile: what the guard plans for)."""
+        self.landing_s: float | None = None
+        """The median of the same landings: when a change typically lands (the closed loop)."""
         self.unresolved: str | None = None
         self._rises = 0  # coarse blocks in a row whose energy per iteration rose
         self.time_se: float | None = None
@@ -439,6 +442,7 @@ class ProfilePhase:
                 landed.append(max(0.0, 0.5 * (max(before, t_request) + first) - t_request))
         if len(landed) >= 3:
             landed.sort()
+            self.landing_s = statistics.median(landed)
             # the guard plans for a late landing, not the typical one
             self.latency_s = landed[min(len(landed) - 1, math.ceil(0.9 * len(landed)) - 1)]
             self._progress.say(

@@ -19,14 +19,17 @@ fields and matches on types, never string paths into nested dicts:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from powerlib.planning.perseus.counterfactual import IterationRecord
 from powerlib.planning.perseus.report import PlanSummary
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile_rows import ProfileRow
+from powerlib.runtime.estimator import Estimate
 
 __all__ = [
     "BlockSummary",
@@ -49,6 +52,7 @@ __all__ = [
     "SessionStatus",
     "StopPayload",
     "Verdict",
+    "MeasureMore",
     "Windows",
 ]
 
@@ -154,18 +158,21 @@ class ReplanReady:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Windows:
-    """What one rank's closed loop measured, for rank 0 to judge.
+    """What one rank's closed loop measured in one batch of rounds, for rank 0 to judge.
 
     Attributes:
         stage: The rank's pipeline stage.
-        rounds: Per round ``(ref J, ref s, plan J, plan s)`` per iteration of this rank.
+        iterations: Per checked iteration ``(slot, round, iteration, record)``: ``ref``
+            (baseline clocks) or ``plan``, the round it belongs to (from 0, across batches), the
+            loop's iteration (the same on every rank), and what this rank measured (its spans,
+            the clocks they ran at, its energy).
         stopped: This rank stopped applying the plan before the verdict (its loop does not run
             the plan's order, or its device failed).
         reason: Why, for a failure (``None`` for a loop off the plan's order).
     """
 
     stage: int
-    rounds: tuple[tuple[float, float, float, float], ...] = ()
+    iterations: tuple[tuple[str, int, int, IterationRecord], ...] = ()
     stopped: bool = False
     reason: str | None = None
 
@@ -179,12 +186,17 @@ Payload = ProfilePayload | StopPayload | SavedProfile | SavedPlan | ReplanReady 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Prediction:
-    """The planner's figures for the plan it chose: the plan replayed on the measured profile.
+    """The planner's one predicted figure for the plan it chose (``summary.json``'s top level).
+
+    The plan replayed on the measured profile, per iteration as the job runs it: against
+    iterations at the baseline clocks (all-max, held to the straggler's T′ under ``deadline``),
+    the convention the closed loop measures in. The same figure as ``summary.json``'s
+    ``saving_percent`` and ``slowdown_percent``, the planning log line and the exporter's
+    ``powerlib_session_planned_saving_ratio``.
 
     Attributes:
-        saving_percent: Energy saved per iteration against all-max iterations as they run (at
-            T_min, or held to the straggler's T′): what the closed loop and a job measure.
-        slowdown_percent: Iteration time against all-max.
+        saving_percent: Energy saved per iteration (``None``: no positive baseline energy).
+        slowdown_percent: Iteration time against the baseline iteration's (negative: faster).
         switch_latency_s: The clock-change latency the guard planned for.
         switch_latency_source: ``given``, ``measured`` or ``default``.
         time_cv: The run-to-run noise the guard planned for (0: none).
@@ -201,11 +213,10 @@ class Prediction:
         """From the planner's summary of the plan (``summary.json``); ``None`` without one."""
         if summary is None:
             return None
-        realized, guard = summary.realized, summary.guard
-        per_iteration = realized.saving_per_iteration_percent
+        guard = summary.guard
         return cls(
-            saving_percent=realized.saving_percent if per_iteration is None else per_iteration,
-            slowdown_percent=realized.slowdown_percent,
+            saving_percent=summary.saving_percent,
+            slowdown_percent=summary.slowdown_percent,
             switch_latency_s=None if guard is None else guard.switch_latency_s,
             switch_latency_source=None if guard is None else guard.switch_latency_source,
             time_cv=None if guard is None else guard.time_cv,
@@ -281,18 +292,28 @@ class PlanFailed:
 
 @dataclass(frozen=True, slots=True)
 class Realized:
-    """What a plan achieved, measured against interleaved all-max windows.
+    """What a plan achieved against the baseline (the default clocks: what runs without powerlib).
+
+    The figures are the loop's estimate (:mod:`powerlib.runtime.estimator`): ``paired`` (each
+    plan iteration against its own counterfactual at the baseline clocks) when rank 0 holds the
+    profile's model, else ``interleaved`` (plan windows against reference windows).
 
     Attributes:
         saving_percent: Energy saved per iteration, all devices (measured).
         saving_ci_percent: Half-width of its 95 % interval (points).
         slowdown_percent: Iteration time change (measured; negative is faster).
         slowdown_ci_percent: Half-width of its 95 % interval (points).
-        predicted_saving_percent: The planner's prediction (replayed on the profile).
+        predicted_saving_percent: The planner's prediction for the plan (per iteration).
         predicted_slowdown_percent: Likewise.
-        rounds: Paired rounds measured.
-        verdict: ``kept``, ``shortfall`` (kept, saves less than predicted) or ``reverted``.
-        reason: Why, for ``shortfall`` and ``reverted``.
+        rounds: Rounds of reference and plan windows measured.
+        verdict: ``kept``, ``shortfall`` (kept, saves less than predicted), ``reverted``,
+            ``inconclusive`` (the interval is too wide to judge: the plan is withdrawn) or
+            ``unfinished`` (the job ended before the verdict).
+        reason: Why, for every verdict but ``kept``.
+        method: ``paired`` or ``interleaved`` (``None``: nothing was measured).
+        plan_iterations: Plan iterations the figures average.
+        check: The interleaved windows' estimate beside a paired one (its bias check), else
+            ``None``.
     """
 
     saving_percent: float
@@ -304,25 +325,65 @@ class Realized:
     rounds: int
     verdict: str
     reason: str | None = None
+    method: str | None = None
+    plan_iterations: int = 0
+    check: Estimate | None = None
+
+    @classmethod
+    def nothing(cls, verdict: str, reason: str, rounds: int = 0) -> Realized:
+        """A verdict with nothing measured."""
+        return cls(
+            saving_percent=math.nan,
+            saving_ci_percent=math.inf,
+            slowdown_percent=math.nan,
+            slowdown_ci_percent=math.inf,
+            predicted_saving_percent=None,
+            predicted_slowdown_percent=None,
+            rounds=rounds,
+            verdict=verdict,
+            reason=reason,
+        )
 
     def to_json(self) -> dict[str, Any]:
-        """Every field, by name."""
-        return dataclasses.asdict(self)
+        """Every field, by name (``check`` as its own record)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["check"] = None if self.check is None else self.check.to_json()
+        return data
 
     def line(self) -> str:
         """One line for the log."""
-        if self.rounds == 0:  # stopped before a round was paired: nothing was measured
-            return f"no paired round measured: {self.verdict}"
+        if self.method is None:  # nothing was measured
+            return f"closed loop: {self.verdict}" + ("" if self.reason is None else f": {self.reason}")
         predicted = (
             ""
             if self.predicted_saving_percent is None
             else f" (predicted {self.predicted_saving_percent:.2f} %)"
         )
+        over = (
+            f"{self.plan_iterations} plan iterations, paired"
+            if self.method == "paired"
+            else f"{self.rounds} interleaved rounds"
+        )
+        check = ""
+        if self.check is not None:
+            check = (
+                f"; interleaved check {self.check.saving_percent:.2f} +- "
+                f"{self.check.saving_ci_percent:.2f} %, {self.check.slowdown_percent:+.3f} +- "
+                f"{self.check.slowdown_ci_percent:.3f} %"
+            )
         return (
             f"measured saving {self.saving_percent:.2f} +- {self.saving_ci_percent:.2f} %"
             f"{predicted}, slowdown {self.slowdown_percent:+.3f} +- "
-            f"{self.slowdown_ci_percent:.3f} % over {self.rounds} paired rounds: {self.verdict}"
+            f"{self.slowdown_ci_percent:.3f} % against the baseline clocks over {over}{check}: "
+            f"{self.verdict}"
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeasureMore:
+    """The closed loop's figures are too wide to judge yet: every rank measures another batch."""
+
+    rounds: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -345,7 +406,7 @@ class Replanned:
     switch_iteration: int
 
 
-Outcome = Planned | NoPlan | ProfileOnly | PlanFailed | Verdict | Replanned
+Outcome = Planned | NoPlan | ProfileOnly | PlanFailed | Verdict | MeasureMore | Replanned
 """What rank 0 sends every rank: exactly one of these (match on the type)."""
 
 
@@ -451,9 +512,9 @@ class SessionStatus:
 
     Attributes:
         stage: The session's pipeline stage (-1 before it is entered).
-        predicted_saving_percent: The saving of the plan rank 0 sent, replayed on the profile
-            at the plan's own time (``summary.json``'s ``realized.saving_percent``; percent),
-            or ``None`` before there is one.
+        predicted_saving_percent: The plan's predicted saving per iteration
+            (``summary.json``'s ``saving_percent``, the figure :class:`Prediction` carries;
+            percent), or ``None`` before there is one.
         sm_freq_mhz: The clock the session last asked for, or ``None``.
         measured: The closed loop's verdict, once at least one paired round was measured.
     """
@@ -475,7 +536,7 @@ class SessionStatus:
         summary = outcome.summary if isinstance(outcome, (Planned, NoPlan)) else None
         return cls(
             stage=stage,
-            predicted_saving_percent=None if summary is None else summary.realized.saving_percent,
+            predicted_saving_percent=None if summary is None else summary.saving_percent,
             sm_freq_mhz=sm_freq_mhz,
-            measured=realized if realized is not None and realized.rounds > 0 else None,
+            measured=realized if realized is not None and realized.method is not None else None,
         )

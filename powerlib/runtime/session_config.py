@@ -233,7 +233,9 @@ class RunConfig:
         backend: A :class:`Backend`, a backend name, or ``None`` (``POWERLIB_BACKEND``).
         device: The device (index, id or :class:`Device`); default this process's CUDA device,
             else ``LOCAL_RANK`` among the visible ones (docs/real-gpu.md §4).
-        profile_path: The profile to plan from (``plan`` mode).
+        profile_path: The profile to plan from (``plan`` mode); in ``apply`` mode, the profile
+            the saved plan was made from: the closed loop then measures it paired (§9 of
+            docs/measurement.md), not only against the interleaved windows.
         plan_path: The plan to apply (``apply`` mode).
         out_dir: Where rank 0 writes profile, frontier, plan and summary; ``None``: nowhere.
         plot: Rank 0 also draws ``frontier.png`` in ``out_dir`` (``plot`` extra).

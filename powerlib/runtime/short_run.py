@@ -13,10 +13,11 @@ import logging
 import warnings
 from pathlib import Path
 
-from powerlib.runtime.planning_step import write_no_plan
+from powerlib.runtime.planning_step import add_measured, write_no_plan
 from powerlib.runtime.profile_phase import ProfilePhase
+from powerlib.runtime.records import Realized
 
-__all__ = ["say_ended_before_plan", "warn_at_exit"]
+__all__ = ["say_ended_before_plan", "say_ended_in_check", "warn_at_exit"]
 
 logger = logging.getLogger("powerlib.runtime.session")
 
@@ -83,6 +84,32 @@ def say_ended_before_plan(
         message += f"; {written} in {out_dir}"
     warn_at_exit(message)
     return True
+
+
+def say_ended_in_check(*, rank: int, iterations_left: int, out_dir: Path | None) -> Realized:
+    """The run ended while the closed loop still measured: no verdict, said once by rank 0.
+
+    Rank 0 writes the ``unfinished`` verdict into ``summary.json`` (``measured``) and warns once;
+    the plan ran unjudged, and nothing is estimated from a partial batch.
+
+    Args:
+        rank: This rank.
+        iterations_left: Iterations the current batch still needed before its exchange.
+        out_dir: Where rank 0's ``summary.json`` is.
+
+    Returns:
+        The ``unfinished`` verdict (every rank records it in its report).
+    """
+    reason = (
+        f"the run ended during the closed loop's check, {iterations_left} iteration(s) before "
+        "its next exchange: the plan ran, but its saving was not measured; train longer, or "
+        "pass check_rounds=0 to apply without measuring"
+    )
+    realized = Realized.nothing("unfinished", reason)
+    if rank == 0:
+        add_measured(out_dir, realized)
+        warn_at_exit(f"powerlib: {reason}")
+    return realized
 
 
 def warn_at_exit(message: str) -> None:

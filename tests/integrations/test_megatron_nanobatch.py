@@ -191,7 +191,11 @@ def test_a_searched_plan_trains_a_megatron_gpt(tmp_path: Path) -> None:
             [0, 1],
             [2, 3],
         ]  # the registered control asked Megatron's TP groups
-        assert not [w for w in rank["warnings"] if "gloo" not in w], rank["warnings"]
+        # 3 iterations end inside the closed loop's check: rank 0 says so, once (issue 44)
+        unfinished = [w for w in rank["warnings"] if "ended during the closed loop's check" in w]
+        assert len(unfinished) == (rank is ranks[0]), rank["warnings"]
+        others = [w for w in rank["warnings"] if "gloo" not in w and w not in unfinished]
+        assert not others, rank["warnings"]
         records = rank["records"]
         overlapped = [r for r in records if r["path"] == "overlap"]
         assert overlapped

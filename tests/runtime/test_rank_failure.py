@@ -270,7 +270,7 @@ def test_a_failed_change_while_the_plan_is_checked_reverts_it_on_every_rank(
         if i == 4:  # a plan window of the first round
             reason.append(_transient_failure(sessions[2]))
 
-    phases, warned = _run(emulator, sessions, 30, arm)
+    phases, warned = _run(emulator, sessions, 45, arm)
     assert phases[3] == ("check",) * WORLD
     assert phases[-1][0] == ("done",) * WORLD
     assert phases[-1][1] == [None] * WORLD and phases[-1][2] == [max(FREQS)] * WORLD
