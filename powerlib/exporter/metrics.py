@@ -20,11 +20,14 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from powerlib.device import Device, PowerState
 from powerlib.errors import BackendUnavailableError, InvalidArgumentError, PowerlibError
 from powerlib.measure_api.measure import active_measurements
+
+if TYPE_CHECKING:  # the runtime is pulled at a scrape only (a measuring process never loads it)
+    from powerlib.runtime.records import Realized
 
 __all__ = ["ReadingCache", "StageGauges", "make_registry", "prometheus", "running_stages"]
 
@@ -52,20 +55,34 @@ class StageGauges:
 
     Attributes:
         stage: The session's pipeline stage.
-        saving_ratio: Energy saving of the applied plan, replayed on the profile (a fraction),
-            or ``None`` before there is one.
+        saving_ratio: The applied plan's predicted energy saving per iteration (a fraction):
+            ``summary.json``'s ``saving_percent`` / 100, the figure the planning log line and
+            the session's ``Prediction`` give; ``None`` before there is one.
         sm_freq_mhz: The clock the session last asked for its stage, or ``None``.
-        measured_saving_ratio: Energy saving of the plan measured by the closed loop against
-            interleaved all-max windows (a fraction, job-wide), or ``None`` before its verdict
-            or when no round was measured.
-        verdict: The closed loop's verdict (``kept``, ``shortfall``, ``reverted``), or ``None``.
+        measured: The closed loop's verdict and figures against the baseline clocks (job-wide),
+            or ``None`` before its verdict or when nothing was measured.
     """
 
     stage: int
     saving_ratio: float | None
     sm_freq_mhz: float | None
-    measured_saving_ratio: float | None = None
-    verdict: str | None = None
+    measured: Realized | None = None
+
+    def estimates(self) -> list[tuple[str, bool, tuple[float, float, float, float]]]:
+        """The estimates as fractions: ``(method, judged, (saving, ±, slowdown, ±))``.
+
+        The judged estimate first, then the interleaved windows' check beside a paired one.
+        """
+        m = self.measured
+        if m is None:
+            return []
+        out = [(m.method or "", True, (m.saving_percent, m.saving_ci_percent,
+                                       m.slowdown_percent, m.slowdown_ci_percent))]  # fmt: skip
+        if m.check is not None:
+            c = m.check
+            out.append((c.method, False, (c.saving_percent, c.saving_ci_percent,
+                                          c.slowdown_percent, c.slowdown_ci_percent)))  # fmt: skip
+        return [(method, judged, tuple(v / 100.0 for v in figs)) for method, judged, figs in out]  # type: ignore[misc]
 
 
 def running_stages() -> list[StageGauges]:
@@ -86,8 +103,7 @@ def running_stages() -> list[StageGauges]:
                 stage=status.stage,
                 saving_ratio=None if predicted is None else predicted / 100.0,
                 sm_freq_mhz=status.sm_freq_mhz,
-                measured_saving_ratio=None if measured is None else measured.saving_percent / 100.0,
-                verdict=None if measured is None else measured.verdict,
+                measured=measured,
             )
         )
     return out
@@ -315,7 +331,8 @@ class _Collector:
     def _stage_metrics(self, core: Any) -> Iterator[Any]:
         saving = core.GaugeMetricFamily(
             "powerlib_session_planned_saving_ratio",
-            "Energy saving of the applied plan, replayed on the profile (fraction)",
+            "Predicted energy saving per iteration of the applied plan, replayed on the profile "
+            "(summary.json saving_percent; fraction)",
             labels=["stage", "Hostname"],
         )
         clock = core.GaugeMetricFamily(
@@ -323,23 +340,36 @@ class _Collector:
             "Clock the session last asked for its stage (Hz)",
             labels=["stage", "Hostname"],
         )
-        measured = core.GaugeMetricFamily(
-            "powerlib_session_measured_saving_ratio",
-            "Energy saving of the plan measured against interleaved all-max windows (fraction)",
-            labels=["stage", "verdict", "Hostname"],
-        )
+        labels = ["stage", "verdict", "method", "judged", "Hostname"]
+        what = "the closed loop measured against the baseline clocks (docs/measurement.md §9"
+        measured = [
+            core.GaugeMetricFamily(name, f"{help_} {what}; fraction)", labels=labels)
+            for name, help_ in (
+                ("powerlib_session_measured_saving_ratio", "Energy saving of the plan"),
+                ("powerlib_session_measured_saving_ci_ratio", "Half-width of the 95 % interval of the saving"),
+                ("powerlib_session_measured_slowdown_ratio", "Iteration-time change of the plan"),
+                ("powerlib_session_measured_slowdown_ci_ratio", "Half-width of the 95 % interval of the slowdown"),
+            )
+        ]  # fmt: skip
         for gauges in running_stages():
             values = [str(gauges.stage), self._hostname]
             if gauges.saving_ratio is not None:
                 saving.add_metric(values, gauges.saving_ratio)
             if gauges.sm_freq_mhz is not None:
                 clock.add_metric(values, gauges.sm_freq_mhz * _MHZ)
-            ratio = gauges.measured_saving_ratio
-            if ratio is not None and math.isfinite(ratio):
-                measured.add_metric(
-                    [str(gauges.stage), gauges.verdict or "", self._hostname], ratio
-                )
-        yield from (saving, clock, measured)
+            verdict = "" if gauges.measured is None else gauges.measured.verdict
+            for method, judged, figures in gauges.estimates():
+                series = [
+                    str(gauges.stage),
+                    verdict,
+                    method,
+                    "1" if judged else "0",
+                    self._hostname,
+                ]
+                for family, value in zip(measured, figures):
+                    if math.isfinite(value):
+                        family.add_metric(series, value)
+        yield from (saving, clock, *measured)
 
 
 def make_registry(

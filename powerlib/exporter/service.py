@@ -47,7 +47,10 @@ metric                                             type     meaning
 ``powerlib_session_planned_saving_ratio``          gauge    saving the applied plan replayed
 ``powerlib_session_stage_sm_clock_hertz``          gauge    clock a session last asked its stage
 ``powerlib_session_measured_saving_ratio``         gauge    saving the closed loop measured
-                                                            (label ``verdict``)
+                                                            (labels ``verdict``, ``method``,
+                                                            ``judged``; also ``_ci_ratio``,
+                                                            and ``slowdown_ratio`` with its
+                                                            ``slowdown_ci_ratio``)
 =================================================  =======  ======================================
 """
 

@@ -157,6 +157,7 @@ def test_running_sessions_publish_their_stage_through_their_status(
             predicted_slowdown_percent=None,
             rounds=rounds,
             verdict=verdict,
+            method="interleaved",
         )
 
     def running(status: SessionStatus) -> SimpleNamespace:
@@ -224,11 +225,31 @@ def test_a_real_session_publishes_the_saving_its_closed_loop_measured(tmp_path: 
     realized = sessions[0].realized
     assert realized is not None and realized.rounds > 0
     assert before["powerlib_session_measured_saving_ratio"] == []  # nothing measured yet
-    measured = fams["powerlib_session_measured_saving_ratio"]
+    measured = [
+        s for s in fams["powerlib_session_measured_saving_ratio"] if s.labels["judged"] == "1"
+    ]
     assert sorted(s.labels["stage"] for s in measured) == ["0", "1", "2", "3"]
     assert {s.labels["verdict"] for s in measured} == {realized.verdict}
+    assert {s.labels["method"] for s in measured} == {realized.method} == {"paired"}
     assert all(s.value == pytest.approx(realized.saving_percent / 100.0) for s in measured)
-    assert len(fams["powerlib_session_planned_saving_ratio"]) == 4
+    # its 95 % half-widths, the slowdown, and the interleaved windows' check beside it
+    (ci,) = {
+        s.value
+        for s in fams["powerlib_session_measured_saving_ci_ratio"]
+        if s.labels["judged"] == "1"
+    }
+    assert ci == pytest.approx(realized.saving_ci_percent / 100.0)
+    slowdown = fams["powerlib_session_measured_slowdown_ratio"]
+    assert {s.labels["method"] for s in slowdown} == {"paired", "interleaved"}
+    check = [s for s in slowdown if s.labels["judged"] == "0"]
+    assert realized.check is not None and len(check) == 4
+    assert all(s.value == pytest.approx(realized.check.slowdown_percent / 100.0) for s in check)
+    # the planned gauge is the plan's one predicted figure: the session's Prediction
+    predicted = sessions[0].prediction
+    assert predicted is not None and predicted.saving_percent is not None
+    planned = fams["powerlib_session_planned_saving_ratio"]
+    assert len(planned) == 4
+    assert all(s.value == pytest.approx(predicted.saving_percent / 100.0) for s in planned)
 
 
 def test_textfile_mode_writes_atomically_and_once(tmp_path: Path) -> None:
