@@ -204,7 +204,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
                 "predicted_slowdown_percent": None
                 if predicted is None
                 else predicted.slowdown_percent,
-                "measured": None if measured is None else measured.to_json(),
+                "measured": None if measured is None else dict(measured),
                 "profile_iterations": profile.iterations,
                 "p_block_error": statistics.fmean(
                     abs(p / 83.64 - 1.0) for p in profile.measured_p_block_w if p

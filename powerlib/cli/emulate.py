@@ -107,6 +107,13 @@ _IDEAL = click.option(
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
 @click.option(
+    "--truth-iterations",
+    type=click.IntRange(min=2, max=100_000),
+    default=200,
+    show_default=True,
+    help="Paired noise draws of the true figures (the plan and all-max on each draw).",
+)
+@click.option(
     "--out-dir",
     type=OutputPath(folder=True),
     default="powerlib-demo",
@@ -130,6 +137,7 @@ def demo(
     read_cost_s: float | None,
     drift: float | None,
     seed: int,
+    truth_iterations: int,
     out_dir: str,
     no_plot: bool,
     as_json: bool,
@@ -139,7 +147,8 @@ def demo(
     An 8-stage pipeline of emulated A100s runs GPT-3 175B's measured per-stage times and
     energies (the Perseus artifact's profile) in virtual time, through the same session code a
     training job uses. Prints all-max-clock vs powerlib: iteration time, energy per iteration,
-    saving and slowdown.
+    and the true saving and slowdown (paired over --truth-iterations noise draws, +- one
+    standard error) beside what the sessions measured and the planner predicted.
     """
     from powerlib.emulator.demo import DemoConfig, run_demo  # noqa: PLC0415 - keep CLI start fast
     from powerlib.emulator.engine import IDEAL_MODEL, NVML_LIKE_MODEL  # noqa: PLC0415 - keep CLI start fast
@@ -163,6 +172,7 @@ def demo(
             out_dir=out_dir,
             plot=not no_plot,
             seed=seed,
+            truth_iterations=truth_iterations,
             progress=True,
         )
     )
@@ -172,8 +182,13 @@ def demo(
     _echo_demo(result)
 
 
+def _signed(value: float | None) -> str:
+    """A signed percentage, or "n/a"."""
+    return "n/a" if value is None else f"{value:+.3f} %"
+
+
 def _echo_demo(result: DemoResult) -> None:
-    """The demo in words: workload, the all-max vs powerlib table, the three savings, files."""
+    """The demo in words: workload, the all-max vs powerlib table, the three figures, files."""
     w = result.workload
     click.echo(
         f"{w.num_stages} stages x {w.num_microbatches} microbatches ({w.schedule}), "
@@ -187,21 +202,30 @@ def _echo_demo(result: DemoResult) -> None:
     versus_all_max(
         result.baseline.to_json(), f"powerlib ({result.policy})", result.powerlib.to_json()
     )
+    truth = result.truth
     click.echo(
         click.style(
-            f"energy saved: {result.saving_percent:.2f} %  "
-            f"(slowdown {result.slowdown_percent:+.3f} %)",
+            f"energy saved: {truth.saving_percent:.3f} +- {truth.saving_se_percent:.3f} %  "
+            f"(slowdown {truth.slowdown_percent:+.3f} +- {truth.slowdown_se_percent:.3f} %)",
             bold=True,
         )
-        + "  true, paired with all-max on the same noise"
+        + f"  true, paired with all-max over {truth.iterations} noise draws (+- 1 SE)"
     )
     measured, predicted = result.measured_by_sessions, result.predicted
-    if measured is not None:
+    said = (
+        "the planner predicted n/a"
+        if predicted is None
+        else f"the planner predicted {pct(predicted.saving_percent)} (slowdown "
+        f"{_signed(predicted.slowdown_percent)})"
+    )
+    if measured is None:
+        click.echo(f"the sessions reached no measured verdict; {said}")
+    else:
         click.echo(
-            f"the sessions measured {measured.saving_percent:.2f} +- "
-            f"{measured.saving_ci_percent:.2f} % (slowdown {measured.slowdown_percent:+.3f} "
-            f"+- {measured.slowdown_ci_percent:.3f} %); the planner predicted "
-            f"{pct(None if predicted is None else predicted.saving_percent)}"
+            f"the sessions measured {measured['saving_percent']:.2f} +- "
+            f"{measured['saving_ci_percent']:.2f} % (slowdown "
+            f"{measured['slowdown_percent']:+.3f} +- {measured['slowdown_ci_percent']:.3f} %, "
+            f"95 % intervals); {said}"
         )
     prof = result.profile
     click.echo(

@@ -12,7 +12,9 @@ a counter that publishes every 100 ms, driver reads that cost 3 ms, a clock late
 20 ms +- 50 % that the sessions measure, 2 % noise, thermal drift); ``ideal`` selects the old
 idealized device, kept only to validate the planner. The report gives three figures side by
 side: the planner's prediction, what the sessions measured, and the truth: the emulator's exact
-energy of the managed iterations against all-max iterations run on the same noise draws (paired).
+time and energy of the plan the sessions applied, run by the session's own apply phase, against
+all-max iterations on the same noise draws, paired over ``truth_iterations`` (200) draws, each
+figure with its standard error.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.control import ControlSession
-from powerlib.emulator.demo_result import DemoProfiling, DemoResult, DemoRun, DemoWorkload
+from powerlib.emulator.demo_result import DemoProfiling, DemoResult, DemoTruth, DemoWorkload
 from powerlib.emulator.engine import (
     NVML_LIKE_MODEL,
     Emulator,
@@ -52,6 +54,7 @@ from powerlib.runtime.session import Session, optimize
 __all__ = [
     "DemoConfig",
     "default_profile",
+    "paired_truth",
     "run_demo",
     "simulate_plan",
     "write_timeline",
@@ -85,7 +88,10 @@ class DemoConfig:
         drift: Overrides the model's thermal drift.
         straggler: Another data-parallel pipeline is this many times slower (T′ = ratio x T).
         policy: ``fastest`` (default), ``min-energy``; ``deadline`` with a straggler.
-        apply_iterations: Managed iterations measured after the plan's first (checked) iteration.
+        apply_iterations: Iterations the sessions run once their check is over (the
+            timeline picture shows the last).
+        truth_iterations: Paired noise draws of the truth: the plan the sessions applied, run
+            by the session's apply phase, and all-max, on each draw.
         out_dir: Where profile, frontier, plan, summary and pictures go; ``None``: nowhere.
         plot: Draw ``frontier.png`` and ``timeline.png`` (``plot`` extra).
         seed: Noise seed.
@@ -107,6 +113,7 @@ class DemoConfig:
     straggler: float | None = None
     policy: str | None = None
     apply_iterations: int = 6
+    truth_iterations: int = 200
     out_dir: str | None = "powerlib-demo"
     plot: bool = True
     seed: int = 0
@@ -134,9 +141,10 @@ def _mean(results: list[IterationResult]) -> tuple[float, float]:
 
 @dataclass(slots=True)
 class _Drive:
-    """What driving the sessions gave: managed iterations, profiling figures, their reports."""
+    """What driving the sessions gave: managed iterations, the plan, profiling, their reports."""
 
     managed: list[IterationResult] = field(default_factory=list)
+    plan: FrequencyPlan | None = None
     profile_iterations: int = 0
     stall_s: float = 0.0
     instructions: int = 0
@@ -151,6 +159,8 @@ def _check(config: DemoConfig, profile: Profile) -> None:
         )
     if config.apply_iterations < 1:
         raise InvalidArgumentError("apply_iterations must be >= 1")
+    if config.truth_iterations < 2:
+        raise InvalidArgumentError("truth_iterations must be >= 2 (a standard error needs two)")
     # The sessions plan at the end of profiling: refuse work they would refuse, before emulating
     # tens of iterations of it (and before building a schedule of 100000 microbatches).
     check_work(
@@ -214,6 +224,7 @@ def _drive(sessions: list[Session], emulator: Emulator, apply_iterations: int) -
                 drive.instructions += len(result.executed)
             if all(s.phase is SessionPhase.DONE for s in sessions):
                 break
+        drive.plan = sessions[0].plan
         drive.reports = [s.report() for s in sessions]
     return drive
 
@@ -289,18 +300,16 @@ def run_demo(config: DemoConfig) -> DemoResult:
     _check(config, profile)
     num_stages = profile.num_stages
     policy = config.policy or ("deadline" if config.straggler else "fastest")
-    emulator, model, base_makespan, deadline_s = _emulator(config, profile, progress)
+    emulator, model, _, deadline_s = _emulator(config, profile, progress)
     sessions = _sessions(config, emulator, num_stages, policy)
     drive = _drive(sessions, emulator, config.apply_iterations)
     managed, reports = drive.managed, drive.reports
-    if reports[0].plan is None or len(managed) < config.apply_iterations:
+    if drive.plan is None or len(managed) < config.apply_iterations:
         raise InvalidArgumentError("the sessions never applied a plan; see the warnings above")
     emulator.unlock_all()
-    # The truth: all-max iterations on the same noise draws as the managed ones (paired).
-    base_runs = [emulator.run_iteration(noise_key=key) for key in range(1, len(managed) + 1)]
-    base_time, base_energy = _mean(base_runs)
-    time_s, energy_j = _mean(managed)
+    truth = paired_truth(emulator, drive.plan, config.truth_iterations)
     outputs = _write_pictures(config, managed[-1], policy, progress)
+    realized = reports[0].realized
     return DemoResult(
         model=model,
         workload=DemoWorkload(
@@ -313,17 +322,10 @@ def run_demo(config: DemoConfig) -> DemoResult:
             deadline_s=deadline_s,
         ),
         policy=policy,
-        baseline=DemoRun(time_s=base_time, energy_j=base_energy, makespan_s=base_makespan),
-        powerlib=DemoRun(
-            time_s=time_s,
-            energy_j=energy_j,
-            makespan_s=statistics.fmean(r.makespan_s for r in managed),
-            iterations_measured=len(managed),
-        ),
-        saving_percent=100.0 * (1.0 - energy_j / base_energy),
-        slowdown_percent=100.0 * (time_s / base_time - 1.0),
+        truth=truth,
         predicted=reports[0].predicted,
-        measured_by_sessions=reports[0].realized,
+        # the sessions' record as they wrote it: read as a plain dict (its fields are theirs)
+        measured_by_sessions=None if realized is None else dict(realized.to_json()),
         profile=DemoProfiling(
             iterations=drive.profile_iterations,
             freqs_mhz=reports[0].profiled_freqs_mhz,
@@ -339,6 +341,29 @@ def run_demo(config: DemoConfig) -> DemoResult:
         elapsed_s=time.perf_counter() - started,
         outputs=outputs,
     )
+
+
+def paired_truth(
+    emulator: Emulator, plan: FrequencyPlan, iterations: int, *, block: int = 25
+) -> DemoTruth:
+    """``plan`` against all-max on ``emulator``, paired over noise draws ``1..iterations``.
+
+    The plan runs through the session's own apply phase (:func:`run_plan`: what a session
+    applies once its check is over), all-max unlocked, each draw once each. The draws run in
+    blocks of ``block`` whose order alternates (all-max first, then the plan first), so that
+    the emulated GPUs' slow thermal drift weighs on both alike; each plan block starts with one
+    unmeasured iteration that lands its first clocks.
+    """
+    base: list[IterationResult] = []
+    runs: list[IterationResult] = []
+    for j, first in enumerate(range(1, iterations + 1, block)):
+        count = min(block, iterations + 1 - first)
+        if j % 2:
+            runs += run_plan(emulator, plan, count, first_key=first)
+        base += [emulator.run_iteration(noise_key=k) for k in range(first, first + count)]
+        if not j % 2:
+            runs += run_plan(emulator, plan, count, first_key=first)
+    return DemoTruth.paired(base, runs)
 
 
 def simulate_plan(
@@ -420,8 +445,10 @@ def simulate_plan(
     }
 
 
-def run_plan(emulator: Emulator, plan: FrequencyPlan, iterations: int) -> list[IterationResult]:
-    """Run ``plan`` on ``emulator`` for ``iterations`` noise draws ``1..iterations``.
+def run_plan(
+    emulator: Emulator, plan: FrequencyPlan, iterations: int, *, first_key: int = 1
+) -> list[IterationResult]:
+    """Run ``plan`` on ``emulator`` for ``iterations`` noise draws from ``first_key`` on.
 
     The session's own apply phase, one per stage, over inline frequency controllers on the
     emulated GPUs. The emulator runs the plan's own order, so there is no order to check: every
@@ -439,7 +466,8 @@ def run_plan(emulator: Emulator, plan: FrequencyPlan, iterations: int) -> list[I
             for s, device in enumerate(emulator.devices)
         ]
         emulator.run_iteration(phases)  # the first clocks land
-        runs = [emulator.run_iteration(phases, noise_key=k) for k in range(1, iterations + 1)]
+        keys = range(first_key, first_key + iterations)
+        runs = [emulator.run_iteration(phases, noise_key=k) for k in keys]
     emulator.unlock_all()
     return runs
 

@@ -1,4 +1,4 @@
-"""What ``powerlib demo`` found, typed: :class:`DemoResult` (``powerlib.demo.v2`` as JSON).
+"""What ``powerlib demo`` found, typed: :class:`DemoResult` (``powerlib.demo.v3`` as JSON).
 
 :func:`powerlib.emulator.demo.run_demo` returns it; ``powerlib demo --json`` prints
 :meth:`DemoResult.to_json`, ``powerlib demo`` formats its fields.
@@ -7,16 +7,30 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from powerlib.emulator.engine import NvmlLikeModel
-from powerlib.runtime.records import Prediction, Realized
+from powerlib.emulator.engine import IterationResult, NvmlLikeModel
+from powerlib.runtime.records import Prediction
 
-__all__ = ["DEMO_SCHEMA", "DemoProfiling", "DemoResult", "DemoRun", "DemoWorkload"]
+__all__ = [
+    "DEMO_SCHEMA",
+    "DemoProfiling",
+    "DemoResult",
+    "DemoRun",
+    "DemoTruth",
+    "DemoWorkload",
+]
 
-DEMO_SCHEMA = "powerlib.demo.v2"
-"""The schema of :meth:`DemoResult.to_json`."""
+DEMO_SCHEMA = "powerlib.demo.v3"
+"""The schema of :meth:`DemoResult.to_json`.
+
+v3 (issue 44): the true figures are ``truth`` (paired over >= 200 iterations, each with its
+standard error); ``measured_by_sessions`` is the sessions' record as they wrote it.
+"""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,25 +53,95 @@ class DemoRun:
     Attributes:
         time_s: Mean iteration time (straggler hold included).
         energy_j: Mean iteration energy, every device.
-        makespan_s: The pipeline's own iteration time (the baseline's: its first iteration).
-        iterations_measured: Iterations averaged (the managed run only).
+        makespan_s: Mean of the pipeline's own iteration time (no hold).
     """
 
     time_s: float
     energy_j: float
     makespan_s: float
-    iterations_measured: int | None = None
+
+    @classmethod
+    def of(cls, runs: Sequence[IterationResult]) -> DemoRun:
+        """The means of ``runs``."""
+        return cls(
+            time_s=statistics.fmean(r.time_s for r in runs),
+            energy_j=statistics.fmean(r.energy_j for r in runs),
+            makespan_s=statistics.fmean(r.makespan_s for r in runs),
+        )
+
+    def to_json(self) -> dict[str, float]:
+        """The fields by name."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoTruth:
+    """The true figures: the plan against all-max iterations on the same noise draws (paired).
+
+    Each figure is a ratio of means (saving ``1 - mean E_plan / mean E_all-max``), its standard
+    error the ratio estimator's from the paired differences,
+    ``SE = sd(x_i - r y_i) / (sqrt(n) mean y)`` (Cochran, *Sampling Techniques*, 3rd ed., §6.3).
+
+    Attributes:
+        iterations: Pairs (noise draws).
+        baseline: The all-max iterations' means.
+        plan: The plan's iterations' means.
+        saving_se_percent: The standard error of :attr:`saving_percent` (points).
+        slowdown_se_percent: The standard error of :attr:`slowdown_percent` (points).
+    """
+
+    iterations: int
+    baseline: DemoRun
+    plan: DemoRun
+    saving_se_percent: float
+    slowdown_se_percent: float
+
+    @classmethod
+    def paired(
+        cls, baseline: Sequence[IterationResult], plan: Sequence[IterationResult]
+    ) -> DemoTruth:
+        """``plan[i]`` against ``baseline[i]``, each pair run on one noise draw."""
+        if len(baseline) != len(plan) or len(plan) < 2:
+            raise ValueError("the truth needs at least 2 pairs, as many of each")
+        base, ours = DemoRun.of(baseline), DemoRun.of(plan)
+        return cls(
+            iterations=len(plan),
+            baseline=base,
+            plan=ours,
+            saving_se_percent=_ratio_se_percent(
+                [r.energy_j for r in plan], [r.energy_j for r in baseline]
+            ),
+            slowdown_se_percent=_ratio_se_percent(
+                [r.time_s for r in plan], [r.time_s for r in baseline]
+            ),
+        )
+
+    @property
+    def saving_percent(self) -> float:
+        """True energy saved per iteration against all-max."""
+        return 100.0 * (1.0 - self.plan.energy_j / self.baseline.energy_j)
+
+    @property
+    def slowdown_percent(self) -> float:
+        """True iteration time against all-max (straggler hold included)."""
+        return 100.0 * (self.plan.time_s / self.baseline.time_s - 1.0)
 
     def to_json(self) -> dict[str, float | int]:
-        """The fields by name (``iterations_measured`` only where counted)."""
-        data: dict[str, float | int] = {
-            "time_s": self.time_s,
-            "energy_j": self.energy_j,
-            "makespan_s": self.makespan_s,
+        """``iterations`` and the two figures, each with its standard error."""
+        return {
+            "iterations": self.iterations,
+            "saving_percent": self.saving_percent,
+            "saving_se_percent": self.saving_se_percent,
+            "slowdown_percent": self.slowdown_percent,
+            "slowdown_se_percent": self.slowdown_se_percent,
         }
-        if self.iterations_measured is not None:
-            data["iterations_measured"] = self.iterations_measured
-        return data
+
+
+def _ratio_se_percent(x: Sequence[float], y: Sequence[float]) -> float:
+    """The standard error of ``mean x / mean y`` from pairs ``(x_i, y_i)``, in percent."""
+    r = math.fsum(x) / math.fsum(y)
+    residuals = [xi - r * yi for xi, yi in zip(x, y, strict=True)]
+    return 100.0 * statistics.stdev(residuals) / (math.sqrt(len(x)) * statistics.fmean(y))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,18 +165,16 @@ class DemoProfiling:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DemoResult:
-    """What :func:`run_demo` found; :meth:`to_json` is ``powerlib.demo.v2`` (``demo --json``).
+    """What :func:`run_demo` found; :meth:`to_json` is ``powerlib.demo.v3`` (``demo --json``).
 
     Attributes:
         model: The emulated device model.
         workload: What was emulated.
         policy: The policy the sessions planned with.
-        baseline: All-max iterations on the managed iterations' noise draws (paired).
-        powerlib: The managed iterations.
-        saving_percent: True energy saved per iteration against :attr:`baseline`.
-        slowdown_percent: True iteration time against :attr:`baseline`.
-        predicted: The planner's figures for the plan (rank 0's), when it planned.
-        measured_by_sessions: The sessions' closed-loop verdict, when it arrived.
+        truth: The plan the sessions applied against all-max, paired over many noise draws.
+        predicted: The planner's one predicted figure for the plan (rank 0's), when it planned.
+        measured_by_sessions: Rank 0's closed-loop record as the session writes it
+            (``Realized.to_json``), when its verdict arrived.
         profile: What profiling did.
         apply_started_iteration: The iteration the plan started at.
         frequency_changes_per_iteration: Driver clock calls per managed iteration, all stages.
@@ -103,20 +185,37 @@ class DemoResult:
     model: NvmlLikeModel
     workload: DemoWorkload
     policy: str
-    baseline: DemoRun
-    powerlib: DemoRun
-    saving_percent: float
-    slowdown_percent: float
+    truth: DemoTruth
     predicted: Prediction | None
-    measured_by_sessions: Realized | None
+    measured_by_sessions: Mapping[str, Any] | None
     profile: DemoProfiling
     apply_started_iteration: int | None
     frequency_changes_per_iteration: float
     elapsed_s: float
     outputs: Mapping[str, str]
 
+    @property
+    def baseline(self) -> DemoRun:
+        """The all-max iterations of :attr:`truth`."""
+        return self.truth.baseline
+
+    @property
+    def powerlib(self) -> DemoRun:
+        """The plan's iterations of :attr:`truth`."""
+        return self.truth.plan
+
+    @property
+    def saving_percent(self) -> float:
+        """The true energy saved per iteration (:attr:`truth`)."""
+        return self.truth.saving_percent
+
+    @property
+    def slowdown_percent(self) -> float:
+        """The true iteration time against all-max (:attr:`truth`)."""
+        return self.truth.slowdown_percent
+
     def to_json(self) -> dict[str, object]:
-        """The ``powerlib.demo.v2`` record (keys and order as always)."""
+        """The ``powerlib.demo.v3`` record."""
         profile = self.profile
         return {
             "schema": DEMO_SCHEMA,
@@ -126,15 +225,11 @@ class DemoResult:
             "policy": self.policy,
             "baseline": self.baseline.to_json(),
             "powerlib": self.powerlib.to_json(),
-            "saving_percent": self.saving_percent,
-            "slowdown_percent": self.slowdown_percent,
+            "truth": self.truth.to_json(),
             "predicted": None if self.predicted is None else self.predicted.to_json(),
-            "planned_saving_percent": None
-            if self.predicted is None
-            else self.predicted.saving_percent,
             "measured_by_sessions": None
             if self.measured_by_sessions is None
-            else self.measured_by_sessions.to_json(),
+            else dict(self.measured_by_sessions),
             "profile": {
                 "iterations": profile.iterations,
                 "freqs_mhz": list(profile.freqs_mhz),
