@@ -18,7 +18,7 @@ import torch
 
 import powerlib
 
-BASE_S = 0.02
+BASE_S = 0.01
 FREQS = [1410.0, 1200.0, 1005.0]
 
 
