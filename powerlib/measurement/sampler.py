@@ -27,7 +27,7 @@ from powerlib.device import Device
 from powerlib.errors import DeviceLostError, PowerlibError
 from powerlib.measurement.timeline import EnergyTimeline, build_timeline
 
-__all__ = ["DEFAULT_SAMPLE_PERIOD_S", "BlockReading", "DeviceSampler"]
+__all__ = ["DEFAULT_SAMPLE_PERIOD_S", "BlockReading", "DeviceSampler", "first_read_showing"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,36 @@ class BlockReading:
     freq_mhz: float | None
     min_freq_mhz: float | None
     temperature_c: float | None
+
+
+def first_read_showing(
+    times: np.ndarray,
+    freqs: np.ndarray,
+    freq_mhz: float,
+    after_s: float,
+    until_s: float = math.inf,
+) -> tuple[float, float] | None:
+    """When reads first showed ``freq_mhz`` after ``after_s`` (up to ``until_s``).
+
+    Args:
+        times: Read times, increasing.
+        freqs: The clock each read showed (``nan``: none).
+        freq_mhz: The clock looked for.
+        after_s: From this time on.
+        until_s: No later than this read time.
+
+    Returns:
+        ``(last other, first)``: the clock landed between the two (the first is ``after_s``
+        when no read came between); ``None`` when no read shows it.
+    """
+    i = int(np.searchsorted(times, after_s, side="right"))
+    previous = after_s
+    while i < len(times) and times[i] <= until_s:
+        if abs(freqs[i] - freq_mhz) < 0.5:
+            return previous, float(times[i])
+        previous = float(times[i])
+        i += 1
+    return None
 
 
 class DeviceSampler:
@@ -188,16 +218,8 @@ class DeviceSampler:
 
         The clock landed between the two read times; ``None`` when no read shows it yet.
         """
-        with self._lock:
-            times, freqs = np.asarray(self._times), list(self._freq)
-        start = int(np.searchsorted(times, after_s, side="right"))
-        previous = after_s
-        for i in range(start, len(freqs)):
-            f = freqs[i]
-            if f is not None and abs(f - freq_mhz) < 0.5:
-                return previous, float(times[i])
-            previous = float(times[i])
-        return None
+        times, freqs = self.clock_reads(after_s)
+        return first_read_showing(times, freqs, freq_mhz, after_s)
 
     def clock_reads(self, since_s: float) -> tuple[np.ndarray, np.ndarray]:
         """The read times from ``since_s`` on and the SM clock each showed (``nan``: none)."""

@@ -32,11 +32,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from powerlib.errors import DeviceError, PlanError, PowerlibError
 from powerlib.measurement.markers import Stamps
-from powerlib.measurement.sampler import DeviceSampler
+from powerlib.measurement.sampler import DeviceSampler, first_read_showing
 from powerlib.planning.perseus.counterfactual import IterationRecord, Replayer
 from powerlib.planning.perseus.replay import ReplayModel
 from powerlib.runtime.apply_phase import ApplyPhase
@@ -249,8 +247,8 @@ class ClosedLoop:
         applying: The plan's apply phase (hooks are passed to it in plan iterations).
         config: The windows.
         sampler: Reads this rank's device.
-        stamps: Times instructions (the session's: CUDA events on a GPU).
-        clock: The session's clock.
+        stamps: Times instructions and iterations (the session's clock, or CUDA events on a
+            GPU).
         coordinator: The job's ranks (rank 0 judges).
         judge: Rank 0's judge (``None`` elsewhere: only rank 0's is called).
         latency_s: When a clock change typically lands after the driver call, as this rank
@@ -265,7 +263,6 @@ class ClosedLoop:
         *,
         sampler: DeviceSampler,
         stamps: Stamps,
-        clock: Callable[[], float],
         coordinator: Coordinator,
         judge: Judge | None,
         latency_s: float | None,
@@ -275,7 +272,6 @@ class ClosedLoop:
         self.config = config
         self._sampler = sampler
         self._stamps = stamps
-        self._clock = clock
         self._coordinator = coordinator
         self._judge = judge
         self._latency_s = latency_s or 0.0
@@ -434,7 +430,7 @@ class ClosedLoop:
         bracketing reads), when they do before the next change could land; else the typical
         landing latency after the driver call (the median this rank measured while profiling).
         """
-        changes = [c for c in self.applied_since(since_s)]
+        changes = self.applied_since(since_s)
         times, freqs = self._sampler.clock_reads(since_s)
         clocks: list[tuple[float, float | None]] = [(-math.inf, None)]
         for k, change in enumerate(changes):
@@ -445,13 +441,9 @@ class ClosedLoop:
                 limit = (
                     changes[k + 1].time_s + self._latency_s if k + 1 < len(changes) else math.inf
                 )
-                i = int(np.searchsorted(times, t_request, side="right"))
-                while i < len(times) and times[i] <= limit:
-                    if abs(freqs[i] - freq) < 0.5:
-                        before = times[i - 1] if i > 0 else t_request
-                        landing = 0.5 * (max(before, t_request) + float(times[i]))
-                        break
-                    i += 1
+                seen = first_read_showing(times, freqs, freq, t_request, limit)
+                if seen is not None:
+                    landing = 0.5 * (seen[0] + seen[1])
             clocks.append((landing, freq))
         clocks.sort(key=lambda c: c[0])
         return tuple(clocks)

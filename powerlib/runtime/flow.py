@@ -263,7 +263,6 @@ class Flow:
                 config,
                 sampler=job.sampler,
                 stamps=Stamps(job.clock, job.controller.marker),
-                clock=job.clock,
                 coordinator=job.coordinator,
                 judge=judge,
                 latency_s=None if self.profiling is None else self.profiling.landing_s,

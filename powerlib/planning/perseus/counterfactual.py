@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from powerlib.planning.perseus.replay import Layout, ReplayModel, layout_of
+from powerlib.planning.perseus.sources import OptionSource
 from powerlib.planning.pipeline import InstructionKey, build_dag
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile import Profile
@@ -233,14 +234,12 @@ def replay_model(plan: FrequencyPlan, profile: Profile, p_block_w: float) -> Rep
         PlanError: The plan's order is not a valid pipeline schedule.
     """
     order = [[p.instruction for p in plan.stage(s)] for s in range(plan.num_stages)]
-    measured: dict[tuple[int, str], dict[float, tuple[float, float]]] = {}
-    for row in profile.rows:
-        measured.setdefault((row.stage, row.instruction), {})[row.freq_mhz] = (
-            row.time_s,
-            row.energy_j,
-        )
+    dag = build_dag(order)
+    used = {(ins.stage, ins.kind) for ins in dag.instructions}
+    # the table a frontier planned on this profile replays on (Frontier.model's ``measured``)
+    measured = OptionSource(profile, None, None).fastest_per_clock(used)
     return ReplayModel(
-        dag=build_dag(order),
+        dag=dag,
         options={},
         measured=measured,
         unit_time_s=profile.unit_time_s or 1e-3,
