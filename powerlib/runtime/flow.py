@@ -561,9 +561,10 @@ class Flow:
             self.runner = Idle(SessionPhase.CLOSED)
 
     def ended_before_plan(self) -> None:
-        """The ``with`` block ended (no exception) while profiling or awaiting the plan.
+        """The ``with`` block ended (no exception) before a plan, or before its verdict.
 
-        Rank 0 says how far it got, once (:mod:`powerlib.runtime.short_run`).
+        Rank 0 says how far it got, once (:mod:`powerlib.runtime.short_run`): how far the sweep
+        got, or that the closed loop's check ended unjudged (``unfinished``, every rank's report).
         """
         profiling, job = self.profiling, self._job
         if isinstance(self.runner, ClosedLoop) and self.runner.pending and job is not None:
