@@ -18,6 +18,8 @@ from powerlib.planning.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:
     from powerlib.emulator.demo_result import DemoResult
+    from powerlib.emulator.engine import NvmlLikeModel
+    from powerlib.planning.plan import FrequencyPlan
 
 __all__ = ["demo", "simulate"]
 
@@ -47,8 +49,26 @@ _IDEAL = click.option(
     is_flag=True,
     help="The idealized GPU (1 ms counter, free reads, 5 ms latency, no noise or drift): only to "
     "validate the planner. Default: NVML-like (100 ms counter, 3 ms reads, 20 ms +- 50 % "
-    "latency, 2 % noise, 2 % thermal drift).",
+    "latency, fixed-length hierarchical noise, 2 % thermal drift).",
 )
+# = powerlib.emulator.noise_model.NOISE_MODELS (tests/emulator/test_noise_model.py holds it),
+# spelled out so that `powerlib --help` does not load the emulator
+_NOISE_MODEL_NAMES = ("fixed-length", "variable-length", "iid")
+_NOISE_MODEL = click.option(
+    "--noise-model",
+    type=click.Choice(_NOISE_MODEL_NAMES),
+    default=None,
+    help="How the emulated GPUs' noise is structured (docs/emulator.md): fixed-length (1 % per "
+    "iteration + 0.5 % drift, 0.4 % independent, per-GPU offsets, rare fail-slows), "
+    "variable-length (adds 1.7 % per microbatch, 0.35 % independent), iid (independent "
+    "--noise only, 2 % by default: the stress case). Default: the model's (NVML-like: "
+    "fixed-length; --ideal: none).",
+)
+
+
+def _with_noise_model(model: NvmlLikeModel, noise_model: str | None) -> NvmlLikeModel:
+    """``model`` with the ``--noise-model`` preset, if one was given."""
+    return model if noise_model is None else model.with_noise_model(noise_model)
 
 
 @click.command()
@@ -85,8 +105,10 @@ _IDEAL = click.option(
     "--noise",
     type=Number(min=0.0, max=0.2),
     default=None,
-    help="Multiplicative noise (std) on every instruction's time and energy (NVML-like: 0.02).",
+    help="Independent multiplicative noise (std) on every instruction's time and power: the "
+    "noise model's own part (fixed-length: 0.004, variable-length: 0.0035, iid: 0.02).",
 )
+@_NOISE_MODEL
 @click.option(
     "--duty",
     type=Number(min=0.01, max=1.0),
@@ -120,6 +142,12 @@ _IDEAL = click.option(
     show_default=True,
     help="Where profile.csv, frontier.csv, plan.json, summary.json and the pictures go.",
 )
+@click.option(
+    "--no-request-ahead",
+    is_flag=True,
+    help="The sessions request every clock at the previous instruction's end (default: a "
+    "switch to a faster clock is requested ahead, to land by the instruction's start).",
+)
 @click.option("--no-plot", is_flag=True, help="Skip frontier.png and timeline.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def demo(
@@ -133,12 +161,14 @@ def demo(
     switch_latency_s: float | None,
     counter_period_s: float | None,
     noise: float | None,
+    noise_model: str | None,
     duty: float | None,
     read_cost_s: float | None,
     drift: float | None,
     seed: int,
     truth_iterations: int,
     out_dir: str,
+    no_request_ahead: bool,
     no_plot: bool,
     as_json: bool,
 ) -> None:
@@ -164,6 +194,7 @@ def demo(
             switch_latency_s=switch_latency_s,
             counter_period_s=counter_period_s,
             noise=noise,
+            noise_model=noise_model,
             duty=duty,
             read_cost_s=read_cost_s,
             drift=drift,
@@ -173,6 +204,7 @@ def demo(
             plot=not no_plot,
             seed=seed,
             truth_iterations=truth_iterations,
+            request_ahead=not no_request_ahead,
             progress=True,
         )
     )
@@ -243,6 +275,7 @@ def _echo_demo(result: DemoResult) -> None:
 @_EMULATED_P_BLOCK
 @_IDEAL
 @_EMULATED_SWITCH_LATENCY
+@_NOISE_MODEL
 @click.option(
     "--deadline-s",
     type=Number(min=0.0),
@@ -251,11 +284,18 @@ def _echo_demo(result: DemoResult) -> None:
 )
 @click.option(
     "--iterations",
-    type=click.IntRange(min=1, max=1000),
-    default=10,
+    type=click.IntRange(min=2, max=100_000),
+    default=200,
     show_default=True,
-    help="Managed iterations to replay (their mean is reported, paired with all-max "
-    "iterations on the same noise).",
+    help="Paired noise draws: the plan and all-max each run every draw (interleaved, after a "
+    "warm-up); the saving and slowdown come with their standard errors.",
+)
+@click.option(
+    "--no-request-ahead",
+    is_flag=True,
+    help="Request every clock at the previous instruction's end. Default: as the plan's "
+    "sessions do, a switch to a faster clock ahead by the lead the plan records "
+    "(workload.request_ahead_s), if it records one.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
 @click.option(
@@ -268,8 +308,10 @@ def simulate(
     p_block_w: float,
     ideal: bool,
     switch_latency_s: float | None,
+    noise_model: str | None,
     deadline_s: float | None,
     iterations: int,
+    no_request_ahead: bool,
     seed: int,
     no_grid: bool,
     as_json: bool,
@@ -277,7 +319,8 @@ def simulate(
     """Replay a saved PLAN.json on the emulator and compare it with all maximum clocks.
 
     Prints the plan as a stage x time grid (what runs when, and at which clock), then the
-    replayed iteration time and energy against all maximum clocks.
+    replayed iteration time and energy against all maximum clocks, and the saving and slowdown
+    paired with all-max over --iterations noise draws (+- one standard error).
     """
     from powerlib.emulator.demo import simulate_plan  # noqa: PLC0415 - keep CLI start fast
     from powerlib.emulator.engine import IDEAL_MODEL, NVML_LIKE_MODEL  # noqa: PLC0415 - keep CLI start fast
@@ -288,11 +331,12 @@ def simulate(
         plan,
         profile_path=profile_path,
         p_block_w=p_block_w,
-        model=IDEAL_MODEL if ideal else NVML_LIKE_MODEL,
+        model=_with_noise_model(IDEAL_MODEL if ideal else NVML_LIKE_MODEL, noise_model),
         switch_latency_s=switch_latency_s,
         straggler_time_s=deadline_s,
         iterations=iterations,
         seed=seed,
+        lead_s=None if no_request_ahead else _recorded_lead_s(plan),
     )
     if as_json:
         emit_json(result)
@@ -303,5 +347,26 @@ def simulate(
     click.echo(f"emulated on {result['model_description']}")
     versus_all_max(b, "plan", r)
     click.echo(
-        f"energy saved: {result['saving_percent']:.2f} %  (slowdown {result['slowdown_percent']:+.3f} %)"
+        f"energy saved: {result['saving_percent']:.3f} +- {result['saving_se_percent']:.3f} %  "
+        f"(slowdown {result['slowdown_percent']:+.3f} +- {result['slowdown_se_percent']:.3f} %)  "
+        f"paired with all-max over {result['iterations']} noise draws (+- 1 SE)"
     )
+
+
+def _recorded_lead_s(plan: FrequencyPlan) -> float | None:
+    """The request-ahead lead a session's plan records (``workload.request_ahead_s``), if any.
+
+    Raises:
+        PlanError: A recorded lead that is not a finite number >= 0.
+    """
+    from powerlib.errors import PlanError  # noqa: PLC0415 - keep CLI start fast
+
+    value = plan.workload.get("request_ahead_s")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e3:
+        raise PlanError(
+            f"{plan.source}: workload.request_ahead_s must be a number of seconds >= 0, "
+            f"not {str(value)[:40]!r}"
+        )
+    return float(value)

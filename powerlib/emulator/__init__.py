@@ -10,15 +10,18 @@ from powerlib.emulator.engine import (
     NvmlLikeModel,
     tables_from_profile,
 )
+from powerlib.emulator.noise_model import NOISE_MODELS, NoiseModel
 
 __all__ = [
     "IDEAL_MODEL",
+    "NOISE_MODELS",
     "NVML_LIKE_MODEL",
     "EmulatedBackend",
     "EmulatedDevice",
     "Emulator",
     "ExecutedInstruction",
     "IterationResult",
+    "NoiseModel",
     "NvmlLikeModel",
     "VirtualTime",
     "tables_from_profile",

@@ -9,7 +9,7 @@ the plan against interleaved all-max windows.
 
 The emulated GPUs behave like NVML by default (:data:`~powerlib.emulator.engine.NVML_LIKE_MODEL`:
 a counter that publishes every 100 ms, driver reads that cost 3 ms, a clock latency of
-20 ms +- 50 % that the sessions measure, 2 % noise, thermal drift); ``ideal`` selects the old
+20 ms +- 50 % that the sessions measure, hierarchical noise, thermal drift); ``ideal`` selects the old
 idealized device, kept only to validate the planner. The report gives three figures side by
 side: the planner's prediction, what the sessions measured, and the truth: the emulator's exact
 time and energy of the plan the sessions applied, run by the session's own apply phase, against
@@ -21,22 +21,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import statistics
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import Any
 
-from powerlib.control import ControlSession
-from powerlib.emulator.demo_result import DemoProfiling, DemoResult, DemoTruth, DemoWorkload
+from powerlib.emulator.demo_result import (
+    DemoProfiling,
+    DemoResult,
+    DemoWorkload,
+)
 from powerlib.emulator.engine import (
+    LIVE_NOISE_KEYS,
     NVML_LIKE_MODEL,
     Emulator,
     IterationResult,
     NvmlLikeModel,
 )
-from powerlib.errors import BackendUnavailableError, InvalidArgumentError, PlanError
+from powerlib.emulator.truth import (
+    DEFAULT_P_BLOCK_W,
+    default_profile,
+    paired_truth,
+    run_plan,
+    simulate_plan,
+)
+from powerlib.errors import BackendUnavailableError, InvalidArgumentError
 from powerlib.planning.perseus.report import PlanOutputs, pyplot
 from powerlib.planning.pipeline import KIND_LETTERS
 from powerlib.planning.plan import FrequencyPlan
@@ -44,29 +52,21 @@ from powerlib.planning.profile import Profile
 from powerlib.planning.schedules import build_schedule
 from powerlib.planning.workflow import PlanRequest, check_work, default_unit_time_s
 from powerlib.progress import Progress
-from powerlib.runtime.apply_phase import ApplyPhase
-from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import LocalGroup
 from powerlib.runtime.phases import SessionPhase
 from powerlib.runtime.records import SessionReport
 from powerlib.runtime.session import Session, optimize
 
 __all__ = [
+    "DEFAULT_P_BLOCK_W",
     "DemoConfig",
     "default_profile",
     "paired_truth",
     "run_demo",
+    "run_plan",
     "simulate_plan",
     "write_timeline",
 ]
-
-DEFAULT_P_BLOCK_W = 83.64  # A100 blocking power of the Perseus artifact (docs/perseus.md §1.4)
-
-
-def default_profile() -> Profile:
-    """The shipped GPT-3 175B A100-SXM stage profile (8 stages, 38 clocks)."""
-    ref = resources.files("powerlib.emulator").joinpath("data/gpt3-175b_a100_sxm.csv")
-    return Profile.from_csv_text(ref.read_text(encoding="utf-8"), source="gpt3-175b_a100_sxm.csv")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +82,11 @@ class DemoConfig:
         model: What the emulated GPUs do besides their table (default: NVML-like).
         switch_latency_s: Overrides the model's mean clock-change latency.
         counter_period_s: Overrides the model's energy-counter period.
-        noise: Overrides the model's run-to-run noise.
+        noise: Overrides the model's run-to-run noise (its independent part; after
+            ``noise_model``).
+        noise_model: Overrides the model's noise structure: ``fixed-length``,
+            ``variable-length`` or ``iid`` (:data:`~powerlib.emulator.noise_model.NOISE_MODELS`),
+            with that preset's independent part unless ``noise`` is given.
         duty: Overrides the model's power-sampling duty (0.25: A100/H100 part-time sampling).
         read_cost_s: Overrides the model's driver read cost.
         drift: Overrides the model's thermal drift.
@@ -95,6 +99,9 @@ class DemoConfig:
         out_dir: Where profile, frontier, plan, summary and pictures go; ``None``: nowhere.
         plot: Draw ``frontier.png`` and ``timeline.png`` (``plot`` extra).
         seed: Noise seed.
+        request_ahead: The sessions request a switch to a faster clock ahead, so it lands by
+            the instruction's start (docs/perseus.md §2.8); ``False``: at the previous
+            instruction's end.
         progress: Progress on stderr.
     """
 
@@ -107,6 +114,7 @@ class DemoConfig:
     switch_latency_s: float | None = None
     counter_period_s: float | None = None
     noise: float | None = None
+    noise_model: str | None = None
     duty: float | None = None
     read_cost_s: float | None = None
     drift: float | None = None
@@ -117,26 +125,31 @@ class DemoConfig:
     out_dir: str | None = "powerlib-demo"
     plot: bool = True
     seed: int = 0
+    request_ahead: bool = True
     progress: bool = True
 
     def effective_model(self) -> NvmlLikeModel:
-        """:attr:`model` with the overrides that were given."""
+        """:attr:`model` with the overrides that were given.
+
+        Raises:
+            InvalidArgumentError: An unknown :attr:`noise_model`.
+        """
         overrides = {
             name: getattr(self, name)
             for name in ("switch_latency_s", "counter_period_s", "noise", "duty", "read_cost_s",
                          "drift")
             if getattr(self, name) is not None
         }  # fmt: skip
-        if not overrides:
+        model = self.model
+        if self.noise_model is not None:
+            try:
+                model = model.with_noise_model(self.noise_model)
+            except ValueError as err:
+                raise InvalidArgumentError(str(err)) from None
+        model = dataclasses.replace(model, **overrides)
+        if model == self.model:
             return self.model
-        return dataclasses.replace(self.model, name=f"{self.model.name} (modified)", **overrides)
-
-
-def _mean(results: list[IterationResult]) -> tuple[float, float]:
-    return (
-        statistics.fmean(r.time_s for r in results),
-        statistics.fmean(r.energy_j for r in results),
-    )
+        return dataclasses.replace(model, name=f"{self.model.name} (modified)")
 
 
 @dataclass(slots=True)
@@ -198,6 +211,7 @@ def _sessions(
             out_dir=None if config.out_dir is None else Path(config.out_dir),
             plot=config.plot,
             progress=config.progress and s == 0,
+            request_ahead=config.request_ahead,
         )
         for s in range(num_stages)
     ]
@@ -274,7 +288,11 @@ def _emulator(
         f"emulating {profile.num_stages} stages x {config.num_microbatches} microbatches "
         f"({config.schedule}) from {profile.source} on {model.describe()}",
     )
-    base_makespan = emulator.run_iteration().makespan_s
+    first = emulator.run_iteration()
+    # at the job-wide noise factor 1: the straggler's iterations carry that factor too
+    base_makespan = first.makespan_s / emulator.noise_draws.iteration_factor(
+        LIVE_NOISE_KEYS + first.index
+    )
     deadline_s = None
     if config.straggler is not None:
         deadline_s = config.straggler * base_makespan
@@ -341,135 +359,6 @@ def run_demo(config: DemoConfig) -> DemoResult:
         elapsed_s=time.perf_counter() - started,
         outputs=outputs,
     )
-
-
-def paired_truth(
-    emulator: Emulator, plan: FrequencyPlan, iterations: int, *, block: int = 25
-) -> DemoTruth:
-    """``plan`` against all-max on ``emulator``, paired over noise draws ``1..iterations``.
-
-    The plan runs through the session's own apply phase (:func:`run_plan`: what a session
-    applies once its check is over), all-max unlocked, each draw once each. The draws run in
-    blocks of ``block`` whose order alternates (all-max first, then the plan first), so that
-    the emulated GPUs' slow thermal drift weighs on both alike; each plan block starts with one
-    unmeasured iteration that lands its first clocks.
-    """
-    base: list[IterationResult] = []
-    runs: list[IterationResult] = []
-    for j, first in enumerate(range(1, iterations + 1, block)):
-        count = min(block, iterations + 1 - first)
-        if j % 2:
-            runs += run_plan(emulator, plan, count, first_key=first)
-        base += [emulator.run_iteration(noise_key=k) for k in range(first, first + count)]
-        if not j % 2:
-            runs += run_plan(emulator, plan, count, first_key=first)
-    return DemoTruth.paired(base, runs)
-
-
-def simulate_plan(
-    plan: str | FrequencyPlan,
-    *,
-    profile_path: str | None = None,
-    p_block_w: float = DEFAULT_P_BLOCK_W,
-    model: NvmlLikeModel = NVML_LIKE_MODEL,
-    switch_latency_s: float | None = None,
-    straggler_time_s: float | None = None,
-    iterations: int = 3,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Replay a saved plan on the emulator and compare it with all maximum clocks.
-
-    The plan is applied by the session's own apply phase
-    (:class:`~powerlib.runtime.apply_phase.ApplyPhase`, one per stage, over inline frequency
-    controllers on the emulated GPUs): each clock is requested when the previous instruction
-    ends and lands after the switch latency. The emulator runs the plan's own order, so the
-    first iteration's order check is skipped (it could not fail) and prefetching starts at once.
-
-    Args:
-        plan: The plan file, or a plan already read (its ``source`` names it in the result).
-        profile_path: Ground-truth profile of the emulated GPUs; ``None``: the shipped one.
-        p_block_w: Power of a waiting emulated GPU.
-        model: What the emulated GPUs do (default NVML-like; :data:`IDEAL_MODEL` to check a
-            plan against the planner's own replay).
-        switch_latency_s: Overrides the model's mean clock-change latency.
-        straggler_time_s: A straggler holds every iteration to this time.
-        iterations: Managed iterations replayed (their mean is reported); the all-max
-            baseline runs the same noise draws (paired).
-        seed: Noise seed.
-
-    Raises:
-        PlanError: A malformed plan, or one that does not fit the profile: another number of
-            stages (the message names both), a workload its own instructions contradict, kinds
-            or clocks the profile lacks. Nothing is run then.
-    """
-    if not isinstance(plan, FrequencyPlan):
-        plan = FrequencyPlan.read(plan)
-    plan_path = plan.source
-    profile = default_profile() if profile_path is None else Profile.read(profile_path)
-    plan.check_workload(num_stages=profile.num_stages, against=f"the profile {profile.source}")
-    # The plan lists every stage's instructions in execution order: that is the schedule.
-    schedule = [[p.instruction for p in plan.stage(s)] for s in range(plan.num_stages)]
-    if switch_latency_s is not None:
-        model = dataclasses.replace(model, switch_latency_s=switch_latency_s)
-    try:
-        emulator = Emulator(
-            profile,
-            schedule,
-            placement=str(plan.workload.get("placement", "looped")),
-            p_block_w=p_block_w,
-            model=model,
-            straggler_time_s=straggler_time_s,
-            seed=seed,
-        )
-    except PlanError as err:  # the plan's order is no pipeline, or it needs what the profile lacks
-        if str(err).startswith((f"{profile.source}:", f"{plan_path}:")):
-            raise
-        raise PlanError(f"{plan_path}: {err}") from err
-    base_runs = [emulator.run_iteration(noise_key=k) for k in range(1, iterations + 1)]
-    for s in range(plan.num_stages):
-        plan.check_frequencies(emulator.devices[s].info.supported_sm_freqs_mhz, s)
-    runs = run_plan(emulator, plan, iterations)
-    time_s, energy_j = _mean(runs)
-    base_time_s, base_energy_j = _mean(base_runs)
-    return {
-        "schema": "powerlib.simulate.v2",
-        "plan": plan_path,
-        "profile": profile.source,
-        "model": model.to_json(),
-        "model_description": model.describe(),
-        "baseline": {"time_s": base_time_s, "energy_j": base_energy_j},
-        "plan_result": {"time_s": time_s, "energy_j": energy_j},
-        "saving_percent": 100.0 * (1.0 - energy_j / base_energy_j),
-        "slowdown_percent": 100.0 * (time_s / base_time_s - 1.0),
-        "planned": {k: plan.summary.get(k) for k in ("policy", "time_s", "energy_j", "saving")},
-    }
-
-
-def run_plan(
-    emulator: Emulator, plan: FrequencyPlan, iterations: int, *, first_key: int = 1
-) -> list[IterationResult]:
-    """Run ``plan`` on ``emulator`` for ``iterations`` noise draws from ``first_key`` on.
-
-    The session's own apply phase, one per stage, over inline frequency controllers on the
-    emulated GPUs. The emulator runs the plan's own order, so there is no order to check: every
-    clock is prefetched from the first instruction on. One unmeasured iteration first lets the
-    first clocks land; the GPUs are unlocked afterwards.
-    """
-    with ControlSession(emulator.backend) as control:
-        phases = [
-            ApplyPhase(
-                plan,
-                s,
-                FrequencyController(control, device, threaded=False, clock=emulator.clock),
-                check_order=False,
-            )
-            for s, device in enumerate(emulator.devices)
-        ]
-        emulator.run_iteration(phases)  # the first clocks land
-        keys = range(first_key, first_key + iterations)
-        runs = [emulator.run_iteration(phases, noise_key=k) for k in keys]
-    emulator.unlock_all()
-    return runs
 
 
 def write_timeline(result: IterationResult, path: str | Path, *, title: str = "") -> None:

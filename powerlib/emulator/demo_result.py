@@ -23,6 +23,8 @@ __all__ = [
     "DemoRun",
     "DemoTruth",
     "DemoWorkload",
+    "SIMULATE_SCHEMA",
+    "SimulateResult",
 ]
 
 DEMO_SCHEMA = "powerlib.demo.v3"
@@ -30,6 +32,16 @@ DEMO_SCHEMA = "powerlib.demo.v3"
 
 v3 (issue 44): the true figures are ``truth`` (paired over >= 200 iterations, each with its
 standard error); ``measured_by_sessions`` is the sessions' record as they wrote it.
+"""
+
+SIMULATE_SCHEMA = "powerlib.simulate.v3"
+"""The schema of :func:`powerlib.emulator.demo.simulate_plan`'s record (``simulate --json``).
+
+v3 (issue 45): the plan and all-max are paired the way the demo's truth is (:class:`DemoTruth`:
+the same noise draws, alternating blocks, 200 pairs by default), with ``iterations`` and the
+standard errors ``saving_se_percent`` and ``slowdown_se_percent``; ``baseline`` and
+``plan_result`` gain ``makespan_s``. v2 ran all-max first, then the plan, while the emulated
+GPUs warmed, which biased the saving low.
 """
 
 
@@ -134,6 +146,52 @@ class DemoTruth:
             "saving_se_percent": self.saving_se_percent,
             "slowdown_percent": self.slowdown_percent,
             "slowdown_se_percent": self.slowdown_se_percent,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimulateResult:
+    """What :func:`~powerlib.emulator.demo.simulate_plan` found (``powerlib.simulate.v3``).
+
+    Attributes:
+        plan: Where the plan came from.
+        profile: The ground-truth profile the emulated GPUs ran.
+        model: The emulated device model.
+        warm_up_iterations: Unmeasured all-max iterations run until the thermal drift settled.
+        request_ahead_s: How far ahead the apply phase requested a switch to a faster clock
+            (``None``: at the previous instruction's end).
+        truth: The plan against all-max, paired and interleaved like the demo's truth.
+        planned: The plan's own summary figures (``policy``, ``time_s``, ``energy_j``,
+            ``saving``).
+    """
+
+    plan: str
+    profile: str
+    model: NvmlLikeModel
+    warm_up_iterations: int
+    request_ahead_s: float | None
+    truth: DemoTruth
+    planned: Mapping[str, object]
+
+    def to_json(self) -> dict[str, object]:
+        """The ``powerlib.simulate.v3`` record (``simulate --json``)."""
+        truth = self.truth
+        return {
+            "schema": SIMULATE_SCHEMA,
+            "plan": self.plan,
+            "profile": self.profile,
+            "model": self.model.to_json(),
+            "model_description": self.model.describe(),
+            "warm_up_iterations": self.warm_up_iterations,
+            "request_ahead_s": self.request_ahead_s,
+            "iterations": truth.iterations,
+            "baseline": truth.baseline.to_json(),
+            "plan_result": truth.plan.to_json(),
+            "saving_percent": truth.saving_percent,
+            "saving_se_percent": truth.saving_se_percent,
+            "slowdown_percent": truth.slowdown_percent,
+            "slowdown_se_percent": truth.slowdown_se_percent,
+            "planned": dict(self.planned),
         }
 
 

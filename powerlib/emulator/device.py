@@ -15,7 +15,10 @@ docs/measurement.md §1):
 - every ``read_state()`` is counted; the emulator charges the reads a hook makes on the
   training thread ``read_cost_s`` each (an H200 read costs about 3 ms);
 - optional multiplicative noise perturbs every execution (reseedable per iteration for paired
-  comparisons), and a slow thermal drift raises every power by up to ``drift``.
+  comparisons): independent per instruction, or structured by a shared
+  :class:`~powerlib.emulator.noise_model.NoiseDraws` (per iteration, per microbatch, persistent
+  per-GPU offsets, fail-slows; docs/emulator.md "The noise model"); a slow thermal drift
+  raises every power by up to ``drift``.
 
 Unlocked, it runs at its highest clock (GPU boost under load). The defaults are the ideal device.
 
@@ -42,6 +45,7 @@ from powerlib.device import (
     DeviceKind,
     PowerState,
 )
+from powerlib.emulator.noise_model import NoiseDraws
 
 __all__ = ["EmulatedBackend", "EmulatedDevice", "VirtualTime"]
 
@@ -90,6 +94,29 @@ class VirtualTime:
 
         return cancel
 
+    def at(self, t_s: float, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` once, at ``t_s`` (at the next advance if ``t_s`` is already past).
+
+        Returns:
+            A function that cancels the timer (idempotent; nothing once it ran).
+        """
+        if not math.isfinite(t_s):
+            raise ValueError(f"a timer time must be a finite number of seconds, not {t_s}")
+        timer = _Timer(0.0, t_s, callback)
+        self._push(timer, 0)
+
+        def cancel() -> None:
+            timer.cancelled = True
+
+        return cancel
+
+    def next_due_s(self) -> float | None:
+        """When the next timer is due (``None``: none is pending)."""
+        timers = self._timers  # cancelled ones go
+        while timers and timers[0][3].cancelled:
+            heapq.heappop(timers)
+        return timers[0][0] if timers else None
+
     def _push(self, timer: _Timer, k: int) -> None:
         tick = timer.phase_s + k * timer.period_s
         heapq.heappush(self._timers, (tick, next(self._seq), k, timer))
@@ -108,19 +135,30 @@ class VirtualTime:
                 continue
             self.now_s = max(self.now_s, tick)
             timer.callback()
-            if not timer.cancelled:
+            if not timer.cancelled and timer.period_s > 0:
                 self._push(timer, k + 1)
         self.now_s = t_s
 
 
 class _Timer:
-    """One periodic callback of a :class:`VirtualTime`."""
+    """One callback of a :class:`VirtualTime`: periodic, or once (``period_s`` 0)."""
 
     __slots__ = ("period_s", "phase_s", "callback", "cancelled")
 
     def __init__(self, period_s: float, phase_s: float, callback: Callable[[], None]) -> None:
         self.period_s, self.phase_s, self.callback = period_s, phase_s, callback
         self.cancelled = False
+
+
+class _Execution:
+    """One instruction as an :class:`EmulatedDevice` runs it: what re-timing it needs."""
+
+    __slots__ = ("kind", "start_s", "t_factor", "e_factor", "end_s", "energy_j", "segments")
+
+    def __init__(self, kind: str, start_s: float, t_factor: float, e_factor: float) -> None:
+        self.kind, self.start_s, self.t_factor, self.e_factor = kind, start_s, t_factor, e_factor
+        self.end_s = self.energy_j = 0.0
+        self.segments: tuple[tuple[float, float, float], ...] = ()
 
 
 class EmulatedDevice(Device):
@@ -133,7 +171,8 @@ class EmulatedDevice(Device):
         p_block_w: Power while not computing.
         switch_latency_s: Mean delay between a clock request and its effect.
         counter_period_s: Publication period of the energy counter (0: exact at every read).
-        noise: Standard deviation of the multiplicative noise on time and energy (0: none).
+        noise: Standard deviation of the independent multiplicative noise on time and energy
+            (0: none).
         seed: Noise seed (the latency draws use a stream of their own, seeded from it).
         name: Marketing name.
         read_cost_s: What one ``read_state()`` costs the thread that makes it (the emulator
@@ -143,7 +182,13 @@ class EmulatedDevice(Device):
         latency_spread: A clock change lands after ``switch_latency_s * U(1 - spread, 1 + spread)``.
         drift: Thermal drift: powers are scaled by ``1 + drift * (1 - exp(-t / drift_tau_s))``.
         drift_tau_s: Time constant of the drift (and of the reported temperature).
+        noise_draws: The pipeline's shared structured noise (one object for every device);
+            ``None`` or a model without structure: independent factors of ``noise`` only.
     """
+
+    _running: _Execution | None = None  # the last instruction executed (:attr:`execution`)
+    retimed = 0
+    """Instructions re-timed by a clock change that landed while they ran."""
 
     def __init__(
         self,
@@ -163,6 +208,7 @@ class EmulatedDevice(Device):
         latency_spread: float = 0.0,
         drift: float = 0.0,
         drift_tau_s: float = 60.0,
+        noise_draws: NoiseDraws | None = None,
     ) -> None:
         freqs = _common_freqs(table)
         _check_knobs(
@@ -176,7 +222,7 @@ class EmulatedDevice(Device):
             drift=drift,
             drift_tau_s=drift_tau_s,
         )
-        super().__init__(_device_info(index, name, freqs, has_temperature=drift > 0))
+        super().__init__(_device_info(index, name, freqs, has_temperature=drift > 0, duty=duty))
         self._table = {k: dict(v) for k, v in table.items()}
         self._clock = clock
         self.p_block_w = p_block_w
@@ -191,6 +237,11 @@ class EmulatedDevice(Device):
         self.drift_tau_s = drift_tau_s
         self._seed = seed
         self._rng = random.Random(seed)
+        self.noise_draws = None if noise_draws is None or noise_draws.model.is_iid else noise_draws
+        self._noise_key: int | None = None  # the iteration whose shared factors apply
+        offsets = (1.0, 1.0) if self.noise_draws is None else self.noise_draws.gpu_offsets(index)
+        self.gpu_time_factor, self.gpu_power_factor = offsets
+        self._shared_time = self.gpu_time_factor  # iteration x offset x fail-slow, this key
         self._latency_rng = random.Random(f"{seed}:latency")
         self._locked: float | None = None
         # clock timeline: (effective time, frequency); None = unlocked (max)
@@ -255,8 +306,20 @@ class EmulatedDevice(Device):
         return energy
 
     def reseed_noise(self, key: int) -> None:
-        """Draw the noise from now on from ``(seed, index, key)`` (paired runs see equal noise)."""
+        """Draw the noise from now on from ``(seed, index, key)`` (paired runs see equal noise).
+
+        With structured noise, ``key`` is also the iteration whose shared factors (per
+        iteration and drift, per microbatch, this GPU's fail-slow) apply from now on.
+        """
         self._rng = random.Random(f"{self._seed}:{self.index}:{key}")
+        draws = self.noise_draws
+        if draws is not None:
+            self._noise_key = key
+            self._shared_time = (
+                draws.iteration_factor(key)
+                * self.gpu_time_factor
+                * draws.fail_slow_factor(self.index, key)
+            )
 
     def _mark(self, t: float, power_w: float) -> None:
         energy = self.energy_at(t)
@@ -269,26 +332,58 @@ class EmulatedDevice(Device):
         if len(self._bp_t) > 4096:  # reads only look back a few instructions
             del self._bp_t[:2048], self._bp_e[:2048], self._bp_p[:2048]
 
+    def noise_factors(self, kind: str, microbatch: int) -> tuple[float, float]:
+        """This execution's multiplicative ``(time, energy)`` noise factors.
+
+        Without structure, independent factors ``1 + noise z``; with it
+        (:mod:`powerlib.emulator.noise_model`), time = the key's shared factors x ``1 + noise z``
+        and energy = time x this GPU's power offset x ``1 + energy_cv z`` (z in execution order).
+        """
+        draws = self.noise_draws
+        if draws is None:
+            if not self.noise:
+                return 1.0, 1.0
+            t_factor = max(0.5, 1.0 + self._rng.gauss(0.0, self.noise))
+            e_factor = max(0.5, 1.0 + self._rng.gauss(0.0, self.noise))
+            return t_factor, e_factor
+        energy_cv = draws.model.energy_cv
+        own_t = max(0.5, 1.0 + self._rng.gauss(0.0, self.noise))
+        own_p = max(0.5, 1.0 + self._rng.gauss(0.0, self.noise if energy_cv is None else energy_cv))
+        t_factor = self._shared_time * own_t
+        if self._noise_key is not None:
+            t_factor *= draws.microbatch_factor(self._noise_key, microbatch)
+        return t_factor, t_factor * self.gpu_power_factor * own_p
+
     def execute(
-        self, kind: str, start_s: float
+        self, kind: str, start_s: float, *, microbatch: int = 0
     ) -> tuple[float, float, list[tuple[float, float, float]]]:
         """Run one instruction from ``start_s``.
 
-        The clock timeline known now decides it (a change requested later does not reach it).
-        Its powers, and the blocking power after it, carry the drift factor of its start and of
-        its end; its time does not drift.
+        The clock timeline known now decides it; a change that lands while it still runs
+        (requested later, e.g. from a timer) re-times it (:attr:`execution`): the part before
+        the landing stands, the rest runs at the new clock. Its powers, and the blocking power
+        after it, carry the drift factor of its start and of its end; its time does not drift.
+        Its noise comes from :meth:`noise_factors`, drawn once (a re-timing reuses it).
 
         Returns:
             ``(end_s, energy_j, segments)``; each segment is ``(start_s, end_s, freq_mhz)``.
         """
-        by_freq = self._table[kind]
-        if self.noise:
-            t_factor = max(0.5, 1.0 + self._rng.gauss(0.0, self.noise))
-            e_factor = max(0.5, 1.0 + self._rng.gauss(0.0, self.noise))
-        else:
-            t_factor = e_factor = 1.0
+        t_factor, e_factor = self.noise_factors(kind, microbatch)
         e_factor *= self.drift_factor(start_s)
-        t = start_s
+        run = self._running = _Execution(kind, start_s, t_factor, e_factor)
+        self._play(run, start_s)
+        return run.end_s, run.energy_j, list(run.segments)
+
+    @property
+    def execution(self) -> tuple[float, float, tuple[tuple[float, float, float], ...]] | None:
+        """The last instruction run, as re-timed so far: ``(end_s, energy_j, segments)``."""
+        run = self._running
+        return None if run is None else (run.end_s, run.energy_j, run.segments)
+
+    def _play(self, run: _Execution, cut_s: float) -> None:
+        """Run ``run`` from its start on the clock timeline; breakpoints from ``cut_s`` on."""
+        by_freq = self._table[run.kind]
+        t = run.start_s
         remaining = 1.0
         energy = 0.0
         segments = []
@@ -297,10 +392,11 @@ class EmulatedDevice(Device):
             j = bisect.bisect_right(self._switch_t, t)
             next_switch = self._switch_t[j] if j < len(self._switch_t) else math.inf
             time_f, energy_f = by_freq[f]
-            time_f *= t_factor
-            power = energy_f * e_factor / time_f
-            self._mark(t, power)
+            time_f *= run.t_factor
+            power = energy_f * run.e_factor / time_f
             done = t + remaining * time_f
+            if t >= cut_s or min(done, next_switch) > cut_s:
+                self._mark(max(t, cut_s), power)
             if done <= next_switch:
                 energy += power * (done - t)
                 segments.append((t, done, f))
@@ -311,7 +407,21 @@ class EmulatedDevice(Device):
             segments.append((t, next_switch, f))
             t = next_switch
         self._mark(t, self.p_block_w * self.drift_factor(t))
-        return t, energy, segments
+        run.end_s, run.energy_j, run.segments = t, energy, tuple(segments)
+
+    def _retime(self, landing_s: float) -> None:
+        """The clocks changed from ``landing_s`` on: re-run the instruction running then.
+
+        What ran before stands (same timeline, same noise); breakpoints after it are rewritten.
+        """
+        run = self._running
+        if run is None or landing_s >= run.end_s:
+            return  # it ended before the change lands: untouched
+        cut = max(landing_s, run.start_s)
+        i = max(bisect.bisect_left(self._bp_t, cut), 1)  # keep the first: energy_at needs one
+        del self._bp_t[i:], self._bp_e[i:], self._bp_p[i:]
+        self._play(run, cut)
+        self.retimed += 1
 
     # -- the Device contract ---------------------------------------------------------------------
 
@@ -349,13 +459,18 @@ class EmulatedDevice(Device):
             latency *= self._latency_rng.uniform(1.0 - spread, 1.0 + spread)
         t = self._clock() + latency
         # a newer request overrides the ones that have not landed yet (and would land after it)
+        changed = False
         while len(self._switch_t) > 1 and self._switch_t[-1] >= t:
             self._switch_t.pop()
             self._switch_f.pop()
+            changed = True
         if self._switch_f[-1] != freq:
             self._switch_t.append(t)
             self._switch_f.append(freq)
             self.switches += 1
+            changed = True
+        if changed:  # the timeline differs from t on: an instruction running then is re-timed
+            self._retime(t)
 
     def _lock_sm_clocks(self, min_mhz: float, max_mhz: float) -> None:
         self._locked = max_mhz
@@ -414,9 +529,13 @@ def _common_freqs(table: Table) -> tuple[float, ...]:
 
 
 def _device_info(
-    index: int, name: str, freqs: tuple[float, ...], *, has_temperature: bool
+    index: int, name: str, freqs: tuple[float, ...], *, has_temperature: bool, duty: float = 1.0
 ) -> DeviceInfo:
-    """What an emulated GPU says of itself: clocks lockable, counter and power readable."""
+    """What an emulated GPU says of itself: clocks lockable, counter and power readable.
+
+    It declares the power-sampling ``duty`` it models, as a real A100/H100's backend declares
+    its part's (:attr:`~powerlib.device.DeviceInfo.power_sampling_duty`).
+    """
     return DeviceInfo(
         device_id=f"EMU-{index:04d}",
         index=index,
@@ -436,6 +555,7 @@ def _device_info(
             has_temperature=has_temperature,
         ),
         is_simulated=True,
+        power_sampling_duty=duty,
     )
 
 

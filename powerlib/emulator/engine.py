@@ -36,18 +36,33 @@ computes from the profile (tested).
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 from powerlib.emulator.device import EmulatedBackend, EmulatedDevice, VirtualTime, _check_knobs
-from powerlib.planning.pipeline import Instruction, Schedule, build_dag
+from powerlib.emulator.event_loop import (
+    ExecutedInstruction,
+    IterationHooks,
+    _FixedClocks,
+    _IterationRun,
+)
+from powerlib.emulator.noise_model import (
+    FIXED_LENGTH,
+    IID,
+    NoiseDraws,
+    NoiseModel,
+    noise_preset,
+    offset_profile,
+)
+from powerlib.planning.perseus.noise import TimeNoise
+from powerlib.planning.pipeline import Schedule, build_dag
 from powerlib.planning.profile import Profile
 
 __all__ = [
     "IDEAL_MODEL",
+    "LIVE_NOISE_KEYS",
     "NVML_LIKE_MODEL",
     "Emulator",
     "ExecutedInstruction",
@@ -56,42 +71,6 @@ __all__ = [
     "NvmlLikeModel",
     "tables_from_profile",
 ]
-
-
-class IterationHooks(Protocol):
-    """What the emulator calls for one stage, as a training loop calls a session."""
-
-    @property
-    def phase(self) -> str:
-        """What the stage is doing (recorded in :attr:`IterationResult.phases`)."""
-        ...
-
-    def begin(self, kind: str, microbatch: int, chunk: int) -> None:
-        """An instruction starts."""
-        ...
-
-    def end(self) -> None:
-        """The instruction begun last ends."""
-        ...
-
-    def step(self) -> None:
-        """The iteration ended."""
-        ...
-
-    def start_iteration(self) -> None:
-        """The next iteration is about to start."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutedInstruction:
-    """One instruction as it ran: virtual start/end and the clocks it ran at."""
-
-    instruction: Instruction
-    start_s: float
-    end_s: float
-    energy_j: float
-    segments: tuple[tuple[float, float, float], ...]  # (start_s, end_s, freq_mhz)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +110,17 @@ class NvmlLikeModel:
         read_cost_s: Cost of one driver read to the thread that makes it (H200: 2.6-3.1 ms).
         switch_latency_s: Mean clock-change landing latency.
         latency_spread: Each change lands after ``switch_latency_s * U(1 - spread, 1 + spread)``.
-        noise: Run-to-run multiplicative noise (standard deviation) on every execution.
+        noise: Run-to-run multiplicative noise (standard deviation) of every execution's own:
+            the independent part of :attr:`noise_model` (the only part when it has no
+            structure).
         drift: Thermal drift: powers rise by up to this share, with time constant ``drift_tau_s``.
         drift_tau_s: Time constant of the drift.
         counter_phase: Counter publication phase: seconds (every device), or ``"random"``:
             each device draws one uniformly in ``[0, counter_period_s)`` from the seed.
         name: What :meth:`describe` calls it.
+        noise_model: Where the rest of the noise is shared (per iteration and drift, per
+            microbatch, per-GPU offsets, fail-slows; :mod:`powerlib.emulator.noise_model`).
+            Default: fixed-length data, the structure of real Megatron traces.
     """
 
     counter_period_s: float = 0.1
@@ -144,11 +128,12 @@ class NvmlLikeModel:
     read_cost_s: float = 0.003
     switch_latency_s: float = 0.02
     latency_spread: float = 0.5
-    noise: float = 0.02
+    noise: float = 0.004
     drift: float = 0.02
     drift_tau_s: float = 60.0
     counter_phase: float | Literal["random"] = "random"
     name: str = "NVML-like"
+    noise_model: NoiseModel = FIXED_LENGTH
 
     def __post_init__(self) -> None:
         if self.counter_phase != "random" and isinstance(self.counter_phase, str):
@@ -168,8 +153,28 @@ class NvmlLikeModel:
         )
 
     def to_json(self) -> dict[str, object]:
-        """The model as a JSON object (every field)."""
-        return dataclasses.asdict(self)
+        """The model as a JSON object (every field; ``noise_model`` as its own object)."""
+        out = dataclasses.asdict(self)
+        out["noise_model"] = self.noise_model.to_json()
+        return out
+
+    def time_noise(self) -> TimeNoise:
+        """Per iteration (no drift), per microbatch, independent (:attr:`noise`): for oracles."""
+        return self.noise_model.time_noise(self.noise)
+
+    def with_noise_model(
+        self, noise_model: str | NoiseModel, noise: float | None = None
+    ) -> NvmlLikeModel:
+        """This model with a noise structure or preset (``noise=None``: the preset's own).
+
+        Raises:
+            ValueError: An unknown preset name.
+        """
+        structure, default = (
+            noise_preset(noise_model) if isinstance(noise_model, str) else (noise_model, self.noise)
+        )
+        noise = default if noise is None else noise
+        return dataclasses.replace(self, noise_model=structure, noise=noise)
 
     def describe(self) -> str:
         """One line, e.g. ``NVML-like: 100 ms counter, 3 ms reads, 20 ms ± 50 % clock latency, ...``."""
@@ -188,7 +193,7 @@ class NvmlLikeModel:
         parts.append(f"{ms(self.read_cost_s)} reads" if self.read_cost_s else "free reads")
         spread = f" ± {pct(self.latency_spread)}" if self.latency_spread else ""
         parts.append(f"{ms(self.switch_latency_s)}{spread} clock latency")
-        parts.append(f"{pct(self.noise)} noise" if self.noise else "no noise")
+        parts.append(self.noise_model.describe(self.noise))
         parts.append(f"{pct(self.drift)} thermal drift" if self.drift else "no thermal drift")
         return f"{self.name}: " + ", ".join(parts)
 
@@ -206,6 +211,7 @@ IDEAL_MODEL = NvmlLikeModel(
     drift=0.0,
     counter_phase=0.0,
     name="ideal",
+    noise_model=IID,
 )
 """The idealized device: only to validate the planner (docs/perseus.md §5.5)."""
 
@@ -220,6 +226,7 @@ _DEFAULT_KNOBS = NvmlLikeModel(
     drift_tau_s=60.0,
     counter_phase=0.0,
     name="custom",
+    noise_model=IID,
 )  # the Emulator's keyword defaults: the ideal device with an exact counter
 
 
@@ -237,7 +244,17 @@ def tables_from_profile(
     return tables
 
 
-_END, _BEGIN = 0, 1  # event kinds, in the order ties are processed
+LIVE_NOISE_KEYS = 10**9
+"""Unkeyed iterations draw structured noise from key ``LIVE_NOISE_KEYS + iteration index``."""
+
+
+def _counter_phases(model: NvmlLikeModel, seed: int, num_stages: int) -> list[float]:
+    """Each device's counter phase: the model's, or drawn from ``seed`` when ``random``."""
+    period = model.counter_period_s
+    if model.counter_phase != "random":
+        return [float(model.counter_phase)] * num_stages
+    draw = random.Random(f"{seed}:counter-phase")
+    return [min(period * draw.random(), period * (1 - 1e-12)) for _ in range(num_stages)]
 
 
 class Emulator:
@@ -255,8 +272,10 @@ class Emulator:
         p_block_w: Power of a waiting GPU.
         switch_latency_s: Mean clock-change latency.
         counter_period_s: Energy-counter publication period.
-        noise: Multiplicative noise (standard deviation) on every execution.
-        straggler_time_s: The iteration cannot end before this (a straggler pipeline).
+        noise: Multiplicative noise (standard deviation) of every execution's own.
+        straggler_time_s: The iteration cannot end before this (a straggler pipeline), times
+            the iteration's job-wide noise factor (per iteration and drift: the straggler is a
+            pipeline of the same job).
         seed: Noise seed (device ``i`` uses ``seed + i``); also seeds the latency draws and a
             random counter phase, each from a stream of its own.
         device_name: Name of the emulated GPUs.
@@ -267,7 +286,11 @@ class Emulator:
         drift_tau_s: Time constant of the drift.
         counter_phase: Counter publication phase in seconds, or ``"random"``: each device draws
             one uniformly in ``[0, counter_period_s)`` from ``seed``.
+        noise_model: Where the rest of the noise is shared (default: nowhere, only ``noise``).
         model: All of the knobs above at once.
+
+    Attributes:
+        noise_draws: The structured noise's shared draws, a function of ``(seed, key)``.
     """
 
     def __init__(
@@ -289,6 +312,7 @@ class Emulator:
         drift: float = 0.0,
         drift_tau_s: float = 60.0,
         counter_phase: float | Literal["random"] = 0.0,
+        noise_model: NoiseModel = IID,
         model: NvmlLikeModel | None = None,
     ) -> None:
         knobs = NvmlLikeModel(
@@ -302,22 +326,20 @@ class Emulator:
             drift_tau_s=drift_tau_s,
             counter_phase=counter_phase,
             name="custom",
+            noise_model=noise_model,
         )
         if model is not None and knobs != _DEFAULT_KNOBS:
             raise ValueError("give the emulator either model= or individual device knobs, not both")
         self.model = model = model or knobs
+        self.profile = profile
+        self.noise_draws = NoiseDraws(model.noise_model, seed)
         self.dag = build_dag(schedule, placement)
         num_stages = self.dag.num_stages
         profile.validate_for(num_stages, ())
         for ins in self.dag.instructions:
             profile.options(ins.stage, ins.kind)  # PlanError when the profile lacks the kind
         self.clock = VirtualTime()
-        period = model.counter_period_s
-        if model.counter_phase == "random":
-            draw = random.Random(f"{seed}:counter-phase")
-            phases = [min(period * draw.random(), period * (1 - 1e-12)) for _ in range(num_stages)]
-        else:
-            phases = [float(model.counter_phase)] * num_stages
+        phases = _counter_phases(model, seed, num_stages)
         self.devices = [
             EmulatedDevice(
                 index=s,
@@ -325,7 +347,7 @@ class Emulator:
                 clock=self.clock,
                 p_block_w=p_block_w,
                 switch_latency_s=model.switch_latency_s,
-                counter_period_s=period,
+                counter_period_s=model.counter_period_s,
                 noise=model.noise,
                 seed=seed + s,
                 name=device_name,
@@ -335,6 +357,7 @@ class Emulator:
                 latency_spread=model.latency_spread,
                 drift=model.drift,
                 drift_tau_s=model.drift_tau_s,
+                noise_draws=self.noise_draws,
             )
             for s, table in enumerate(tables_from_profile(profile, num_stages))
         ]
@@ -364,9 +387,13 @@ class Emulator:
             noise_key: When given, every device draws this iteration's noise from
                 ``(seed, device, noise_key)``: two iterations with the same key see the same noise
                 instruction by instruction (paired comparisons); different keys, different noise.
+                Without it, structured noise is keyed by ``LIVE_NOISE_KEYS + index`` (a key space
+                of its own); noise without structure runs on from the devices' streams.
         """
         clock = self.clock
         start = clock.now_s
+        if noise_key is None and not self.model.noise_model.is_iid:
+            noise_key = LIVE_NOISE_KEYS + len(self.iterations)
         if noise_key is not None:
             for dev in self.devices:
                 dev.reseed_noise(noise_key)
@@ -380,7 +407,8 @@ class Emulator:
         makespan_end = max(run.free)
         end = makespan_end
         if self.straggler_time_s is not None:
-            end = max(end, start + self.straggler_time_s)
+            common = 1.0 if noise_key is None else self.noise_draws.iteration_factor(noise_key)
+            end = max(end, start + self.straggler_time_s * common)
         clock.advance_to(end)
         energy = sum(d.energy_at(end) - d.energy_at(start) for d in self.devices)
         if sessions:
@@ -419,111 +447,12 @@ class Emulator:
         hooks = [_FixedClocks(dev, p) for dev, p in zip(self.devices, plan)]
         return self.run_iteration(hooks, noise_key=noise_key)
 
+    def truth_profile(self) -> Profile:
+        """The profile the GPUs really run: each stage's persistent offsets applied (no drift)."""
+        offsets = [(d.gpu_time_factor, d.gpu_power_factor) for d in self.devices]
+        return offset_profile(self.profile, offsets)
+
     def unlock_all(self) -> None:
         """Release every clock lock (back to the highest clock)."""
         for dev in self.devices:
             dev.reset_sm_clocks()
-
-
-class _IterationRun:
-    """One iteration in virtual time, event by event (:meth:`Emulator.run_iteration`).
-
-    A stage's next instruction begins once the stage is free and the instructions it depends
-    on have ended; ends are processed before begins at the same instant. The hooks run on the
-    stage's thread: the driver reads they make delay the stage (:attr:`stall`).
-
-    Attributes:
-        free: Per stage, when it is free again (after its last instruction and end hook).
-        stall: Per stage, the time its hooks' driver reads cost it.
-        executed: The instructions run, in the order they began.
-    """
-
-    def __init__(
-        self, emulator: Emulator, sessions: Sequence[IterationHooks] | None, start: float
-    ) -> None:
-        self._emu = emulator
-        self._sessions = sessions
-        n = len(emulator.dag.instructions)
-        num_stages = emulator.num_stages
-        self._finish = [0.0] * n
-        self._done = [False] * n
-        self._next = [0] * num_stages
-        self._queued = [False] * num_stages  # the stage's next instruction is in flight
-        self._events: list[tuple[float, int, int, int]] = []  # (time, _END/_BEGIN, stage, node)
-        self.free = [start] * num_stages
-        self.stall = [0.0] * num_stages
-        self.executed: list[ExecutedInstruction] = []
-
-    def run(self) -> None:
-        """Run every instruction of the schedule."""
-        emu, sessions = self._emu, self._sessions
-        for s in range(emu.num_stages):
-            self._release(s)
-        while self._events:
-            t, event, s, v = heapq.heappop(self._events)
-            emu.clock.advance_to(t)
-            ins = emu.dag.instructions[v]
-            if event == _BEGIN:
-                t0 = t
-                if sessions:
-                    t0 += self._charged(s, sessions[s].begin, ins.kind, ins.microbatch, ins.chunk)
-                t1, energy, segments = emu.devices[s].execute(ins.kind, t0)
-                self.executed.append(ExecutedInstruction(ins, t0, t1, energy, tuple(segments)))
-                heapq.heappush(self._events, (t1, _END, s, v))
-                continue
-            self._finish[v], self._done[v] = t, True
-            self.free[s] = t + (self._charged(s, sessions[s].end) if sessions else 0.0)
-            self._queued[s] = False
-            self._next[s] += 1
-            for stage in range(emu.num_stages):
-                self._release(stage)
-        if len(self.executed) < len(emu.dag.instructions):  # pragma: no cover - build_dag
-            raise RuntimeError("the schedule deadlocks")  # rejects deadlocking schedules
-
-    def _release(self, s: int) -> None:
-        """Queue stage ``s``'s next instruction's begin once the stage and its inputs are done."""
-        order = self._emu._order[s]
-        if self._queued[s] or self._next[s] >= len(order):
-            return
-        v = order[self._next[s]]
-        preds = self._emu._preds[v]
-        if all(self._done[u] for u in preds):
-            self._queued[s] = True
-            t0 = max([self.free[s], *(self._finish[u] for u in preds)])
-            heapq.heappush(self._events, (t0, _BEGIN, s, v))
-
-    def _charged(self, s: int, hook: Callable[..., None], *args: object) -> float:
-        """Run ``hook(*args)`` on stage ``s``'s thread; returns what its driver reads cost it."""
-        dev = self._emu.devices[s]
-        before = dev.reads
-        hook(*args)
-        cost = (dev.reads - before) * dev.read_cost_s
-        dev.stall_s += cost
-        self.stall[s] += cost
-        return cost
-
-
-class _FixedClocks:
-    """A minimal hook target: lock each instruction's clock at its begin."""
-
-    phase = "fixed"
-
-    def __init__(self, device: EmulatedDevice, plan: dict[tuple[str, int, int], float]) -> None:
-        self._device = device
-        self._plan = plan
-
-    def begin(self, kind: str, microbatch: int, chunk: int) -> None:
-        freq = self._plan[(kind, microbatch, chunk)]
-        latency = self._device.switch_latency_s
-        self._device.switch_latency_s = 0.0
-        self._device.lock_sm_clocks(freq)
-        self._device.switch_latency_s = latency
-
-    def end(self) -> None:
-        return None
-
-    def step(self) -> None:
-        return None
-
-    def start_iteration(self) -> None:
-        return None

@@ -25,6 +25,7 @@ from powerlib.emulator.demo import (
 )
 from powerlib.emulator.demo_result import DemoResult, DemoTruth
 from powerlib.emulator.engine import IDEAL_MODEL, NVML_LIKE_MODEL, Emulator
+from powerlib.emulator.noise_model import NoiseDraws
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.schedules import build_schedule
 
@@ -63,17 +64,19 @@ def test_the_default_nvml_like_demo_saves_what_it_predicts_within_0_1_percent(
     assert truth["saving_percent"] == demo.saving_percent == demo.truth.saving_percent
     # paired over 200 draws: a tenth of a point is many standard errors
     assert 0.0 < truth["saving_se_percent"] < 0.02 and 0.0 < truth["slowdown_se_percent"] < 0.02
-    # issue 32 targets >= 13.5 % here (benchmarks/fidelity.py); this is the regression floor
-    assert demo.saving_percent >= 10.0
+    # issue 45 targets >= 13.5 % within 0.5 pt of the prediction (benchmarks/fidelity.py,
+    # seeds 0-4); this is the regression floor of seed 0 (13.8 % measured)
+    assert demo.saving_percent >= 13.0
     assert demo.slowdown_percent <= 0.1
     predicted = demo.predicted
     assert predicted is not None and predicted.saving_percent is not None
-    assert abs(predicted.saving_percent - demo.saving_percent) <= 1.0
+    assert abs(predicted.saving_percent - demo.saving_percent) <= 0.5
     assert predicted.switch_latency_source == "measured"
     assert data["predicted"]["saving_percent"] == predicted.saving_percent
     measured = demo.measured_by_sessions
     assert measured is not None and data["measured_by_sessions"] == measured
-    assert abs(measured["saving_percent"] - demo.saving_percent) <= 1.0
+    # what the sessions measured, paired: within half a point of the truth (0.02 pt, seed 0)
+    assert abs(measured["saving_percent"] - demo.saving_percent) <= 0.5
     assert measured["saving_ci_percent"] > 0.0
     # it went through the session phases: profiled on the emulated GPUs, measured P_block
     assert 20 < demo.profile.iterations <= 150
@@ -81,10 +84,12 @@ def test_the_default_nvml_like_demo_saves_what_it_predicts_within_0_1_percent(
     assert demo.apply_started_iteration == demo.profile.iterations
     p_block = demo.profile.measured_p_block_w
     assert all(p == pytest.approx(DEFAULT_P_BLOCK_W, rel=0.1) for p in p_block), p_block
-    # each change lands 10-30 ms after the request; the guard plans for a late one
+    # each change lands 10-30 ms after the request: the exact replay plans for the median of
+    # every rank's landings, the noise stage draws each switch's from them (issue 45)
     latency = [s for s in demo.profile.measured_latency_s if s is not None]
     assert len(latency) == 8 and all(0.015 <= s <= 0.04 for s in latency), latency
-    assert predicted.switch_latency_s == pytest.approx(max(latency))
+    assert predicted.switch_latency_s is not None
+    assert 0.015 <= predicted.switch_latency_s < max(latency)
 
 
 def test_on_the_ideal_device_fastest_saves_at_least_14_percent_within_0_1_percent() -> None:
@@ -137,14 +142,20 @@ def test_simulate_replays_the_saved_plan(demo: DemoResult) -> None:
     assert data["model"] == demo.model.to_json()  # the same NVML-like device
     # the same seed and noise draws as the truth's all-max iterations (time does not drift)
     assert data["baseline"]["time_s"] == pytest.approx(demo.baseline.time_s, rel=1e-9)
-    # the demo measured after minutes of thermal drift; simulate starts cold
-    assert data["saving_percent"] == pytest.approx(demo.saving_percent, abs=1.0)
-    assert data["slowdown_percent"] <= 0.1
+    # the truth's own comparison (simulate.v3: the same pairs in the same interleaved order),
+    # on GPUs simulate warms first as profiling warmed the demo's. Both request switches up
+    # ahead by the lead the plan records, as every session does (the median measured landing).
+    # (v2 ran all-max cold, then the plan: it read up to 1 point off.)
+    assert data["schema"] == "powerlib.simulate.v3" and data["iterations"] == iterations
+    plan = json.loads(Path(demo.outputs["plan.json"]).read_text())
+    assert data["request_ahead_s"] == plan["workload"]["request_ahead_s"] > 0
+    assert data["saving_percent"] == pytest.approx(demo.saving_percent, abs=0.3)
+    assert data["slowdown_percent"] == pytest.approx(demo.slowdown_percent, abs=0.03)
 
 
 def test_simulate_prints_the_plan_as_a_stage_by_time_grid(demo: DemoResult) -> None:
     plan = demo.outputs["plan.json"]
-    result = CliRunner().invoke(cli, ["simulate", plan])
+    result = CliRunner().invoke(cli, ["simulate", plan, "--iterations", "4"])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     rows = [line for line in lines if line.startswith("S") and line[1].isdigit()]
@@ -152,7 +163,7 @@ def test_simulate_prints_the_plan_as_a_stage_by_time_grid(demo: DemoResult) -> N
     assert len({len(row) for row in rows}) == 1  # one width
     assert lines.index(rows[0]) < next(i for i, ln in enumerate(lines) if "all max clock" in ln)
     assert "energy saved" in lines[-1]
-    quiet = CliRunner().invoke(cli, ["simulate", plan, "--no-grid"])
+    quiet = CliRunner().invoke(cli, ["simulate", plan, "--no-grid", "--iterations", "4"])
     assert quiet.exit_code == 0 and not any(
         ln.startswith("S0 |") for ln in quiet.stdout.splitlines()
     )
@@ -171,7 +182,11 @@ def test_a_straggler_saves_more(demo: DemoResult, tmp_path: Path) -> None:
     # (the demo's T is its first all-max iteration; baseline.makespan_s the truth's mean)
     deadline_s = data["workload"]["deadline_s"]
     assert deadline_s == pytest.approx(1.2 * demo.baseline.makespan_s, rel=0.005)
-    assert data["baseline"]["time_s"] == pytest.approx(deadline_s)  # all-max is held to T'
+    # all-max is held to T', which carries each iteration's job-wide noise factor (the
+    # straggler is a pipeline of the same job: fixed-length noise, 1 % per iteration + drift)
+    draws = NoiseDraws(NVML_LIKE_MODEL.noise_model, seed=0)
+    common = statistics.fmean(draws.iteration_factor(k) for k in range(1, 51))
+    assert data["baseline"]["time_s"] == pytest.approx(deadline_s * common, rel=1e-9)
     truth = data["truth"]
     assert truth["iterations"] == 50
     assert truth["saving_percent"] > demo.saving_percent + 5.0

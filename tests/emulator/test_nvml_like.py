@@ -12,6 +12,7 @@ from runtime_helpers import make_emulator, toy_profile
 
 from powerlib.emulator.device import EmulatedDevice, VirtualTime
 from powerlib.emulator.engine import IDEAL_MODEL, NVML_LIKE_MODEL, Emulator, NvmlLikeModel
+from powerlib.emulator.noise_model import FIXED_LENGTH
 from powerlib.planning.schedules import build_schedule
 
 FAST, SLOW = 1000.0, 500.0
@@ -224,9 +225,10 @@ def test_thermal_drift_raises_power_over_time_and_reads_a_temperature() -> None:
 
 
 def test_the_nvml_like_model_configures_every_device() -> None:
-    assert NVML_LIKE_MODEL.describe() == (
-        "NVML-like: 100 ms counter, 3 ms reads, 20 ms ± 50 % clock latency, 2 % noise, "
-        "2 % thermal drift"
+    assert NVML_LIKE_MODEL.describe() == (  # issue 45: hierarchical noise by default
+        "NVML-like: 100 ms counter, 3 ms reads, 20 ms ± 50 % clock latency, fixed-length noise "
+        "(1 % per iteration + 0.5 % drift, 0.4 % independent, GPU offsets 0.5 % time / 3 % "
+        "power, fail-slows 0.02/1000 GPU-iterations), 2 % thermal drift"
     )
     assert IDEAL_MODEL.describe().startswith("ideal: 1 ms counter, free reads, 5 ms clock latency")
     assert json.loads(json.dumps(NVML_LIKE_MODEL.to_json()))["counter_phase"] == "random"
@@ -238,9 +240,12 @@ def test_the_nvml_like_model_configures_every_device() -> None:
     assert len(set(phases)) == 4 and all(0 <= p < 0.1 for p in phases)
     dev = emulator.devices[3]
     assert (dev.read_cost_s, dev.switch_latency_s, dev.latency_spread) == (0.003, 0.02, 0.5)
-    assert (dev.counter_period_s, dev.noise, dev.drift) == (0.1, 0.02, 0.02)
+    assert (dev.counter_period_s, dev.noise, dev.drift) == (0.1, 0.004, 0.02)  # 0.4 % own
+    assert dev.noise_draws is emulator.noise_draws and dev.gpu_power_factor != 1.0
     assert emulator.model is NVML_LIKE_MODEL
     with pytest.raises(ValueError, match="either model= or"):
         Emulator(toy_profile(), schedule, p_block_w=80.0, model=IDEAL_MODEL, noise=0.01)
+    with pytest.raises(ValueError, match="either model= or"):
+        Emulator(toy_profile(), schedule, p_block_w=80.0, model=IDEAL_MODEL, noise_model=FIXED_LENGTH)
     with pytest.raises(ValueError, match="duty must be in"):
         NvmlLikeModel(duty=0.0)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from click.testing import CliRunner
 from runtime_helpers import toy_profile
 
 from powerlib.cli import cli
 from powerlib.emulator.demo import simulate_plan
+from powerlib.emulator.engine import NVML_LIKE_MODEL
 from powerlib.runtime.apply_phase import ApplyPhase
 
 
@@ -24,9 +27,21 @@ def toy_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return str(plan), str(profile)
 
 
+# No thermal drift: all-max runs between the plan's blocks (paired, interleaved), so with drift
+# its energy would carry the warming of a slightly different time when the plan's runs change.
+_NO_DRIFT = dataclasses.replace(NVML_LIKE_MODEL, drift=0.0)
+
+
 def _simulate(toy_plan: tuple[str, str]) -> dict:
     plan, profile = toy_plan
-    return simulate_plan(plan, profile_path=profile, p_block_w=80.0, switch_latency_s=0.005)
+    return simulate_plan(
+        plan,
+        profile_path=profile,
+        p_block_w=80.0,
+        model=_NO_DRIFT,
+        switch_latency_s=0.005,
+        iterations=20,
+    )
 
 
 def test_another_clock_request_in_the_apply_phase_changes_the_result(
