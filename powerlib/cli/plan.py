@@ -17,7 +17,7 @@ from powerlib.cli.options import Number, emit_json, plan_outputs, progress_bar
 from powerlib.config import direct_solver
 from powerlib.errors import PlanError
 from powerlib.planning.names import COST_MODELS, POLICIES, SOLVERS
-from powerlib.planning.perseus.frequency_options import ORDERS
+from powerlib.planning.perseus.frequency_options import ORDERS, PRUNINGS
 from powerlib.planning.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:
@@ -84,6 +84,14 @@ def _existing_profile(_ctx: click.Context, _param: click.Parameter, value: str) 
     help="Pareto filter before or after the effective-energy conversion (the paper: before).",
 )
 @click.option(
+    "--pruning",
+    type=click.Choice(PRUNINGS),
+    default="weak",
+    show_default=True,
+    help="Option pruning: weak dominance, the cheapest option per time quantum (default), or "
+    "the SOSP'24 artifact's strict dominance (reproduces its published frontiers exactly).",
+)
+@click.option(
     "--cost-model",
     type=click.Choice(COST_MODELS),
     default="exp",
@@ -129,6 +137,7 @@ def plan(
     p_block_w: float | None,
     unit_time_s: float | None,
     order: str,
+    pruning: str,
     cost_model: str,
     policy: str,
     deadline_s: float | None,
@@ -159,10 +168,8 @@ def plan(
         raise click.UsageError("--plot needs matplotlib: pip install 'powerlib[plot]'")
     profile = _read_profile(profile_path)
     if p_block_w is None and profile.p_block_w is None:
-        raise click.UsageError(
-            f"{profile_path} does not carry the blocking power: give --p-block-w "
-            "(A100: 83.64, A40: 70.38)"
-        )
+        what = "does not carry the blocking power: give --p-block-w (A100: 83.64, A40: 70.38)"
+        raise click.UsageError(f"{profile_path} {what}")
     with progress_bar("solving frontier") as bar:
 
         def progress(done: int, expected: int) -> None:
@@ -186,6 +193,7 @@ def plan(
                 solver=solver,
                 direct_solver=direct_solver(),
                 order=order,
+                pruning=pruning,
                 cost_model=cost_model,
                 max_work=max_work,
                 frontier_points=frontier_points if (frontier_out or plot_path) else 0,

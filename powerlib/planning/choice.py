@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from powerlib.errors import PlanError
 from powerlib.planning.names import POLICIES
+from powerlib.planning.perseus.noise import TimeNoise
 
 if TYPE_CHECKING:
     from powerlib.planning.perseus.frequency_options import Option
@@ -71,6 +72,13 @@ class Policy:
             (see ``Frontier.within_slowdown``).
         time_se: Relative standard error of a profiled row's mean time (the profile's own
             error, drawn with the noise).
+        time_noise: Where the noise is shared (per iteration, per microbatch, independent);
+            ``None``: ``time_cv`` independent per instruction (docs/perseus.md §2.8).
+        latency_samples_s: Measured clock-change latencies: the guard's noisy replay draws each
+            switch's latency from them (``switch_latency_s`` stays the deterministic replay's).
+        request_ahead_s: Switches to a faster clock are requested this long before the
+            previous instruction's predicted end (the apply phase's ``lead_s``), so they land by
+            the instruction's start; ``None``: at the previous instruction's end.
     """
 
     name: str = "fastest"
@@ -80,6 +88,14 @@ class Policy:
     switch_latency_s: float = 0.005
     time_cv: float = 0.0
     time_se: float = 0.0
+    time_noise: TimeNoise | None = None
+    latency_samples_s: tuple[float, ...] = ()
+    request_ahead_s: float | None = None
+
+    @property
+    def noise(self) -> TimeNoise:
+        """The noise the guard draws: :attr:`time_noise`, else ``time_cv`` independent."""
+        return self.time_noise if self.time_noise is not None else TimeNoise.iid(self.time_cv)
 
     def __post_init__(self) -> None:
         check_policy(
@@ -165,10 +181,15 @@ def choose(frontier: Frontier, policy: Policy) -> Choice:
             limit_s=policy.deadline_s if policy.name == "deadline" else None,
             time_cv=policy.time_cv,
             time_se=policy.time_se,
+            noise=policy.noise,
+            latency_samples_s=policy.latency_samples_s,
+            request_ahead_s=policy.request_ahead_s,
         )
     else:
         options = frontier.planned_options(point)
-    realized = frontier.realized(options, policy.switch_latency_s)
+    realized = frontier.realized(
+        options, policy.switch_latency_s, request_ahead_s=policy.request_ahead_s
+    )
     return Choice(
         frontier=frontier,
         policy=policy,

@@ -36,6 +36,7 @@ from powerlib.planning.perseus.frontier import (
     compute_frontier,
     resolve_solver,
 )
+from powerlib.planning.perseus.noise import TimeNoise
 from powerlib.planning.perseus.points import Wanted
 from powerlib.planning.perseus.report import (
     GuardInputs,
@@ -105,6 +106,12 @@ class PlanRequest:
         switch_latency_s: The clock-change latency the guard assumes.
         time_cv: Run-to-run spread of instruction times the guard plans for.
         time_se: Relative standard error of a profiled row's mean time.
+        time_noise: Where the noise is shared (the sweep's estimate); ``None``: ``time_cv``
+            independent per instruction.
+        latency_samples_s: Measured clock-change latencies the guard draws switches from.
+        request_ahead_s: The apply phase requests a switch up this long before the previous
+            instruction's predicted end (a session's ``apply.request_ahead``; recorded in the
+            plan file, which the apply phase reads it from); ``None``: at its end.
         p_block_w: Blocking power (W); ``None``: :func:`resolve_p_block`.
         unit_time_s: Time quantum τ (s); ``None``: :func:`resolve_unit_time`.
         solver: ``auto``, ``direct`` or ``walk``.
@@ -112,6 +119,7 @@ class PlanRequest:
             built, else HiGHS) or ``highs`` (``powerlib plan`` passes
             :func:`powerlib.config.direct_solver`).
         order: ``filter-then-subtract`` (the paper) or ``subtract-then-filter``.
+        pruning: ``weak`` (default) or ``artifact`` (the SOSP'24 artifact's strict dominance).
         cost_model: ``exp`` (the paper) or ``convex``.
         max_work: Refuse a frontier past this many instruction-steps (``None``: no limit).
         work_hint: Check the work estimate before the schedule is built, saying this on refusal
@@ -139,11 +147,15 @@ class PlanRequest:
     switch_latency_s: float = 0.005
     time_cv: float = 0.0
     time_se: float = 0.0
+    time_noise: TimeNoise | None = None
+    latency_samples_s: tuple[float, ...] = ()
+    request_ahead_s: float | None = None
     p_block_w: float | None = None
     unit_time_s: float | None = None
     solver: str = "auto"
     direct_solver: str = "auto"
     order: str = "filter-then-subtract"
+    pruning: str = "weak"
     cost_model: str = "exp"
     max_work: int | None = DEFAULT_MAX_WORK
     work_hint: str | None = WORK_HINT
@@ -429,6 +441,9 @@ def _guarded(request: PlanRequest, name: str, deadline_s: float | None) -> Polic
         switch_latency_s=request.switch_latency_s,
         time_cv=request.time_cv,
         time_se=request.time_se,
+        time_noise=request.time_noise,
+        latency_samples_s=request.latency_samples_s,
+        request_ahead_s=request.request_ahead_s,
     )
 
 
@@ -484,6 +499,7 @@ def plan_profile(profile: Profile, request: PlanRequest) -> PlanResult:
         unit_time_s=unit_time_s,
         p_block_w=p_block_w,
         order=request.order,
+        pruning=request.pruning,
         cost_model=request.cost_model,
         solver=request.solver_to_run,
         max_work=request.max_work,
@@ -501,9 +517,11 @@ def plan_profile(profile: Profile, request: PlanRequest) -> PlanResult:
         if session is None
         else GuardInputs(
             switch_latency_s=policy.switch_latency_s,
-            time_cv=policy.time_cv,
+            time_cv=policy.noise.total_cv,
             time_se=policy.time_se,
             switch_latency_source=session.switch_latency_source,
+            time_noise=policy.time_noise,
+            latency_samples=len(policy.latency_samples_s),
         ),
         refused=None if session is None else choice.objection,
     )
@@ -525,6 +543,7 @@ def plan_profile(profile: Profile, request: PlanRequest) -> PlanResult:
             "deadline_s": policy.deadline_s,
             "profile_source": profile.source,
             "order_source": order_source,
+            "request_ahead_s": policy.request_ahead_s,
         },
         solve_time_s=solve_time_s,
         p_block_w=p_block_w,
@@ -565,6 +584,7 @@ def replan(result: PlanResult, request: PlanRequest, deadline_s: float) -> PlanR
             "profile_source": result.profile.source,
             "order_source": result.order_source,
             "deadline_s": deadline_s,
+            "request_ahead_s": policy.request_ahead_s,
         },
         solve_time_s=solve_time_s,
         deadline_s=deadline_s,

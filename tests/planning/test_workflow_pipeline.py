@@ -32,7 +32,10 @@ SUMMARY_KEYS = [
     "t_star_energy_j", "saving_percent", "slowdown_percent", "per_iteration", "chosen",
     "baseline", "saving_at_plan_time_percent", "replay", "solve_time_s",
 ]  # fmt: skip
-SESSION_KEYS = ["switch_latency_s", "time_cv", "time_se", "switch_latency_source"]
+SESSION_KEYS = [
+    "switch_latency_s", "time_cv", "time_se", "switch_latency_source", "latency_samples",
+    "time_noise",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +183,9 @@ def test_replan_adds_a_deadline_to_the_sessions_frontier(profile: Profile) -> No
     assert later.choice.policy.name == "deadline" and later.summary.guard is None
     plan = later.frequency_plan()
     assert plan is not None
-    assert list(plan.workload)[-3:] == ["profile_source", "order_source", "deadline_s"]
+    assert list(plan.workload)[-4:] == [
+        "profile_source", "order_source", "deadline_s", "request_ahead_s"
+    ]  # fmt: skip
     assert replan(first, SESSION, 0.01).deadline_s == first.frontier.fastest.time_s
 
 

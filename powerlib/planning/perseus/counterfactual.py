@@ -79,6 +79,8 @@ class Counterfactual:
         baseline_energy_j: The profile's model of its energy at the baseline clocks
             (uncalibrated).
         model_energy_j: The profile's model of its energy as it ran (uncalibrated).
+        pipeline_s: The critical path of its instructions at the baseline clocks alone (no
+            gaps, nothing holding the iteration): what a straggler's time is compared with.
     """
 
     time_s: float
@@ -86,6 +88,7 @@ class Counterfactual:
     energy_j: float | None
     baseline_energy_j: float
     model_energy_j: float
+    pipeline_s: float = 0.0
 
 
 def _pace(rows: Mapping[float, tuple[float, float]], freq_mhz: float) -> tuple[float, float]:
@@ -203,7 +206,8 @@ class Replayer:
         if min(actual, default=-1.0) < 0.0 or len(stage_base_busy) != model.dag.num_stages:
             return None
         time_s = max(rec.end_s - rec.start_s for rec in records)
-        baseline_time_s = time_s - self._critical_path_s(actual) + self._critical_path_s(base)
+        pipeline_s = self._critical_path_s(base)
+        baseline_time_s = time_s - self._critical_path_s(actual) + pipeline_s
         if held_s is not None:
             baseline_time_s = max(baseline_time_s, held_s)
         p_block = model.p_block_w
@@ -221,6 +225,7 @@ class Replayer:
             else float(sum(e for e in energies if e is not None)),
             baseline_energy_j=baseline_energy_j,
             model_energy_j=model_energy_j,
+            pipeline_s=pipeline_s,
         )
 
 

@@ -26,11 +26,17 @@ from powerlib.errors import PlanError
 __all__ = [
     "DEFAULT_NOISE_FACTOR",
     "ORDERS",
+    "PRUNINGS",
     "Option",
     "check_finite",
     "frequency_for",
     "prepare_options",
 ]
+
+PRUNINGS: tuple[str, str] = ("weak", "artifact")
+"""How options are pruned: ``weak`` dominance and the cheapest per time bucket (the default,
+issue 45), or the SOSP'24 ``artifact``'s strict dominance and most expensive per bucket (to
+reproduce its published frontiers exactly)."""
 
 ORDERS: tuple[str, str] = ("filter-then-subtract", "subtract-then-filter")
 """Orders of the Pareto filter and the effective-energy conversion; the first is the default."""
@@ -81,16 +87,30 @@ def check_finite(name: str, value: float) -> float:
     return out
 
 
-def _pareto_keep(times: Sequence[float], costs: Sequence[float], eta: float) -> list[int]:
-    """Indices of the points no other point beats by the factor ``eta`` in both coordinates.
+def _pareto_keep(
+    times: Sequence[float], costs: Sequence[float], eta: float, *, weak: bool = True
+) -> list[int]:
+    """Indices of the points no other point beats by the factor ``eta`` (weak dominance).
 
-    Point ``i`` is dropped if some ``j`` has ``times[j] < eta*times[i]`` and
-    ``costs[j] < eta*costs[i]``; ``eta = 1`` is strict Pareto domination.
+    With ``eta = 1`` point ``i`` is dropped if some ``j`` is no slower and no costlier and
+    better in one of the two (``times[j] <= times[i]``, ``costs[j] <= costs[i]``, not both
+    equal): a clock that takes the same time for less energy (a memory-bound instruction) wins
+    over the faster-clocked one (issue 45). Of exact duplicates the first is kept. With
+    ``eta < 1`` (the soft filter), or without ``weak`` (the artifact's strict filter), ``i`` is
+    dropped if some ``j`` has ``times[j] < eta*times[i]`` and ``costs[j] < eta*costs[i]``.
     """
     keep = []
     for i, (t, e) in enumerate(zip(times, costs)):
-        t_lim, e_lim = eta * t, eta * e
-        if not any(tj < t_lim and ej < e_lim for tj, ej in zip(times, costs)):
+        if eta < 1.0 or not weak:
+            t_lim, e_lim = eta * t, eta * e
+            beaten = any(tj < t_lim and ej < e_lim for tj, ej in zip(times, costs))
+        else:
+            beaten = any(
+                tj <= t and ej <= e and (tj < t or ej < e or j < i)
+                for j, (tj, ej) in enumerate(zip(times, costs))
+                if j != i
+            )
+        if not beaten:
             keep.append(i)
     return keep
 
@@ -162,19 +182,32 @@ def _measured(points: Sequence[tuple[Any, ...]]) -> _Measured:
 
 
 def _pareto_options(
-    measured: _Measured, tau: float, p_block: float, eta: float, order: str
+    measured: _Measured, tau: float, p_block: float, eta: float, order: str, pruning: str
 ) -> list[Option]:
     """Steps 1-5 of :func:`prepare_options`: the filtered, de-duplicated options, fastest first."""
     freqs, times, energies, knobs = measured
     quants = [int(t // tau) for t in times]
     effs = [e - p_block * q * tau for e, q in zip(energies, quants)]
     filter_costs = energies if order == "filter-then-subtract" else effs
+    weak = pruning == "weak"
+
+    def rank(i: int, fastest: int) -> tuple[float, float]:
+        """Lower is kept (the artifact: the most expensive per bucket; ``weak``: the cheapest).
+
+        Under ``weak`` the fastest bucket keeps its fastest point: all-max must stay
+        reachable, it is the guard's last resort.
+        """
+        if not weak:
+            return (-energies[i], 0.0)
+        return (times[i], energies[i]) if quants[i] == fastest else (energies[i], times[i])
 
     def survivors(factor: float) -> dict[int, int]:
-        best: dict[int, int] = {}  # quant -> index of the highest-energy survivor
-        for i in _pareto_keep(times, filter_costs, factor):
+        kept = _pareto_keep(times, filter_costs, factor, weak=weak)
+        fastest = min(quants[i] for i in kept)
+        best: dict[int, int] = {}  # quant -> index of the survivor kept
+        for i in kept:
             j = best.get(quants[i])
-            if j is None or energies[i] > energies[j]:
+            if j is None or rank(i, fastest) < rank(j, fastest):
                 best[quants[i]] = i
         return best
 
@@ -201,16 +234,21 @@ def prepare_options(
     p_block_w: float,
     order: str = "filter-then-subtract",
     noise_factor: float = DEFAULT_NOISE_FACTOR,
+    pruning: str = "weak",
 ) -> list[Option]:
     """Filter, quantize and de-duplicate the measured options of one (stage, instruction).
 
     Steps (reference §2.1 steps 2-4):
 
-    1. Pareto filter on ``(time, energy)``: drop a point if another is strictly faster *and*
-       strictly cheaper.
+    1. Pareto filter on ``(time, energy)`` by weak dominance: drop a point if another is no
+       slower and no costlier, and better in one (issue 45; the SOSP'24 artifact's filter is
+       strict, and threw away a clock 21 % cheaper at the same time on a memory-bound
+       instruction).
     2. Floor-quantize: ``quant = int(time_s // unit_time_s)`` (IEEE float floor division).
-    3. Among survivors sharing a ``quant``, keep the one with the highest energy: flooring makes
-       the most expensive one the one whose real time is closest to ``quant·τ``.
+    3. Among survivors sharing a ``quant``, keep the one with the lowest energy (the artifact
+       keeps the highest, whose real time is closest to ``quant·τ``; the slowdown guard replays
+       real times, so the cheaper one is never a risk it does not see), except in the fastest
+       ``quant``, which keeps its fastest point: the guard's last resort is all-max's time.
     4. If three or fewer options are left, redo steps 1-3 on all points with the soft filter
        ``eta = noise_factor``: drop a point only if another is below ``eta`` times it in both
        time and energy (a guard against measurement noise). The count is taken after
@@ -222,8 +260,8 @@ def prepare_options(
     artifact) compares raw energy. ``"subtract-then-filter"`` (Zeus's example and Kareus)
     compares effective energy, which keeps slow frequencies that are dominated in raw energy but
     cheaper in effective energy. The de-duplication in step 3 is the same in both orders: within
-    one ``quant`` the subtracted term ``p_block_w·quant·τ`` is a constant, so the highest raw
-    energy is also the highest effective energy.
+    one ``quant`` the subtracted term ``p_block_w·quant·τ`` is a constant, so the lowest raw
+    energy is also the lowest effective energy.
 
     Args:
         points: ``(freq_mhz, time_s, energy_j)`` per measured frequency; frequencies must be
@@ -235,6 +273,9 @@ def prepare_options(
             A100 in the paper artifact).
         order: One of :data:`ORDERS`.
         noise_factor: η of the soft fallback filter, in ``(0, 1]``.
+        pruning: One of :data:`PRUNINGS`: ``weak`` (steps 1 and 3 as above) or ``artifact``
+            (strict dominance in step 1, the most expensive per ``quant`` in step 3: the
+            SOSP'24 artifact's, to reproduce its frontiers).
 
     Returns:
         The surviving options, sorted by ``quant`` ascending; ``quant`` values are distinct.
@@ -244,7 +285,9 @@ def prepare_options(
             quantizes to zero units (τ too coarse).
     """
     tau, p_block, eta = _checked_parameters(unit_time_s, p_block_w, order, noise_factor)
-    options = _pareto_options(_measured(points), tau, p_block, eta, order)
+    if pruning not in PRUNINGS:
+        raise PlanError(f"pruning must be one of {PRUNINGS}, got {pruning!r}")
+    options = _pareto_options(_measured(points), tau, p_block, eta, order, pruning)
     if options and options[0].quant < 1:
         raise PlanError(
             f"{options[0].freq_mhz:g} MHz takes {options[0].time_s:g} s, less than one time "

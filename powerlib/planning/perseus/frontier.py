@@ -25,6 +25,7 @@ from powerlib.planning.perseus import guard
 from powerlib.planning.perseus.cost_model import build_cost_model
 from powerlib.planning.perseus.direct import direct_available
 from powerlib.planning.perseus.frequency_options import Option, prepare_options
+from powerlib.planning.perseus.noise import TimeNoise
 from powerlib.planning.perseus.points import (
     FrontierPoint,
     Wanted,
@@ -73,6 +74,9 @@ class FrontierSettings:
             solve's exact program size) before it is solved; ``None``: no limit.
         direct_solver: What solves the direct points: ``auto`` (the compiled flow where it is
             built, else HiGHS) or ``highs`` (:func:`~powerlib.planning.perseus.work.direct_kind`).
+        pruning: How options are pruned
+            (:data:`~powerlib.planning.perseus.frequency_options.PRUNINGS`): ``weak`` dominance
+            (default) or the SOSP'24 ``artifact``'s strict one (reproduces its frontiers).
     """
 
     unit_time_s: float
@@ -82,6 +86,7 @@ class FrontierSettings:
     solver: str = "walk"
     max_work: int | None = DEFAULT_MAX_WORK
     direct_solver: str = "auto"
+    pruning: str = "weak"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -289,6 +294,9 @@ class Frontier:
         limit_s: float | None = None,
         time_cv: float = 0.0,
         time_se: float = 0.0,
+        noise: TimeNoise | None = None,
+        latency_samples_s: Sequence[float] = (),
+        request_ahead_s: float | None = None,
     ) -> list[Option]:
         """Per-instruction options for ``point``, realized within ``max_slowdown`` of all-max.
 
@@ -311,16 +319,23 @@ class Frontier:
             time_cv: The run-to-run spread of instruction times (relative standard deviation,
                 measured while profiling). With it, the guard then checks the plan's
                 *expected* time under that noise against all-max's on the same draws
-                (:class:`~powerlib.planning.perseus.replay.NoisyReplay`) and keeps speeding up
+                (:class:`~powerlib.planning.perseus.noise.NoisyReplay`) and keeps speeding up
                 the cheapest instructions that are critical in the draws until it is within
                 ``max_slowdown``: a plan that spends every path's slack realizes slower than
                 all-max under noise, because the iteration waits for the slowest of many paths
                 that are all just critical (issue 32).
             time_se: The relative standard error of a profiled row's mean time: the noise
                 stage also draws the profile's own error (see ``NoisyReplay``'s ``row_se``).
+            noise: Where the noise is shared (per iteration, per microbatch, independent);
+                overrides ``time_cv`` (issue 45, docs/perseus.md §2.8).
+            latency_samples_s: Measured clock-change latencies: the noise stage draws each
+                switch's latency from them.
+            request_ahead_s: The runtime requests switches up this long before the previous
+                instruction's predicted end (:attr:`ReplayModel.request_ahead_s
+                <powerlib.planning.perseus.replay.ReplayModel.request_ahead_s>`).
         """
         return guard.within_slowdown(
-            self.model,
+            dataclasses.replace(self.model, request_ahead_s=request_ahead_s),
             point.durations,
             max_slowdown,
             reference_s=self.baseline_time_s if limit_s is None else limit_s,
@@ -329,17 +344,30 @@ class Frontier:
             time_cv=time_cv,
             time_se=time_se,
             started=getattr(self.direct, "guard_starts", None),
+            noise=noise,
+            latency_samples_s=latency_samples_s,
         )
 
-    def realized(self, chosen: Sequence[Option], switch_latency_s: float = 0.0) -> Baseline:
+    def realized(
+        self,
+        chosen: Sequence[Option],
+        switch_latency_s: float = 0.0,
+        *,
+        request_ahead_s: float | None = None,
+    ) -> Baseline:
         """Realized time and energy of per-instruction options, from the measured profile.
 
         With ``switch_latency_s``, an instruction whose clock differs from its stage
         predecessor's and that starts less than the latency after that predecessor ended runs
         at the old clock until the change lands (the runtime requests the next clock when an
-        instruction ends; the first instruction follows the previous iteration's last).
+        instruction ends; the first instruction follows the previous iteration's last), or,
+        with ``request_ahead_s``, a switch up is requested that long before the predecessor's
+        predicted end and the predecessor's tail runs at the faster clock.
         """
-        run = replay_options(self.model, chosen, switch_latency_s)
+        model = self.model
+        if request_ahead_s is not None:
+            model = dataclasses.replace(model, request_ahead_s=request_ahead_s)
+        run = replay_options(model, chosen, switch_latency_s)
         return Baseline(time_s=run.time_s, energy_j=run.energy_j)
 
     def replay(self, point: FrontierPoint) -> Baseline:
@@ -362,8 +390,9 @@ class Frontier:
     ) -> FrequencyPlan:
         """The plan of ``point``: per stage, its instructions in execution order and their clocks.
 
-        Every instruction records its planned duration; a Kareus option also its predicted time
-        and energy, execution mode and partition settings.
+        Every instruction records its planned duration and its option's measured time and
+        energy (``predicted_*``: the apply phase times a request ahead by it); a Kareus option
+        also its execution mode and partition settings.
 
         Args:
             point: The frontier point.
@@ -396,6 +425,7 @@ class Frontier:
                 "p_block_w": self.settings.p_block_w,
                 "unit_time_s": self.settings.unit_time_s,
                 "order": self.settings.order,
+                "pruning": self.settings.pruning,
                 "cost_model": self.settings.cost_model,
                 **(metadata or {}),
             },
@@ -415,7 +445,14 @@ class Frontier:
 def _planned(ins: Instruction, option: Option, planned_time_s: float) -> PlannedInstruction:
     """One instruction of a plan; a Kareus option's knob gives its execution and settings."""
     if option.knob is None:
-        return PlannedInstruction(ins, float(option.freq_mhz), planned_time_s=planned_time_s)
+        # the measured time at the clock: when the apply phase requests the next clock ahead
+        return PlannedInstruction(
+            ins,
+            float(option.freq_mhz),
+            planned_time_s=planned_time_s,
+            predicted_time_s=float(option.time_s),
+            predicted_energy_j=float(option.energy_j),
+        )
     fields = option.knob.to_plan()
     return PlannedInstruction(
         ins,
@@ -523,6 +560,7 @@ def _cost_models(
                 unit_time_s=settings.unit_time_s,
                 p_block_w=settings.p_block_w,
                 order=settings.order,
+                pruning=settings.pruning,
             )
             options[(stage, kind)] = opts
             costs_of[(stage, kind)] = build_cost_model(

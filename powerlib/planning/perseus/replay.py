@@ -5,7 +5,8 @@ through the instruction DAG with their *measured* times and energies (and, optio
 clock-change latency) to see what the plan would realize. Everything here reads a
 :class:`ReplayModel`: only what a replay needs (the DAG, the options, the measured rows, τ and
 ``P_block``), which ``Frontier.model`` builds, so that this module and the slowdown guard
-(:mod:`powerlib.planning.perseus.guard`) need nothing else of the planner. ``Frontier.realized``
+(:mod:`powerlib.planning.perseus.guard`) need nothing else of the planner. The same replay under
+run-to-run noise is :class:`~powerlib.planning.perseus.noise.NoisyReplay`. ``Frontier.realized``
 and the guard are built on it.
 """
 
@@ -15,21 +16,21 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from powerlib.planning.perseus.frequency_options import Option, frequency_for
 from powerlib.planning.pipeline import Instruction, PipelineDAG
 
 __all__ = [
     "IncrementalReplay",
     "Layout",
-    "NoisyReplay",
     "ReplayModel",
     "Run",
     "at_freq",
     "critical_path_s",
+    "head_at_old_clock",
     "layout_of",
+    "next_of",
     "replay_options",
+    "tail_ahead",
 ]
 
 
@@ -45,6 +46,11 @@ class ReplayModel:
             frequency (the fastest option where a clock has several).
         unit_time_s: The time quantum τ.
         p_block_w: Power while blocked (waiting), charged to idle time (docs/perseus.md §1.4).
+        request_ahead_s: How the runtime requests a switch to a faster clock: this long
+            before the previous instruction's predicted end (its option's time), so it lands
+            by the instruction's start and the previous one's tail runs at the faster clock
+            (:class:`~powerlib.runtime.apply_phase.ApplyPhase`'s ``lead_s``); ``None``: when
+            the previous instruction ends, like every other switch.
     """
 
     dag: PipelineDAG
@@ -52,6 +58,17 @@ class ReplayModel:
     measured: Mapping[tuple[int, str], Mapping[float, tuple[float, float]]]
     unit_time_s: float
     p_block_w: float
+    request_ahead_s: float | None = None
+
+    def requested_after_s(self, u: Option, v: Option) -> float | None:
+        """When the switch from ``u``'s clock to ``v``'s is requested, from ``u``'s start.
+
+        ``None``: at ``u``'s end (no request ahead, or not a switch up).
+        """
+        lead = self.request_ahead_s
+        if lead is None or v.freq_mhz <= u.freq_mhz:
+            return None
+        return max(0.0, u.time_s - lead)
 
     def planned(self, durations: Sequence[int]) -> list[Option]:
         """Per instruction, the slowest option whose quantized time fits its planned duration.
@@ -168,6 +185,8 @@ def replay_options(
     layout = layout or layout_of(dag)
     preds, prev, last, topo = layout.preds, layout.prev, layout.last, layout.topo
     wrap_gap: dict[int, float] = {}  # first instruction -> idle time before it (from pass 1)
+    wrap_busy: dict[int, float] = {}  # first instruction -> its stage's last one's duration
+    nxt = next_of(layout)
     for pass_no in range(2 if switch_latency_s > 0 else 1):
         finish = [0.0] * n
         busy = [0.0] * n
@@ -185,29 +204,85 @@ def replay_options(
                 u = prev[v] if prev[v] >= 0 else last.get(v, -1)
                 if u >= 0 and chosen[u].freq_mhz != option.freq_mhz:
                     gap = start - finish[u] if prev[v] >= 0 else wrap_gap.get(v, math.inf) + start
+                    ahead = model.requested_after_s(chosen[u], option)
+                    if ahead is not None:  # requested before u ended
+                        gap += (busy[u] if prev[v] >= 0 else wrap_busy.get(v, 0.0)) - ahead
                     slow_s = switch_latency_s - gap
                     if slow_s > 0:
                         penalized[v] = True
                         # v's own work at u's clock
-                        old_t, old_e = at_freq(model, dag.instructions[v], chosen[u].freq_mhz)
-                        work = slow_s / old_t
-                        if work >= 1.0:
-                            duration, e = old_t, old_e
-                        else:
-                            duration = slow_s + (1.0 - work) * option.time_s
-                            e = work * old_e + (1.0 - work) * option.energy_j
+                        old = at_freq(model, dag.instructions[v], chosen[u].freq_mhz)
+                        duration, e = head_at_old_clock(old, slow_s, option)
+            if switch_latency_s > 0 and model.request_ahead_s is not None:
+                w = nxt[v]
+                if w >= 0:
+                    duration, e = tail_ahead(model, v, chosen[v], chosen[w], duration, e,
+                                             switch_latency_s)  # fmt: skip
             finish[v] = start + duration
             busy[v] = duration
             energy[v] = e
         time_s = max(finish) if n else 0.0
         if pass_no == 0:
             wrap_gap = {first: time_s - finish[lst] for first, lst in last.items()}
+            wrap_busy = {first: busy[lst] for first, lst in last.items()}
     total = sum(energy) + model.p_block_w * (time_s * dag.num_stages - sum(busy))
     end = max(range(n), key=finish.__getitem__)
     path = [end]
     while via[path[-1]] >= 0:
         path.append(via[path[-1]])
     return Run(time_s, total, path[::-1], prev, penalized, busy)
+
+
+def head_at_old_clock(
+    old: tuple[float, float], slow_s: float, option: Option
+) -> tuple[float, float]:
+    """An instruction's duration and energy when its first ``slow_s`` run at the old clock.
+
+    ``old`` is its measured ``(time_s, energy_j)`` there; the rest of its work runs at its own
+    option's clock.
+    """
+    old_t, old_e = old
+    work = slow_s / old_t
+    if work >= 1.0:
+        return old_t, old_e
+    return slow_s + (1.0 - work) * option.time_s, work * old_e + (1.0 - work) * option.energy_j
+
+
+def next_of(layout: Layout) -> list[int]:
+    """Each node's same-stage successor; a stage's last node: its first (the next iteration)."""
+    nxt = [-1] * len(layout.prev)
+    for v, u in enumerate(layout.prev):
+        if u >= 0:
+            nxt[u] = v
+    for first, lst in layout.last.items():
+        nxt[lst] = first
+    return nxt
+
+
+def tail_ahead(
+    model: ReplayModel,
+    v: int,
+    option: Option,
+    following: Option,
+    duration_s: float,
+    energy_j: float,
+    latency_s: float,
+) -> tuple[float, float]:
+    """Node ``v``'s duration and energy when the next clock, requested ahead, lands in its tail.
+
+    A switch up to ``following``'s clock is requested ``request_ahead_s`` before ``v``'s
+    predicted end (:meth:`ReplayModel.requested_after_s`) and lands ``latency_s`` later; the work
+    ``v`` has left then runs at the faster clock (its measured time and energy there).
+    """
+    after = model.requested_after_s(option, following)
+    if after is None:
+        return duration_s, energy_j
+    landing = after + latency_s
+    if landing >= duration_s:
+        return duration_s, energy_j
+    fast_t, fast_e = at_freq(model, model.dag.instructions[v], following.freq_mhz)
+    work = min(1.0, (duration_s - landing) / option.time_s)  # v's work left at the landing
+    return landing + work * fast_t, energy_j + work * (fast_e - option.energy_j)
 
 
 def at_freq(model: ReplayModel, ins: Instruction, freq_mhz: float) -> tuple[float, float]:
@@ -276,12 +351,14 @@ class IncrementalReplay:
             sorted(set(succs[v]) | ({nxt[v]} if nxt[v] >= 0 else set())) for v in range(n)
         ]
         self._next = nxt
+        self._next_wrap = next_of(layout)  # whose clock a node's tail may run at (ahead)
         self._first_of_last = {lst: first for first, lst in layout.last.items()}
         self._pos = [0] * n
         for i, v in enumerate(layout.topo):
             self._pos[v] = i
         self._passes = 2 if switch_latency_s > 0 else 1
         self._wrap: list[dict[int, float]] = [{}, {}]
+        self._wrap_busy: dict[int, float] = {}
         self._finish = [[0.0] * n for _ in range(self._passes)]
         self._busy = [[0.0] * n for _ in range(self._passes)]
         self._energy = [[0.0] * n for _ in range(self._passes)]
@@ -291,6 +368,7 @@ class IncrementalReplay:
         for p in range(self._passes):
             if p == 1:
                 self._wrap[1] = self._wrap_gaps()
+                self._wrap_busy = self._wrap_busies()
             self._finish[p] = [math.nan] * n  # every node "changes" on its first computation
             self._propagate(p, layout.topo, follow=False)
 
@@ -298,6 +376,10 @@ class IncrementalReplay:
         finish = self._finish[0]
         time_s = max(finish) if self._n else 0.0
         return {first: time_s - finish[lst] for first, lst in self._layout.last.items()}
+
+    def _wrap_busies(self) -> dict[int, float]:
+        busy = self._busy[0]
+        return {first: busy[lst] for first, lst in self._layout.last.items()}
 
     def _at_freq(self, v: int, freq_mhz: float) -> tuple[float, float]:
         key = (self._keys[v], freq_mhz)
@@ -321,6 +403,9 @@ class IncrementalReplay:
         wrap = self._wrap[p]
         latency = self._latency
         flag = self._flag
+        model = self._model
+        ahead_on = latency > 0 and model.request_ahead_s is not None
+        nxt_wrap = self._next_wrap
         first = len(topo)
         for v in dirty:
             flag[v] = 1
@@ -349,17 +434,23 @@ class IncrementalReplay:
                 u = prev if prev >= 0 else last_of.get(v, -1)
                 if u >= 0 and chosen[u].freq_mhz != option.freq_mhz:
                     gap = start - finish[u] if prev >= 0 else wrap.get(v, math.inf) + start
+                    ahead = model.requested_after_s(chosen[u], option) if ahead_on else None
+                    if ahead is not None:  # requested before u ended
+                        gap += (busy_l[u] if prev >= 0 else self._wrap_busy.get(v, 0.0)) - ahead
                     slow_s = latency - gap
                     if slow_s > 0:
                         penalized = True
-                        old_t, old_e = self._at_freq(v, chosen[u].freq_mhz)
-                        work = slow_s / old_t
-                        if work >= 1.0:
-                            duration, e = old_t, old_e
-                        else:
-                            duration = slow_s + (1.0 - work) * option.time_s
-                            e = work * old_e + (1.0 - work) * option.energy_j
+                        old = self._at_freq(v, chosen[u].freq_mhz)
+                        duration, e = head_at_old_clock(old, slow_s, option)
+            if ahead_on and nxt_wrap[v] >= 0:
+                duration, e = tail_ahead(
+                    model, v, option, chosen[nxt_wrap[v]], duration, e, latency
+                )
             new_finish = start + duration
+            w = self._next[v]  # when v's start moves, so does the switch it requests ahead
+            if ahead_on and duration != busy_l[v] and follow and w >= 0 and not flag[w]:
+                flag[w] = 1
+                pending += 1
             busy_l[v] = duration
             energy_l[v] = e
             via_l[v] = via
@@ -381,6 +472,7 @@ class IncrementalReplay:
     def set_many(self, changes: Sequence[tuple[int, Option]]) -> None:
         """Give each ``(node, option)`` its option, then bring both passes up to date once."""
         dirty = []
+        ahead = self._model.request_ahead_s is not None
         for v, option in changes:
             self.chosen[v] = option
             dirty.append(v)
@@ -388,13 +480,21 @@ class IncrementalReplay:
                 dirty.append(self._next[v])
             if v in self._first_of_last:
                 dirty.append(self._first_of_last[v])
+            if ahead:  # the instruction before it may run its tail at its clock
+                u = self._layout.prev[v]
+                dirty.append(u if u >= 0 else self._layout.last.get(v, v))
         if not dirty:
             return
         self._propagate(0, dirty)
         if self._passes == 2:
             old = self._wrap[1]
             new = self._wrap_gaps()
-            moved = [f for f, gap in new.items() if old.get(f) != gap]
+            old_busy, self._wrap_busy = self._wrap_busy, self._wrap_busies()
+            moved = [
+                f
+                for f, gap in new.items()
+                if old.get(f) != gap or old_busy.get(f) != self._wrap_busy[f]
+            ]
             self._wrap[1] = new
             self._propagate(1, dirty + moved)
 
@@ -422,113 +522,3 @@ class IncrementalReplay:
         return Run(
             time_s, total, path[::-1], self._layout.prev, list(self._pen[p]), list(self._busy[p])
         )
-
-
-class NoisyReplay:
-    """The iteration time of per-instruction options under run-to-run noise, over fixed draws.
-
-    Every instruction's time is multiplied by ``1 + cv * z`` with ``z`` standard normal, drawn
-    once per (sample, instruction) and reused for every plan replayed, so two plans (and
-    all-max) are compared on the same noise. Replays all samples at once (numpy, one vector op
-    per instruction), with the clock-change latency of :func:`replay_options` (one pass: the
-    wrap-around gap of an iteration's first instruction is taken as ample).
-
-    The point (issue 32): a plan that spends the slack of many paths makes them all just
-    critical; under noise the iteration waits for the slowest of them, so its *expected* time
-    exceeds all-max's although its nominal time does not. The slowdown guard
-    (:func:`powerlib.planning.perseus.guard.within_slowdown`) checks the expectation.
-
-    Args:
-        model: The DAG and the measured profile.
-        cv: Relative standard deviation of an instruction's time.
-        row_se: Relative standard error of a profiled row's mean time: each draw also scales
-            every (stage, kind, clock) by one factor, for the error of the profile itself (a
-            plan that spends all slack on measured times realizes slower when they are low).
-        samples: Noise draws.
-        seed: Seed of the draws.
-    """
-
-    def __init__(
-        self,
-        model: ReplayModel,
-        cv: float,
-        *,
-        row_se: float = 0.0,
-        samples: int = 128,
-        seed: int = 0,
-    ) -> None:
-        self._model = model
-        dag = model.dag
-        self._layout = layout_of(dag)
-        rng = np.random.default_rng(seed)
-        n = len(dag.instructions)
-        self.factors = np.clip(1.0 + cv * rng.standard_normal((n, samples)), 0.5, None)
-        self.samples = samples
-        self._row_se = row_se
-        self._rng = rng
-        self._rows: dict[tuple[int, str, float], np.ndarray] = {}
-        self._top = {k: max(o.freq_mhz for o in opts) for k, opts in model.options.items()}
-
-    def _row(self, stage: int, kind: str, freq_mhz: float) -> np.ndarray | float:
-        """The draws' factor for a profiled row (the same wherever the row is used)."""
-        if self._row_se <= 0:
-            return 1.0
-        key = (stage, kind, freq_mhz)
-        got = self._rows.get(key)
-        if got is None:
-            # A row below the top clock is read one standard error long: the planner lowers
-            # the clocks whose measured times came out short (the winner's curse), so their
-            # errors are not centred on zero.
-            lowered = freq_mhz < self._top.get((stage, kind), freq_mhz)
-            mean = 1.0 + (self._row_se if lowered else 0.0)
-            got = self._rows[key] = np.clip(
-                mean + self._row_se * self._rng.standard_normal(self.samples), 0.5, None
-            )
-        return got
-
-    def run(
-        self, chosen: Sequence[Option], switch_latency_s: float
-    ) -> tuple[np.ndarray, list[int]]:
-        """``(makespan per sample, how many samples each node was critical in)``."""
-        layout = self._layout
-        preds, prev, topo = layout.preds, layout.prev, layout.topo
-        n = len(chosen)
-        k = self.samples
-        finish = np.zeros((n, k))
-        via = np.full((n, k), -1, dtype=np.int64)
-        dag = self._model.dag
-        for v in topo:
-            start = np.zeros(k)
-            src = np.full(k, -1, dtype=np.int64)
-            for u in preds[v]:
-                later = finish[u] > start
-                start = np.where(later, finish[u], start)
-                src = np.where(later, u, src)
-            option = chosen[v]
-            ins = dag.instructions[v]
-            duration = (
-                option.time_s * self.factors[v] * self._row(ins.stage, ins.kind, option.freq_mhz)
-            )
-            u = prev[v]
-            if switch_latency_s > 0 and u >= 0 and chosen[u].freq_mhz != option.freq_mhz:
-                slow = switch_latency_s - (start - finish[u])
-                old_t, _ = at_freq(self._model, ins, chosen[u].freq_mhz)
-                old_t *= self.factors[v] * self._row(ins.stage, ins.kind, chosen[u].freq_mhz)
-                work = np.clip(slow / old_t, 0.0, 1.0)
-                penalized = slow > 0
-                duration = np.where(
-                    penalized,
-                    np.where(work >= 1.0, old_t, slow + (1.0 - work) * duration),
-                    duration,
-                )
-            finish[v] = start + duration
-            via[v] = src
-        makespan = finish.max(axis=0)
-        ends = finish.argmax(axis=0)
-        critical = [0] * n
-        for s in range(k):
-            v = int(ends[s])
-            while v >= 0:
-                critical[v] += 1
-                v = int(via[v, s])
-        return makespan, critical

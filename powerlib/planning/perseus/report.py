@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from powerlib.errors import BackendUnavailableError
 from powerlib.planning.perseus.frontier import Frontier
+from powerlib.planning.perseus.noise import TimeNoise
 from powerlib.planning.perseus.points import FrontierPoint
 from powerlib.progress import Progress
 
@@ -198,16 +199,28 @@ class GuardInputs:
         time_cv: The run-to-run spread of instruction times (0: none).
         time_se: The relative standard error of a profiled row's mean time.
         switch_latency_source: ``given``, ``measured`` or ``default``.
+        time_noise: Where the noise is shared, when the profile told (issue 45).
+        latency_samples: How many measured latencies the noise stage drew switches from.
     """
 
     switch_latency_s: float
     time_cv: float
     time_se: float
     switch_latency_source: str
+    time_noise: TimeNoise | None = None
+    latency_samples: int = 0
 
     def to_json(self) -> dict[str, object]:
         """Every field, by name."""
-        return dataclasses.asdict(self)
+        out: dict[str, object] = {
+            "switch_latency_s": self.switch_latency_s,
+            "time_cv": self.time_cv,
+            "time_se": self.time_se,
+            "switch_latency_source": self.switch_latency_source,
+            "latency_samples": self.latency_samples,
+        }
+        out["time_noise"] = None if self.time_noise is None else self.time_noise.to_json()
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,7 +20,9 @@ from powerlib.planning.perseus.cost_model import (
 )
 from powerlib.planning.perseus.frequency_options import (
     ORDERS,
+    PRUNINGS,
     Option,
+    _pareto_keep,
     frequency_for,
     prepare_options,
 )
@@ -29,6 +31,7 @@ VALIDATION = Path("/work/shared/perseus_validation")
 SYNTH = VALIDATION / "synthetic" / "profile_synth4.csv"
 GPT3 = VALIDATION / "sosp24_emulation" / "profile_gpt3-175b_a100_sxm.csv"
 FTS, STF = ORDERS  # filter-then-subtract, subtract-then-filter
+WEAK, ARTIFACT = PRUNINGS  # the default, and the SOSP'24 artifact's (reproduces its figures)
 TAU = 1e-3
 
 needs_data = pytest.mark.skipif(
@@ -95,7 +98,9 @@ def test_synthetic_stage0_option_counts(
     fastest: float,
     slowest: float,
 ) -> None:
-    opts = prepare_options(synth[(0, kind)], unit_time_s=TAU, p_block_w=80.0, order=order)
+    opts = prepare_options(
+        synth[(0, kind)], unit_time_s=TAU, p_block_w=80.0, order=order, pruning=ARTIFACT
+    )
     assert len(opts) == count
     assert opts[0].freq_mhz == fastest
     assert opts[-1].freq_mhz == slowest
@@ -113,7 +118,9 @@ def test_synthetic_stage0_option_counts(
 def test_gpt3_stage0_forward_option_counts(
     gpt3: dict[tuple[int, str], Points], order: str, count: int, slowest: float
 ) -> None:
-    opts = prepare_options(gpt3[(0, "forward")], unit_time_s=TAU, p_block_w=83.64, order=order)
+    opts = prepare_options(
+        gpt3[(0, "forward")], unit_time_s=TAU, p_block_w=83.64, order=order, pruning=ARTIFACT
+    )
     assert len(opts) == count
     assert (opts[0].freq_mhz, opts[-1].freq_mhz) == (1410.0, slowest)
 
@@ -138,7 +145,8 @@ def test_quantization_with_other_unit_time() -> None:
     assert [o.eff_energy_j for o in opts] == [9.0, 8.0, 7.5]  # p_block 0: raw energy
 
 
-def test_strict_pareto_filter_drops_dominated() -> None:
+@pytest.mark.parametrize("pruning", PRUNINGS)
+def test_strict_pareto_filter_drops_dominated(pruning: str) -> None:
     pts = [
         (1400.0, 0.0105, 10.0),
         (1300.0, 0.0115, 9.0),
@@ -147,34 +155,45 @@ def test_strict_pareto_filter_drops_dominated() -> None:
         (1100.0, 0.0135, 7.0),
         (1000.0, 0.0145, 7.2),  # dominated by 1100
     ]
-    opts = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0)
+    opts = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0, pruning=pruning)
     assert [o.freq_mhz for o in opts] == [1400.0, 1300.0, 1200.0, 1100.0]
 
 
-def test_soft_fallback_when_three_or_fewer_survive() -> None:
+@pytest.mark.parametrize("pruning", PRUNINGS)
+def test_soft_fallback_when_three_or_fewer_survive(pruning: str) -> None:
     # Strictly, only the fastest point survives (it is also the cheapest); the soft filter keeps
     # the second, which is within 5% of it in time.
     pts = [(1410.0, 0.0105, 5.0), (1300.0, 0.0112, 5.1)]
-    opts = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0)
+    opts = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0, pruning=pruning)
     assert [o.freq_mhz for o in opts] == [1410.0, 1300.0]
-    strict = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0, noise_factor=1.0)
+    strict = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0, noise_factor=1.0, pruning=pruning)
     assert [o.freq_mhz for o in strict] == [1410.0]  # one useful duration is a valid answer
 
 
-def test_a_single_useful_duration_is_a_fixed_activity() -> None:
+@pytest.mark.parametrize("pruning", PRUNINGS)
+def test_a_single_useful_duration_is_a_fixed_activity(pruning: str) -> None:
     # Everything floors to one quant: one option is left, and it is a fixed-duration model.
     pts = [(1410.0, 0.0101, 10.0), (1300.0, 0.0105, 9.0)]
-    (only,) = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0)
-    assert (only.freq_mhz, only.quant) == (1410.0, 10)  # the costlier one: closest to 10 τ
+    (only,) = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0, pruning=pruning)
+    # The artifact keeps the costlier one (closest to 10 τ); weak pruning keeps the fastest
+    # bucket's fastest point (all-max stays reachable): 1410 MHz either way.
+    assert (only.freq_mhz, only.quant) == (1410.0, 10)
     for kind in ("exp", "convex"):
         model = build_cost_model([only], kind=kind, unit_time_s=TAU)
         assert model.q_min == model.q_max == 10
         assert model.cost(10) == pytest.approx(10.0)
 
 
-def test_soft_fallback_count_is_taken_after_dedup() -> None:
+@pytest.mark.parametrize(
+    ("pruning", "kept_11", "kept_12"),
+    [(ARTIFACT, (1200.0, 8.0), (1000.0, 6.05)), (WEAK, (1100.0, 7.0), (1050.0, 6.0))],
+)
+def test_soft_fallback_count_is_taken_after_dedup(
+    pruning: str, kept_11: tuple[float, float], kept_12: tuple[float, float]
+) -> None:
     # Five strict survivors, but only three distinct quants: the soft filter is applied, and it
-    # keeps the strictly dominated 1000 MHz point, which then wins the quant-12 de-duplication.
+    # keeps the strictly dominated 1000 MHz point, which then wins the quant-12 de-duplication
+    # under the artifact's rule (highest energy); weak pruning keeps the cheapest, 1050 MHz.
     pts = [
         (1400.0, 0.0101, 10.0),
         (1300.0, 0.0105, 9.0),
@@ -183,29 +202,94 @@ def test_soft_fallback_count_is_taken_after_dedup() -> None:
         (1050.0, 0.0121, 6.0),
         (1000.0, 0.0125, 6.05),
     ]
-    opts = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0)
+    opts = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0, pruning=pruning)
     assert [(o.quant, o.freq_mhz, o.energy_j) for o in opts] == [
         (10, 1400.0, 10.0),
-        (11, 1200.0, 8.0),
-        (12, 1000.0, 6.05),
+        (11, *kept_11),
+        (12, *kept_12),
     ]
+    # A strictly dominated 950 MHz point in a quant of its own comes back with the soft filter
+    # under both rules: the count (three quants) was taken after the de-duplication.
+    late = [*pts, (950.0, 0.0131, 6.1)]
+    opts = prepare_options(late, unit_time_s=TAU, p_block_w=0.0, pruning=pruning)
+    assert [o.freq_mhz for o in opts] == [1400.0, kept_11[0], kept_12[0], 950.0]
+    strict = prepare_options(late, unit_time_s=TAU, p_block_w=0.0, noise_factor=1.0)
+    assert 950.0 not in [o.freq_mhz for o in strict]
     # With more distinct quants the strict result stands.
     pts.append((900.0, 0.0135, 5.0))
-    opts = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0)
-    assert [o.freq_mhz for o in opts] == [1400.0, 1200.0, 1050.0, 900.0]
+    opts = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0, pruning=pruning)
+    assert [o.freq_mhz for o in opts] == [1400.0, kept_11[0], 1050.0, 900.0]
 
 
 @pytest.mark.parametrize("order", ORDERS)
-def test_dedupe_keeps_highest_energy(order: str) -> None:
+@pytest.mark.parametrize(("pruning", "kept_13"), [(ARTIFACT, 1100.0), (WEAK, 1000.0)])
+def test_dedupe_rule_per_quant(order: str, pruning: str, kept_13: float) -> None:
+    # The artifact keeps the most expensive survivor of a quant (its real time is closest to
+    # quant·τ); weak pruning keeps the cheapest, except in the fastest quant, which keeps its
+    # fastest point (1400 MHz, not the cheaper 1350) so that all-max stays reachable.
     pts = [
-        (1400.0, 0.0101, 10.0),  # quant 10, the more expensive: kept
-        (1350.0, 0.0108, 9.0),  # quant 10
+        (1400.0, 0.0101, 10.0),  # quant 10, the fastest and more expensive: kept by both
+        (1350.0, 0.0108, 9.0),  # quant 10, cheaper
         (1200.0, 0.0125, 8.0),  # quant 12
-        (1100.0, 0.0131, 7.5),  # quant 13, the more expensive: kept
-        (1000.0, 0.0139, 7.0),  # quant 13
+        (1100.0, 0.0131, 7.5),  # quant 13, the more expensive: the artifact's
+        (1000.0, 0.0139, 7.0),  # quant 13, the cheaper: weak pruning's
     ]
-    opts = prepare_options(pts, unit_time_s=TAU, p_block_w=50.0, order=order)
-    assert [(o.quant, o.freq_mhz) for o in opts] == [(10, 1400.0), (12, 1200.0), (13, 1100.0)]
+    opts = prepare_options(pts, unit_time_s=TAU, p_block_w=50.0, order=order, pruning=pruning)
+    assert [(o.quant, o.freq_mhz) for o in opts] == [(10, 1400.0), (12, 1200.0), (13, kept_13)]
+
+
+def test_weak_pruning_keeps_a_cheaper_clock_at_the_same_time() -> None:
+    # A memory-bound instruction: 1200 MHz takes as long as 1410 MHz for 21 % less energy.
+    pts = [
+        (1410.0, 0.0205, 10.0),
+        (1200.0, 0.0205, 7.9),
+        (1000.0, 0.0235, 7.5),
+        (900.0, 0.0265, 7.2),
+        (800.0, 0.0295, 7.0),
+    ]
+    times, energies = [t for _, t, _ in pts], [e for _, _, e in pts]
+    # The filter alone: weak dominance drops 1410 MHz; the artifact's strict one keeps both.
+    assert _pareto_keep(times, energies, 1.0, weak=True) == [1, 2, 3, 4]
+    assert _pareto_keep(times, energies, 1.0, weak=False) == [0, 1, 2, 3, 4]
+    weak = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0)  # the default
+    assert [(o.quant, o.freq_mhz, o.energy_j) for o in weak] == [
+        (20, 1200.0, 7.9),
+        (23, 1000.0, 7.5),
+        (26, 900.0, 7.2),
+        (29, 800.0, 7.0),
+    ]
+    # The artifact then keeps the more expensive of the two in their shared quant: 1410 MHz.
+    artifact = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0, pruning=ARTIFACT)
+    assert [o.freq_mhz for o in artifact] == [1410.0, 1000.0, 900.0, 800.0]
+    assert weak[0].energy_j == pytest.approx(0.79 * artifact[0].energy_j)  # 21 % less
+    assert weak[0].quant == artifact[0].quant  # at the same time
+
+
+@pytest.mark.parametrize("pruning", PRUNINGS)
+def test_exact_duplicates_keep_one(pruning: str) -> None:
+    # Two clocks measured at exactly the same (time, energy): one of them survives, the first.
+    pts = [
+        (1410.0, 0.0105, 10.0),
+        (1395.0, 0.0105, 10.0),
+        (1200.0, 0.0125, 8.0),
+        (1100.0, 0.0135, 7.0),
+        (1000.0, 0.0145, 6.5),
+    ]
+    opts = prepare_options(pts, unit_time_s=TAU, p_block_w=0.0, pruning=pruning)
+    assert [o.freq_mhz for o in opts] == [1410.0, 1200.0, 1100.0, 1000.0]
+    times, energies = [t for _, t, _ in pts], [e for _, _, e in pts]
+    assert len(_pareto_keep(times, energies, 1.0, weak=pruning == WEAK)) == 4 + (
+        pruning == ARTIFACT
+    )  # weak dominance drops the second copy already; the artifact's dedupe does it
+
+
+@pytest.mark.parametrize("bad", ["strict", "", "Weak", None])
+def test_a_bad_pruning_is_a_one_line_plan_error(bad: object) -> None:
+    with pytest.raises(PlanError, match="pruning must be one of") as err:
+        prepare_options(GOOD, unit_time_s=TAU, p_block_w=0.0, pruning=bad)  # type: ignore[arg-type]
+    message = str(err.value)
+    assert "\n" not in message and "weak" in message and "artifact" in message
+    assert repr(bad) in message
 
 
 @needs_data
@@ -355,7 +439,10 @@ def _fit(
     request: pytest.FixtureRequest, profile: str, p_block: float, order: str, key: tuple[int, str]
 ) -> tuple[list[Option], ExponentialCostModel]:
     data = request.getfixturevalue(profile)
-    opts = prepare_options(data[key], unit_time_s=TAU, p_block_w=p_block, order=order)
+    # The printed and lowtime fits are the artifact's: its pruning reproduces them.
+    opts = prepare_options(
+        data[key], unit_time_s=TAU, p_block_w=p_block, order=order, pruning=ARTIFACT
+    )
     return opts, fit_exponential(opts, unit_time_s=TAU)
 
 

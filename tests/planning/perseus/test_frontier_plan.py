@@ -49,12 +49,20 @@ def _frontier(knobs: bool) -> Frontier:
     )
 
 
-def test_a_perseus_plan_records_clock_and_planned_time_only() -> None:
+def test_a_perseus_plan_records_clock_planned_time_and_the_options_measured_figures() -> None:
     frontier = _frontier(knobs=False)
     plan = frontier.plan(frontier.fastest, policy="fastest")
     entry = plan.to_json()["stages"][0]["instructions"][0]
-    assert list(entry) == ["kind", "microbatch", "chunk", "freq_mhz", "planned_time_s"]
+    assert list(entry) == [
+        "kind", "microbatch", "chunk", "freq_mhz", "planned_time_s", "predicted_time_s",
+        "predicted_energy_j",
+    ]  # fmt: skip
     assert entry["freq_mhz"] == 1410.0 and entry["planned_time_s"] == 0.01
+    # the option's measured time: the apply phase times a request ahead by it (issue 45)
+    option = frontier.planned_options(frontier.fastest)[frontier.dag.stage_order(0)[0]]
+    assert (entry["predicted_time_s"], entry["predicted_energy_j"]) == (
+        option.time_s, option.energy_j
+    )  # fmt: skip
     assert plan.workload["num_stages"] == 2 and plan.policy == "fastest"
     assert (
         FrequencyPlan.from_json(json.loads(json.dumps(plan.to_json())), source="the plan") == plan

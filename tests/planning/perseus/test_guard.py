@@ -10,6 +10,7 @@ from powerlib import PlanError
 from powerlib.planning.choice import Policy
 from powerlib.planning.perseus import flow, guard, mincost
 from powerlib.planning.perseus.frontier import Frontier, FrontierSettings, compute_frontier
+from powerlib.planning.perseus.noise import TimeNoise
 from powerlib.planning.perseus.replay import IncrementalReplay, replay_options
 from powerlib.planning.schedules import build_schedule
 from powerlib.planning.workflow import PlanRequest, plan_profile, wanted_for
@@ -36,7 +37,7 @@ def _limit(frontier: Frontier, limit_s: float | None, max_slowdown: float = 0.00
 def _greedy(frontier: Frontier, latency: float, cv: float, limit_s: float | None = None):
     """The guard before issue 34: from the quantized point, one speed-up per replay."""
     point = frontier.fastest if limit_s is None else frontier.select("deadline", limit_s)
-    noisy = guard._NoiseCheck(frontier.model, cv, 0.0, limit_s, 0.001) if cv > 0 else None
+    noisy = guard._NoiseCheck(frontier.model, TimeNoise.iid(cv), 0.0, limit_s, 0.001) if cv > 0 else None
     limit = _limit(frontier, limit_s)
     start = frontier.planned_options(point)
     return guard._speed_up(frontier.model, start, limit, latency, noisy, batch=False)

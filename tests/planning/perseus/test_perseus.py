@@ -109,12 +109,17 @@ def _frontier(
     p_block_w: float,
     order: str = "filter-then-subtract",
     cost_model: str = "exp",
+    pruning: str = "weak",
 ) -> Frontier:
     return compute_frontier(
         Profile.read(profile),
         build_schedule("1f1b", n, m),
         settings=FrontierSettings(
-            unit_time_s=1e-3, p_block_w=p_block_w, order=order, cost_model=cost_model
+            unit_time_s=1e-3,
+            p_block_w=p_block_w,
+            order=order,
+            cost_model=cost_model,
+            pruning=pruning,
         ),
         schedule_name="1f1b",
         num_microbatches=m,
@@ -145,7 +150,7 @@ def _assert_matches(
 def test_synthetic_frontier_matches_lowtime(
     order, points, first, last, t_star, t_star_iteration, e_star
 ) -> None:
-    frontier = _frontier(SYNTH / "profile_synth4.csv", 4, 6, 80.0, order)
+    frontier = _frontier(SYNTH / "profile_synth4.csv", 4, 6, 80.0, order, pruning="artifact")
     assert len(frontier.points) == points
     assert (frontier.points[0].time_s, round(frontier.points[0].energy_j, 3)) == first
     assert (frontier.points[-1].time_s, round(frontier.points[-1].energy_j, 3)) == last
@@ -166,7 +171,7 @@ def test_synthetic_frontier_matches_lowtime(
 
 
 def test_gpt3_a100_m12_matches_the_shipped_sosp24_frontier() -> None:
-    frontier = _frontier(GPT3_A100, 8, 12, 83.64)
+    frontier = _frontier(GPT3_A100, 8, 12, 83.64, pruning="artifact")
     rows = _rows(SOSP / "frontier_gpt3-175b_a100_sxm_mb12.csv")
     _assert_matches(frontier, rows, "time", "energy")
     assert frontier.min_energy.time_s == pytest.approx(3.187)
@@ -279,6 +284,8 @@ def test_table6_savings_come_out_of_powerlib_plan(m: int, saving: float, tmp_pat
             "0.001",
             "--frontier-out",
             str(frontier_csv),
+            "--pruning",
+            "artifact",  # Table 6 is the artifact's: its option pruning reproduces it
             "--json",
         ],
     )
@@ -344,6 +351,33 @@ def test_plan_cli_errors_are_one_line(args: list[str], code: int, words: str) ->
     assert words in result.stderr
     if code != 2:
         assert len(result.stderr.strip().splitlines()) == 1 + ("solving" in result.stderr)
+
+
+@pytest.mark.parametrize(
+    ("args", "recorded"), [([], "weak"), (["--pruning", "artifact"], "artifact")]
+)
+def test_plan_file_records_the_pruning(args: list[str], recorded: str, tmp_path: Path) -> None:
+    plan_path = tmp_path / "plan.json"
+    argv = ["plan", str(SYNTH / "profile_synth4.csv"), "--stages", "4", "--microbatches", "4"]
+    argv += ["--p-block-w", "80", "--unit-time-s", "0.001", "--plan-out", str(plan_path), *args]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 0, result.output
+    assert json.loads(plan_path.read_text())["workload"]["pruning"] == recorded
+
+
+def test_plan_cli_refuses_an_unknown_pruning(tmp_path: Path) -> None:
+    argv = ["plan", str(SYNTH / "profile_synth4.csv"), "--stages", "4", "--microbatches", "4"]
+    argv += ["--p-block-w", "80", "--unit-time-s", "0.001", "--pruning", "strict"]
+    argv += ["--plan-out", str(tmp_path / "plan.json")]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 2, result.output  # a usage error: click lists the choices
+    assert "--pruning" in result.stderr and "'weak'" in result.stderr
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_bad_pruning_in_the_settings_is_a_plan_error() -> None:
+    with pytest.raises(PlanError, match="pruning must be one of .*'strict'"):
+        _frontier(SYNTH / "profile_synth4.csv", 4, 4, 80.0, pruning="strict")
 
 
 def test_a_malformed_profile_is_one_line(tmp_path: Path) -> None:
