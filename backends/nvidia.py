@@ -50,6 +50,7 @@ from powerlib.errors import (
     PermissionDeniedError,
     PowerlibError,
 )
+from powerlib.gpu_specs import power_sampling_duty
 from powerlib.privilege import admin_refusal
 from powerlib.units import from_mj, from_mw, to_mw
 
@@ -124,6 +125,8 @@ class NvidiaDevice(Device):
                     has_power_reading=self._power_source is not None,
                     has_temperature=has_temp,
                 ),
+                # A100/H100 sample power 25 % of each counter period (docs/peers.md §4.2)
+                power_sampling_duty=power_sampling_duty(name),
             )
         )
         self._locked_sm: tuple[float, float] | None = None

@@ -120,6 +120,9 @@ class DeviceInfo:
         capabilities: What the device can do.
         is_simulated: True for simulated devices; results derived from them say so.
         supported_mem_freqs_mhz: Lockable memory clocks, ascending; empty if they cannot be locked.
+        power_sampling_duty: Share of each energy-counter period, at its end, in which power
+            is sampled (each update adds ``1 / duty`` times that window's energy; default 1:
+            all of it). A100/H100: 0.25 (:func:`powerlib.gpu_specs.power_sampling_duty`).
     """
 
     device_id: str
@@ -134,6 +137,12 @@ class DeviceInfo:
     capabilities: Capabilities
     is_simulated: bool = False
     supported_mem_freqs_mhz: tuple[float, ...] = ()
+    power_sampling_duty: float = 1.0
+
+    def __post_init__(self) -> None:
+        duty = self.power_sampling_duty
+        if not (isinstance(duty, (int, float)) and 0 < duty <= 1):
+            raise ValueError(f"power_sampling_duty must be in (0, 1], not {duty!r}")
 
     @property
     def min_sm_freq_mhz(self) -> float | None:

@@ -11,9 +11,10 @@ then linear to the maximum. Below the knee lowering the clock stops saving dynam
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["GPU_SPECS", "GpuSpec", "VoltageCurve"]
+__all__ = ["GPU_SPECS", "POWER_SAMPLING_DUTY", "GpuSpec", "VoltageCurve", "power_sampling_duty"]
 
 
 class VoltageCurve:
@@ -178,3 +179,31 @@ GPU_SPECS: dict[str, GpuSpec] = {
         energy_update_period_s=0.1,  # docs/peers.md §4.2
     ),
 }
+
+
+POWER_SAMPLING_DUTY: dict[str, float] = {
+    # docs/peers.md §4.2: on A100 and H100 the power sensor observes only 25 % of the time, a
+    # 25 ms window in every 100 ms (Yang et al., "Part-time Power Measurements: nvidia-smi's
+    # Lack of Attention", SC'24, arXiv 2312.02741). That the window ends at the counter's
+    # update is [assumption] (the emulator's model); verify on the device.
+    "A100": 0.25,
+    "H100": 0.25,
+}
+"""Real parts whose power sensor samples part of each counter period, by product family."""
+
+
+def power_sampling_duty(product_name: str) -> float:
+    """The share of each counter period a real GPU samples power in, from its product name.
+
+    The NVIDIA backend declares it in :attr:`~powerlib.device.DeviceInfo.power_sampling_duty`
+    (the profile's attribution counts only each update's sampled window). A family is matched
+    as a whole word (``"NVIDIA A100-SXM4-40GB"``, ``"NVIDIA H100 80GB HBM3"``); a part no
+    reference covers gets 1, the whole period (the counter integrates all of it).
+
+    Args:
+        product_name: The device's name, as NVML reports it.
+    """
+    for family, duty in POWER_SAMPLING_DUTY.items():
+        if re.search(rf"(?<![A-Za-z0-9]){family}(?![0-9])", product_name, flags=re.IGNORECASE):
+            return duty
+    return 1.0

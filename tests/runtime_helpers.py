@@ -52,6 +52,16 @@ def make_emulator(profile: Profile, microbatches: int = 4, **kwargs: object) -> 
     )  # type: ignore[arg-type]
 
 
+EXACT_SWEEP: dict[str, object] = {
+    "reference_iterations": 1,
+    "rotating_reference": False,
+    "target_time_error": 0.5,
+}
+"""A sweep of exactly one iteration per clock, every stage at it: for tests that count the
+sweep's iterations (the reference block, the rotating reference and the time target that issue
+45 added have tests of their own: test_noise_estimate.py, test_rotating_reference.py)."""
+
+
 def emulated_sessions(emulator: Emulator, tmp_out, **kwargs: object) -> list:
     """One session per stage of ``emulator``, coordinated in-process (not yet entered)."""
     from powerlib.runtime.coordination import LocalGroup
@@ -70,6 +80,7 @@ def emulated_sessions(emulator: Emulator, tmp_out, **kwargs: object) -> list:
         "warmup_iterations": 1,
         "settle_iterations": 1,
         "iterations_per_freq": 1,
+        **EXACT_SWEEP,
         "check_rounds": 0,  # the closed loop has tests of its own (test_closed_loop.py)
     }
     options.update(kwargs)

@@ -259,7 +259,22 @@ def info_from_wire(data: Mapping[str, Any], backend: str) -> DeviceInfo:
         capabilities=caps,
         is_simulated=bool(data.get("is_simulated", False)),
         supported_mem_freqs_mhz=tuple(float(f) for f in data.get("supported_mem_freqs_mhz", ())),
+        power_sampling_duty=_duty(data.get("power_sampling_duty", 1.0)),
     )
+
+
+def _duty(value: object) -> float:
+    """The share of time the device's power is sampled; 1 from an agent that does not say.
+
+    Raises:
+        ValueError: Not a number in (0, 1].
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"power_sampling_duty must be a number, not {value!r}")
+    duty = float(value)
+    if not 0.0 < duty <= 1.0:
+        raise ValueError(f"power_sampling_duty must be in (0, 1], not {value!r}")
+    return duty
 
 
 def state_to_wire(state: PowerState) -> dict[str, object]:

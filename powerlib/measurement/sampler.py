@@ -100,6 +100,8 @@ class DeviceSampler:
 
     Attributes:
         has_counter: The device publishes an energy counter (else power is integrated).
+        duty: The share of each counter period in which the device samples power
+            (:attr:`~powerlib.device.DeviceInfo.power_sampling_duty`; 1: the whole period).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class DeviceSampler:
         self._clock = clock
         self.period_s = period_s
         self.wrap_j: float | None = getattr(device, "energy_counter_wrap_j", None)
+        self.duty = float(device.info.power_sampling_duty)
         self._lock = threading.Lock()
         self._times: list[float] = []
         self._read_s: list[float] = []
@@ -228,6 +231,13 @@ class DeviceSampler:
             times = np.asarray(self._times[lo:], dtype=float)
             freqs = np.asarray([math.nan if f is None else f for f in self._freq[lo:]], dtype=float)
         return times, freqs
+
+    def temperature_reads(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every kept read's time and the temperature it showed (reads without one left out)."""
+        with self._lock:
+            pairs = [(t, c) for t, c in zip(self._times, self._temp) if c is not None]
+        times = np.asarray([t for t, _ in pairs], dtype=float)
+        return times, np.asarray([c for _, c in pairs], dtype=float)
 
     def reading(self, start_s: float, end_s: float) -> BlockReading:
         """The clock and temperature the reads in ``[start_s, end_s]`` showed."""

@@ -9,11 +9,15 @@ cannot resolve per-instruction energy before anything is planned on it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 from powerlib.errors import PlanError
+from powerlib.planning.perseus.noise import TimeNoise
 from powerlib.planning.profile_rows import ProfileRow
+from powerlib.runtime.noise_estimate import SpanTime, normalize_times
+from powerlib.runtime.profile_blocks import monotone_times
 from powerlib.runtime.records import Payload, ProfilePayload
 from powerlib.runtime.sweep import aggregate_stage_rows
 
@@ -24,8 +28,10 @@ __all__ = [
     "as_profiles",
     "check_resolution",
     "measured_latency_s",
+    "latency_samples_for",
     "merge_profiles",
     "time_cv_for",
+    "time_noise_for",
     "time_se_for",
 ]
 
@@ -54,7 +60,40 @@ def as_profiles(payloads: Sequence[Payload]) -> list[ProfilePayload]:
     if len(profiles) != len(payloads):
         kinds = sorted({type(p).__name__ for p in payloads if not isinstance(p, ProfilePayload)})
         raise PlanError(f"rank 0 expected every rank's profile, got {', '.join(kinds)}")
-    return profiles
+    return normalized(profiles)
+
+
+def normalized(profiles: list[ProfilePayload]) -> list[ProfilePayload]:
+    """The profiles with each row's time freed of the iteration's shared factor.
+
+    The sweep's rotating reference (:class:`~powerlib.runtime.sweep.FrequencySweep`) shows each
+    iteration's shared factor; :func:`~powerlib.runtime.noise_estimate.normalize_times` divides
+    it out of every span, and each row's time becomes the normalized mean (non-increasing in
+    the clock, :func:`~powerlib.runtime.profile_blocks.monotone_times`), its energy scaled
+    with it (the attributed power stands). Without the spans to do it, the profiles as sent.
+    """
+    spans: dict[int, list[SpanTime]] = {}
+    for p in profiles:
+        spans.setdefault(p.stage, []).extend(p.span_times)
+    result = normalize_times(spans, time_noise_for(profiles))
+    if result is None:
+        return profiles
+    out = []
+    for p in profiles:
+        mine = {(k, f): v for (s, k, f), v in result.samples.items() if s == p.stage and v}
+        times = monotone_times(mine)
+        rows = tuple(
+            r
+            if (r.instruction, r.freq_mhz) not in times
+            else dataclasses.replace(
+                r,
+                time_s=times[(r.instruction, r.freq_mhz)],
+                energy_j=r.energy_j * times[(r.instruction, r.freq_mhz)] / r.time_s,
+            )
+            for r in p.rows
+        )
+        out.append(dataclasses.replace(p, rows=rows, time_se=result.time_se or p.time_se))
+    return out
 
 
 def merge_profiles(profiles: Sequence[ProfilePayload]) -> tuple[list[ProfileRow], float | None]:
@@ -78,6 +117,27 @@ def time_cv_for(profiles: Sequence[ProfilePayload]) -> float:
     """The largest run-to-run spread of instruction times a rank saw (the guard's noise)."""
     spreads = [p.time_cv for p in profiles if p.time_cv is not None]
     return max(spreads) if spreads else 0.0
+
+
+def time_noise_for(profiles: Sequence[ProfilePayload]) -> TimeNoise | None:
+    """The noise's structure: each part's largest estimate over the ranks (``None``: none).
+
+    The iteration and microbatch parts are shared by every stage, so the ranks estimate the
+    same thing; the independent part is each stage's own, and the guard plans for the worst.
+    """
+    got = [p.time_noise for p in profiles if p.time_noise is not None]
+    if not got:
+        return None
+    return TimeNoise(
+        iteration_cv=max(n.iteration_cv for n in got),
+        microbatch_cv=max(n.microbatch_cv for n in got),
+        independent_cv=max(n.independent_cv for n in got),
+    )
+
+
+def latency_samples_for(profiles: Sequence[ProfilePayload]) -> tuple[float, ...]:
+    """Every rank's measured clock-change landings, pooled and sorted."""
+    return tuple(sorted(x for p in profiles for x in p.latency_samples_s))
 
 
 def time_se_for(profiles: Sequence[ProfilePayload]) -> float:

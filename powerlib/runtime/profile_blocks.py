@@ -10,22 +10,29 @@ locate every counter update in time (:mod:`powerlib.measurement.timeline`), and
 blocking power from which spans and gaps each counter interval covered, each with its interval
 (issue 32; docs/measurement.md). A block whose device ran below its clock (throttled) is dropped;
 each row's time is its spans' mean, made non-increasing in the clock (:func:`monotone_times`).
+A device that samples power part-time solves with its declared duty, and the whole-sweep solve
+removes a thermal drift (docs/measurement.md §2.1).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from powerlib.measurement.attribution import REST, Spans, solve_powers
+import numpy as np
+
+from powerlib.measurement.attribution import REST, Spans, solve_drifting_powers, solve_powers
 from powerlib.measurement.sampler import DeviceSampler
 from powerlib.planning.profile_rows import ProfileRow
 from powerlib.runtime.records import BlockSummary
 
 __all__ = ["Block", "Blocks", "SolvedRows", "clock_step", "monotone_times"]
+
+MIN_DRIFT_SPAN_C = 1.0
+"""A sweep whose temperature reads moved less than this is solved without a drift term."""
 
 Span = tuple[str, list[float], list[float]]
 """One instruction: its kind and the stamp cells of its start and end."""
@@ -97,6 +104,9 @@ class Blocks:
         self.sampler = sampler
         self.blocks: list[Block] = []
         self.spans: list[list[Span]] = []
+        self.drift_per_c: tuple[float, float] | None = None
+        """The whole-sweep solve's thermal drift: (relative power change per degree, its
+        standard error); ``None`` when it was not fitted."""
 
     def start(self, freq_mhz: float, requested_s: float) -> None:
         """A new block at ``freq_mhz``, requested at ``requested_s``."""
@@ -146,11 +156,14 @@ class Blocks:
             total += powers[(kind, b.freq_mhz)][0] * (t1[0] - t0[0])
         return total / b.iterations
 
-    def solve(self, indices: list[int], *, recent: bool, latency_s: float | None) -> Powers:
+    def solve(
+        self, indices: list[int], *, recent: bool, latency_s: float | None, drift: bool = False
+    ) -> Powers:
         """``{(kind, freq) or REST: (power_w, relative error)}`` over ``indices``' windows.
 
         ``recent``: a quick solve from the blocks' own reads (the per-iteration vote); else
-        from the whole sweep's reads.
+        from the whole sweep's reads. ``drift``: remove the thermal drift across the blocks
+        (:meth:`_temperature_covariate`): every power as at the sweep's last temperature.
         """
         spans = Spans()
         start = math.inf
@@ -168,8 +181,42 @@ class Blocks:
         # Knots from the periodic fit only: the power-shaped placement needs power readings
         # that follow the workload, which NVML's (averaged) readings do not.
         timeline = self.sampler.timeline(since_s=start - 0.5 if recent else -math.inf, refine=False)
-        powers, _ = solve_powers(timeline.knot_times_s, timeline.knot_energy_j, spans)
+        knots, energy = timeline.knot_times_s, timeline.knot_energy_j
+        covariate = self._temperature_covariate(start) if drift else None
+        if covariate is not None:
+            drifting = solve_drifting_powers(
+                knots, energy, spans, covariate, duty=self.sampler.duty
+            )
+            if drifting is not None:
+                self.drift_per_c = (drifting.drift_per_unit, drifting.drift_stderr)
+                return {label: (p.power_w, p.rel_error) for label, p in drifting.powers.items()}
+        powers, _ = solve_powers(knots, energy, spans, duty=self.sampler.duty)
         return {label: (p.power_w, p.rel_error) for label, p in powers.items()}
+
+    def _temperature_covariate(self, start_s: float) -> Callable[[np.ndarray], np.ndarray] | None:
+        """The drift's covariate: the temperature read at a time minus the sweep's last one.
+
+        A GPU that warms while the sweep runs draws more power for the same work; the sweep
+        visits its clocks at different times (the coarse and fill passes), so the profile
+        would tilt with the drift (issue 45: the predicted saving read 0.2-0.7 pt low). The
+        attribution fits one relative power change per degree for every label
+        (:func:`~powerlib.measurement.attribution.solve_drifting_powers`; the blocking power,
+        measured in every block, pins it) and reports each power at the last temperature, the
+        one the plan starts at. ``None`` (no correction) when the device reports no
+        temperature or it moved less than :data:`MIN_DRIFT_SPAN_C` over the sweep.
+        """
+        times, temps = self.sampler.temperature_reads()
+        inside = times >= start_s - 0.5
+        times, temps = times[inside], temps[inside]
+        if times.size < 2 or float(np.ptp(temps)) < MIN_DRIFT_SPAN_C:
+            return None
+        reference = float(np.median(temps[times >= times[-1] - 1.0]))
+
+        def covariate(at_s: np.ndarray) -> np.ndarray:
+            x: np.ndarray = np.interp(at_s, times, temps - reference, left=np.nan, right=np.nan)
+            return x
+
+        return covariate
 
     def counter_period_s(self, now_s: float) -> float | None:
         """The energy counter's update period over the last 5 s of reads, or ``None``."""
@@ -205,7 +252,7 @@ class Blocks:
                 b.dropped = f"throttled: ran {reading.freq_mhz:g} MHz"
                 continue
             kept.append(index)
-        powers = self.solve(kept, recent=False, latency_s=latency_s)
+        powers = self.solve(kept, recent=False, latency_s=latency_s, drift=True)
         rows = []
         spreads: list[float] = []
         standard_errors: list[float] = []

@@ -46,6 +46,7 @@ from powerlib.progress import Progress
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.coordination import Coordinator, Future, Vote
 from powerlib.runtime.gathered import GIVE_UP_FACTOR
+from powerlib.runtime.noise_estimate import SpanTime, estimate_time_noise, row_time_se
 from powerlib.runtime.phases import RankFailure, SessionPhase
 from powerlib.runtime.profile_blocks import Blocks
 from powerlib.runtime.records import ProfilePayload, StopPayload
@@ -105,6 +106,8 @@ class ProfilePhase:
         on_failure: Called once when this rank fails (the device refused a clock change, a read
             raised): the phase has reset the clocks and keeps voting, marked unhealthy, until
             every rank stops at the same vote.
+        num_stages: Stages in the pipeline (one in turn is the sweep's reference,
+            :class:`~powerlib.runtime.sweep.FrequencySweep`).
 
     Raises:
         InvalidArgumentError: The device cannot lock its SM clock, or a candidate clock is not
@@ -128,6 +131,7 @@ class ProfilePhase:
         progress: Progress,
         on_finished: Callable[[ProfilePayload | StopPayload], None],
         on_failure: Callable[[RankFailure], None],
+        num_stages: int = 1,
     ) -> None:
         supported = device.info.supported_sm_freqs_mhz
         if not supported:
@@ -150,12 +154,15 @@ class ProfilePhase:
         self._progress = progress
         self._on_finished = on_finished
         self._on_failure = on_failure
-        self.sweep = FrequencySweep(sweep_config)
+        self.sweep = FrequencySweep(sweep_config, stage=stage, num_stages=num_stages)
         self.recorder = ProfileRecorder()
         self._record = Blocks(sampler)
         self._blocks = self._record.blocks  # the record's lists (tests read the blocks)
         self._spans = self._record.spans
         self._open: tuple[str, list[float]] | None = None
+        self._open_mb = (0, 0, 0)
+        # per block, each span's (sweep block, sweep iteration, microbatch)
+        self._span_microbatches: list[list[tuple[int, int, int]]] = []
         self._iter_start: list[float] | None = None
         self._vote: Future[Vote] | None = None
         self._applied_seen = 0
@@ -169,6 +176,8 @@ class ProfilePhase:
         percentile: what the guard plans for)."""
         self.landing_s: float | None = None
         """The median of the same landings: when a change typically lands (the closed loop)."""
+        self.latency_samples_s: tuple[float, ...] = ()
+        """Every landing the warm-up's probes measured (the guard draws each switch's)."""
         self.unresolved: str | None = None
         self._rises = 0  # coarse blocks in a row whose energy per iteration rose
         self.time_se: float | None = None
@@ -204,6 +213,7 @@ class ProfilePhase:
         if self._iter_start is None:
             self._iter_start = t
         self._open = (kind, t)
+        self._open_mb = (self.sweep.block_index, self.sweep.iteration, microbatch)
         self._order_now.append((chunk, microbatch, kind))
 
     def end(self) -> None:
@@ -217,6 +227,9 @@ class ProfilePhase:
             t = self._stamps.stamp()
             if self.sweep.measuring and self._blocks:
                 self._spans[-1].append((kind, t0, t))
+                while len(self._span_microbatches) < len(self._spans):
+                    self._span_microbatches.append([])
+                self._span_microbatches[len(self._spans) - 1].append(self._open_mb)
             elif self.sweep.warming_up and self._probe_freqs is not None:
                 self._ends += 1
                 if self._ends % 2 == 0:  # every other end: changes at least one instruction apart
@@ -312,7 +325,7 @@ class ProfilePhase:
                 self._give_up()
                 return
             if done:
-                before = sweep.freq_mhz
+                before = sweep.block_freq_mhz
                 was_coarse = sweep.coarse
                 sweep.end_block(stop_coarse=bool(rose) and sweep.coarse)
                 if was_coarse and not sweep.coarse and rose:
@@ -324,7 +337,7 @@ class ProfilePhase:
                     self._finish()
                     return
                 num, total = sweep.position
-                self._progress.say(f"profiling at {sweep.freq_mhz:g} MHz ({num}/{total})")
+                self._progress.say(f"profiling at {sweep.block_freq_mhz:g} MHz ({num}/{total})")
         if self.failed is not None:
             return  # no block, no clock: the device stays at its baseline
         if sweep.measuring and (not self._blocks or self._blocks[-1].freq_mhz != sweep.freq_mhz):
@@ -378,14 +391,20 @@ class ProfilePhase:
             self._failed_here(f"stage {self._stage}: {refused[0].failure()} (while profiling)")
 
     def _block_vote(self) -> tuple[bool, bool, bool]:
-        """``(block done, end the coarse pass, can resolve)`` for the current block."""
+        """``(block done, end the coarse pass, can resolve)`` for the current block.
+
+        The block's reference stage (at the top clock) leaves the decisions to the others.
+        """
         sweep = self.sweep
+        if sweep.is_reference:
+            return True, True, True
         index = len(self._blocks) - 1
         block = self._blocks[index]
         target = sweep.config.target_error
         powers = self._record.solve([index], recent=True, latency_s=self.latency_s)
         error = self._record.error(index, powers)
-        done = error <= target or sweep.must_end_block()
+        resolved = error <= target and self._time_error(index) <= sweep.config.target_time_error
+        done = resolved or sweep.must_end_block()
         resolvable = True
         if sweep.must_end_block() and error > GIVE_UP_FACTOR * target:
             resolvable = False
@@ -420,6 +439,30 @@ class ProfilePhase:
                 stop_coarse = rises > 0 and self._rises >= rises
         return done, stop_coarse, resolvable
 
+    def _time_error(self, index: int) -> float:
+        """The worst relative standard error of a row's mean time in block ``index``.
+
+        From the spread of the spans of one kind within each iteration (the factor an
+        iteration shares is divided out at rank 0, docs/perseus.md §2.8): 0 where an iteration
+        holds one span of a kind (nothing to tell from).
+        """
+        if index >= len(self._span_microbatches):
+            return 0.0
+        by_kind: dict[tuple[str, int], list[float]] = {}
+        for (kind, c0, c1), (_, it, _) in zip(self._spans[index], self._span_microbatches[index]):
+            if math.isfinite(c1[0] - c0[0]) and c1[0] > c0[0]:
+                by_kind.setdefault((kind, it), []).append(math.log(c1[0] - c0[0]))
+        pooled: dict[str, list[float]] = {}  # kind -> [sum of squares, dof, spans]
+        for (kind, _), logs in by_kind.items():
+            acc = pooled.setdefault(kind, [0.0, 0.0, 0.0])
+            if len(logs) > 1:
+                m = math.fsum(logs) / len(logs)
+                acc[0] += math.fsum((x - m) ** 2 for x in logs)
+                acc[1] += len(logs) - 1
+            acc[2] += len(logs)
+        errors = [math.sqrt(ss / dof / n) for ss, dof, n in pooled.values() if dof > 0]
+        return max(errors, default=0.0)
+
     def _energy_rose(self, index: int) -> bool:
         """Block ``index``'s energy per iteration exceeds the best earlier coarse clock's."""
         energy = self._blocks[index].energy_j
@@ -442,6 +485,7 @@ class ProfilePhase:
                 landed.append(max(0.0, 0.5 * (max(before, t_request) + first) - t_request))
         if len(landed) >= 3:
             landed.sort()
+            self.latency_samples_s = tuple(landed)
             self.landing_s = statistics.median(landed)
             # the guard plans for a late landing, not the typical one
             self.latency_s = landed[min(len(landed) - 1, math.ceil(0.9 * len(landed)) - 1)]
@@ -499,7 +543,11 @@ class ProfilePhase:
     def _profile_payload(self) -> ProfilePayload:
         """This rank's resolved profile (the whole sweep solved at once)."""
         solved = self._record.solve_rows(self._stage, self.sweep.config.candidates, self.latency_s)
-        self.time_se = solved.time_se
+        spans = self._span_times()
+        noise = estimate_time_noise(spans)
+        # a row's error from the noise's structure (its spans share their iterations' factor)
+        se = None if noise is None else row_time_se(spans, noise)
+        self.time_se = solved.time_se if se is None else max(se, solved.time_se or 0.0)
         rows, p_block, p_block_error = solved.rows, solved.p_block_w, solved.p_block_error
         self.recorder.set(rows, solved.errors, p_block, p_block_error)
         return ProfilePayload(
@@ -516,7 +564,24 @@ class ProfilePhase:
             time_cv=solved.time_cv,
             time_se=self.time_se,
             target_error=self.sweep.config.target_error,
+            time_noise=noise,
+            latency_samples_s=self.latency_samples_s,
+            span_times=tuple(spans),
         )
+
+    def _span_times(self) -> list[SpanTime]:
+        """Every measured span with its block, iteration, microbatch, kind, clock and time."""
+        out: list[SpanTime] = []
+        for bi, block in enumerate(self._blocks):
+            if block.dropped is not None or bi >= len(self._span_microbatches):
+                continue
+            windows = self._record.windows(block, self.latency_s)
+            spans = self._spans[bi]
+            for (kind, c0, c1), (sweep_block, it, mb) in zip(spans, self._span_microbatches[bi]):
+                t0, t1 = c0[0], c1[0]
+                if math.isfinite(t1 - t0) and any(w0 <= t0 and t1 <= w1 for w0, w1 in windows):
+                    out.append((sweep_block, it, mb, kind, block.freq_mhz, t1 - t0))
+        return out
 
 
 def _probe_pair(freqs_desc: Sequence[float]) -> tuple[float, float] | None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.planning.perseus.counterfactual import IterationRecord
+from powerlib.planning.perseus.noise import TimeNoise
 from powerlib.planning.perseus.report import PlanSummary
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.planning.profile_rows import ProfileRow
@@ -99,6 +100,12 @@ class ProfilePayload:
         target_error: The sweep's target.
         gave_up: The sweep stopped because a row could not resolve.
         unresolved: Why (on the rank that could not resolve).
+        time_noise: The noise's structure the spans show (per iteration, per microbatch,
+            independent; :mod:`powerlib.runtime.noise_estimate`), when estimated.
+        latency_samples_s: Every clock-change landing the warm-up measured.
+        span_times: Every measured instruction: ``(sweep block, sweep iteration, microbatch,
+            kind, clock, time_s)`` (:data:`~powerlib.runtime.noise_estimate.SpanTime`): rank 0
+            divides each iteration's shared factor out of the rows with them.
     """
 
     stage: int
@@ -116,6 +123,9 @@ class ProfilePayload:
     target_error: float | None = None
     gave_up: bool = False
     unresolved: str | None = None
+    time_noise: TimeNoise | None = None
+    latency_samples_s: tuple[float, ...] = ()
+    span_times: tuple[tuple[int, int, int, str, float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -353,7 +363,9 @@ class Realized:
     def line(self) -> str:
         """One line for the log."""
         if self.method is None:  # nothing was measured
-            return f"closed loop: {self.verdict}" + ("" if self.reason is None else f": {self.reason}")
+            return f"closed loop: {self.verdict}" + (
+                "" if self.reason is None else f": {self.reason}"
+            )
         predicted = (
             ""
             if self.predicted_saving_percent is None

@@ -53,9 +53,22 @@ class SweepConfig:
             ends as soon as its energy resolves to ``target_error``.
         target_error: A block ends once every row resolves to this (relative half-width of the
             95 % interval).
+        target_time_error: ... and once every row's mean time is known to this relative
+            standard error (from the spans' spread within iterations; an iteration's shared
+            factor is divided out by the sweep's rotating reference). A plan spends slack
+            down to the measured times, so their errors add along its critical path
+            (docs/perseus.md §2.8).
         stop_after_rises: End the coarse pass after this many coarse clocks of rising energy;
             0 never stops early.
         coarse_stride: Every how many candidates the coarse pass visits (1: one pass).
+        reference_iterations: Measured iterations of the first block, at the highest clock, at
+            least: every plan's slack is measured against its times (all-max's), and the
+            noise's structure is estimated from this block's iterations
+            (:mod:`powerlib.runtime.noise_estimate`).
+        rotating_reference: In each later block one stage, in turn, stays at the highest clock:
+            a factor shared by a whole iteration (1-2 % in Megatron traces, docs/emulator.md)
+            and the slow drift move every row of a block alike, and its times show them, so
+            rank 0 divides them out (:class:`FrequencySweep`; docs/perseus.md §2.8).
 
     Raises:
         InvalidArgumentError: A clock that is not a positive number of MHz, an empty list of
@@ -68,8 +81,11 @@ class SweepConfig:
     iterations_per_freq: int = 1
     max_iterations_per_freq: int = 4
     target_error: float = 0.02
+    target_time_error: float = 0.001
     stop_after_rises: int = 2
     coarse_stride: int = 3
+    reference_iterations: int = 8
+    rotating_reference: bool = True
 
     def __post_init__(self) -> None:
         if self.freqs_mhz is not None:
@@ -87,16 +103,17 @@ class SweepConfig:
             ("max_iterations_per_freq", 1),
             ("stop_after_rises", 0),
             ("coarse_stride", 1),
+            ("reference_iterations", 1),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
         if self.max_iterations_per_freq < self.iterations_per_freq:
             object.__setattr__(self, "max_iterations_per_freq", self.iterations_per_freq)
-        if not (isinstance(self.target_error, (int, float)) and 0 < self.target_error < 1):
-            raise InvalidArgumentError(
-                f"target_error must be a fraction in (0, 1), got {self.target_error!r}"
-            )
+        for name in ("target_error", "target_time_error"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+                raise InvalidArgumentError(f"{name} must be a fraction in (0, 1), got {value!r}")
 
     def over(self, supported_mhz: Sequence[float]) -> SweepConfig:
         """This sweep, over ``supported_mhz`` when it names no clocks of its own."""
@@ -119,14 +136,35 @@ class SweepConfig:
     def max_iterations(self) -> int:
         """Iterations of a sweep that never stops early and never resolves early."""
         per_freq = self.settle_iterations + self.max_iterations_per_freq
-        return self.warmup_iterations + len(self.candidates) * per_freq
+        reference = max(0, self.reference_iterations - self.max_iterations_per_freq)
+        return self.warmup_iterations + len(self.candidates) * per_freq + reference
 
 
 class FrequencySweep:
-    """Which frequency each profiling iteration runs at, and whether it is measured."""
+    """Which frequency each profiling iteration runs at, and whether it is measured.
 
-    def __init__(self, config: SweepConfig) -> None:
+    Every rank runs the same block at the same iterations. With ``num_stages`` > 1 and
+    ``config.rotating_reference``, after the first block (every stage at the top clock,
+    ``reference_iterations`` long) one stage per block, in turn, stays at the top clock while the
+    others run the block's clock: its times show each iteration's shared factor (per iteration,
+    per microbatch, and the slow drift), which rank 0 then divides out of every other stage's
+    times (:func:`powerlib.runtime.noise_estimate.normalized_rows`). A stage therefore misses
+    the clocks of the blocks where it is the reference (about one in ``num_stages``).
+
+    Args:
+        config: The sweep's settings.
+        stage: This rank's stage.
+        num_stages: Stages in the pipeline.
+    """
+
+    def __init__(self, config: SweepConfig, *, stage: int = 0, num_stages: int = 1) -> None:
         self.config = config
+        self.stage = stage
+        self.num_stages = num_stages
+        self.block_index = -1
+        """The block being run, counted from 0 across the whole sweep (the same on every rank)."""
+        self.iteration = 0
+        """Iterations ended so far, warm-up included (the same on every rank)."""
         freqs = config.candidates
         self._coarse = list(freqs[:: config.coarse_stride])
         if freqs[-1] not in self._coarse and config.coarse_stride > 1:
@@ -145,8 +183,24 @@ class FrequencySweep:
 
     @property
     def freq_mhz(self) -> float:
-        """The frequency of the current iteration (warm-up runs at the highest)."""
+        """This rank's frequency in the current iteration (warm-up runs at the highest)."""
+        return self.config.candidates[0] if self.is_reference else self._freq
+
+    @property
+    def block_freq_mhz(self) -> float:
+        """The current block's clock (what the stages that are not the reference run)."""
         return self._freq
+
+    def reference_of(self, block_index: int) -> int | None:
+        """The stage that stays at the top clock in block ``block_index`` (``None``: none)."""
+        if not self.config.rotating_reference or self.num_stages < 2 or block_index < 1:
+            return None
+        return (block_index - 1) % self.num_stages
+
+    @property
+    def is_reference(self) -> bool:
+        """This rank stays at the top clock in the current block."""
+        return not self.warming_up and self.reference_of(self.block_index) == self.stage
 
     @property
     def position(self) -> tuple[int, int]:
@@ -175,17 +229,24 @@ class FrequencySweep:
 
         Warm-up needs no vote (every rank counts the same iterations).
         """
+        self.iteration += 1
         if self.warming_up:
             self._warmup_left -= 1
             if self._warmup_left == 0:
                 self._start_block()
             return False
         self._done_in_block += 1
-        return self.measured_in_block >= self.config.iterations_per_freq
+        least = self.config.iterations_per_freq
+        if not self.visited:  # the reference block
+            least = max(least, self.config.reference_iterations)
+        return self.measured_in_block >= least
 
     def must_end_block(self) -> bool:
         """The block reached its maximum measured iterations."""
-        return self.measured_in_block >= self.config.max_iterations_per_freq
+        most = self.config.max_iterations_per_freq
+        if not self.visited:
+            most = max(most, self.config.reference_iterations)
+        return self.measured_in_block >= most
 
     def end_block(self, *, stop_coarse: bool = False) -> None:
         """The ranks agreed the block is done; ``stop_coarse`` ends the coarse pass here."""
@@ -200,6 +261,7 @@ class FrequencySweep:
     def _start_block(self) -> None:
         self._freq = self._queue.pop(0)
         self._done_in_block = 0
+        self.block_index += 1
 
     def _begin_fill(self, *, stopped: bool) -> None:
         """The coarse pass is over: queue the skipped clocks above its first rise."""

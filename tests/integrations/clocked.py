@@ -83,6 +83,11 @@ SWEEP = {
     "settle_iterations": 0,
     "iterations_per_freq": 1,
     "max_iterations_per_freq": 4,
+    # one clock per block and every stage at it: these tests count iterations exactly (the
+    # reference block, the rotating reference and the time target have tests of their own)
+    "reference_iterations": 1,
+    "rotating_reference": False,
+    "target_time_error": 0.5,
     # Sleeps on a shared CPU and a sampler thread that waits for the GIL: per-instruction energy
     # on this wall clock resolves to about +-10 %, not the emulator's 2 % (issue 32). These tests
     # are about the integrations' hooks, not the profile's accuracy (tests/runtime,

@@ -112,6 +112,9 @@ def main() -> int:
         warmup_iterations=1,
         settle_iterations=0,
         iterations_per_freq=1,
+        reference_iterations=1,  # these counts are exact: see runtime_helpers.EXACT_SWEEP
+        rotating_reference=False,
+        target_time_error=0.5,
         target_error=TARGET_ERROR,
         check_rounds=0,  # the closed loop has tests of its own
         out_dir=out / "auto",

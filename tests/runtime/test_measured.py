@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import warnings
 from pathlib import Path
 
@@ -71,8 +72,10 @@ def test_each_block_ends_when_its_rows_resolve() -> None:
 
 def test_the_sweep_is_interleaved_and_skips_clocks_below_the_energy_rise() -> None:
     freqs = tuple(float(f) for f in range(1400, 690, -60))  # 12 clocks
+    # reference_iterations=1: the first block is as long as the others here (this test is
+    # about the visiting order; test_sweep.py tests the longer reference block)
     sweep = FrequencySweep(SweepConfig(freqs_mhz=freqs, warmup_iterations=1, coarse_stride=3,
-                                       stop_after_rises=2))  # fmt: skip
+                                       stop_after_rises=2, reference_iterations=1))  # fmt: skip
     assert sweep.warming_up
     sweep.iteration_ended()
     visited = []
@@ -97,7 +100,14 @@ def test_the_clock_change_latency_is_measured_and_the_guard_uses_it(tmp_path: Pa
     assert all(0.03 - 0.006 <= lat <= 0.03 + 0.012 for lat in latencies), latencies
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["switch_latency_source"] == "measured"
-    assert summary["switch_latency_s"] == pytest.approx(max(latencies))
+    # the guard plans the exact replay with the typical landing, the median of every rank's
+    # probes (its noisy replay draws each switch's latency from them): issue 45, the 90th
+    # percentile (each rank's measured_latency_s) cost 0.5-1 pt
+    pooled = sorted(x for s in sessions for x in s.profiling.latency_samples_s)
+    assert len(pooled) >= 3 * len(sessions)
+    assert summary["switch_latency_s"] == pytest.approx(statistics.median(pooled))
+    assert 0.03 - 0.006 <= summary["switch_latency_s"] <= 0.03 + 0.012
+    assert summary["switch_latency_s"] <= max(latencies)
 
 
 def _slower_below_top(profile: Profile, factor: float) -> Profile:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runtime_helpers import FREQS, make_emulator, toy_profile
+from runtime_helpers import EXACT_SWEEP, FREQS, make_emulator, toy_profile
 
 from powerlib.errors import DeviceError, InvalidArgumentError
 from powerlib.runtime.coordination import Future, LocalGroup
@@ -84,6 +84,7 @@ def _sessions(emulator, group: BoundedGroup, **kwargs: Any) -> list[Session]:
         "warmup_iterations": 1,
         "settle_iterations": 1,
         "iterations_per_freq": 1,
+        **EXACT_SWEEP,
         "check_rounds": 0,
     } | kwargs
     return [

@@ -47,7 +47,10 @@ def test_a_nested_config_runs_exactly_as_the_flat_keywords() -> None:
                     num_stages=4, num_microbatches=4, schedule="1f1b", num_chunks=1,
                     placement="looped",
                 ),
-                sweep=SweepConfig(warmup_iterations=1, settle_iterations=1, iterations_per_freq=1),
+                sweep=SweepConfig(
+                    warmup_iterations=1, settle_iterations=1, iterations_per_freq=1,
+                    reference_iterations=1, rotating_reference=False, target_time_error=0.5,
+                ),  # fmt: skip
                 apply=ApplyConfig(threaded=False, check_rounds=0),  # as emulated_sessions
                 run=RunConfig(
                     stage=s,

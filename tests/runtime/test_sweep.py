@@ -3,6 +3,8 @@ aggregation (docs/architecture.md §2 step 2, docs/perseus.md §4.5)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from powerlib.errors import InvalidArgumentError
@@ -47,7 +49,12 @@ def test_defaults() -> None:
     assert config.target_error == 0.02
     assert config.stop_after_rises == 2
     assert config.coarse_stride == 3
-    assert config.max_iterations == 2 + 12 * 4
+    assert config.target_time_error == 0.001
+    assert config.reference_iterations == 8
+    assert config.rotating_reference is True
+    # the reference block (the top clock, first) runs 8 measured iterations at most instead of
+    # 4: max_iterations counts those 4 extra (issue 45)
+    assert config.max_iterations == 2 + 12 * 4 + (8 - 4)
 
 
 def test_warmup_settle_and_measured_iterations_coarse_then_fill() -> None:
@@ -57,6 +64,7 @@ def test_warmup_settle_and_measured_iterations_coarse_then_fill() -> None:
         settle_iterations=1,
         iterations_per_freq=2,
         coarse_stride=2,
+        reference_iterations=3,
     )
     assert config.freqs_mhz == (1410.0, 1200.0, 1000.0, 900.0)  # deduplicated, high to low
     assert _walk(config) == [
@@ -65,6 +73,7 @@ def test_warmup_settle_and_measured_iterations_coarse_then_fill() -> None:
         (1410.0, False),  # settle
         (1410.0, True),
         (1410.0, True),
+        (1410.0, True),  # the reference block: reference_iterations (3), not 2
         (1000.0, False),  # coarse: every second clock from the top...
         (1000.0, True),
         (1000.0, True),
@@ -75,7 +84,10 @@ def test_warmup_settle_and_measured_iterations_coarse_then_fill() -> None:
         (1200.0, True),
         (1200.0, True),
     ]
-    assert config.max_iterations == 2 + 4 * (1 + 4)  # no block resolves before its maximum
+    # no block resolves before its maximum (4; the reference block's 3 are below it)
+    assert config.max_iterations == 2 + 4 * (1 + 4)
+    longer = dataclasses.replace(config, reference_iterations=7)
+    assert longer.max_iterations == 2 + 4 * (1 + 4) + (7 - 4)  # the reference block's extra 3
 
 
 def test_warmup_needs_no_vote_and_runs_at_the_top_clock() -> None:
@@ -97,6 +109,7 @@ def test_a_block_votes_from_its_minimum_and_must_end_at_its_maximum() -> None:
         settle_iterations=1,
         iterations_per_freq=2,
         max_iterations_per_freq=4,
+        reference_iterations=1,  # the first block is an ordinary one (see the next test)
     )
     sweep = FrequencySweep(config)
     assert not sweep.measuring  # the settle iteration is discarded
@@ -113,6 +126,38 @@ def test_a_block_votes_from_its_minimum_and_must_end_at_its_maximum() -> None:
     sweep.end_block()
     assert sweep.freq_mhz == 1220.0 and sweep.measured_in_block == 0 and not sweep.measuring
     assert sweep.visited == [1400.0]
+
+
+def test_the_reference_block_votes_from_reference_iterations_and_later_blocks_do_not() -> None:
+    config = SweepConfig(
+        freqs_mhz=TWELVE,
+        warmup_iterations=1,
+        settle_iterations=1,
+        iterations_per_freq=2,
+        max_iterations_per_freq=4,
+        reference_iterations=6,
+    )
+    sweep = FrequencySweep(config)
+    assert sweep.iteration_ended() is False  # warm-up
+    assert sweep.block_index == 0 and sweep.freq_mhz == 1400.0  # the reference: the top clock
+    assert sweep.iteration_ended() is False  # settle
+    for measured in range(1, 6):
+        assert sweep.iteration_ended() is False, measured  # below reference_iterations (6)
+        assert not sweep.must_end_block()
+    assert sweep.iteration_ended() is True  # 6 measured: the ranks may vote ...
+    assert sweep.measured_in_block == 6 and sweep.must_end_block()  # ... and must end it
+    sweep.end_block()
+    assert sweep.block_index == 1 and sweep.freq_mhz == 1220.0
+    assert sweep.iteration == 8  # warm-up, settle, 6 measured
+    assert sweep.iteration_ended() is False  # settle
+    assert sweep.iteration_ended() is False  # 1 measured: below iterations_per_freq (2)
+    assert sweep.iteration_ended() is True  # later blocks vote from iterations_per_freq ...
+    assert not sweep.must_end_block()
+    sweep.iteration_ended()
+    sweep.iteration_ended()
+    assert sweep.measured_in_block == 4 and sweep.must_end_block()  # ... and end at its maximum
+    # the sweep that never resolves early: the reference block's 2 extra iterations counted
+    assert config.max_iterations == 1 + 12 * (1 + 4) + (6 - 4)
 
 
 def test_max_iterations_per_freq_below_the_minimum_is_raised_to_it() -> None:
@@ -156,7 +201,10 @@ def test_stop_after_rises_zero_never_skips_a_clock() -> None:
 
 def test_a_single_clock_is_one_block() -> None:
     config = SweepConfig(freqs_mhz=(1410,), warmup_iterations=1)
-    assert _walk(config) == [(1410.0, False), (1410.0, True)]
+    # the one block is the reference block: reference_iterations (8) measured iterations
+    assert _walk(config) == [(1410.0, False)] + [(1410.0, True)] * 8
+    exact = SweepConfig(freqs_mhz=(1410,), warmup_iterations=1, reference_iterations=1)
+    assert _walk(exact) == [(1410.0, False), (1410.0, True)]
 
 
 @pytest.mark.parametrize(
@@ -179,6 +227,10 @@ def test_a_single_clock_is_one_block() -> None:
         {"freqs_mhz": (1410,), "target_error": 1.0},
         {"freqs_mhz": (1410,), "target_error": float("nan")},
         {"freqs_mhz": (1410,), "target_error": "0.02"},
+        {"freqs_mhz": (1410,), "reference_iterations": 0},
+        {"freqs_mhz": (1410,), "reference_iterations": True},
+        {"freqs_mhz": (1410,), "target_time_error": 0.0},
+        {"freqs_mhz": (1410,), "target_time_error": 1.0},
     ],
 )
 def test_bad_sweep_settings(kwargs: dict) -> None:
