@@ -11,6 +11,13 @@
   training alone;
 - after that first iteration, ``end`` asks for the next instruction's clock at once
   (``prefetch``), so the switch overlaps the wait for the next instruction's input;
+- with a lead (``lead_s``, the clock-change latency the session measured), a switch to a
+  *higher* clock is requested ahead: ``begin`` of the instruction before it asks for it,
+  delayed to ``lead_s`` before that instruction's predicted end, so the faster clock lands by
+  the time the next one starts (its tail runs fast: a little energy, no time). A switch down stays
+  at ``end`` (the next one's head runs at the faster old clock: energy, no time). The first
+  instruction's predecessor is the previous iteration's last (docs/runtime.md "Requesting
+  clocks ahead");
 - a change the controller reports failed (``AppliedChange.ok`` False: the control session
   reset the GPU to its baseline and recorded why, docs/real-gpu.md §2) stops the phase at the
   next iteration boundary (:meth:`ApplyPhase.check_changes`) and reports once through
@@ -24,18 +31,31 @@ this code does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import Protocol
 
+from powerlib.errors import InvalidArgumentError
 from powerlib.planning.pipeline import InstructionKey
 from powerlib.planning.plan import FrequencyPlan
 from powerlib.runtime.controller import FrequencyController
 from powerlib.runtime.phases import RankFailure, SessionPhase
+from powerlib.runtime.session_config import ApplyConfig
 
-__all__ = ["ApplyPhase"]
+__all__ = ["ApplyPhase", "plan_lead_s"]
 
 
 def _ignore(failure: RankFailure) -> None:
     """Nobody to tell (the emulator's ``powerlib simulate``)."""
+
+
+class _Latency(Protocol):
+    """What measured the clock-change latency (the profile phase)."""
+
+    @property
+    def latency_s(self) -> float | None:
+        """The latency to plan for (the 90th percentile of the warm-up's probes)."""
+        ...
 
 
 def _fmt(key: InstructionKey) -> str:
@@ -55,6 +75,13 @@ class ApplyPhase:
             after it); ``False`` when the caller runs the plan's own order (the emulator).
         on_stop: Called once, after the clocks were reset, with the reason the phase stopped:
             the loop does not run the plan's order (``off_order``), or a clock change failed.
+        lead_s: Request a switch up this long before the previous instruction's predicted
+            end: its begin + ``max(0, predicted_time_s - lead_s)`` (``planned_time_s`` when
+            the plan records no prediction; neither: not ahead). ``None``: off. Like
+            ``prefetch``, only after the order check.
+
+    Raises:
+        InvalidArgumentError: ``lead_s`` is negative or not finite.
     """
 
     def __init__(
@@ -66,8 +93,17 @@ class ApplyPhase:
         prefetch: bool = True,
         check_order: bool = True,
         on_stop: Callable[[RankFailure], None] = _ignore,
+        lead_s: float | None = None,
     ) -> None:
+        if lead_s is not None and not (math.isfinite(lead_s) and lead_s >= 0):
+            raise InvalidArgumentError(f"lead_s must be a finite number >= 0, not {lead_s}")
         stage_plan = plan.stage(stage)
+        self.lead_s = lead_s
+        self.durations: dict[InstructionKey, float | None] = {
+            p.key: p.planned_time_s if p.predicted_time_s is None else p.predicted_time_s
+            for p in stage_plan
+        }
+        """Each instruction's predicted time (what request ahead times a switch by)."""
         self.stage = stage
         self.expected: list[InstructionKey] = [p.key for p in stage_plan]
         self.freqs: dict[InstructionKey, float] = dict(
@@ -90,6 +126,29 @@ class ApplyPhase:
 
     wants_start = False
 
+    @classmethod
+    def for_session(
+        cls,
+        plan: FrequencyPlan,
+        stage: int,
+        controller: FrequencyController,
+        config: ApplyConfig,
+        profiling: _Latency | None,
+        *,
+        on_stop: Callable[[RankFailure], None],
+    ) -> ApplyPhase:
+        """A session's apply phase: ``config``'s prefetch and request ahead.
+
+        The lead is the one the plan was made for (``workload.request_ahead_s``: rank 0 planned
+        with the slowest rank's measured latency, and every rank must apply what it planned,
+        docs/perseus.md §2.8); none in a plan without one, or with ``config.request_ahead``
+        off. ``profiling`` is not read (kept for the callers' signature).
+        """
+        lead_s = plan_lead_s(plan) if config.request_ahead else None
+        return cls(
+            plan, stage, controller, prefetch=config.prefetch, on_stop=on_stop, lead_s=lead_s
+        )
+
     @property
     def active(self) -> bool:
         """The plan is applied (no mismatch or failure stopped it)."""
@@ -107,7 +166,23 @@ class ApplyPhase:
         freq = self.freqs.get(key)
         if freq is not None:
             self.request(freq)
+            if self.lead_s is not None and not self.checking:
+                self._request_ahead(key, freq)
         self.position += 1
+
+    def _request_ahead(self, key: InstructionKey, freq_mhz: float) -> None:
+        """Ask now for the next instruction's clock, if higher: to land by its start."""
+        expected, pos = self.expected, self.position + 1
+        nxt = self.freqs[expected[pos] if pos < len(expected) else expected[0]]
+        duration = self.durations.get(key)
+        if nxt <= freq_mhz or duration is None or self.lead_s is None:
+            return
+        marker = self.controller.marker
+        self.controller.request(
+            nxt,
+            after=None if marker is None else marker.record(),
+            delay_s=max(0.0, duration - self.lead_s),
+        )
 
     def end(self) -> None:
         """An instruction ends: ask for the next one's clock now (``prefetch``)."""
@@ -134,12 +209,16 @@ class ApplyPhase:
         """Nothing to agree on: the plan is fixed."""
 
     def request(self, freq_mhz: float) -> None:
-        """Hand a clock to the controller; a repeat of the last request costs nothing."""
-        if freq_mhz != self.controller.last_requested:
+        """Hand a clock to the controller; a repeat of the last request costs nothing.
+
+        A clock still delayed (requested ahead) is handed again: the controller applies it now.
+        """
+        ctl = self.controller
+        if freq_mhz != ctl.last_requested or freq_mhz == ctl.delayed_mhz:
             # On a GPU the host runs ahead: a marker on the stream holds the change until the
             # device reaches this point, on the controller's thread (no synchronize here).
-            marker = self.controller.marker
-            self.controller.request(freq_mhz, after=None if marker is None else marker.record())
+            marker = ctl.marker
+            ctl.request(freq_mhz, after=None if marker is None else marker.record())
 
     def check_changes(self) -> None:
         """Stop, and report once, if a change the controller made since the last call failed."""
@@ -193,3 +272,12 @@ class ApplyPhase:
                 off_order=True,
             )
         )
+
+
+def plan_lead_s(plan: FrequencyPlan) -> float | None:
+    """How far ahead ``plan`` was made to have its switches up requested (``None``: not)."""
+    value = plan.workload.get("request_ahead_s")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    lead = float(value)
+    return lead if math.isfinite(lead) and lead >= 0 else None

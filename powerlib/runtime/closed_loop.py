@@ -429,23 +429,25 @@ class ClosedLoop:
         A change lands where the sampler's reads first show its clock (the middle of the
         bracketing reads), when they do before the next change could land; else the typical
         landing latency after the driver call (the median this rank measured while profiling).
+        Changes land in the order they were made, each after the one before it: a read soon
+        after a change requested ahead can still show its clock from before a short dip
+        (issue 45), which put landings out of order and read the paired saving a point low.
         """
         changes = self.applied_since(since_s)
         times, freqs = self._sampler.clock_reads(since_s)
         clocks: list[tuple[float, float | None]] = [(-math.inf, None)]
         for k, change in enumerate(changes):
             freq = change.freq_mhz if change.ok else None
-            t_request = change.time_s
-            landing = t_request + self._latency_s
+            after = max(change.time_s, clocks[-1][0])
+            landing = change.time_s + self._latency_s
             if freq is not None:
                 limit = (
                     changes[k + 1].time_s + self._latency_s if k + 1 < len(changes) else math.inf
                 )
-                seen = first_read_showing(times, freqs, freq, t_request, limit)
+                seen = first_read_showing(times, freqs, freq, after, limit)
                 if seen is not None:
                     landing = 0.5 * (seen[0] + seen[1])
-            clocks.append((landing, freq))
-        clocks.sort(key=lambda c: c[0])
+            clocks.append((max(landing, clocks[-1][0]), freq))
         return tuple(clocks)
 
     def applied_since(self, since_s: float) -> list[AppliedChange]:

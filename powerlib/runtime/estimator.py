@@ -28,6 +28,7 @@ prediction beyond its interval (kept, with a warning); ``kept`` otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -165,6 +166,7 @@ def interleaved(
     """
     savings: list[float] = []
     slowdowns: list[float] = []
+    spread = _Spread()
     for refs, plans in rounds:
         ref = [_job(it) for it in refs]
         plan = [_job(it) for it in plans]
@@ -177,7 +179,51 @@ def interleaved(
         if ref_t > 0 and ref_e > 0:
             savings.append(100.0 * (1.0 - plan_e / ref_e))
             slowdowns.append(100.0 * (plan_t / ref_t - 1.0))
-    return Estimate.of("interleaved", savings, slowdowns) if savings else None
+            spread.add(ref, plan)
+    if not savings:
+        return None
+    got = Estimate.of("interleaved", savings, slowdowns)
+    # A handful of rounds can agree by chance: the interval is at least what the iterations'
+    # own spread gives a round (a factor shared by a whole iteration: 1-2 %, docs/emulator.md)
+    floor = spread.interval(len(savings))
+    if floor is None:
+        return got
+    saving_floor, slowdown_floor = floor
+    return dataclasses.replace(
+        got,
+        saving_ci_percent=max(got.saving_ci_percent, saving_floor),
+        slowdown_ci_percent=max(got.slowdown_ci_percent, slowdown_floor),
+    )
+
+
+class _Spread:
+    """The spread of iteration times and energies within windows, pooled over rounds."""
+
+    def __init__(self) -> None:
+        self.t_ss = self.e_ss = 0.0
+        self.dof = 0
+        self.share = 0.0  # sum over rounds of (1/n_ref + 1/n_plan)
+
+    def add(
+        self, ref: Sequence[tuple[float, float | None]], plan: Sequence[tuple[float, float | None]]
+    ) -> None:
+        """One round's reference and plan iterations."""
+        for window in (ref, plan):
+            ts = [t for t, _ in window]
+            es = [e for _, e in window if e is not None]
+            if len(ts) > 1 and len(es) == len(ts):
+                mt, me = statistics.fmean(ts), statistics.fmean(es)
+                self.t_ss += math.fsum((t / mt - 1.0) ** 2 for t in ts)
+                self.e_ss += math.fsum((e / me - 1.0) ** 2 for e in es)
+                self.dof += len(ts) - 1
+        self.share += 1.0 / len(ref) + 1.0 / len(plan)
+
+    def interval(self, rounds: int) -> tuple[float, float] | None:
+        """``(saving, slowdown)`` half-widths (points) of the mean over ``rounds``, or ``None``."""
+        if self.dof < 2 or not rounds:
+            return None
+        scale = t95(self.dof) * 100.0 * math.sqrt(self.share) / rounds
+        return scale * math.sqrt(self.e_ss / self.dof), scale * math.sqrt(self.t_ss / self.dof)
 
 
 def paired(
@@ -193,23 +239,35 @@ def paired(
         replayer: The planned workload's replay.
         refs: The reference iterations (calibrate the energy model).
         plans: The plan iterations.
-        held_s: The baseline iterations are held to at least this long (a straggler: the
-            ``deadline`` policy's reference windows' mean time), or ``None``.
+        held_s: The baseline iterations are held by a straggler (the ``deadline`` policy's
+            reference windows' mean time), or ``None``. Each plan iteration's baseline is held
+            to the reference iterations' (median) ratio of their time to their pipeline's
+            critical path, times its own pipeline's at the baseline clocks: the straggler's time
+            follows each iteration's shared factor (a job-wide one), which one mean time does
+            not; the mean is the fallback.
 
     Returns:
         ``None`` when fewer than two plan iterations replay, or no reference iteration
         calibrates the energy model.
     """
     calibration = []
+    ratios = []
     for it in refs:
         cf = replayer.replay(it)
         if cf is not None and cf.energy_j is not None and cf.model_energy_j > 0:
             calibration.append(cf.energy_j / cf.model_energy_j)
-    replayed: list[Counterfactual] = [
-        cf
-        for cf in (replayer.replay(it, held_s=held_s) for it in plans)
-        if cf is not None and cf.energy_j is not None
-    ]
+        if cf is not None and held_s is not None and cf.pipeline_s > 0:
+            ratios.append(cf.time_s / cf.pipeline_s)
+    ratio = statistics.median(ratios) if ratios else None
+    replayed: list[Counterfactual] = []
+    for it in plans:
+        hold = held_s
+        if held_s is not None and ratio is not None:
+            free = replayer.replay(it)
+            hold = None if free is None else ratio * free.pipeline_s
+        cf = replayer.replay(it, held_s=hold)
+        if cf is not None and cf.energy_j is not None:
+            replayed.append(cf)
     if len(replayed) < 2 or not calibration:
         return None
     c, c_ci = mean_ci(calibration)

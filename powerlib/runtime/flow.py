@@ -157,6 +157,7 @@ class Flow:
             progress=job.progress,
             on_finished=lambda payload: self.send(Profiled(payload)),
             on_failure=self.fail,
+            num_stages=self.config.workload.num_stages,
         )
         self.runner = profiling
         while True:
@@ -449,8 +450,8 @@ class Flow:
     def _apply_phase(self, job: Job, plan: FrequencyPlan) -> ApplyPhase:
         """This rank's stage of ``plan``, through the session's controller."""
         assert job.controller is not None
-        return ApplyPhase(
-            plan, job.stage, job.controller, prefetch=self.config.apply.prefetch, on_stop=self.fail
+        return ApplyPhase.for_session(
+            plan, job.stage, job.controller, self.config.apply, self.profiling, on_stop=self.fail
         )
 
     def replan(self, deadline_s: float) -> None:

@@ -201,7 +201,9 @@ class PolicyConfig:
         if self.unit_time_s is not None and not (
             math.isfinite(self.unit_time_s) and self.unit_time_s > 0
         ):
-            raise PlanError(f"unit_time_s must be a positive time in seconds, got {self.unit_time_s}")
+            raise PlanError(
+                f"unit_time_s must be a positive time in seconds, got {self.unit_time_s}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -215,11 +217,16 @@ class ApplyConfig:
         check_rounds: Rounds of interleaved all-max and plan windows measured after a plan
             arrives (:mod:`powerlib.runtime.closed_loop`): the saving the session reports is
             measured, and a plan that misses is reverted. 0: no check.
+        request_ahead: In the apply phase, request a switch to a higher clock ahead, by the
+            clock-change latency the session measured while profiling, so that it lands when
+            the instruction starts (docs/runtime.md "Requesting clocks ahead"); no effect
+            without that measurement (a session that did not profile).
     """
 
     prefetch: bool = True
     threaded: bool = True
     check_rounds: int = 3
+    request_ahead: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
