@@ -1,12 +1,12 @@
 """One rank of the torch.distributed integration tests (launched by test_torch_distributed.py).
 
-``pp_worker.py OUT SCHEDULE`` runs a 2-stage-per-rank or 1-stage-per-rank pipeline with the named
+``pp_worker.py OUT KIND[,KIND...]`` runs, for each kind in turn, a 2-stage-per-rank or 1-stage-per-rank pipeline with the named
 ``torch.distributed.pipelining`` schedule (or ``ddp``: a DDP model with two accumulated
 microbatches) through a session with the integration attached, on the simulated backend: profile
 three clocks, plan on rank 0, apply. Each pipeline iteration also runs ``schedule.eval()`` (but
 for the V schedules, ``NO_EVAL``), which must be neither recorded nor counted. Each stage's module sleeps ``BASE_S * f_max / f`` (``clocked.py``) in forward
 and backward for the clock in force (the simulated GPU does not run torch). Then it applies a plan
-whose stage-1 order was tampered with, and records the warnings. Writes ``rank<R>.json``.
+whose stage-1 order was tampered with, and records the warnings. Writes ``OUT/KIND/rank<R>.json``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,13 +92,26 @@ def _pipeline(kind: str, rank: int, world: int):
 
 
 def main() -> int:
-    out, kind = Path(sys.argv[1]), sys.argv[2]
+    """Run each kind named (comma-separated) in turn, in one process group: a torch process and
+    gloo start once for every schedule (a launch costs seconds on a 2-core CI machine)."""
+    out, kinds = Path(sys.argv[1]), sys.argv[2].split(",")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
     backend = powerlib.open_backend()
     device = backend.device(rank)
     Delay.device = device
+    for kind in kinds:
+        (out / kind).mkdir(parents=True, exist_ok=True)
+        result = run_kind(kind, out / kind, rank, world, device)
+        dist.barrier()
+        (out / kind / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+    return 0
+
+
+def run_kind(kind: str, out: Path, rank: int, world: int, device: Any) -> dict:
+    """One schedule (or DDP): profile, plan and apply, then a tampered plan; what each rank saw."""
+    torch.manual_seed(0)
     before = device.read_state().locked_sm_freqs_mhz
     result: dict = {"rank": rank}
 
@@ -168,10 +182,7 @@ def main() -> int:
             str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
         ]
     result["restored"] = device.read_state().locked_sm_freqs_mhz == before
-    dist.barrier()
-    dist.destroy_process_group()
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -27,12 +27,20 @@ WORKER = Path(__file__).with_name("pp_worker.py")
 WORLD = 2
 
 
-def _launch(tmp: Path, kind: str) -> list[dict]:
-    launch_ranks(WORKER, [str(tmp), kind], WORLD, tmp / "state")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
-
-
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "loopedbfs", "interleavedzb", "zbv", "dualpipev"]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of two ranks runs every schedule and DDP in turn (a torch process and gloo
+    start once, not eight times: about 45 s of the suite on a 2-core machine)."""
+    tmp = tmp_path_factory.mktemp("torch_distributed")
+    launch_ranks(WORKER, [str(tmp), ",".join([*SCHEDULES, "ddp"])], WORLD, tmp / "state")
+    return tmp
+
+
+def _results(launched: Path, kind: str) -> list[dict]:
+    return [json.loads((launched / kind / f"rank{r}.json").read_text()) for r in range(WORLD)]
 TWO_CHUNKS = {"interleaved", "loopedbfs", "interleavedzb", "zbv", "dualpipev"}
 V_SHAPED = {"zbv", "dualpipev"}
 SPLIT_BACKWARD = {"interleavedzb", "zbv", "dualpipev"}  # I and W instructions
@@ -45,9 +53,9 @@ def _is_subsequence(short: list, long: list) -> bool:
 
 @pytest.mark.parametrize("kind", SCHEDULES)
 def test_pipeline_schedule_applies_the_plan_and_catches_a_wrong_order(
-    kind: str, tmp_path: Path
+    kind: str, launched: Path
 ) -> None:
-    results = _launch(tmp_path, kind)
+    results = _results(launched, kind)
     for res in results:
         auto = res["auto"]
         assert auto["warnings"] == [], auto["warnings"]
@@ -81,8 +89,8 @@ def test_pipeline_schedule_applies_the_plan_and_catches_a_wrong_order(
     assert [res["mismatch"]["phase"] for res in results] == ["apply", "done"]
 
 
-def test_ddp_module_hooks_apply_the_plan(tmp_path: Path) -> None:
-    results = _launch(tmp_path, "ddp")
+def test_ddp_module_hooks_apply_the_plan(launched: Path) -> None:
+    results = _results(launched, "ddp")
     for res in results:
         auto = res["auto"]
         assert auto["warnings"] == [], auto["warnings"]
