@@ -1,7 +1,7 @@
 """One rank of the torch.distributed integration tests (launched by test_torch_distributed.py).
 
-``pp_worker.py OUT KIND[,KIND...]`` runs, for each kind in turn, a 2-stage-per-rank or 1-stage-per-rank pipeline with the named
-``torch.distributed.pipelining`` schedule (or ``ddp``: a DDP model with two accumulated
+``pp_worker.py OUT KIND[,KIND...]`` runs, for each kind in turn, a 2-stage-per-rank or
+1-stage-per-rank pipeline with the named ``torch.distributed.pipelining`` schedule (or ``ddp``: a DDP model with two accumulated
 microbatches) through a session with the integration attached, on the simulated backend: profile
 three clocks, plan on rank 0, apply. Each pipeline iteration also runs ``schedule.eval()`` (but
 for the V schedules, ``NO_EVAL``), which must be neither recorded nor counted. Each stage's module sleeps ``BASE_S * f_max / f`` (``clocked.py``) in forward
