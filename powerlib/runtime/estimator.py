@@ -259,15 +259,14 @@ def paired(
         if cf is not None and held_s is not None and cf.pipeline_s > 0:
             ratios.append(cf.time_s / cf.pipeline_s)
     ratio = statistics.median(ratios) if ratios else None
-    replayed: list[Counterfactual] = []
-    for it in plans:
-        hold = held_s
-        if held_s is not None and ratio is not None:
-            free = replayer.replay(it)
-            hold = None if free is None else ratio * free.pipeline_s
-        cf = replayer.replay(it, held_s=hold)
-        if cf is not None and cf.energy_j is not None:
-            replayed.append(cf)
+    replayed: list[Counterfactual] = [
+        cf
+        for cf in (
+            replayer.replay(it, held_s=held_s if ratio is None else None, held_ratio=ratio)
+            for it in plans
+        )
+        if cf is not None and cf.energy_j is not None
+    ]
     if len(replayed) < 2 or not calibration:
         return None
     c, c_ci = mean_ci(calibration)

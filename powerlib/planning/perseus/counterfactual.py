@@ -160,7 +160,11 @@ class Replayer:
         return max(finish, default=0.0)
 
     def replay(
-        self, records: Sequence[IterationRecord], *, held_s: float | None = None
+        self,
+        records: Sequence[IterationRecord],
+        *,
+        held_s: float | None = None,
+        held_ratio: float | None = None,
     ) -> Counterfactual | None:
         """One iteration (every stage's record) at the baseline clocks.
 
@@ -169,6 +173,8 @@ class Replayer:
             held_s: Something outside the pipeline (a straggler's data-parallel peer) holds
                 the baseline iteration to at least this long; its stages draw the blocking
                 power meanwhile.
+            held_ratio: Instead of ``held_s``: held to this many times the baseline
+                pipeline's own critical path (:attr:`Counterfactual.pipeline_s`).
 
         Returns:
             ``None`` when the records do not cover the DAG exactly (a stage missing, an
@@ -208,6 +214,8 @@ class Replayer:
         time_s = max(rec.end_s - rec.start_s for rec in records)
         pipeline_s = self._critical_path_s(base)
         baseline_time_s = time_s - self._critical_path_s(actual) + pipeline_s
+        if held_ratio is not None:
+            held_s = held_ratio * pipeline_s
         if held_s is not None:
             baseline_time_s = max(baseline_time_s, held_s)
         p_block = model.p_block_w

@@ -145,6 +145,10 @@ class NoisyReplay:
         row_groups = samples if row_groups is None else row_groups
         dag = model.dag
         self._layout = layout_of(dag)
+        self._next = [-1] * len(dag.instructions)  # each node's same-stage successor
+        for node, before in enumerate(self._layout.prev):
+            if before >= 0:
+                self._next[before] = node
         rng = np.random.default_rng(seed)
         n = len(dag.instructions)
         noise = noise if noise is not None else TimeNoise.iid(cv)
@@ -209,10 +213,7 @@ class NoisyReplay:
         via = np.full((n, k), -1, dtype=np.int64)
         model = self._model
         dag = model.dag
-        nxt = [-1] * n
-        for node, before in enumerate(prev):
-            if before >= 0:
-                nxt[before] = node
+        nxt = self._next
         for v in topo:
             start = np.zeros(k)
             src = np.full(k, -1, dtype=np.int64)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from perseus_cases import profile_or_skip
@@ -148,10 +150,16 @@ def test_the_plan_workflow_solves_the_guard_beside_the_points() -> None:
     assert list(result.choice.options) == again
 
 
-def test_set_many_equals_one_full_replay() -> None:
+@pytest.mark.parametrize("request_ahead_s", [None, 0.03])
+def test_set_many_equals_one_full_replay(request_ahead_s: float | None) -> None:
+    """Also with switches up requested ahead (issue 45): a change then also re-times the
+    instruction before it (its tail runs at the faster clock)."""
     frontier = _frontier("profile_gpt3-175b_a100_sxm.csv", microbatches=8)
+    model = dataclasses.replace(frontier.model, request_ahead_s=request_ahead_s)
     chosen = frontier.planned_options(frontier.fastest)
-    replay = IncrementalReplay(frontier.model, chosen, 0.02)
+    replay = IncrementalReplay(model, chosen, 0.02)
+    full = replay_options(model, chosen, 0.02)
+    assert (replay.run().time_s, replay.run().energy_j) == (full.time_s, full.energy_j)
     rng = np.random.default_rng(1)
     for _ in range(5):
         moves = []
@@ -162,7 +170,7 @@ def test_set_many_equals_one_full_replay() -> None:
         replay.set_many(moves)
         for v, option in moves:
             chosen[v] = option
-        full = replay_options(frontier.model, chosen, 0.02)
+        full = replay_options(model, chosen, 0.02)
         got = replay.run()
         assert (got.time_s, got.energy_j) == (full.time_s, full.energy_j)
 

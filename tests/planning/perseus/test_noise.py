@@ -12,12 +12,7 @@ from powerlib.planning.choice import Policy, choose
 from powerlib.planning.perseus.frequency_options import Option
 from powerlib.planning.perseus.frontier import Frontier, FrontierSettings, compute_frontier
 from powerlib.planning.perseus.noise import NoisyReplay, TimeNoise
-from powerlib.planning.perseus.replay import (
-    IncrementalReplay,
-    ReplayModel,
-    replay_options,
-    tail_ahead,
-)
+from powerlib.planning.perseus.replay import ReplayModel, replay_options, tail_ahead
 from powerlib.planning.profile import Profile
 from powerlib.planning.schedules import build_schedule
 
@@ -119,28 +114,6 @@ def test_a_switch_up_requested_ahead_lands_by_the_start_and_speeds_the_tail() ->
     ) == (0.005, option.energy_j)
     # a switch down is requested at the end, as before: no request ahead
     assert ahead.requested_after_s(chosen[backward], chosen[forward]) is None
-
-
-def test_the_incremental_replay_equals_the_full_replay_with_requests_ahead() -> None:
-    frontier = _frontier(stages=4, microbatches=8)
-    model = dataclasses.replace(frontier.model, request_ahead_s=0.03)
-    chosen = frontier.planned_options(frontier.fastest)
-    replay = IncrementalReplay(model, chosen, 0.02)
-    full = replay_options(model, chosen, 0.02)
-    assert (replay.run().time_s, replay.run().energy_j) == (full.time_s, full.energy_j)
-    rng = np.random.default_rng(4)
-    for _ in range(8):
-        moves = []
-        for v in rng.choice(len(chosen), size=5, replace=False):
-            ins = frontier.dag.instructions[int(v)]
-            options = frontier.options[(ins.stage, ins.kind)]
-            moves.append((int(v), options[int(rng.integers(len(options)))]))
-        replay.set_many(moves)
-        for v, option in moves:
-            chosen[v] = option
-        full = replay_options(model, chosen, 0.02)
-        got = replay.run()
-        assert (got.time_s, got.energy_j) == (full.time_s, full.energy_j)
 
 
 def test_the_guard_spends_less_on_latency_when_switches_up_are_requested_ahead() -> None:
