@@ -75,7 +75,8 @@ class SolvedRows:
     Attributes:
         rows: One row per (kind, clock) that resolved.
         errors: Each row's relative 95 % half-width of its power.
-        p_block_w: The blocking power between instructions, when it resolved.
+        p_block_w: The blocking power between instructions, when it resolved: positive, with
+            its 95 % interval clear of 0 W (``None`` otherwise).
         p_block_error: Its relative half-width.
         time_cv: The median run-to-run spread of an instruction's time (the guard's margin).
         time_se: The median relative standard error of a row's mean time.
@@ -285,6 +286,11 @@ class Blocks:
             )
             errors[(kind, freq)] = error
         rest = powers.get(REST)
+        if rest is not None and not (rest[0] > 0 and rest[1] < 1):
+            # a blocking power at or below 0 W, or whose 95 % interval reaches 0 W: the gaps
+            # between instructions were too short to tell it (the planner falls back to the
+            # devices' idle power and says so; a CI run planned with -65 W and failed)
+            rest = None
         return SolvedRows(
             rows=rows,
             errors=errors,
