@@ -22,7 +22,15 @@ issue's target (docs/agent.md §6):
 * **connections**: ``--connections`` clients connected at once, every one answered (>= 512);
 * **clock change**: ``ControlSession.apply_sm_clocks`` through the agent vs the same call on the
   simulated backend directly in this process, medians side by side (target: agent <= direct +
-  0.3 ms).
+  0.3 ms);
+* **flood** (issue 46): a real agent process (``powerlib agent serve``, simulated backend, state
+  persisted) with a granted job (uid nobody, GPU 0) changing its power limit over and over, and
+  root on the host asking revokes, first alone and then while another uid (no rule names it)
+  pipelines ``devices`` on ``--flood-connections`` connections (128: the cap per uid), side by
+  side: the job's change p50/p95/max, root's revoke (the request, and ``powerlib agent revoke``
+  as an epilog runs it), the flood's answers per second (target: the job's p50 under the flood
+  <= 2x its p50 alone). The clients are forks that ``setuid`` (the interpreter may lie where
+  other uids cannot read), made before the in-process agent's thread starts.
 
 Prints one JSON object; exits 1 if a target is missed.
 """
@@ -30,6 +38,7 @@ Prints one JSON object; exits 1 if a target is missed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -50,7 +59,9 @@ TARGETS = {
     "restore_start_p99_ms": 10.0,
     "connections_min": 512,
     "clock_change_overhead_ms": 0.3,
+    "flood_job_p50_ratio": 2.0,
 }
+FLOODER_UID, JOB_UID, NOGROUP = 65532, 65534, 65534
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -117,6 +128,171 @@ def _load(sock: Path, seconds: float, aligned: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _fork_as(uid: int, body: Any) -> tuple[int, Any]:
+    """A forked child as ``uid`` (gid nogroup) running ``body(write_fd)``; its pid, and its
+    pipe's read end as a binary file."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOGROUP)
+            os.setuid(uid)
+            body(w)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, os.fdopen(r, "rb")
+
+
+def _flooder(sock: Path, connections: int, w: int) -> None:
+    """Pipelines ``devices`` on ``connections`` sockets until SIGTERM; the answers read."""
+    import selectors
+    import socket
+
+    from powerlib.agent import protocol
+
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    blob = b"".join(
+        protocol.encode({"v": protocol.VERSION, "id": i, "op": "devices"}) for i in range(2000)
+    )
+    start = time.monotonic()
+    sel = selectors.DefaultSelector()
+    for _ in range(connections):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(sock))
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ | selectors.EVENT_WRITE, [0])
+    answered = 0
+    os.write(w, b"flooding\n")
+    while not stop:
+        for key, events in sel.select(0.1):
+            s = key.fileobj  # type: ignore[assignment]
+            with contextlib.suppress(BlockingIOError, BrokenPipeError, ConnectionResetError):
+                if events & selectors.EVENT_READ:
+                    answered += s.recv(1 << 20).count(b"\n")
+                if events & selectors.EVENT_WRITE:
+                    sent = key.data[0]
+                    key.data[0] = (sent + s.send(blob[sent:] or blob)) % len(blob)
+    elapsed = time.monotonic() - start
+    os.write(w, json.dumps({"answered": answered, "elapsed_s": elapsed}).encode() + b"\n")
+
+
+def _flood_job(sock: Path, samples: int, go_r: int, w: int) -> None:
+    """The granted job: ``samples`` power-limit changes, timed, each time the parent says go."""
+    from powerlib.agent.client import AgentConnection
+
+    conn = AgentConnection(sock)
+    limits = (250.0, 300.0)
+    for i in range(30):  # the lease's first change journals; then warm
+        conn.call("set_power_limit", device=0, power_limit_w=limits[i % 2])
+    while os.read(go_r, 1) == b"g":
+        lat: list[float] = []
+        end = time.monotonic() + 10.0
+        while len(lat) < samples and time.monotonic() < end:
+            t0 = time.perf_counter()
+            conn.call("set_power_limit", device=0, power_limit_w=limits[len(lat) % 2])
+            lat.append((time.perf_counter() - t0) * 1e3)
+        os.write(w, json.dumps(lat).encode() + b"\n")
+
+
+def _revokes(sock: Path, env: dict[str, str], grants: Path) -> dict[str, Any]:
+    """Root on the host: 15 ``revoke`` requests (a job with no lease), and 3 runs of
+    ``powerlib agent revoke`` as an epilog runs it; ms."""
+    from powerlib.agent.client import AgentConnection
+
+    req = []
+    with AgentConnection(sock) as conn:
+        for _ in range(15):
+            t0 = time.perf_counter()
+            conn.call("revoke", job="bench-flood")
+            req.append((time.perf_counter() - t0) * 1e3)
+            time.sleep(0.01)
+    cli = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "powerlib", "agent", "revoke", "--job", "bench-flood",
+             "--grants-dir", str(grants)],
+            env=env, check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        cli.append((time.perf_counter() - t0) * 1e3)
+    return {"request_p50": _pct(req, 0.5), "request_max": max(req),
+            "cli_median": statistics.median(cli), "cli_max": max(cli)}  # fmt: skip
+
+
+def _flood_phase(job: Any, go_w: int, sock: Path, env: dict[str, str], grants: Path) -> Any:
+    os.write(go_w, b"g")
+    lat = json.loads(job.readline())
+    return {
+        "job_set_power_limit_ms": {
+            "p50": _pct(lat, 0.5), "p95": _pct(lat, 0.95), "max": max(lat), "n": len(lat),
+        },
+        "root_revoke_ms": _revokes(sock, env, grants),
+    }  # fmt: skip
+
+
+def _flood(root: Path, connections: int, samples: int) -> dict[str, Any]:
+    """The flood case (see the docstring), on an agent process of its own."""
+    import powerlib.agent.client
+    import powerlib.agent.protocol  # noqa: F401 - imported before the forks drop to other uids
+
+    folder = root / "flood"
+    (folder / "run").mkdir(parents=True)
+    for path in (root, folder, folder / "run"):
+        path.chmod(0o755)  # the socket's folder reachable by the clients' uids
+    sock, grants, allow = folder / "run" / "agent.sock", folder / "grants", folder / "allow.json"
+    allow.write_text(json.dumps({"rules": [{"name": "job", "uid": JOB_UID, "devices": ["0"]}]}))
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("POWERLIB_")},
+        "POWERLIB_BACKEND": "simulated", "POWERLIB_SIM_GPUS": "8",
+        "POWERLIB_STATE_DIR": str(folder / "state"), "POWERLIB_AGENT_SOCKET": str(sock),
+    }  # fmt: skip
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "powerlib", "agent", "serve", "--socket", str(sock), "--group",
+         str(NOGROUP), "--grants-dir", str(grants), "--allow", str(allow)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        go_r, go_w = os.pipe()
+        job_pid, job = _fork_as(JOB_UID, lambda w: _flood_job(sock, samples, go_r, w))
+        pids.append(job_pid)
+        os.close(go_r)
+        alone = _flood_phase(job, go_w, sock, env, grants)
+        flood_pid, flood = _fork_as(FLOODER_UID, lambda w: _flooder(sock, connections, w))
+        pids.append(flood_pid)
+        assert flood.readline() == b"flooding\n"
+        time.sleep(0.5)  # past the pool's burst: the steady flood
+        flooded = _flood_phase(job, go_w, sock, env, grants)
+        os.kill(flood_pid, signal.SIGTERM)
+        answered = json.loads(flood.readline())
+        os.close(go_w)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        agent.terminate()
+        agent.wait(timeout=30)
+    return {
+        "backend": "simulated (8 GPUs, state persisted), agent process `powerlib agent serve`",
+        "flood": f"uid {FLOODER_UID} (no rule), {connections} connections pipelining `devices`",
+        "job": f"uid {JOB_UID} (allow list, GPU 0): set_power_limit back to back",
+        "alone": alone, "flooded": flooded,
+        "flood_answers": {**answered, "per_s": answered["answered"] / answered["elapsed_s"]},
+        "job_p50_ratio": flooded["job_set_power_limit_ms"]["p50"]
+        / alone["job_set_power_limit_ms"]["p50"],
+    }  # fmt: skip
+
+
 def _in_memory_load(root: Path, seconds: float) -> dict[str, Any]:
     from powerlib.agent.authz import Rules
     from powerlib.agent.transport import Agent
@@ -140,6 +316,9 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=40)
     ap.add_argument("--connections", type=int, default=600)
     ap.add_argument("--changes", type=int, default=1000)
+    ap.add_argument("--flood-connections", type=int, default=128)
+    ap.add_argument("--flood-samples", type=int, default=300)
+    ap.add_argument("--only-flood", action="store_true", help="run the flood case alone")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--client", choices=("load", "lease"), help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
@@ -175,6 +354,11 @@ def main() -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        # before the in-process agent's thread starts: the flood's clients are forks
+        out["flood"] = _flood(root, args.flood_connections, args.flood_samples)
+        if args.only_flood:
+            print(json.dumps(out, indent=2))
+            return 0
         sock = root / "run" / "agent.sock"  # the socket alone in its folder (docs/agent.md §4)
         settings = Settings(backend="simulated", sim_gpus=8, state_dir=root / "agent-state")
         backend = SimulatedBackend(settings)
@@ -265,6 +449,7 @@ def main() -> int:
         "connections_min": out["connections"]["answered"] >= TARGETS["connections_min"],
         "clock_change_overhead_ms": out["clock_change_ms"]["overhead"]
         <= TARGETS["clock_change_overhead_ms"],
+        "flood_job_p50_ratio": out["flood"]["job_p50_ratio"] <= TARGETS["flood_job_p50_ratio"],
     }
     out["targets"] = TARGETS
     out["met"] = checks

@@ -300,6 +300,25 @@ class KubernetesGrants:
         placed = _place(self._cgroup_of(pid))
         return "?" if placed.problem is not None else placed.pod_uid
 
+    def pod_granted(self, pid: int) -> bool:
+        """Whether the kubelet gave any container of ``pid``'s pod a device (False: a host's).
+
+        The pod's standing for the agent's limits (docs/agent.md §5), whichever container asks:
+        a pod is judged by its GPU container, not by a sidecar that connected first. Only the
+        pod's identity is checked (:meth:`_identify`); :meth:`devices_of` admits to a device.
+
+        Raises:
+            ConfigError: The process cannot be placed or its pod confirmed (the message says why).
+        """
+        placed = _place(self._cgroup_of(pid))
+        if placed.problem is not None:
+            raise ConfigError(f"pid {pid}'s cgroup {placed.problem}")
+        if placed.pod_uid is None or placed.container_id is None:
+            return False
+        _, pod_namespace, pod_name, _ = self._identify(placed)
+        pods = self._allocations().items()
+        return any(ids for (ns, pod, _), ids in pods if (ns, pod) == (pod_namespace, pod_name))
+
     def devices_of(self, pid: int) -> PodDevices | None:
         """The devices the kubelet allocated to this process's container (None: not in a pod).
 
@@ -336,6 +355,16 @@ class KubernetesGrants:
 
     def _place_container(self, pid: int, placed: _Placement) -> PodDevices:
         """:meth:`devices_of` for a process the cgroup places in a container: the checks."""
+        status, namespace, name, container = self._identify(placed)
+        if status.state != _CONTAINER_RUNNING:
+            short = status.container_id[:12]
+            raise ConfigError(f"the container runtime reports container {short} is not running")
+        self._check_peer(pid, placed, status)
+        devices = self._allocations().get((namespace, name, container), ())
+        return PodDevices(rule=f"pod:{namespace}/{name}/{container}", devices=devices)
+
+    def _identify(self, placed: _Placement) -> tuple[_Status, str, str, str]:
+        """Its runtime status and ``(namespace, pod, container)``, folders and pod UID checked."""
         assert placed.pod_uid is not None and placed.container_id is not None
         pod_uid, container_id = placed.pod_uid, placed.container_id
         self._check_folders(placed)
@@ -343,8 +372,6 @@ class KubernetesGrants:
         short = container_id[:12]
         if status.container_id != container_id:
             raise ConfigError(f"the container runtime answered for another container than {short}")
-        if status.state != _CONTAINER_RUNNING:
-            raise ConfigError(f"the container runtime reports container {short} is not running")
         labels = status.labels
         name = labels.get("io.kubernetes.pod.name")
         namespace = labels.get("io.kubernetes.pod.namespace")
@@ -355,9 +382,7 @@ class KubernetesGrants:
             raise ConfigError(
                 f"container {short}: the runtime's pod UID does not match its cgroup's"
             )
-        self._check_peer(pid, placed, status)
-        devices = self._allocations().get((namespace, name, container), ())
-        return PodDevices(rule=f"pod:{namespace}/{name}/{container}", devices=devices)
+        return status, namespace, name, container
 
     # -- the checks -------------------------------------------------------------------------------
 

@@ -13,10 +13,11 @@ the device back the moment the client goes (docs/agent.md). What this module hol
 * **The end of a client.** When the connection closes, or the client process dies (a pidfd:
   this catches a forked child that keeps the socket), its socket is aborted and its leases end.
 * **Hostile clients.** Lines are capped (:data:`~powerlib.agent.protocol.MAX_LINE_BYTES`), a
-  partial line must complete within ``line_timeout_s``, each connection is rate limited, each
-  uid may hold a bounded number of connections, and every connection is its own coroutine, so a
-  slow or flooding client delays only itself. Device calls run on a thread pool when they are
-  slow, never stalling the event loop (docs/agent.md §5).
+  partial line must complete within ``line_timeout_s``, each uid (or pod) is rate limited, all
+  its connections together (:mod:`powerlib.agent.throttle`), each uid may hold a bounded number
+  of connections, and every connection is its own coroutine, so a slow or flooding client delays
+  only itself; an answer that never changes (``devices``) is encoded once. Device calls run on a
+  thread pool when they are slow, never stalling the event loop (docs/agent.md §5).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from powerlib.agent.listener import (
 )
 from powerlib.agent.logs import LogLimiter
 from powerlib.agent.peer import Peer, peer_of, pidfd_of
+from powerlib.agent.throttle import PoolThrottle
 from powerlib.backend import Backend
 from powerlib.errors import ConfigError, PermissionDeniedError, PowerlibError
 
@@ -72,7 +74,9 @@ class Agent:
         idle_timeout_s: A connection that holds no lease and sends nothing for this long is
             closed (the client reconnects when it next needs the agent).
         line_timeout_s: How long a partial request line may stay incomplete.
-        rate_per_s: Requests a connection may make per second (a burst of a quarter of it).
+        rate_per_s: Requests one uid (or pod) may make per second, all its connections
+            together, in bursts of a quarter of it; a quarter of that while no rule admits it
+            (it can only read). Root on the host: each connection that much.
         workers: Threads for device calls that are slow.
         inline_below_s: A device whose calls take less runs them on the event loop (see
             :meth:`~powerlib.agent.leases.Leases.call`); 0 sends every call to the thread pool.
@@ -116,6 +120,8 @@ class Agent:
         self._log_limits: dict[str, LogLimiter] = {}
         self.line_timeout_s = line_timeout_s
         self.rate_per_s = rate_per_s
+        self._rates = PoolThrottle(max_pools=4096)  # bounded, like _log_limits
+        self._devices_json: bytes | None = None
         self.listen_fd = listen_fd if listen_fd is not None else systemd_listen_fd()
         self.allow_path = allow_path
         self.leases = Leases(backend, rules, workers=workers, inline_below_s=inline_below_s)
@@ -342,7 +348,10 @@ class Agent:
         return limit
 
     async def _pod_granted(self, pod: str, peer: Peer) -> bool:
-        """Whether the kubelet gave ``pod`` any device.
+        """Whether the kubelet gave any container of ``pod`` a device.
+
+        A pod is judged by its GPU container, not by the first of its containers to connect
+        (:meth:`~powerlib.agent.kubernetes.KubernetesGrants.pod_granted`).
 
         Asked once per pod at a time, and kept a few seconds, so a pod opening connections in a
         loop cannot make the agent flood the runtime.
@@ -362,8 +371,8 @@ class Agent:
 
     async def _ask_pod(self, pod: str, peer: Peer) -> bool:
         try:
-            found = await self.leases.call(self.rules.kubernetes.devices_of, peer.pid)
-            granted = bool(found is not None and found.devices)
+            # the pod's standing, whichever of its containers asks first (docs/agent.md §5)
+            granted = bool(await self.leases.call(self.rules.kubernetes.pod_granted, peer.pid))
         except PowerlibError:
             granted = False
         if len(self._pod_standing) > 4096:
@@ -435,7 +444,16 @@ class Agent:
                 return
 
     async def _throttle(self, client: Client) -> None:
-        """A token bucket per connection: a flood waits on its own coroutine, nobody else's."""
+        """One rate per uid or pod, all its connections together (docs/agent.md §5).
+
+        A flood waits on its own coroutines, each for its pool's next slot, so the loop serves
+        the other pools between its requests (and yields between requests even at no wait).
+        Root on the host is exempt from the pool's rate: each of its connections has a bucket.
+        """
+        if client.pool != "root":
+            rate = self.rate_per_s if client.granted else self.rate_per_s / 4
+            await asyncio.sleep(self._rates.delay_s(client.pool, rate, rate / 4))
+            return
         now = time.monotonic()
         burst = self.rate_per_s / 4
         client.tokens = min(burst, client.tokens + (now - client.refilled_s) * self.rate_per_s)
@@ -455,6 +473,8 @@ class Agent:
             await self._refuse(client, err)
             return False
         rid = msg.get("id")
+        if msg["op"] == "devices":  # the same answer all the agent's life: encoded once
+            return await self._write(client, self._devices_line(rid))
         try:
             result = await self.leases.dispatch(client, msg)
         except PowerlibError as err:
@@ -467,11 +487,28 @@ class Agent:
             return await self._send(client, protocol.error_reply(rid, err))
         return await self._send(client, protocol.reply(rid, result))
 
+    def _devices_line(self, rid: Any) -> bytes:
+        """``devices``' reply line: the devices encoded at the first request, the id spliced in.
+
+        Byte for byte what :func:`protocol.encode` makes of the reply (a test holds it to that).
+        """
+        tail = b"null}\n"
+        if self._devices_json is None:
+            empty = protocol.encode(protocol.reply(None, None))  # ...,"result":null}\n
+            whole = protocol.encode(protocol.reply(None, self.leases.wire_devices))
+            self._devices_json = whole[len(empty) - len(tail) : -2]
+        head = protocol.encode(protocol.reply(rid, None))
+        assert head.endswith(tail)  # the result is the reply's last key
+        return head[: -len(tail)] + self._devices_json + b"}\n"
+
     async def _send(self, client: Client, message: dict[str, object]) -> bool:
+        return await self._write(client, protocol.encode(message))
+
+    async def _write(self, client: Client, line: bytes) -> bool:
         if client.ended:
             return False
         try:
-            client.writer.write(protocol.encode(message))
+            client.writer.write(line)
             await client.writer.drain()
         except (ConnectionError, RuntimeError):
             return False

@@ -864,3 +864,62 @@ def test_a_pod_asking_again_and_again_costs_the_runtime_a_question_or_two(kube) 
     assert out == ["PermissionDeniedError"]  # 200 refusals...
     assert len(node.cri_requests) <= 3, len(node.cri_requests)  # ...from a question or two
     assert _states(agent) == _defaults(agent)
+
+
+# -- a pod is judged by its GPU container (issue 46, read-only finding) -----------------------------
+
+
+def test_a_pod_is_judged_by_its_gpu_container_not_the_first_to_connect(kube) -> None:
+    """A pod's standing (granted or not: its rate, and whether its connections count against
+    the ungranted clients' share) was the standing of whichever container connected first: a
+    sidecar without a GPU connecting first made its trainer, the container the kubelet gave a
+    GPU, an ungranted client for a few seconds, turned away here by that share."""
+    node, agent, cgroups, uuids = kube
+    sidecar_cid = "cd" * 32
+    node.containers = [
+        (CID, labels("train-0", "ml", POD_UID)),
+        (sidecar_cid, labels("train-0", "ml", POD_UID, "logs")),
+    ]
+    node.pods = [("ml", "train-0", [("trainer", {"nvidia.com/gpu": [uuids[1]]}), ("logs", {})])]
+    agent.max_ungranted = 1
+    sidecar = cgroup_v2(POD_UID, sidecar_cid)
+    cgroup_tree(node.cgroup_fs, sidecar)
+    down, w_down = os.pipe()
+    pid, r = spawn_as(NOBODY, lambda w: _client(agent.socket_path, down, w, "devices", {}))
+    os.close(down)
+    try:
+        cgroups[pid] = sidecar
+        node.init_pids[sidecar_cid] = pid
+        os.write(w_down, b"g")
+        assert Lines(r).get("result") == "ok"  # the sidecar first, and it holds its connection
+        assert agent.rules.kubernetes is not None
+        assert agent.rules.kubernetes.pod_granted(pid) is True  # its pod has a GPU container
+        out, states = _attempt(kube, NOBODY, cgroup_v2(POD_UID, CID), 1)
+    finally:
+        with contextlib.suppress(OSError):
+            os.write(w_down, b"r")
+        os.close(w_down)
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert out == "ok", out  # before: turned away (the client saw its socket closed)
+    assert states[1][0] is not None and states[0] == _defaults(agent)[0]
+
+
+def test_a_pod_without_a_gpu_container_is_not_granted(kube) -> None:
+    node, agent, cgroups, _ = kube
+    node.containers = [(CID, labels("notebook", "ml", POD_UID))]
+    node.pods = [
+        ("ml", "notebook", [("trainer", {})]),
+        ("ml", "other", [("trainer", {"nvidia.com/gpu": ["GPU-x"]})]),  # another pod's GPU
+    ]
+    text = cgroup_v2(POD_UID, CID)
+    cgroup_tree(node.cgroup_fs, text)
+    grants = agent.rules.kubernetes
+    assert grants is not None
+    cgroups[4242] = text
+    assert grants.pod_granted(4242) is False
+    cgroups[4243] = "0::/user.slice\n"
+    assert grants.pod_granted(4243) is False  # a host process: no pod to judge
+    cgroups[4244] = "garbage\n"
+    with pytest.raises(ConfigError, match="cgroup has a line"):
+        grants.pod_granted(4244)
