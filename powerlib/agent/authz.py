@@ -13,7 +13,10 @@ Two sources grant a uid (or a group) devices, each by any id form (index, UUID, 
   by the Slurm prolog (``powerlib agent grant --job "$SLURM_JOB_ID" --uid "$SLURM_JOB_UID"
   --devices "$SLURM_JOB_GPUS"``) and removed by the epilog (``powerlib agent revoke``). Read at
   each check, so a grant takes effect at once; a grant file or folder that is not root's, is a
-  symlink, or is writable by group or others is ignored (and said in the refusal).
+  symlink, or is writable by group or others is ignored (and said in the refusal). A device is
+  one job's at a time: the grant command takes the new job's devices out of every other job's
+  grant (one a failed epilog left). A folder or grant file that cannot be read (out of file
+  descriptors, an I/O error) keeps its last good reading, so such a failure ends no job's leases.
 
 Every refusal names the device, the uid and the rule that decided (or that none matched).
 """
@@ -21,6 +24,8 @@ Every refusal names the device, the uid and the rule that decided (or that none 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import grp
 import json
 import logging
@@ -28,7 +33,7 @@ import os
 import pwd
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +43,15 @@ from powerlib.control import check_trusted
 from powerlib.errors import ConfigError, UntrustedStateError
 from powerlib.inputs import show_path
 
-__all__ = ["Grant", "Rules", "load_allow_list", "read_grants", "remove_grant", "write_grant"]
+__all__ = [
+    "Grant",
+    "Rules",
+    "clear_device_grants",
+    "load_allow_list",
+    "read_grants",
+    "remove_grant",
+    "write_grant",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +112,9 @@ class Rules:
     """A :class:`~powerlib.agent.kubernetes.KubernetesGrants`, or None (not on Kubernetes)."""
     _cache: _Reading | None = field(default=None, repr=False)
     _ignored_logged: tuple[str, ...] = field(default=(), repr=False)
+    _last_good: dict[str, Grant] = field(default_factory=dict, repr=False)
+    """The grants read last, by file name: what a file or folder that cannot be read keeps."""
+    _failed_logged: tuple[str, ...] = field(default=(), repr=False)
 
     def grants(self) -> tuple[tuple[Grant, ...], tuple[str, ...]]:
         """The job grants now, and a line per grant file that was ignored.
@@ -120,7 +136,7 @@ class Rules:
         if cache is not None and cache[0] == key and now - cache[1] < _GRANTS_TTL_S:
             return cache[2], cache[3]
         settled = not key or time.time_ns() - max(key[1], key[2]) >= _SETTLE_NS
-        found, ignored = read_grants(self.grants_dir)
+        found, ignored = self._read_keeping_last_good(self.grants_dir)
         self._cache = (key if settled else None, now, tuple(found), tuple(ignored))
         if self._cache[3] != self._ignored_logged:
             for line in self._cache[3]:
@@ -129,9 +145,41 @@ class Rules:
             self._ignored_logged = self._cache[3]
         return self._cache[2], self._cache[3]
 
-    def invalidate(self) -> None:
-        """Forget the grants read so far: the next check reads the folder again."""
+    def invalidate(self, revoked: str | None = None) -> None:
+        """Forget the grants read so far: the next check reads the folder again.
+
+        Args:
+            revoked: A job whose grant was revoked: dropped from the last good reading too, so
+                a folder that cannot be read then does not keep admitting it.
+        """
         self._cache = None
+        if revoked is not None:
+            self._last_good = {n: g for n, g in self._last_good.items() if g.job != revoked}
+
+    def _read_keeping_last_good(self, folder: Path) -> tuple[list[Grant], list[str]]:
+        """Read the grants; a folder or file that could not be read keeps its last good grants.
+
+        Running out of file descriptors or an I/O error is not a revoke: answering "no grants"
+        would end every job's leases at the next housekeeping (docs/agent.md §3). A file that is
+        gone, untrusted or malformed is not a read failure: its grant ends. Each new failure is
+        logged once.
+        """
+        found, ignored, failed = _scan_grants(folder)
+        if "" in failed:  # the folder itself: every grant as last read
+            found = dict(self._last_good)
+        else:
+            found.update((n, self._last_good[n]) for n in failed if n in self._last_good)
+        self._last_good = dict(sorted(found.items()))
+        lines = tuple(failed.values())
+        if lines and lines != self._failed_logged:
+            logger.warning(
+                "agent: cannot read the job grants (%s): keeping the last good reading of %d "
+                "grant(s) until they can be read",
+                one_line("; ".join(lines)),
+                len(self._last_good),
+            )
+        self._failed_logged = lines
+        return list(self._last_good.values()), ignored
 
     def check(
         self, uid: int, gids: Iterable[int], device_id: str, shown: str, pid: int | None = None
@@ -259,6 +307,13 @@ def _devices(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
+class _ReadFailed(ConfigError):
+    """A file that exists could not be read (no descriptor left, an I/O error).
+
+    Not a verdict on its content: a grant that was good stays good (:meth:`Rules.grants`).
+    """
+
+
 def _read_trusted_json(path: Path, what: str) -> Any:
     """Open without following links, check the opened file itself, then parse (bounded)."""
     try:
@@ -268,11 +323,16 @@ def _read_trusted_json(path: Path, what: str) -> Any:
             raise UntrustedStateError(
                 f"refusing the {what} {show_path(path)}: it is a symlink"
             ) from None
-        raise ConfigError(f"cannot open the {what} {show_path(path)}: {err.strerror}") from None
+        gone = err.errno in (errno.ENOENT, errno.ENOTDIR)  # removed: its verdict is "none"
+        raise (ConfigError if gone else _ReadFailed)(
+            f"cannot open the {what} {show_path(path)}: {err.strerror}"
+        ) from None
     try:
         check_trusted(path, os.fstat(fd), what=what, directory=False, trusted_uids=ROOT_ONLY)
         with os.fdopen(fd, "rb", closefd=False) as f:
             raw = f.read(_MAX_FILE_BYTES + 1)
+    except OSError as err:
+        raise _ReadFailed(f"cannot read the {what} {show_path(path)}: {err.strerror}") from None
     finally:
         os.close(fd)
     if len(raw) > _MAX_FILE_BYTES:
@@ -304,27 +364,46 @@ def read_grants(folder: Path) -> tuple[list[Grant], list[str]]:
     """Every trusted job grant in ``folder``, and a line for each file that was ignored.
 
     Each file stands alone: one that is not root's, not JSON, nested too deeply or malformed in
-    any way is ignored (a line says why) and the others still count (docs/agent.md §3).
+    any way is ignored (a line says why) and the others still count (docs/agent.md §3). A file
+    or folder that could not be read is ignored here too (:meth:`Rules.grants` keeps its last
+    good reading instead).
+    """
+    found, ignored, failed = _scan_grants(folder)
+    return list(found.values()), ignored + list(failed.values())
+
+
+def _scan_grants(folder: Path) -> tuple[dict[str, Grant], list[str], dict[str, str]]:
+    """The trusted grants by file name, the files ignored (a line each), the read failures.
+
+    The failures are by file name, ``""`` for the folder itself (it could not be listed).
     """
     try:
         st = os.lstat(folder)
     except FileNotFoundError:
-        return [], []
+        return {}, [], {}
+    except OSError as err:
+        return {}, [], {"": f"cannot read the grants folder {show_path(folder)}: {err.strerror}"}
     try:
         check_trusted(folder, st, what="grants folder", directory=True, trusted_uids=ROOT_ONLY)
     except UntrustedStateError as err:
-        return [], [err.message]
+        return {}, [err.message], {}
     try:
         entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError as err:  # removed or replaced since the lstat
-        return [], [f"cannot list the grants folder {show_path(folder)}: {err.strerror}"]
-    found, ignored = [], []
+    except FileNotFoundError:  # removed since the lstat: no grants
+        return {}, [], {}
+    except OSError as err:
+        return {}, [], {"": f"cannot list the grants folder {show_path(folder)}: {err.strerror}"}
+    found: dict[str, Grant] = {}
+    ignored: list[str] = []
+    failed: dict[str, str] = {}
     for entry in entries:
         if not entry.name.endswith(".json"):
             continue
         try:
             data = _read_trusted_json(Path(entry.path), "job grant")
-            found.append(_grant(data))
+            found[entry.name] = _grant(data)
+        except _ReadFailed as err:
+            failed[entry.name] = err.message
         except (UntrustedStateError, ConfigError) as err:
             ignored.append(err.message)
         except (TypeError, ValueError, KeyError) as err:
@@ -333,7 +412,7 @@ def read_grants(folder: Path) -> tuple[list[Grant], list[str]]:
             ignored.append(
                 f"job grant {show_path(entry.path)} could not be read: {type(err).__name__}"
             )
-    return found, ignored
+    return found, ignored, failed
 
 
 def _grant(data: Any) -> Grant:
@@ -367,8 +446,17 @@ def write_grant(folder: Path, job: str, uid: int, devices: Iterable[str]) -> Pat
     check_trusted(
         folder, os.lstat(folder), what="grants folder", directory=True, trusted_uids=ROOT_ONLY
     )
-    target = folder / f"job-{job}.json"
-    tmp = folder / f".job-{job}.json.tmp"
+    with _folder_lock(folder):
+        return _replace_grant(folder, f"job-{job}.json", job, uid, devs)
+
+
+def _replace_grant(folder: Path, name: str, job: str, uid: int, devs: Iterable[str]) -> Path:
+    """Write ``folder/name`` (0600) through a temporary file and a rename.
+
+    Readers see the old grant or the new one, never half of one.
+    """
+    target = folder / name
+    tmp = folder / f".{name}.tmp"
     body = json.dumps({"job": job, "uid": uid, "devices": list(devs), "created_s": time.time()})
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
@@ -383,12 +471,74 @@ def write_grant(folder: Path, job: str, uid: int, devices: Iterable[str]) -> Pat
     return target
 
 
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """Hold the grants folder's lock while a grant is written, cleared or removed.
+
+    A prolog clearing a stale grant and that job's late epilog removing it then run one after
+    the other: a cleared grant rewritten after its removal would come back.
+    """
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def clear_device_grants(
+    folder: Path, job: str, devices: Iterable[str], resolve: Callable[[str], str | None]
+) -> list[tuple[str, list[str]]]:
+    """Take ``job``'s devices out of every other job's grant (the prolog, before its own grant).
+
+    A device is one job's at a time (docs/agent.md §3): a grant a failed epilog left would
+    otherwise admit its user on the next job's device. A grant left naming no device, or one
+    naming every device (``*``), is removed; the agent ends a lease whose job's grant no longer
+    names its device within its housekeeping period (half a second).
+
+    Args:
+        folder: The grants folder.
+        job: The new job (its own grant is left alone).
+        devices: The new job's devices, any id form.
+        resolve: A selector's device id on this node, or ``None`` (then selectors are compared
+            as written, case aside).
+
+    Returns:
+        For each grant changed: its job and the selectors taken out of it.
+    """
+
+    def key(selector: str) -> str:
+        return resolve(selector) or selector.strip().lower()
+
+    taking = {key(d) for d in devices}
+    cleared: list[tuple[str, list[str]]] = []
+    if not folder.is_dir():
+        return cleared  # no folder yet: no grants
+    with _folder_lock(folder):
+        found, _, _ = _scan_grants(folder)  # trusted grants only: the others admit no one
+        for name, grant in found.items():
+            if grant.job == job or grant.job is None:
+                continue
+            taken = [d for d in grant.devices if d == "*" or key(d) in taking]
+            if not taken:
+                continue
+            left = [d for d in grant.devices if d not in taken]
+            if left and "*" not in taken and grant.uid is not None:
+                _replace_grant(folder, name, grant.job, grant.uid, left)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(folder / name)
+            cleared.append((grant.job, taken))
+    return cleared
+
+
 def remove_grant(folder: Path, job: str) -> bool:
     """Remove a job's grant (the epilog); False when there was none."""
     if not _JOB.fullmatch(job):
         raise ConfigError(f"job id {job!r} must be 1-64 of [A-Za-z0-9_.-]")
     try:
-        os.unlink(folder / f"job-{job}.json")
+        with _folder_lock(folder):
+            os.unlink(folder / f"job-{job}.json")
     except FileNotFoundError:
         return False
     return True

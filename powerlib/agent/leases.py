@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.agent import protocol
-from powerlib.agent.authz import Rules
-from powerlib.agent.logs import LogLimiter
+from powerlib.agent.authz import Grant, Rules
+from powerlib.agent.events import AgentEvent, JobEvents
+from powerlib.agent.logs import LogLimiter, log_privileged
 from powerlib.agent.peer import Peer
 from powerlib.backend import Backend, normalize_pci
 from powerlib.control import ControlSession, restore_journals
@@ -51,27 +52,16 @@ from powerlib.errors import (
 )
 from powerlib.inputs import show_path
 
-__all__ = ["AgentEvent", "Client", "Lease", "Leases"]
+__all__ = ["AgentEvent", "Client", "JobEvents", "Lease", "Leases"]
 
 logger = logging.getLogger(__name__)
 
 _OFFLOAD_CALLS = 100
 """After a slow call, how many of that device's calls go to the thread pool before one is tried
 inline again."""
-
-
-@dataclass
-class AgentEvent:
-    """A lease that ended, with its timing (monotonic seconds): what the benchmark reads."""
-
-    device_id: str
-    pid: int
-    uid: int
-    reason: str
-    detected_s: float
-    restore_started_s: float = float("nan")
-    restore_done_s: float = float("nan")
-    ok: bool = False
+_JOBS_KEPT = 1024
+"""Jobs whose ended leases are kept until their ``revoke`` (a grant removed by hand never
+revokes: the oldest job's record goes first)."""
 
 
 @dataclass
@@ -112,8 +102,8 @@ class Lease:
     since_s: float
     journaled: bool = False
     """Whether a change was made: the first writes and fsyncs the journal, on the pool."""
-    changed: bool = False
-    """Whether a change through it succeeded; a lease whose first change failed is dropped."""
+    changes: dict[str, int] = field(default_factory=dict)
+    """Changes through it that succeeded, per item; a lease whose first change failed is dropped."""
     targets: dict[str, object] = field(default_factory=dict)
     """The value each item was last set to through this lease (for a restore's report)."""
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -138,8 +128,9 @@ class Leases:
         self.backend = backend
         self.rules = rules
         self.inline_below_s = inline_below_s
-        self._job_events: dict[str, list[AgentEvent]] = {}
-        """Leases each job grant admitted that ended, until ``revoke`` reports them."""
+        self._job_events: dict[str, JobEvents] = {}
+        """Leases each job grant admitted that ended, until ``revoke`` reports them (bounded:
+        :data:`~powerlib.agent.events.JOB_EVENTS` per job, :data:`_JOBS_KEPT` jobs)."""
         self._offload: dict[str, int] = {}
         self._slow: dict[str, int] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -236,8 +227,8 @@ class Leases:
                     f"{peer.describe()} may not revoke a job's grant: only root on the host may",
                     operation=op,
                 )
-            self.rules.invalidate()
-            return await self._revoke(msg["job"])
+            self.rules.invalidate(revoked=msg["job"])
+            return await self._revoke(msg["job"], peer.describe())
         dev = self._resolve(msg["device"])
         allowed, why = await self._authorize(client, dev, _shown(msg["device"], dev))
         if not allowed:
@@ -263,10 +254,19 @@ class Leases:
                         device=dev.device_id,
                     )
                 result = await self._change(op, lease, msg)
-                lease.changed = True
+                item = "sm_clocks" if op.endswith("sm_clocks") else "power_limit"
+                count = lease.changes[item] = lease.changes.get(item, 0) + 1
+                # a lease's first change of an item has its line; a plan switches clocks per
+                # instruction (thousands an hour), so later clock changes log at DEBUG and the
+                # restore's line counts them (docs/agent.md §5)
+                log_privileged(
+                    logger, "agent: %s: %s %s: %s (%s)", peer.describe(), op, dev.device_id,
+                    _value(item, lease.targets.get(item)), lease.rule,
+                    level=logging.DEBUG if count > 1 and item == "sm_clocks" else logging.INFO,
+                )  # fmt: skip
                 return result
         except BaseException:
-            if not lease.changed and self._leases.get(dev.device_id) is lease:
+            if not lease.changes and self._leases.get(dev.device_id) is lease:
                 # a failed first change leaves no lease: the device stays free for others
                 await self.restore(lease, "its first change failed")
             raise
@@ -375,11 +375,10 @@ class Leases:
             )
             self._leases[dev.device_id] = lease
             client.leases[dev.device_id] = lease
-            # a client looping change/release must not flood the log: its own limit
-            client.log_limit.log(
-                logger, logging.INFO, "agent: %s leases %s (%s)", client.peer.describe(),
-                dev.device_id, rule,
-            )  # fmt: skip
+            # a privileged action: always its line, whatever the client's refusals spent
+            log_privileged(
+                logger, "agent: %s leases %s (%s)", client.peer.describe(), dev.device_id, rule
+            )
         return lease
 
     async def call(self, fn: Callable[..., Any], *args: Any, device: str | None = None) -> Any:
@@ -417,9 +416,9 @@ class Leases:
         """Restore every device ``client`` leased (it is gone: ``reason``), each on its own."""
         leases = list(client.leases.values())
         if leases:
-            client.log_limit.log(
-                logger, logging.INFO, "agent: %s: %s; restoring %d device(s)",
-                client.peer.describe(), reason, len(leases),
+            log_privileged(
+                logger, "agent: %s: %s; restoring %d device(s)", client.peer.describe(), reason,
+                len(leases),
             )  # fmt: skip
         # each device on its own: one that fails does not stop the others
         await asyncio.gather(*(self.restore(lease, reason, detected_s) for lease in leases))
@@ -433,15 +432,26 @@ class Leases:
             await self.restore(lease, reason)
 
     async def end_gone_jobs(self) -> None:
-        """End the leases of every job whose grant is gone (the housekeeping's second task)."""
-        jobs = {g.job for g in self.rules.grants()[0] if g.job is not None}
-        gone = {
-            lease.rule[4:]
-            for lease in self._leases.values()
-            if lease.rule.startswith("job:") and lease.rule[4:] not in jobs
-        }
+        """End the leases of every job whose grant is gone (the housekeeping's second task).
+
+        A lease also ends when its job's grant no longer names its device: the prolog of the
+        next job on that device takes it out of a grant a failed epilog left (docs/agent.md §3).
+        """
+        grants = [g for g in self.rules.grants()[0] if g.job is not None]
+        gone, moved = set(), []
+        for lease in (x for x in self._leases.values() if x.rule.startswith("job:")):
+            mine = [g for g in grants if g.job == lease.rule[4:]]
+            if not mine:
+                gone.add(lease.rule[4:])
+            elif not any(self._names(g, lease.device.device_id) for g in mine):
+                moved.append(lease)
         for job in gone:
             await self._end_job(job, f"job {job}'s grant is gone")
+        reason = "its job's grant no longer names the device (another job's now)"
+        await asyncio.gather(*(self.restore(lease, reason) for lease in moved))
+
+    def _names(self, grant: Grant, dev_id: str) -> bool:
+        return "*" in grant.devices or any(self._resolve_id(s) == dev_id for s in grant.devices)
 
     async def _end_job(self, job: str, reason: str) -> None:
         """End and restore every lease job ``job``'s grant admitted.
@@ -454,11 +464,21 @@ class Leases:
             logger.info("agent: %s: ending %d lease(s)", reason, len(leases))
         await asyncio.gather(*(self.restore(lease, reason) for lease in leases))
 
-    async def _revoke(self, job: str) -> list[dict[str, object]]:
-        """``powerlib agent revoke``: end the job's leases; every one that ended, whoever ended it."""
-        await self._end_job(job, f"job {job}'s grant was revoked")
-        ended = self._job_events.pop(job, [])
-        return [{"device_id": e.device_id, "uid": e.uid, "pid": e.pid, "ok": e.ok} for e in ended]
+    async def _revoke(self, job: str, by: str = "root") -> dict[str, object]:
+        """``powerlib agent revoke`` (asked by ``by``): end the job's leases.
+
+        Returns the latest leases of the job that ended (whoever ended them) and a count of the
+        earlier ones (:class:`JobEvents`).
+        """
+        shown = protocol.one_line(job)
+        await self._end_job(job, f"job {shown}'s grant was revoked")
+        record = self._job_events.pop(job, JobEvents())
+        log_privileged(
+            logger, "agent: revoke job %s (%s): %d lease(s) ended since the last revoke, "
+            "%d of them not restored cleanly", shown, by, len(record.recent) + record.left_out,
+            record.left_out_failed + sum(not e.ok for e in record.recent),
+        )  # fmt: skip
+        return record.to_wire()
 
     async def restore(
         self, lease: Lease, reason: str, detected_s: float | None = None
@@ -474,10 +494,6 @@ class Leases:
                 reason=reason, detected_s=detected,
             )  # fmt: skip
             self.events.append(event)
-            if lease.rule.startswith("job:"):  # for `powerlib agent revoke`'s report
-                self._job_events.setdefault(lease.rule[4:], []).append(event)
-                while len(self._job_events) > 1024:
-                    self._job_events.pop(next(iter(self._job_events)))
 
             def restore() -> list[Any]:
                 event.restore_started_s = time.monotonic()
@@ -498,19 +514,30 @@ class Leases:
                             _value(o.item, lease.targets.get(o.item)), peer.describe(), lease.rule,
                         )  # fmt: skip
                         continue
-                    if o.ok:
-                        lease.client.log_limit.log(
-                            logger, logging.INFO, "agent: restore %s: %s", dev_id, o
-                        )
-                    else:  # a failure is always told
+                    if not o.ok:  # a failure is always told, with all it knows
                         logger.error("agent: restore %s: %s", dev_id, o)
+                done = "; ".join(o.action for o in outcomes) or "nothing was changed"
+                log_privileged(
+                    logger, "agent: restore %s: the lease of %s (%s) ended (%s) after %d "
+                    "change(s): %s", dev_id, peer.describe(), lease.rule, reason,
+                    sum(lease.changes.values()), done,
+                    level=logging.INFO if event.ok else logging.ERROR,
+                )  # fmt: skip
             except Exception:  # noqa: BLE001 - ControlSession.close never raises; belt and braces
                 logger.exception("agent: restoring %s failed", dev_id)
             finally:
                 event.restore_done_s = time.monotonic()
                 self._leases.pop(dev_id, None)
                 lease.client.leases.pop(dev_id, None)
+                if lease.rule.startswith("job:"):  # for `powerlib agent revoke`'s report
+                    self._job_event(lease.rule[4:], event)
         return event
+
+    def _job_event(self, job: str, event: AgentEvent) -> None:
+        """Keep a job's ended lease (once its restore is done: whether it was ok is known)."""
+        while job not in self._job_events and len(self._job_events) >= _JOBS_KEPT:
+            self._job_events.pop(next(iter(self._job_events)))  # the oldest job's goes first
+        self._job_events.setdefault(job, JobEvents()).add(event)
 
 
 def _exited(pidfd: int) -> bool:

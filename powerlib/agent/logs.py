@@ -11,6 +11,12 @@ likes (docs/agent.md §5). Two things keep those lines from turning against the 
 * **A limit per connection** (:class:`LogLimiter`): the first few lines a connection causes, then
   at most one every ``every_s`` seconds, each saying how many were left out before it.
 
+What a client does *with* a device is another matter: a lease's start and end, each change made
+through it, its restore and a job's revoke change a GPU on someone's behalf, and each has its
+line, always (:func:`log_privileged`), outside that limit: refusals spent on purpose must not
+hide them (docs/agent.md §5). Their rate is the rate of real device work, which the request
+throttle bounds.
+
 Client text in those lines is quoted by :func:`powerlib.agent.protocol.quote` and
 :func:`~powerlib.agent.protocol.one_line`: no newline of a client's reaches the log.
 """
@@ -26,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-__all__ = ["BoundedQueueHandler", "LogLimiter", "QueueLogging", "queue_logging"]
+__all__ = ["BoundedQueueHandler", "LogLimiter", "QueueLogging", "log_privileged", "queue_logging"]
 
 logger = logging.getLogger(__name__)
 
@@ -241,3 +247,14 @@ class LogLimiter:
             self.suppressed = 0
         log.log(level, msg, *args, exc_info=exc_info)
         return True
+
+
+def log_privileged(log: logging.Logger, msg: str, *args: Any, level: int = logging.INFO) -> None:
+    """Log one privileged action: a lease's start or end, a change, a restore, a revoke.
+
+    Always one line, never counted against the :class:`LogLimiter` of the client that caused it
+    (six refusals must not silence its next lease). Client text in ``args`` must be quoted
+    already (:func:`powerlib.agent.protocol.one_line`); the bounded queue still applies, so a
+    stalled sink never stalls the caller.
+    """
+    log.log(level, msg, *args)

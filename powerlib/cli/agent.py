@@ -9,13 +9,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from powerlib.cli.options import Number, Options, emit_json, open_backend_for, settings_for
 from powerlib.config import NODE_STATE_DIR
 from powerlib.errors import ConfigError, PermissionDeniedError, PowerlibError
+
+if TYPE_CHECKING:
+    from powerlib.backend import Backend
 
 __all__ = ["agent"]
 
@@ -28,6 +33,31 @@ _GRANTS_HELP = (
 def _grants(opts: Options, grants_dir: Path | None) -> Path:
     """``--grants-dir``, or ``grants/`` in root's state folder (the node's layout)."""
     return grants_dir if grants_dir is not None else settings_for(opts).state_dir / "grants"
+
+
+def _id_forms(backend: Backend) -> dict[str, str]:
+    """Every form a grant may name a device by (index, UUID any case, PCI bus id) -> its UUID."""
+    from powerlib.backend import normalize_pci  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+
+    forms: dict[str, str] = {}
+    for dev in backend.devices():
+        forms[str(dev.index)] = forms[dev.device_id.lower()] = dev.device_id
+        pci = dev.details().get("pci_bus_id")
+        bus_id = normalize_pci(pci) if isinstance(pci, str) else None
+        if bus_id is not None:
+            forms[bus_id] = dev.device_id
+    return forms
+
+
+def _resolver(forms: dict[str, str]) -> Callable[[str], str | None]:
+    """A grant's device selector -> the device's UUID on this node (``None``: not one)."""
+    from powerlib.backend import normalize_pci  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+
+    def resolve(selector: str) -> str | None:
+        text = selector.strip()
+        return forms.get(text.lower()) or forms.get(normalize_pci(text) or "")
+
+    return resolve
 
 
 @click.group()
@@ -231,7 +261,7 @@ def grant(
     """  # noqa: D301 - "\b" is click's keep-these-lines marker (a backspace), not "\\b"
     import pwd  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
-    from powerlib.agent.authz import write_grant  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.agent.authz import clear_device_grants, write_grant  # noqa: PLC0415 - a command loads only what it runs (fast --help)
     from powerlib.agent.node import make_user_state_dir, uuids_of_minors  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     if os.geteuid() != 0:
@@ -245,19 +275,37 @@ def grant(
             raise ConfigError(f"no such user {uid!r}") from None
     if (devices is None) == (slurm_gpus is None):
         raise ConfigError("give the job's devices with --devices or --slurm-gpus (one of them)")
-    if slurm_gpus is not None:
-        minors = [m.strip() for m in slurm_gpus.split(",") if m.strip()]
+    forms: dict[str, str] = {}
+    try:
         backend = open_backend_for(opts)
+    except PowerlibError:
+        if slurm_gpus is not None:
+            raise
+        backend = None  # --devices alone needs no backend: other grants compared as written
+    if backend is not None:
         try:
-            names = uuids_of_minors(backend, minors)
+            if slurm_gpus is not None:
+                minors = [m.strip() for m in slurm_gpus.split(",") if m.strip()]
+                names = uuids_of_minors(backend, minors)
+            forms = _id_forms(backend)
         finally:
             backend.close()
-    else:
+    if slurm_gpus is None:
         names = [d.strip() for d in (devices or "").split(",") if d.strip()]
     folder = None
     if user_state:  # first: a folder that is not the user's alone fails the prolog, no grant
         folder = make_user_state_dir(settings_for(opts).state_dir, uid_n)
-    path = write_grant(_grants(opts, grants_dir), job, uid_n, names)
+    grants = _grants(opts, grants_dir)
+    # a device is one job's at a time: a grant a failed epilog left must not admit its user on
+    # this job's devices (docs/agent.md §3); the agent ends that user's leases of them
+    cleared = clear_device_grants(grants, job, names, _resolver(forms))
+    for old_job, taken in cleared:
+        click.echo(
+            f"warning: took {','.join(taken)} out of job {old_job}'s grant (left by a failed "
+            "epilog?); its leases of them end",
+            err=True,
+        )
+    path = write_grant(grants, job, uid_n, names)
     if as_json:
         emit_json(
             {
@@ -266,6 +314,7 @@ def grant(
                 "devices": names,
                 "path": str(path),
                 "user_state_dir": None if folder is None else str(folder),
+                "cleared": [{"job": j, "devices": d} for j, d in cleared],
             }
         )
     else:
@@ -292,6 +341,7 @@ def revoke(opts: Options, job: str, grants_dir: Path | None, as_json: bool) -> N
         raise PermissionDeniedError("powerlib agent revoke runs as root (in a Slurm epilog)")
     removed = remove_grant(_grants(opts, grants_dir), job)
     ended: list[dict[str, object]] | None = None
+    left_out, left_out_failed = 0, 0
     note = ""
     try:
         conn = AgentConnection(settings_for(opts).agent_socket)
@@ -299,22 +349,40 @@ def revoke(opts: Options, job: str, grants_dir: Path | None, as_json: bool) -> N
         note = f"; no agent to ask ({err.message})"
     else:
         try:
-            ended = conn.call("revoke", job=job)
+            answer = conn.call("revoke", job=job)
+            if isinstance(answer, dict):  # the latest leases, and a count of the earlier ones
+                ended = list(answer.get("ended") or ())
+                left_out = int(answer.get("left_out") or 0)
+                left_out_failed = int(answer.get("left_out_failed") or 0)
+            else:  # an agent before the bounded answer: every lease, listed
+                ended = list(answer or ())
         except PowerlibError as err:  # the grant is gone: the agent ends its leases within 1 s
             note = f"; the agent did not answer ({err.message}), it ends the leases by itself"
         finally:
             conn.close()
     failed = [e for e in ended or () if not e.get("ok")]
+    ok = not failed and not left_out_failed
     if as_json:
-        emit_json({"job": job, "removed": removed, "leases_ended": ended, "ok": not failed})
+        emit_json(
+            {
+                "job": job,
+                "removed": removed,
+                "leases_ended": ended,
+                "leases_left_out": left_out,
+                "leases_left_out_failed": left_out_failed,
+                "ok": ok,
+            }
+        )
     else:
         what = "revoked" if removed else "no grant for"
-        leases = "" if ended is None else f"; {len(ended)} lease(s) ended and restored"
+        leases = "" if ended is None else f"; {len(ended) + left_out} lease(s) ended and restored"
         click.echo(f"{what} job {job}{leases}{note}")
-    if failed:
+    if not ok:
+        named = ", ".join(str(e["device_id"]) for e in failed)
+        earlier = f"{left_out_failed} earlier one(s) not listed" if left_out_failed else ""
         raise PowerlibError(
-            f"job {job}: {len(failed)} lease(s) did not restore cleanly (see the agent's log): "
-            + ", ".join(str(e["device_id"]) for e in failed)
+            f"job {job}: {len(failed) + left_out_failed} lease(s) did not restore cleanly (see "
+            f"the agent's log): " + ", ".join(x for x in (named, earlier) if x)
         )
 
 
