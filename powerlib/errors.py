@@ -25,6 +25,7 @@ __all__ = [
     "PermissionDeniedError",
     "PlanError",
     "PowerlibError",
+    "ProtocolError",
     "TransientDeviceError",
     "UntrustedStateError",
 ]
@@ -120,6 +121,16 @@ class InvalidArgumentError(PowerlibError, ValueError):
     """A value is out of range or malformed; nothing was changed."""
 
     exit_code = 7
+
+
+class ProtocolError(InvalidArgumentError):
+    """A request that breaks the agent's wire protocol (docs/agent.md §2); nothing was changed.
+
+    Not JSON, an unknown operation, an argument of the wrong type, a line too long: the agent
+    answers it once and closes the connection, and its client raises this class, so a caller
+    tells a malformed request from a device's failure (it used to arrive as
+    :class:`DeviceError`, its name unknown to the client). An :class:`InvalidArgumentError`.
+    """
 
 
 class ConfigError(PowerlibError, ValueError):

@@ -53,7 +53,8 @@ class AgentConnection:
         """Send one request and return its result.
 
         Raises:
-            PowerlibError: What the agent raised (the same class, e.g. ``PermissionDeniedError``).
+            PowerlibError: What the agent raised (the same class, e.g. ``PermissionDeniedError``;
+                :class:`~powerlib.errors.ProtocolError` for a request it could not take).
             DeviceLostError: The connection is gone (the agent stopped or was restarted).
         """
         with self._lock:

@@ -84,8 +84,9 @@ _NUMBERS = frozenset({"min_mhz", "max_mhz", "power_limit_w"})
 _QUOTE_CHARS = 64
 
 
-class ProtocolError(errors.InvalidArgumentError):
-    """A request that breaks the protocol: the agent answers it once and closes the connection."""
+# A request that breaks the protocol: the agent answers it once and closes the connection. The
+# class lives in powerlib.errors (in its __all__), so the wire names it and the client raises it.
+ProtocolError = errors.ProtocolError
 
 
 def encode(message: Mapping[str, Any]) -> bytes:

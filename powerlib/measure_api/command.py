@@ -109,8 +109,8 @@ def run_command(
         jsonl_interval_s: Seconds between those lines.
         env: The child's environment (default this process's), to which
             ``POWERLIB_MEASURE_EVENTS`` is added.
-        warn: Called with the one warning line about malformed lines of the child's events
-            file (default: logged).
+        warn: Called with the one warning line about the child's events file (malformed
+            lines, not a regular file, past its size cap; default: logged).
         stdout: A file descriptor for the child's stdout (``None``: ours). ``powerlib measure
             --json`` passes 2, so that its stdout holds nothing but its JSON document.
 
@@ -135,12 +135,19 @@ def run_command(
         sample_period_s=sample_period_s,
         events_path=False,  # the child writes the events file; this measurement only reads it
     )
-    with tempfile.TemporaryDirectory(prefix="powerlib-measure-") as tmp:
+    # The child owns the run's folder as we do and may share it: the events file is read
+    # through a descriptor of the folder taken before the child starts (a folder swapped for a
+    # link changes nothing), and a leftover the child made unremovable is no error of ours.
+    with tempfile.TemporaryDirectory(prefix="powerlib-measure-", ignore_cleanup_errors=True) as tmp:
         events = Path(tmp) / "events.jsonl"
         child_env = child_environment({MEASURE_EVENTS_ENV: str(events)}, env)
-        with m:
-            status = _run(list(command), child_env, m, jsonl, jsonl_interval_s, stdout)
-        record_child_windows(m, read_events(events, warn=warn))
+        folder = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            with m:
+                status = _run(list(command), child_env, m, jsonl, jsonl_interval_s, stdout)
+            record_child_windows(m, read_events(events, warn=warn, dir_fd=folder))
+        finally:
+            os.close(folder)
     return CommandMeasurement(
         command=command, exit_status=status, result=m.result(), power_series=m.power_series()
     )
