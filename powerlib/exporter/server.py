@@ -2,8 +2,9 @@
 
 One selector thread owns every socket and never blocks; a fixed pool of workers only renders
 answers; a request must arrive whole, and its answer be taken whole, within ``timeout_s``; one
-connection over ``max_connections`` closes the oldest. It often runs as root on a shared node,
-so no client can hold a thread or grow its memory (docs/measurement.md §7).
+connection over ``max_connections`` closes one not being answered, of the busiest source
+(powerlib/exporter/sources.py). It often runs as root on a shared node, so no client can hold
+a thread, grow its memory or push out a scrape (docs/measurement.md §7).
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ from collections.abc import Callable
 from typing import Any
 
 from powerlib.exporter.metrics import prometheus
+from powerlib.exporter.sources import ANSWERED, IDLE, Sources, address_source
 
 __all__ = ["MetricsServer"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_REQUEST_BYTES = 8192  # a scrape's request line and headers are a few hundred bytes
-_BACKLOG = 64  # the listening socket's accept queue
+# The listening socket's accept queue. A full queue drops a new connection's SYN, and the
+# client retries it after 1 s, then 3 s: a user who opens connections faster than a turn of
+# the loop takes them would stall every scrape. Its connections cost the kernel a few KB each.
+_BACKLOG = 1024
 
 
 class _Buffer:
@@ -105,11 +110,23 @@ class _Conn:
     have been taken whole (``_SENDING``); a worker rendering the answer (``_WORKING``) has none.
     """
 
-    __slots__ = ("addr", "buf", "deadline", "out", "request", "sent", "sock", "state", "watched")
+    __slots__ = (
+        "addr",
+        "buf",
+        "deadline",
+        "out",
+        "request",
+        "sent",
+        "sock",
+        "source",
+        "state",
+        "watched",
+    )
 
-    def __init__(self, sock: socket.socket, addr: Any, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, addr: Any, source: object, deadline: float) -> None:
         self.sock = sock
         self.addr = addr
+        self.source = source  # who it counts against (powerlib/exporter/sources.py)
         self.buf = bytearray()
         self.deadline = deadline
         self.state = _READING
@@ -134,9 +151,10 @@ class MetricsServer:
     taken whole within ``timeout_s`` of the moment it is ready, or the connection is closed. A
     fixed pool of ``workers`` threads only renders answers into bytes (cached while
     ``cache_key`` returns the same value), so no client holds a thread, whether it sends
-    slowly or reads slowly. At most ``max_connections`` are open at once: one more closes the
-    oldest open connection, whatever it still waits for, so a new scraper always gets in
-    (docs/measurement.md §7).
+    slowly or reads slowly. At most ``max_connections`` are open at once: one more closes one
+    still waiting for its request (else one not taking its answer) of the source holding the
+    most connections, never a request being rendered; if every one is, new ones wait in the
+    accept queue until one is answered (docs/measurement.md §7).
 
     Args:
         addr: Address to listen on (a name is resolved; IPv6 works).
@@ -185,6 +203,9 @@ class MetricsServer:
         self._sending: OrderedDict[_Conn, None] = OrderedDict()  # deadline order
         self._queue: queue.SimpleQueue[_Conn | None] = queue.SimpleQueue()  # to the workers
         self._done: queue.SimpleQueue[tuple[_Conn, list[bytes]]] = queue.SimpleQueue()  # answers
+        self._sources = Sources()
+        self._listening = True  # the listener is registered with the selector
+        self._full = False  # stopped accepting: every connection holds a request being rendered
         self._resume_accept_at: float | None = None
         self._stopping = False
         self._workers = [
@@ -242,10 +263,11 @@ class MetricsServer:
     def _serve(self) -> None:
         try:
             while not self._stopping:
+                accept = False
                 for key, _ in self._selector.select(self._next_timeout(time.monotonic())):
                     conn = key.data
                     if conn is _LISTEN:
-                        self._accept()
+                        accept = True  # last: requests that arrived go before new connections
                     elif conn is _WAKE:
                         while True:
                             try:
@@ -259,6 +281,11 @@ class MetricsServer:
                         self._send(conn)
                 self._take_answers()
                 self._expire(time.monotonic())
+                if accept and self._listening:
+                    self._accept()
+                elif self._full and self._has_room():
+                    self._full = False
+                    self._listen(True)
         finally:
             for conn in list(self._conns):
                 self._close(conn)
@@ -285,10 +312,38 @@ class MetricsServer:
                 self._close(conn)  # a request not whole, or an answer not taken, in time
         if self._resume_accept_at is not None and now >= self._resume_accept_at:
             self._resume_accept_at = None
+            self._listen(True)
+
+    def _listen(self, on: bool) -> None:
+        if on and not self._listening:
             self._selector.register(self._listener, selectors.EVENT_READ, _LISTEN)
+        elif not on and self._listening:
+            self._selector.unregister(self._listener)
+        self._listening = on
+
+    def _has_room(self) -> bool:
+        return len(self._conns) < self._max_connections or self._victim() is not None
+
+    def _victim(self) -> _Conn | None:
+        """The connection to close to make room, ``None`` if every one is being rendered.
+
+        A request not yet whole (nothing, or part of it), the oldest of the source (the
+        peer's address) that holds the most connections; failing that, an
+        answer not taken, chosen the same way; never a request being rendered. A user who
+        opens connections, sends part of a request or nothing and closes them, over and over,
+        closes only its own (docs/measurement.md §7, powerlib/exporter/sources.py).
+        """
+        victim: _Conn | None = self._sources.victim(IDLE) or self._sources.victim(ANSWERED)
+        return victim
 
     def _accept(self) -> None:
-        for _ in range(_BACKLOG):
+        # Fewer per turn than the table holds: a request that arrives just after its
+        # connection is taken is read in the next turn, before new ones can push it out.
+        for _ in range(min(_BACKLOG, max(1, self._max_connections // 2))):
+            if not self._has_room():  # every one holds a request being rendered: new ones
+                self._full = True  # wait in the accept queue until one is answered
+                self._listen(False)
+                return
             try:
                 sock, addr = self._listener.accept()
             except BlockingIOError:
@@ -296,23 +351,27 @@ class MetricsServer:
             except OSError as err:
                 if err.errno == errno.ECONNABORTED:
                     continue
-                if self._conns:  # out of descriptors (EMFILE): the oldest connection goes
-                    self._close(next(iter(self._conns)))
+                victim = self._victim()
+                if victim is not None:  # out of descriptors (EMFILE): make room as when full
+                    self._close(victim)
                     continue
-                self._selector.unregister(self._listener)
+                self._listen(False)
                 self._resume_accept_at = time.monotonic() + _RESUME_ACCEPT_S
                 logger.warning("exporter: cannot accept connections: %s", err.strerror)
                 return
-            if len(self._conns) >= self._max_connections:
-                # Full: the oldest goes, whether it still sends its request, waits for its
-                # answer or does not take it. No connection holds a thread, so any can go,
-                # and a new scraper always gets in.
-                self._close(next(iter(self._conns)))
+            victim = self._victim() if len(self._conns) >= self._max_connections else None
+            if victim is not None:  # full: make room (_has_room found one)
+                self._close(victim)
             sock.setblocking(False)
-            conn = _Conn(sock, addr, time.monotonic() + self.timeout_s)
+            source = address_source(addr)
+            conn = _Conn(sock, addr, source, time.monotonic() + self.timeout_s)
             self._conns[conn] = None
             self._reading[conn] = None
-            self._watch(conn, selectors.EVENT_READ)
+            self._sources.add(conn)
+            self._sources.enter(conn, IDLE)
+            self._read(conn)  # a scrape sends its request at once: it is whole already
+            if conn.state == _READING:
+                self._watch(conn, selectors.EVENT_READ)
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -334,6 +393,7 @@ class MetricsServer:
         if b"\r\n\r\n" not in tail and b"\n\n" not in tail:
             return
         del self._reading[conn]
+        self._sources.leave(conn, IDLE)
         self._unwatch(conn)
         conn.request = bytes(conn.buf)
         conn.buf = bytearray()
@@ -353,12 +413,14 @@ class MetricsServer:
         """Start sending ``data``: it must be taken whole within ``timeout_s`` from now."""
         if conn.state == _READING:
             del self._reading[conn]
+            self._sources.leave(conn, IDLE)
         self._unwatch(conn)
         conn.state = _SENDING
         conn.out = [memoryview(chunk) for chunk in data]
         conn.sent = 0
         conn.deadline = time.monotonic() + self.timeout_s
         self._sending[conn] = None
+        self._sources.enter(conn, ANSWERED)
         self._send(conn)
 
     def _send(self, conn: _Conn) -> None:
@@ -390,8 +452,11 @@ class MetricsServer:
             return
         if conn.state == _READING:
             del self._reading[conn]
+            self._sources.leave(conn, IDLE)
         elif conn.state == _SENDING:
             del self._sending[conn]
+            self._sources.leave(conn, ANSWERED)
+        self._sources.remove(conn)
         conn.state = _CLOSED  # a worker skips it, or its answer is dropped
         conn.request = b""
         conn.out = []

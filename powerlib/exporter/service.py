@@ -56,8 +56,12 @@ metric                                             type     meaning
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
+import secrets
+import stat
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -88,7 +92,9 @@ DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_WORKERS = 8
 """Threads that render answers: a fixed pool, never a thread per connection."""
 DEFAULT_MAX_CONNECTIONS = 256
-"""Connections held at once; one more closes the oldest open one."""
+"""Connections held at once; one more closes one not being answered, of the busiest source."""
+
+logger = logging.getLogger(__name__)
 
 
 class Exporter:
@@ -110,7 +116,8 @@ class Exporter:
             ready, to take it whole; then the connection is closed.
         workers: Threads that render answers (a fixed pool; connections never get their own,
             and one thread sends every answer without blocking).
-        max_connections: Connections held at once; one more closes the oldest open one
+        max_connections: Connections held at once; one more closes one still waiting for
+            its request, of the source holding the most, never one being answered
             (docs/measurement.md §7).
     """
 
@@ -189,7 +196,11 @@ class Exporter:
                     f"cannot listen on {self._addr}:{self._port}: {err.strerror or err}"
                 ) from err
         if self.textfile is not None:
-            self.write_textfile()
+            try:
+                self.write_textfile()
+            except BaseException:
+                self.close()  # the sampler and the server stop; a refusal is one line
+                raise
             self._writer = threading.Thread(
                 target=self._write_loop, name="powerlib-textfile", daemon=True
             )
@@ -205,16 +216,22 @@ class Exporter:
         return prometheus().generate_latest(self.registry)  # type: ignore[no-any-return]
 
     def write_textfile(self) -> None:
-        """Write the metrics to :attr:`textfile` atomically (temporary file, then rename)."""
+        """Write the metrics to :attr:`textfile` atomically (temporary file, then rename).
+
+        Raises:
+            InvalidArgumentError: The folder is writable by others without the sticky bit,
+                or the target is a symbolic link or not a regular file.
+            OSError: The file cannot be written.
+        """
         assert self.textfile is not None
-        prometheus().write_to_textfile(str(self.textfile), self.registry)
+        write_file_safely(self.textfile, self.render())
 
     def _write_loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self.write_textfile()
-            except OSError:
-                continue
+            except (OSError, InvalidArgumentError) as err:  # the next write may succeed
+                logger.warning("exporter: %s", err)
 
     def close(self) -> None:
         """Stop serving, writing and sampling; release what it opened. Idempotent."""
@@ -264,3 +281,56 @@ class Exporter:
                 assert self._backend is not None
                 out.append(self._backend.device(d))
         return out
+
+
+def write_file_safely(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically, following no link an other user planted.
+
+    ``powerlib exporter --textfile`` often runs as root, into a folder node_exporter reads
+    and that may be shared. The temporary file has an unpredictable name and is created in
+    the folder's descriptor with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a planted name or link
+    fails the create, it is never followed), written, fsynced and renamed over ``path``
+    (docs/agent.md §5).
+
+    Raises:
+        InvalidArgumentError: The folder is writable by others without the sticky bit (they
+            could replace the file between the write and the rename), or ``path`` is a
+            symbolic link or not a regular file.
+        OSError: The folder cannot be opened, or the file written.
+    """
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(folder).st_mode
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            raise InvalidArgumentError(
+                f"refusing to write {path}: its folder is writable by all without the sticky bit"
+            )
+        try:
+            target = os.stat(path.name, dir_fd=folder, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            target = stat.S_IFREG
+        if not stat.S_ISREG(target):
+            what = "a symbolic link" if stat.S_ISLNK(target) else "not a regular file"
+            raise InvalidArgumentError(f"refusing to write {path}: it is {what}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for _ in range(100):
+            temp = f".{path.name}.{secrets.token_hex(8)}.tmp"
+            try:
+                fd = os.open(temp, flags, 0o644, dir_fd=folder)
+                break
+            except FileExistsError:  # a name someone took (2**64 of them): draw again
+                continue
+        else:
+            raise FileExistsError(f"no free temporary name next to {path}")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temp, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=folder)
+            raise
+    finally:
+        os.close(folder)

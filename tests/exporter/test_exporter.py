@@ -6,9 +6,11 @@ import contextlib
 import os
 import resource
 import selectors
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -555,3 +557,64 @@ def test_a_cached_answer_follows_the_samples(settings: Settings) -> None:
         time.sleep(0.01)
         exp.sampler.sample()
         assert _value(_scrape(exp.port)[stamp], uuid) > first
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A folder in /tmp that every uid may enter and write in (sticky, as /tmp is): pytest's
+    tmp_path lies under a folder only root may enter."""
+    folder = Path(tempfile.mkdtemp(prefix="powerlib-textfile-"))
+    os.chmod(folder, 0o1777)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_textfile_as_root_follows_no_link_planted_in_a_shared_folder(
+    settings: Settings, tmp_path: Path, shared: Path
+) -> None:
+    # Issue 46 (read-only finding): prometheus_client wrote "<path>.<pid>.<thread>" with a
+    # plain open(), so a user could plant that name as a link to a root file in a shared
+    # (1777) folder; root truncated and wrote the file it pointed to.
+    from uid_helpers import NOBODY, as_uid  # noqa: PLC0415 - only these tests fork
+
+    victim = tmp_path / "victim"  # root's file, 0644
+    victim.write_text("root's own\n")
+    victim.chmod(0o644)
+    target = shared / "powerlib.prom"
+    old_temp = f"{target}.{os.getpid()}.{threading.current_thread().ident}"
+    planted = as_uid(NOBODY, lambda: os.symlink(victim, old_temp))
+    assert planted["ok"], planted
+    backend = SimulatedBackend(Settings(state_dir=settings.state_dir, sim_gpus=1))
+    exp = Exporter(backend=backend, port=None, interval_s=3600, textfile=target, sessions=False)
+    with exp:
+        pass
+    assert victim.read_text() == "root's own\n"  # before: the metrics, written through the link
+    assert os.readlink(old_temp) == str(victim)  # left alone
+    assert not target.is_symlink() and b"powerlib_device_info{" in target.read_bytes()
+    assert target.stat().st_uid == 0 and target.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in shared.iterdir()) == sorted([target.name, Path(old_temp).name])
+
+
+def test_textfile_refuses_an_unsticky_shared_folder_and_a_linked_target(
+    settings: Settings, tmp_path: Path
+) -> None:
+    backend = SimulatedBackend(Settings(state_dir=settings.state_dir, sim_gpus=1))
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    open_folder.chmod(0o777)  # anyone could swap the file between the write and the rename
+    with pytest.raises(powerlib.InvalidArgumentError) as err:
+        Exporter(backend=backend, port=None, textfile=open_folder / "m.prom").start()
+    assert str(err.value) == (
+        f"refusing to write {open_folder / 'm.prom'}: its folder is writable by all without"
+        " the sticky bit"
+    )
+    assert list(open_folder.iterdir()) == []
+    victim = tmp_path / "victim"
+    victim.write_text("root's own\n")
+    linked = tmp_path / "linked.prom"
+    linked.symlink_to(victim)
+    with pytest.raises(powerlib.InvalidArgumentError, match="it is a symbolic link$"):
+        Exporter(backend=backend, port=None, textfile=linked).start()
+    assert victim.read_text() == "root's own\n" and linked.is_symlink()
