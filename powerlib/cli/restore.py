@@ -103,12 +103,21 @@ def _still_modified(outcome: RestoreOutcome) -> dict[str, object]:
     help="With --for-user: the job's devices, comma-separated UUIDs, PCI bus ids or indexes.",
 )
 @click.option(
+    "--slurm-gpus",
+    default=None,
+    metavar="MINORS",
+    help='With --for-user: Slurm\'s GPU list ("$SLURM_JOB_GPUS"), device minor numbers '
+    "(/dev/nvidiaN), which need not follow the PCI order indexes use; each is resolved to its "
+    "UUID on this node, as `powerlib agent grant --slurm-gpus` does.",
+)
+@click.option(
     "--user-state-dir",
     "user_dirs",
     multiple=True,
     type=click.Path(path_type=Path),
     help="With --for-user: a state folder of the user's to restore from instead of the default "
-    "ones (repeatable; e.g. a job's own POWERLIB_STATE_DIR).",
+    "ones (repeatable; e.g. a job's own POWERLIB_STATE_DIR). Named by its real path: a "
+    "symbolic link in any component of it is refused.",
 )
 @click.option(
     "--grants-dir",
@@ -127,6 +136,7 @@ def restore(
     trusted_uids: tuple[int, ...],
     job: str | None,
     device_list: str | None,
+    slurm_gpus: str | None,
     user_dirs: tuple[Path, ...],
     grants_dir: Path | None,
     as_json: bool,
@@ -145,7 +155,9 @@ def restore(
     whatever is still modified is listed and the exit code is non-zero.
 
     With --for-user (root in an epilog), the user's state folders are read as hostile input:
-    only the job's devices are touched, each reset to the driver default under root's own
+    each is walked from / following no link, the folders above the user's must be root's (not
+    writable by others unless sticky) and the user's folder and files exactly theirs (not
+    root's), never on a FUSE mount; only the job's devices are touched, each reset to the driver default under root's own
     device lock (a device another process has leased is left to that lease), and what cannot
     be trusted is skipped and logged; the exit code is non-zero only when a job device could
     not be reset.
@@ -153,8 +165,10 @@ def restore(
     acting_for = (*for_user, *trusted_uids)
     if len(set(acting_for)) > 1:
         raise ConfigError("a restore acts for one user at a time: give --for-user once")
-    if not acting_for and (job or device_list or user_dirs):
-        raise ConfigError("--job, --devices and --user-state-dir go with --for-user UID")
+    if not acting_for and (job or device_list or slurm_gpus or user_dirs):
+        raise ConfigError(
+            "--job, --devices, --slurm-gpus and --user-state-dir go with --for-user UID"
+        )
     settings = Settings.from_env()
     report: dict[str, object] = {
         "schema": f"powerlib.restore.v{SCHEMA_VERSION}",
@@ -166,6 +180,8 @@ def restore(
     try:
         if acting_for:
             uid = acting_for[0]
+            if slurm_gpus is not None:
+                device_list = _slurm_devices(opts, slurm_gpus, job, device_list)
             devices, folders = _user_scope(uid, settings, job, device_list, user_dirs, grants_dir)
             report.update(for_user=uid, devices=devices, user_state_dirs=[str(f) for f in folders])
             outcomes = restore_for_user(
@@ -248,8 +264,37 @@ def _user_scope(
     """A restore for ``uid``: the job's devices and the state folders to restore from."""
     grants = grants_dir if grants_dir is not None else settings.state_dir / "grants"
     devices = _job_devices(uid, job, device_list, grants)
-    folders = list(user_dirs) or list(user_state_dirs(uid, settings.state_dir))
+    # made absolute, never resolved: the restore walks the path itself, following no link
+    folders = [Path.cwd() / f for f in user_dirs] or list(user_state_dirs(uid, settings.state_dir))
     return devices, folders
+
+
+def _slurm_devices(opts: Options, slurm_gpus: str, job: str | None, device_list: str | None) -> str:
+    """``--slurm-gpus``: Slurm's minor numbers as the UUIDs of this node's devices (``--devices``).
+
+    ``$SLURM_JOB_GPUS`` lists ``/dev/nvidia<N>`` numbers (gres.conf's ``File=``), which need not
+    follow the PCI order that indexes follow: read as indexes they could name another job's GPU.
+
+    Raises:
+        ConfigError: Given with --job or --devices, or a number is not a minor number.
+        DeviceNotFoundError: No device of this node has that minor number.
+    """
+    from powerlib.agent.node import uuids_of_minors  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.registry import open_backend  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+
+    if job is not None or device_list is not None:
+        raise ConfigError("give the job's devices once: --job, --devices or --slurm-gpus")
+    minors = [m.strip() for m in slurm_gpus.split(",") if m.strip()]
+    if not minors:
+        raise ConfigError("--slurm-gpus names no device")
+    settings = settings_for(opts).replace(  # the node's devices, as restore_for_user sees them
+        cuda_visible_devices=None, hip_visible_devices=None, rocr_visible_devices=None
+    )
+    backend = open_backend(settings=settings)
+    try:
+        return ",".join(uuids_of_minors(backend, minors))
+    finally:
+        backend.close()
 
 
 def _job_devices(uid: int, job: str | None, device_list: str | None, grants_dir: Path) -> list[str]:
@@ -257,7 +302,7 @@ def _job_devices(uid: int, job: str | None, device_list: str | None, grants_dir:
     if (job is None) == (device_list is None):
         raise ConfigError(
             "a restore for another user acts only on that user's job's devices: give --job JOB "
-            "(its grant names them) or --devices IDS"
+            "(its grant names them), --devices IDS or --slurm-gpus MINORS"
         )
     if device_list is not None:
         names = [d.strip() for d in device_list.split(",") if d.strip()]

@@ -8,9 +8,11 @@ the user's files supply: each changed item is reset to the driver's default and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from powerlib.backend import match_device
@@ -25,7 +27,7 @@ from powerlib.control.journal import (
 from powerlib.control.locks import DeviceLock
 from powerlib.control.restore import RestoreOutcome, journal_note, restore_device
 from powerlib.control.state import Owner, StateDir, device_key
-from powerlib.control.trust import describe_owner
+from powerlib.control.trust import describe_owner, open_user_folder
 from powerlib.device import Device
 from powerlib.errors import DeviceBusyError, DeviceNotFoundError, PowerlibError
 from powerlib.inputs import show_path
@@ -66,12 +68,15 @@ def restore_for_user(
     * **Root's own lock.** The device's lock is taken in root's state folder
       (``settings.state_dir``), the one the agent's leases hold: a device leased by a live
       process is left to its lease and skipped.
-    * **The user's folders are hostile.** Each is opened through descriptors (never following a
-      symlink; :class:`StateDir`), nothing is created in it, and a journal is removed with
-      ``unlinkat`` once its device is reset. A folder that is untrusted, planted by someone else,
-      missing or unreadable is skipped and said: it never fails the restore, so no user can make
-      an epilog exit non-zero and drain a node. Only a device of the job that could not be reset
-      is a failure.
+    * **The user's folders are hostile.** Each is opened from ``/`` one component at a time,
+      following no link in any of them, with root's folders above the user's part and exactly
+      the user's from there down, root not counted as an owner of the user's folders and files,
+      and never on a FUSE mount (:func:`~powerlib.control.trust.open_user_folder`); every later
+      step goes through that descriptor (``openat``), nothing is created in it, and a journal is
+      removed with ``unlinkat`` once its device is reset. A folder that is untrusted, planted by
+      someone else, missing or unreadable is skipped and said: it never fails the restore, so
+      no user can make an epilog exit non-zero and drain a node. Only a device of the job that
+      could not be reset is a failure.
 
     Args:
         settings: Root's settings: its backend (``auto`` finds the node's devices), sysfs root,
@@ -135,13 +140,69 @@ def _restore_user_folder(
     file is counted in one skipped line, so a folder of a million junk files costs a listing,
     not a million reads or a million log lines.
     """
-    state = StateDir(folder, trusted_uids=(uid,))
     try:
-        if not state.inspect():
-            return []
-        names = journal_names(state)
+        fd = open_user_folder(folder, uid)
     except PowerlibError as err:
         return [_skip(folder, f"skipped the state folder of {describe_owner(uid)}: {err}")]
+    if fd is None:
+        return []
+    state = _UserStateDir(folder, uid, fd)
+    try:
+        return _restore_user_state(state, uid, job, by_name, root_state, include_live, dry_run)
+    finally:
+        os.close(fd)
+
+
+class _UserStateDir(StateDir):
+    """A user's state folder as :func:`~powerlib.control.trust.open_user_folder` opened it.
+
+    Every operation goes through that descriptor, never the folder's name again, so a component
+    its user swaps afterwards changes nothing; ``journal/`` and ``locks/`` are opened from it
+    with ``O_NOFOLLOW`` and, like the journals, must be owned by exactly ``uid`` (not root).
+
+    Args:
+        root: The folder's path (for messages).
+        uid: Its user.
+        fd: Its descriptor (the caller keeps and closes it).
+    """
+
+    def __init__(self, root: Path, uid: int, fd: int) -> None:
+        super().__init__(root)
+        self.trusted_uids = frozenset({uid})
+        self._fd = fd
+
+    @contextlib.contextmanager
+    def folder(self, sub: str | None = None) -> Iterator[int]:
+        """A descriptor of the folder (``sub=None``) or of ``journal``/``locks`` in it."""
+        fd = os.dup(self._fd) if sub is None else self._open_dir(self.root / sub, self._fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def inspect(self) -> bool:
+        """Check ``journal/`` and ``locks/`` where they exist (the folder itself was walked)."""
+        for sub in (self.journal_dir, self.lock_dir):
+            with contextlib.suppress(FileNotFoundError), self.folder(sub.name):
+                pass
+        return True
+
+
+def _restore_user_state(
+    state: StateDir,
+    uid: int,
+    job: dict[str, Device],
+    by_name: dict[str, Device],
+    root_state: StateDir,
+    include_live: bool,
+    dry_run: bool,
+) -> list[RestoreOutcome]:
+    """Restore from one of the user's state folders, opened and checked (``state``)."""
+    try:
+        state.inspect()
+        names = journal_names(state)
+    except PowerlibError as err:
+        return [_skip(state.root, f"skipped the state folder of {describe_owner(uid)}: {err}")]
     outcomes: list[RestoreOutcome] = []
     others = len(names - by_name.keys())
     if others:
