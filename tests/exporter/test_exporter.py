@@ -526,7 +526,7 @@ def test_clients_that_never_read_their_answers_hold_no_worker_and_are_cut_off(
                 s.close()
 
 
-def test_a_full_server_of_slow_readers_closes_the_oldest_for_a_new_scrape(
+def test_a_full_server_of_slow_readers_closes_one_for_a_new_scrape(
     settings: Settings,
 ) -> None:
     backend = SimulatedBackend(Settings(state_dir=settings.state_dir, sim_gpus=64))
@@ -541,7 +541,12 @@ def test_a_full_server_of_slow_readers_closes_the_oldest_for_a_new_scrape(
             # if one request was still arriving, closed that one and queued this scrape behind
             # two rounds of workers blocked in sendall for the 3 s timeout.
             assert len(_scrape(exp.port, timeout_s=3.0)["powerlib_device_info"]) == 64
-            assert len(_read_to_eof(readers[0])) < full  # the oldest, closed half-answered
+            # a slow reader was closed half-answered to make room: which one depends on how far
+            # each answer got when the scrape came (issue 46's eviction: a request still being
+            # rendered is never dropped, the busiest source's oldest other connection is; a CI
+            # run found the oldest reader's answer whole, another one cut)
+            got = [len(_read_to_eof(s)) for s in readers]
+            assert any(n < full for n in got), got
         finally:
             for s in readers:
                 s.close()
