@@ -505,19 +505,23 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(script):
         print(f"error: no such script: {script}", file=sys.stderr)
         return 2
-    try:
-        options = options_from_env()
-        patch = patch_training(**options) if options is not None else None
-    except PowerlibError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    saved = sys.argv
-    sys.argv = [script, *argv[1:]]
     # As `python script.py` does: the script's folder first on sys.path, so its sibling modules
-    # (pretrain_gpt.py's gpt_builders, model_provider) import from any working directory.
+    # (pretrain_gpt.py's gpt_builders, model_provider) import from any working directory. First
+    # of all: patch_training imports megatron.training, which must be the checkout's beside the
+    # script, not an installed megatron-core wheel's (a wheel has no dataset-helper Makefile, and
+    # Megatron-LM 0.19's job died building it; issue 47).
     folder = os.path.dirname(os.path.realpath(script))
     sys.path.insert(0, folder)
+    saved = sys.argv
+    patch = None
     try:
+        try:
+            options = options_from_env()
+            patch = patch_training(**options) if options is not None else None
+        except PowerlibError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        sys.argv = [script, *argv[1:]]
         runpy.run_path(script, run_name="__main__")
     finally:
         sys.argv = saved

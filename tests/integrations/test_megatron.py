@@ -427,6 +427,47 @@ def test_the_launcher_imports_the_script_siblings_from_another_folder(
     assert seen == {"builder": "gpt", "path0": str(checkout), "cwd": str(elsewhere)}
 
 
+def test_the_launcher_imports_the_checkouts_megatron_not_the_installed_one(tmp_path: Path) -> None:
+    """A Megatron-LM checkout run from elsewhere, off PYTHONPATH: ``POWERLIB_MEGATRON=1`` patches
+    the checkout's ``megatron.training`` (beside the script), not an installed wheel's. Before
+    issue 47 the launcher imported it before putting the script's folder on ``sys.path``: the
+    wheel's loaded under the checkout's script (0.19: its dataset-helper build failed, the job
+    died; 0.16: no megatron.training, refused)."""
+    checkout, elsewhere = tmp_path / "Megatron-LM", tmp_path / "runs"
+    (checkout / "megatron" / "training").mkdir(parents=True)
+    elsewhere.mkdir()
+    (checkout / "megatron" / "__init__.py").write_text("")
+    (checkout / "megatron" / "training" / "__init__.py").write_text("")
+    (checkout / "megatron" / "training" / "training.py").write_text(
+        "def train(*args, **kwargs):\n    return None\n"
+    )
+    (checkout / "pretrain_gpt.py").write_text(
+        "import json\n"
+        "from megatron.training import training\n"
+        "print(json.dumps({'file': training.__file__,\n"
+        "                  'patched': hasattr(training.train, '__powerlib_original__')}))\n"
+    )
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("POWERLIB_MEGATRON") and k != "PYTHONPATH"
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "powerlib.integrations.megatron", "../Megatron-LM/pretrain_gpt.py"],
+        cwd=elsewhere,
+        env=clean | {"POWERLIB_MEGATRON": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "file": str(checkout / "megatron" / "training" / "training.py"),
+        "patched": True,
+    }
+
+
 def test_the_launcher_patches_train_when_on(tmp_path: Path) -> None:
     done = _launch_script(tmp_path, {"POWERLIB_MEGATRON": "1"})
     if megatron_training is None:  # 0.16: one clear line, nothing run
