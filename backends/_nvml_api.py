@@ -7,9 +7,12 @@ the deprecated ``pynvml`` shim distribution (its import warning is silenced). Tr
 (``TIMEOUT``, ``IN_USE``, ``NOT_READY``) become ``TransientDeviceError``, which the device layer
 retries a bounded number of times (docs/real-gpu.md §2).
 
-Also here: the clock-event reason bits and architecture numbers of ``nvml.h``, byte-string
-decoding, and the NVML-to-CUDA device order (see :mod:`powerlib.backends.nvidia`). Every NVML call
-with its units and privileges is listed in docs/vendor-calls.md.
+Also here: the clock-event reason bits, architecture numbers and workload power profiles of
+``nvml.h``, the calls CUDA 13 deprecates and CUDA 14 removes (they answer
+``NVML_ERROR_DEPRECATED``, which powerlib reads as "absent", like ``NOT_SUPPORTED`` and
+``FUNCTION_NOT_FOUND``), field-value decoding, byte-string decoding, and the NVML-to-CUDA device
+order (see :mod:`powerlib.backends.nvidia`). Every NVML call with its units and privileges is
+listed in docs/vendor-calls.md.
 """
 
 from __future__ import annotations
@@ -39,12 +42,18 @@ __all__ = [
     "ARCH_AMPERE",
     "ARCH_NAMES",
     "ARCH_VOLTA",
+    "DEPRECATED_CALLS",
     "INSTALL_HINT",
+    "POWER_PROFILE_NAMES",
     "REASON_LOCKED",
     "call",
     "cuda_order",
+    "field_number",
     "import_pynvml",
+    "major_version",
+    "mask_bits",
     "package_version",
+    "profile_names",
     "reason_names",
     "text",
 ]
@@ -110,6 +119,53 @@ ARCH_NAMES = {
 }
 
 
+# The calls CUDA 13 deprecates and CUDA 14 removes (they then answer NVML_ERROR_DEPRECATED, 26)
+# that powerlib has used; the default read path calls none of them on an NVML 13 or newer driver
+# (docs/real-gpu.md §8): nvmlDeviceGetTemperatureV and nvmlDeviceGetCurrentClocksEventReasons
+# replace the first and the last two.
+DEPRECATED_CALLS = (
+    "nvmlDeviceGetTemperature",
+    "nvmlDeviceGetApplicationsClock",
+    "nvmlDeviceGetDefaultApplicationsClock",
+    "nvmlDeviceSetApplicationsClocks",
+    "nvmlDeviceResetApplicationsClocks",
+    "nvmlDeviceGetCurrentClocksThrottleReasons",
+    "nvmlDeviceGetSupportedClocksThrottleReasons",
+)
+
+# nvmlPowerProfileType_t (nvml.h, Blackwell workload power profiles): bit n of a profile mask.
+POWER_PROFILE_NAMES = {
+    0: "max_p",
+    1: "max_q",
+    2: "compute",
+    3: "memory_bound",
+    4: "network",
+    5: "balanced",
+    6: "llm_inference",
+    7: "llm_training",
+    8: "rbm",
+    9: "dcpcie",
+    10: "hmma_sparse",
+    11: "hmma_dense",
+    12: "sync_balanced",
+    13: "hpc",
+    14: "mig",
+    15: "max_q_1",
+    16: "network_bound",
+    17: "high_throughput_inference",
+    18: "medium_throughput_inference",
+    19: "low_latency_inference",
+    20: "training",
+    21: "inference",
+    22: "max_q_2",
+    23: "max_q_3",
+    24: "low_priority_background",
+}
+
+# nvmlValueType_t -> the member of nvmlValue_t that holds a field value of that type.
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+
 def import_pynvml() -> ModuleType:
     """Import NVIDIA's ``pynvml`` module, silencing the deprecated ``pynvml`` shim's warning.
 
@@ -156,6 +212,29 @@ def call(
 def reason_names(mask: int) -> tuple[str, ...]:
     """The names of the clock-event reason bits set in ``mask``."""
     return tuple(name for bit, name in _EVENT_REASONS if mask & bit)
+
+
+def field_number(value: Any) -> float:
+    """The number an ``nvmlFieldValue_t`` holds, read as its ``valueType`` says (default: uint)."""
+    kind = getattr(value, "valueType", 1)
+    member = _VALUE_MEMBERS[kind] if isinstance(kind, int) and 0 <= kind < 7 else "uiVal"
+    return float(getattr(value.value, member))
+
+
+def mask_bits(words: Sequence[int]) -> tuple[int, ...]:
+    """The bits set in an ``nvmlMask255_t`` (32-bit words, bit 0 of word 0 first)."""
+    return tuple(32 * w + b for w, word in enumerate(words) for b in range(32) if word >> b & 1)
+
+
+def profile_names(bits: Sequence[int]) -> tuple[str, ...]:
+    """Workload power profile names for mask bits (``profile_<n>`` for one nvml.h lacks)."""
+    return tuple(POWER_PROFILE_NAMES.get(bit, f"profile_{bit}") for bit in bits)
+
+
+def major_version(version: str | None) -> int | None:
+    """The major number of an NVML version (``"13.580.65"`` -> 13); ``None`` if unknown."""
+    head = (version or "").split(".", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 def package_version(name: str) -> str | None:

@@ -28,10 +28,14 @@ power cap makes several locks run at one clock).
 Transient codes (``TIMEOUT``, ``IN_USE``, ``NOT_READY``) become ``TransientDeviceError``, which
 the device layer retries a bounded number of times (docs/real-gpu.md §2); they say nothing about
 another controller owning the GPU.
+
+Newer controls (docs/real-gpu.md §8): current calls first, names CUDA 13 deprecates only where
+they are absent (application clocks only before NVML 13); ``DEPRECATED`` (CUDA 14) is "absent".
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -46,6 +50,7 @@ from powerlib.backends._visible import select_visible
 from powerlib.config import Settings
 from powerlib.device import Capabilities, ClockLockState, Device, DeviceInfo, DeviceKind, PowerState
 from powerlib.errors import (
+    InvalidArgumentError,
     NotSupportedError,
     PermissionDeniedError,
     PowerlibError,
@@ -60,6 +65,19 @@ logger = logging.getLogger(__name__)
 
 _PROC_STATUS_PATH = Path("/proc/self/status")  # where control_refusal reads CapEff (tests move it)
 
+# Current name first; the deprecated one (api.DEPRECATED_CALLS) only where the current is absent.
+_TEMPERATURE_CALLS = ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature")
+_REASON_CALLS = (
+    "nvmlDeviceGetCurrentClocksEventReasons",
+    "nvmlDeviceGetCurrentClocksThrottleReasons",
+)
+# Power smoothing field ids (nvml.h): enablement, the applied floor, the active preset profile.
+_SMOOTHING_FIELDS = (
+    "NVML_FI_PWR_SMOOTHING_ENABLED",
+    "NVML_FI_PWR_SMOOTHING_APPLIED_TMP_FLOOR",
+    "NVML_FI_PWR_SMOOTHING_ACTIVE_PRESET_PROFILE",
+)
+
 
 class NvidiaDevice(Device):
     """One NVIDIA GPU. Static facts are read once, when the backend opens.
@@ -69,6 +87,8 @@ class NvidiaDevice(Device):
         handle: NVML device handle.
         index: CUDA-order index among the visible GPUs.
         monotonic: Clock for the power-integration fallback (injectable for tests).
+        nvml_major: The NVML major version (13 and newer: no deprecated application-clock reads);
+            ``None``: unknown, read as older.
     """
 
     def __init__(
@@ -77,8 +97,11 @@ class NvidiaDevice(Device):
         handle: Any,
         index: int,
         monotonic: Callable[[], float] = time.monotonic,
+        nvml_major: int | None = None,
     ) -> None:
         self._nvml, self._handle, self._monotonic = nvml, handle, monotonic
+        self._chosen: dict[str, str] = {}  # per read, the call name that answered (see _read_first)
+        self._reads_app_clocks = nvml_major is None or nvml_major < 13
         uuid = api.text(api.call(nvml, nvml.nvmlDeviceGetUUID, handle))
         name = api.text(api.call(nvml, nvml.nvmlDeviceGetName, handle))
         self._arch = self._optional(nvml.nvmlDeviceGetArchitecture, handle)
@@ -151,6 +174,21 @@ class NvidiaDevice(Device):
         except NotSupportedError:
             return None
 
+    def _read_first(self, key: str, names: Sequence[str], *args: Any) -> Any:
+        """The first of ``names`` (current first) the binding has and the driver answers, or None.
+
+        No attribute, ``NOT_SUPPORTED``, ``FUNCTION_NOT_FOUND`` or ``DEPRECATED``: the next name.
+        The name that answered is kept under ``key`` (no fallback where the current one works).
+        """
+        chosen = self._chosen.get(key)
+        for name in names if chosen is None else (chosen,):
+            fn = getattr(self._nvml, name, None)
+            value = None if fn is None else self._optional(fn, self._handle, *args)
+            if value is not None:
+                self._chosen[key] = name
+                return value
+        return None
+
     def _call(self, fn: Callable[..., Any], *args: Any, operation: str) -> Any:
         return api.call(self._nvml, fn, *args, device=self.device_id, operation=operation)
 
@@ -182,9 +220,58 @@ class NvidiaDevice(Device):
         return None
 
     def _read_temperature_c(self) -> float | None:
+        """Reads: nvmlDeviceGetTemperatureV (°C), else the deprecated nvmlDeviceGetTemperature."""
         sensor = getattr(self._nvml, "NVML_TEMPERATURE_GPU", 0)
-        value = self._optional(self._nvml.nvmlDeviceGetTemperature, self._handle, sensor)
+        value = self._read_first("temperature", _TEMPERATURE_CALLS, sensor)
         return None if value is None else float(value)
+
+    def _read_reasons(self) -> int | None:
+        """Reads: nvmlDeviceGetCurrentClocksEventReasons, else the deprecated ...ThrottleReasons."""
+        mask = self._read_first("reasons", _REASON_CALLS)
+        return None if mask is None else int(mask)
+
+    def _read_power_smoothing(self) -> dict[str, object] | None:
+        """Blackwell power smoothing, through field values; ``None`` where the GPU has none.
+
+        Reads: NVML_FI_PWR_SMOOTHING_ENABLED, _APPLIED_TMP_FLOOR (the floor the GPU holds its
+        power to, W as nvidia-smi prints it) and _ACTIVE_PRESET_PROFILE. A field the driver
+        does not answer is left out; without the enablement field the feature is absent.
+        """
+        nvml = self._nvml
+        ids = [getattr(nvml, name, None) for name in _SMOOTHING_FIELDS]
+        if ids[0] is None:
+            return None  # a binding older than power smoothing
+        wanted = [i for i in ids if i is not None]
+        try:
+            values = self._optional(nvml.nvmlDeviceGetFieldValues, self._handle, wanted)
+        except InvalidArgumentError:  # a driver older than the field ids
+            return None
+        got = {
+            v.fieldId: api.field_number(v) for v in values or () if getattr(v, "nvmlReturn", 1) == 0
+        }
+        if ids[0] not in got:
+            return None
+        out: dict[str, object] = {"enabled": bool(got[ids[0]])}
+        if ids[1] in got:
+            out["floor_w"] = got[ids[1]]
+        if ids[2] in got:
+            out["preset_profile"] = int(got[ids[2]])
+        return out
+
+    def _read_workload_profiles(self) -> list[str] | None:
+        """The workload power profiles in force (Blackwell); ``None`` where the GPU has none.
+
+        Reads: nvmlDeviceWorkloadPowerProfileGetCurrentProfiles (its enforced-profiles mask).
+        """
+        nvml = self._nvml
+        fn = getattr(nvml, "nvmlDeviceWorkloadPowerProfileGetCurrentProfiles", None)
+        struct = getattr(nvml, "c_nvmlWorkloadPowerProfileCurrentProfiles_v1_t", None)
+        if fn is None or struct is None:
+            return None
+        current = struct()
+        if self._optional(fn, self._handle, ctypes.byref(current)) is None:
+            return None
+        return list(api.profile_names(api.mask_bits(list(current.enforcedProfilesMask.mask))))
 
     def _warn_once(self, key: str, message: str, *args: object) -> None:
         if key not in self._warned:
@@ -257,7 +344,7 @@ class NvidiaDevice(Device):
         not hold the clock down right now, or no lock: NVML cannot tell which).
         """
         nvml, op = self._nvml, "read_sm_lock"
-        mask = self._optional(nvml.nvmlDeviceGetCurrentClocksEventReasons, self._handle)
+        mask = self._read_reasons()
         running_mhz = self._call(
             nvml.nvmlDeviceGetClockInfo, self._handle, nvml.NVML_CLOCK_SM, operation=op
         )
@@ -274,8 +361,12 @@ class NvidiaDevice(Device):
         """Whether (deprecated) application clocks other than the default are set.
 
         Reads: nvmlDeviceGetApplicationsClock, nvmlDeviceGetDefaultApplicationsClock (SM, MHz).
-        They set the same clock-event reason as a lock; a GPU that cannot say has none.
+        They set the same clock-event reason as a lock; a GPU that cannot say has none. CUDA 13
+        deprecates them (CUDA 14 removes them): on NVML 13 or newer they are not called, and the
+        reason is read as a lock.
         """
+        if not self._reads_app_clocks:
+            return False
         nvml, sm = self._nvml, self._nvml.NVML_CLOCK_SM
         target = self._optional(nvml.nvmlDeviceGetApplicationsClock, self._handle, sm)
         default = self._optional(nvml.nvmlDeviceGetDefaultApplicationsClock, self._handle, sm)
@@ -292,12 +383,22 @@ class NvidiaDevice(Device):
         return int(mode[0]) == getattr(self._nvml, "NVML_DEVICE_MIG_ENABLE", 1)
 
     def details(self) -> dict[str, object]:
-        """Architecture, PCI bus id, memory clocks, enforced limit, persistence, event reasons, MIG."""
+        """Architecture, PCI bus id, memory clocks, enforced limit, persistence, event reasons, MIG.
+
+        Where the GPU has them (Blackwell), also ``power_smoothing`` (``enabled``, ``floor_w``,
+        ``preset_profile``) and ``workload_power_profiles`` (the profiles in force); the keys are
+        absent on GPUs without them.
+        """
         nvml, handle = self._nvml, self._handle
         pci = self._optional(nvml.nvmlDeviceGetPciInfo, handle)
         enforced_mw = self._optional(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
-        reasons = self._optional(nvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
+        reasons = self._read_reasons()
         minor = self._optional(nvml.nvmlDeviceGetMinorNumber, handle)
+        newer: dict[str, object] = {}
+        if (smoothing := self._read_power_smoothing()) is not None:
+            newer["power_smoothing"] = smoothing
+        if (profiles := self._read_workload_profiles()) is not None:
+            newer["workload_power_profiles"] = profiles
         return {
             "architecture": api.ARCH_NAMES.get(self._arch, str(self._arch))
             if self._arch is not None
@@ -313,6 +414,7 @@ class NvidiaDevice(Device):
             }.get(self._power_source or "", None),
             "clock_event_reasons": None if reasons is None else list(api.reason_names(reasons)),
             "mig_enabled": self.mig_enabled(),
+            **newer,
         }
 
     # -- writes ----------------------------------------------------------------------------------
@@ -419,7 +521,20 @@ class NvidiaBackend(Backend):
         visible = select_visible(
             self.settings.cuda_visible_devices, [uuids[i] for i in order], "CUDA_VISIBLE_DEVICES"
         )
-        return [NvidiaDevice(nvml, handles[order[p]], index=k) for k, p in enumerate(visible)]
+        major = api.major_version(self._nvml_version())
+        return [
+            NvidiaDevice(nvml, handles[order[p]], index=k, nvml_major=major)
+            for k, p in enumerate(visible)
+        ]
+
+    def _nvml_version(self) -> str | None:
+        """Reads: nvmlSystemGetNVMLVersion; ``None`` when it cannot be read."""
+        fn = getattr(self._nvml, "nvmlSystemGetNVMLVersion", None)
+        try:
+            return None if fn is None else api.text(api.call(self._nvml, fn))
+        except PowerlibError as err:
+            logger.debug("nvmlSystemGetNVMLVersion: %s", err)
+            return None
 
     @classmethod
     def probe(cls, settings: Settings) -> ProbeResult:

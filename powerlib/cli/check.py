@@ -110,6 +110,7 @@ def _print_device(dev: DeviceCheck, *, load: bool) -> None:
             else f" (default {dev.default_power_limit_w:g} W)"
         )
         _row("power limit", f"{dev.power_limit_w:g} W{default}")
+    _print_newer_controls(dev)
     counter = dev.counter
     if counter is not None:
         if not counter.has_counter:
@@ -150,6 +151,28 @@ def _print_device(dev: DeviceCheck, *, load: bool) -> None:
     colour = "green" if dev.ready else "red"
     code = "" if dev.ready else f" (exit {dev.exit_code})"
     _row("verdict", click.style(dev.verdict, fg=colour) + code)
+
+
+def _print_newer_controls(dev: DeviceCheck) -> None:
+    """Power smoothing, workload power profile, a foreign limit: rows only where present."""
+    smoothing = dev.power_smoothing
+    if smoothing is not None:
+        text = "on" if smoothing.get("enabled") else "off"
+        floor_w = smoothing.get("floor_w")
+        if smoothing.get("enabled") and isinstance(floor_w, float):
+            text += f", floor {floor_w:g} W"
+        if "preset_profile" in smoothing:
+            text += f" (preset profile {smoothing['preset_profile']})"
+        _row("power smoothing", text)
+    if dev.workload_power_profiles is not None:
+        _row("power profile", ", ".join(dev.workload_power_profiles) or "none in force")
+    foreign = dev.foreign_power_limit
+    if foreign is not None:
+        _row(
+            "foreign limit",
+            f"{foreign['limit_w']:g} W (default {foreign['default_w']:g} W), set {foreign['set_by']}",
+            fg="yellow",
+        )
 
 
 def _lock_text(dev: DeviceCheck) -> str:

@@ -17,6 +17,7 @@ from powerlib._version import __version__
 from powerlib.cli.format import CAPABILITY_LABELS, fmt, freq_summary, table
 from powerlib.cli.options import Number, Options, emit_json, open_backend_for, settings_for
 from powerlib.control import reset_devices, set_device
+from powerlib.device import Device, PowerState
 from powerlib.inspection import (
     SCHEMA_VERSION,
     env_report,
@@ -25,6 +26,7 @@ from powerlib.inspection import (
     status_json,
     watch_samples,
 )
+from powerlib.node_check.check import foreign_power_limit
 from powerlib.registry import AUTO_ORDER
 
 __all__ = ["devices", "env", "reset", "set_", "status", "watch"]
@@ -117,12 +119,20 @@ def status(opts: Options, selector: str | None, as_json: bool) -> None:
     """Show full detail: identity, power state, supported clocks, limits, capabilities."""
     with open_backend_for(opts) as backend:
         found = [(dev, dev.read_state()) for dev in select_devices(backend, selector)]
+        # a limit an administrator, a facility tool or the BMC set (docs/real-gpu.md §8)
+        foreign = [
+            foreign_power_limit(backend, dev, st.power_limit_w, dev.details()) for dev, st in found
+        ]
         if as_json:
             emit_json(
                 {
                     "schema": f"powerlib.status.v{SCHEMA_VERSION}",
                     "backend": backend.name,
-                    "devices": [status_json(dev, st) for dev, st in found],
+                    "devices": [
+                        status_json(dev, st)
+                        | ({} if other is None else {"foreign_power_limit": other})
+                        for (dev, st), other in zip(found, foreign)
+                    ],
                 }
             )
             return
@@ -131,52 +141,7 @@ def status(opts: Options, selector: str | None, as_json: bool) -> None:
             if n:
                 click.echo("")
             click.echo(click.style(f"[{info.index}] {info.name}", bold=True))
-            lock = (
-                "not locked"
-                if st.locked_sm_freqs_mhz is None
-                else ("locked to {:g}-{:g} MHz".format(*st.locked_sm_freqs_mhz))
-            )
-            limits = info.power_limit_range_w
-            lines = [
-                ("id", info.device_id),
-                (
-                    "vendor / kind",
-                    f"{info.vendor} / {info.kind.value}"
-                    + (" (simulated)" if info.is_simulated else ""),
-                ),
-                ("backend", info.backend),
-                ("power", fmt(st.power_w, unit="W")),
-                (
-                    "energy counter",
-                    fmt(st.energy_j, 3, "J")
-                    + (
-                        ""
-                        if st.memory_energy_j is None
-                        else f" (memory {fmt(st.memory_energy_j, 3, 'J')})"
-                    ),
-                ),
-                ("SM clock", f"{fmt(st.sm_freq_mhz, 0, 'MHz')} ({lock})"),
-                ("supported SM clocks", freq_summary(info.supported_sm_freqs_mhz)),
-                (
-                    "power limit",
-                    fmt(st.power_limit_w, unit="W")
-                    + ("" if limits is None else f" (range {limits[0]:g}-{limits[1]:g} W")
-                    + (
-                        ""
-                        if limits is None
-                        else (
-                            f", default {info.default_power_limit_w:g} W)"
-                            if info.default_power_limit_w
-                            else ")"
-                        )
-                    ),
-                ),
-                ("temperature", fmt(st.temperature_c, unit="C")),
-            ]
-            lines += [
-                (key, json.dumps(value) if not isinstance(value, str) else value)
-                for key, value in dev.details().items()
-            ]
+            lines = _status_lines(dev, st, foreign[n])
             width = max(len(k) for k, _ in lines)
             for key, value in lines:
                 click.echo(f"  {key.ljust(width)}  {value}")
@@ -184,6 +149,65 @@ def status(opts: Options, selector: str | None, as_json: bool) -> None:
             click.echo("  capabilities:")
             for name, label in CAPABILITY_LABELS:
                 click.echo(f"    {label}: {'yes' if name in caps else 'no'}")
+
+
+def _status_lines(
+    dev: Device, st: PowerState, foreign: dict[str, object] | None
+) -> list[tuple[str, str]]:
+    """``powerlib status``'s ``(key, value)`` lines for one device (its title aside)."""
+    info = dev.info
+    lock = (
+        "not locked"
+        if st.locked_sm_freqs_mhz is None
+        else ("locked to {:g}-{:g} MHz".format(*st.locked_sm_freqs_mhz))
+    )
+    limits = info.power_limit_range_w
+    lines = [
+        ("id", info.device_id),
+        (
+            "vendor / kind",
+            f"{info.vendor} / {info.kind.value}" + (" (simulated)" if info.is_simulated else ""),
+        ),
+        ("backend", info.backend),
+        ("power", fmt(st.power_w, unit="W")),
+        (
+            "energy counter",
+            fmt(st.energy_j, 3, "J")
+            + (
+                "" if st.memory_energy_j is None else f" (memory {fmt(st.memory_energy_j, 3, 'J')})"
+            ),
+        ),
+        ("SM clock", f"{fmt(st.sm_freq_mhz, 0, 'MHz')} ({lock})"),
+        ("supported SM clocks", freq_summary(info.supported_sm_freqs_mhz)),
+        (
+            "power limit",
+            fmt(st.power_limit_w, unit="W")
+            + ("" if limits is None else f" (range {limits[0]:g}-{limits[1]:g} W")
+            + (
+                ""
+                if limits is None
+                else (
+                    f", default {info.default_power_limit_w:g} W)"
+                    if info.default_power_limit_w
+                    else ")"
+                )
+            ),
+        ),
+        ("temperature", fmt(st.temperature_c, unit="C")),
+    ]
+    if foreign is not None:
+        lines.append(
+            (
+                "foreign limit",
+                f"{foreign['limit_w']:g} W (default {foreign['default_w']:g} W), set "
+                f"{foreign['set_by']}",
+            )
+        )
+    lines += [
+        (key, json.dumps(value) if not isinstance(value, str) else value)
+        for key, value in dev.details().items()
+    ]
+    return lines
 
 
 @click.command()

@@ -16,7 +16,10 @@ whether a session could change its clocks and measure its energy, and why not:
   its clock, so its running clock says nothing): a low clock is locked, then a high one, a few
   times, through a :class:`~powerlib.control.ControlSession` (journaled, always restored); see
   :func:`~powerlib.node_check.landing.measure_landing_latency`;
-* what the power reading covers (the whole board, a Grace Hopper module, a RAPL zone...).
+* what the power reading covers (the whole board, a Grace Hopper module, a RAPL zone...);
+* NVIDIA's newer controls where the GPU has them: power smoothing (its floor: slack cannot save
+  below it), the workload power profile in force, and a power limit powerlib did not set
+  (:func:`foreign_power_limit`: out of band, or set by another tool).
 
 Each device ends with one verdict: ready, or not ready with the reason and the exit code of the
 table in docs/json-and-exit-codes.md (4 no permission, 5 MIG or no clock control, 9 device lost, the error's own code
@@ -58,6 +61,7 @@ __all__ = [
     "check_device",
     "check_node",
     "check_settings",
+    "foreign_power_limit",
     "permission_of",
     "power_scope",
 ]
@@ -142,6 +146,43 @@ def power_scope(dev: Device, details: Mapping[str, object]) -> str:
         zone_name = details.get("zone_name")
         return f"RAPL zone {zone}" + (f" ({zone_name})" if zone_name else "")
     return "unknown"
+
+
+def foreign_power_limit(
+    backend: Backend, dev: Device, limit_w: float | None, details: Mapping[str, object]
+) -> dict[str, object] | None:
+    """A power limit powerlib did not set: ``{"limit_w", "default_w", "set_by"}``, else ``None``.
+
+    Out of band: the enforced limit (``details["enforced_power_limit_w"]``) is below the
+    management limit ``limit_w`` (a facility, BMC or another enforced limit: powerlib only
+    writes the management limit). In band: ``limit_w`` is not the default and no powerlib
+    journal holds the device (a session journals every limit it sets; docs/real-gpu.md §1);
+    not judged through the node agent, whose journals this process cannot see.
+    """
+    default_w = dev.info.default_power_limit_w
+    enforced = details.get("enforced_power_limit_w")
+    if limit_w is None or default_w is None:
+        return None
+    if isinstance(enforced, float | int) and enforced < limit_w - _LIMIT_TOLERANCE_W:
+        set_by = "out of band (a facility, BMC or other enforced limit below the management one)"
+        return {"limit_w": float(enforced), "default_w": default_w, "set_by": set_by}
+    if abs(limit_w - default_w) <= _LIMIT_TOLERANCE_W or backend.remote or _journaled(backend, dev):
+        return None
+    set_by = "by another tool (no powerlib journal holds this device)"
+    return {"limit_w": limit_w, "default_w": default_w, "set_by": set_by}
+
+
+def _journaled(backend: Backend, dev: Device) -> bool:
+    """Whether a powerlib journal holds the device (an unreadable state folder: assume so)."""
+    from powerlib.control.journal import has_journal  # noqa: PLC0415 - the control plane and backends load only for a check
+    from powerlib.control.state import StateDir, device_key  # noqa: PLC0415 - the control plane and backends load only for a check
+
+    try:
+        key = device_key(dev.info.backend, dev.device_id)
+        return has_journal(StateDir(backend.settings.state_dir), key)
+    except (PowerlibError, OSError) as err:
+        logger.debug("%s: could not read the journal folder: %s", dev.device_id, err)
+        return True
 
 
 # -- the check ----------------------------------------------------------------------------------
@@ -238,6 +279,13 @@ def _read_facts(
     check.lock = _attempt(check, "the clock lock", dev.read_sm_lock)
     state = dev.read_state()  # the one read that must work: a failure is the verdict
     check.power_limit_w = state.power_limit_w
+    smoothing = details.get("power_smoothing")
+    check.power_smoothing = dict(smoothing) if isinstance(smoothing, Mapping) else None
+    profiles = details.get("workload_power_profiles")
+    check.workload_power_profiles = (
+        [str(p) for p in profiles] if isinstance(profiles, list | tuple) else None
+    )
+    check.foreign_power_limit = foreign_power_limit(backend, dev, state.power_limit_w, details)
     check.counter = measure_counter(dev, duration_s)
 
 
@@ -283,6 +331,17 @@ def _warn(check: DeviceCheck, backend: Backend, dev: Device) -> str | None:
     limit, default = check.power_limit_w, check.default_power_limit_w
     if limit is not None and default is not None and abs(limit - default) > _LIMIT_TOLERANCE_W:
         check.warnings.append(f"the power limit is {limit:g} W, not the default {default:g} W")
+    if (foreign := check.foreign_power_limit) is not None:
+        check.warnings.append(
+            f"the limit in force, {foreign['limit_w']:g} W, was set {foreign['set_by']}; "
+            "a session restores it, never the default"
+        )
+    smoothing = check.power_smoothing or {}
+    if smoothing.get("enabled") and isinstance(smoothing.get("floor_w"), float):
+        check.warnings.append(
+            f"power smoothing holds the GPU's power at or above {smoothing['floor_w']:g} W: "
+            "slack time cannot save below it (the planner counts the floor)"
+        )
     counter = check.counter
     assert counter is not None
     if not counter.has_counter:

@@ -42,6 +42,12 @@ class DeviceCheck:
         counter: The energy counter and read cost (``None``: not measured).
         latency: The landing latency (``None``: ``load`` was not asked for).
         power_scope: What the power and energy readings cover.
+        power_smoothing: Power smoothing (``enabled``, ``floor_w``, ``preset_profile``) where the
+            device has it, else ``None`` (absent from the JSON).
+        workload_power_profiles: The workload power profiles in force where the device has
+            them, else ``None`` (absent from the JSON).
+        foreign_power_limit: A limit powerlib did not set (``limit_w``, ``default_w``,
+            ``set_by``), else ``None`` (absent from the JSON).
         warnings: Findings that do not stop a session (persistence off, an existing lock...).
         reasons: Why the device is not ready, first the one that sets ``exit_code``.
         exit_code: 0 when ready, else the exit code of the first reason.
@@ -61,6 +67,9 @@ class DeviceCheck:
     counter: CounterCheck | None = None
     latency: LatencyCheck | None = None
     power_scope: str | None = None
+    power_smoothing: dict[str, object] | None = None
+    workload_power_profiles: list[str] | None = None
+    foreign_power_limit: dict[str, object] | None = None
     warnings: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     exit_code: int = 0
@@ -82,7 +91,12 @@ class DeviceCheck:
             self.exit_code = exit_code
 
     def to_json(self) -> dict[str, object]:
-        """JSON-ready fields."""
+        """JSON-ready fields; NVIDIA's newer controls only where the device has them."""
+        newer = {
+            "power_smoothing": self.power_smoothing,
+            "workload_power_profiles": self.workload_power_profiles,
+            "foreign_power_limit": self.foreign_power_limit,
+        }
         return {
             "index": self.index,
             "device_id": self.device_id,
@@ -103,6 +117,7 @@ class DeviceCheck:
             "energy_counter": None if self.counter is None else self.counter.to_json(),
             "landing_latency": None if self.latency is None else self.latency.to_json(),
             "power_scope": self.power_scope,
+            **{key: value for key, value in newer.items() if value is not None},
         }
 
 

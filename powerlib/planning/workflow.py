@@ -48,6 +48,7 @@ from powerlib.planning.perseus.report import (
 from powerlib.planning.perseus.work import DEFAULT_MAX_WORK, WORK_HINT, estimate_pipeline_work
 from powerlib.planning.pipeline import Instruction, Schedule, build_dag
 from powerlib.planning.plan import RECORDED, FrequencyPlan
+from powerlib.planning.power_floor import floored_profile
 from powerlib.planning.profile import Profile
 from powerlib.planning.schedules import build_schedule
 from powerlib.progress import Progress
@@ -77,11 +78,14 @@ class SessionInputs:
         idle_power_w: The devices' power before the session (the last resort for P_block).
         switch_latency_source: Where the request's ``switch_latency_s`` came from: ``given``,
             ``measured`` or ``default`` (recorded in the summary).
+        power_floor_w: The highest power-smoothing floor the ranks' GPUs hold (W; 0: none): the
+            rows and P_block are raised to it (:func:`~powerlib.planning.power_floor.floored_profile`).
     """
 
     p_block_w: float | None = None
     idle_power_w: tuple[float, ...] = ()
     switch_latency_source: str = "default"
+    power_floor_w: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -484,7 +488,10 @@ def plan_profile(profile: Profile, request: PlanRequest) -> PlanResult:
             or a deadline the frontier cannot meet.
     """
     profile.validate_for(request.num_stages, ())  # a profile of 8 stages cannot plan 100000
+    floor_w = request.session.power_floor_w if request.session else 0.0  # issue 47
+    profile = floored_profile(profile, floor_w)  # slack cannot go below a GPU's power floor
     p_block_w, p_block_source = resolve_p_block(profile, request)
+    p_block_w = max(p_block_w, floor_w)
     unit_time_s, unit_time_source = resolve_unit_time(profile, request.unit_time_s)
     if request.work_hint is not None:  # before the schedule is even built
         check_work(profile, request)

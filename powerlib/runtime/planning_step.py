@@ -14,6 +14,11 @@ chosen plan would cost more energy than all maximum clocks (or run past the allo
 rank 0 sends :class:`~powerlib.runtime.records.NoPlan` instead of a plan: every session then runs
 at the baseline clocks, and rank 0 says why in one warning line; ``summary.json`` gives the
 reason (``refused``) either way (:func:`write_no_plan` when there is no frontier to write).
+
+Where a rank's GPU holds a power-smoothing floor (``ProfilePayload.power_floor_w``), the highest
+one is planned with (:mod:`powerlib.planning.power_floor`: no row's energy, and no blocking
+power, below it), and rank 0 says in one warning line when the floor cancels (part of) the
+predicted saving (docs/real-gpu.md §8).
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from powerlib.config import direct_solver
+from powerlib.device import Device
 from powerlib.errors import PlanError, PowerlibError
 from powerlib.planning.perseus.counterfactual import replay_model
 from powerlib.planning.perseus.replay import ReplayModel
 from powerlib.planning.perseus.report import PlanOutputs
 from powerlib.planning.pipeline import Instruction
 from powerlib.planning.plan import FrequencyPlan
+from powerlib.planning.power_floor import floor_effect, floor_from_details
 from powerlib.planning.profile import Profile
 from powerlib.planning.profile_rows import CSV_COLUMNS, ProfileRow
 from powerlib.planning.workflow import (
@@ -41,6 +48,7 @@ from powerlib.planning.workflow import (
     SessionInputs,
     plan_profile,
     replan,
+    resolve_p_block,
 )
 from powerlib.progress import Progress
 from powerlib.runtime.gathered import (
@@ -71,6 +79,8 @@ __all__ = [
     "NO_PLAN_SCHEMA",
     "KeptFrontier",
     "add_measured",
+    "device_power_floor_w",
+    "floor_line",
     "judge_model",
     "make_plan",
     "rank0_turn",
@@ -292,9 +302,48 @@ def _request(
             p_block_w=measured_p_block_w,
             idle_power_w=tuple(p.idle_power_w for p in profiles if p.idle_power_w),
             switch_latency_source=source,
+            power_floor_w=max((_power_floor_w(p) for p in profiles), default=0.0),
         ),
         say=say,
     )
+
+
+def device_power_floor_w(device: Device) -> float | None:
+    """The power-smoothing floor ``device`` holds (W), for its rank's payload; never raises.
+
+    ``None`` where it has no power smoothing, has it off, or its details cannot be read.
+    """
+    try:
+        return floor_from_details(device.details())
+    except PowerlibError as err:
+        logger.debug("%s: power smoothing not read: %s", device.device_id, err)
+        return None
+
+
+def _power_floor_w(payload: ProfilePayload) -> float:
+    """The power-smoothing floor a rank's GPU holds (W; 0: none or not reported).
+
+    Each rank fills ``power_floor_w`` from its device (:func:`device_power_floor_w`).
+    """
+    floor_w = payload.power_floor_w
+    return float(floor_w) if isinstance(floor_w, int | float) and floor_w > 0 else 0.0
+
+
+def floor_line(result: PlanResult, raw: Profile, request: PlanRequest) -> str | None:
+    """One line when the request's power floor cancels (part of) the plan's predicted saving."""
+    floor_w = request.session.power_floor_w if request.session else 0.0
+    if floor_w <= 0:
+        return None
+    raw_p_block_w, _ = resolve_p_block(raw, request, Progress(False))
+    it = result.summary.per_iteration
+    effect = floor_effect(
+        result.choice.plan(),  # a plan the floor made refused is still compared
+        raw,
+        floor_w,
+        raw_p_block_w=raw_p_block_w,
+        iteration=(it.time_s, it.energy_j, it.baseline_time_s, it.baseline_energy_j),
+    )
+    return None if effect is None else effect.line()
 
 
 def make_plan(
@@ -342,6 +391,8 @@ def make_plan(
         profile = Profile(rows, source=GATHERED)
     request = _request(config, profiles, measured, say)
     result = plan_profile(profile, request)
+    if (line := floor_line(result, profile, request)) is not None:
+        logger.warning("powerlib: %s", line)
     if keep is not None:
         keep(KeptFrontier(result, request))
     if config.run.out_dir is not None:

@@ -106,6 +106,8 @@ class ProfilePayload:
         span_times: Every measured instruction: ``(sweep block, sweep iteration, microbatch,
             kind, clock, time_s)`` (:data:`~powerlib.runtime.noise_estimate.SpanTime`): rank 0
             divides each iteration's shared factor out of the rows with them.
+        power_floor_w: The power-smoothing floor the rank's GPU holds (W), when power
+            smoothing is on (docs/real-gpu.md §8).
     """
 
     stage: int
@@ -126,6 +128,7 @@ class ProfilePayload:
     time_noise: TimeNoise | None = None
     latency_samples_s: tuple[float, ...] = ()
     span_times: tuple[tuple[int, int, int, str, float, float], ...] = ()
+    power_floor_w: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -22,6 +22,15 @@ the power limit runs at the highest supported clock that fits under it, with the
 clock-event reason (0x4) set, so that several locks near the top run at one clock, as on a real
 GPU at its power cap.
 
+NVIDIA's newer controls, per GPU (absent by default, as on a GPU before Blackwell):
+``power_smoothing`` (``None``: no power smoothing; else True/False, with ``power_floor_w``, the
+applied floor a busy GPU's power does not go below, and ``smoothing_preset``, read through
+field values), ``workload_profiles`` (``None``: no workload power profiles; else the profile ids
+in force, read through ``nvmlDeviceWorkloadPowerProfileGetCurrentProfiles``), and
+``facility_limit_mw`` (a limit set out of band, by a facility or BMC: the enforced limit is the
+lower of it and the management limit). ``fake.cuda14 = True`` makes the calls CUDA 14 removes
+(:data:`powerlib.backends._nvml_api.DEPRECATED_CALLS`) raise ``NVML_ERROR_DEPRECATED``.
+
 Modelled GPUs are approximations built from public figures (see docs/peers.md §4.1), not
 recordings of real devices.
 """
@@ -33,6 +42,8 @@ import importlib
 import types
 from dataclasses import dataclass, field
 from typing import Any
+
+from powerlib.backends._nvml_api import DEPRECATED_CALLS
 
 __all__ = ["A100_SXM4_40GB", "H100_SXM5_80GB", "V100_SXM2_16GB", "FakeGpuSpec", "FakeNvml"]
 
@@ -115,6 +126,17 @@ class _Gpu:
     minor: int = 0  # /dev/nvidia<minor>; tests may make it differ from the PCI order
     mig_mode: int = 0  # NVML_DEVICE_MIG_DISABLE / _ENABLE (Ampere and newer only)
     mig_mode_pending: int | None = None  # None: the same as mig_mode (no change pending)
+    power_smoothing: bool | None = None  # None: the GPU has no power smoothing (pre-Blackwell)
+    power_floor_w: float = 0.0  # the applied floor while smoothing is on
+    smoothing_preset: int = 0
+    workload_profiles: tuple[int, ...] | None = None  # None: no workload power profiles
+    facility_limit_mw: int | None = None  # an out-of-band limit (facility, BMC), else None
+
+    def enforced_limit_mw(self) -> int:
+        """The limit the GPU holds: the management limit, or a lower out-of-band one."""
+        if self.facility_limit_mw is None:
+            return self.power_limit_mw
+        return min(self.power_limit_mw, self.facility_limit_mw)
 
     def _busy_power_mw(self, clock_mhz: int) -> float:
         return self.spec.idle_power_mw + self.spec.busy_power_per_mhz_mw * clock_mhz
@@ -126,7 +148,7 @@ class _Gpu:
 
     def is_power_capped(self) -> bool:
         """Busy, and the target clock would draw more than the power limit."""
-        return self.busy and self._busy_power_mw(self._target_mhz()) > self.power_limit_mw
+        return self.busy and self._busy_power_mw(self._target_mhz()) > self.enforced_limit_mw()
 
     def sm_clock_mhz(self) -> int:
         target = self._target_mhz()
@@ -135,14 +157,18 @@ class _Gpu:
         fitting = [
             c
             for c in self.spec.gfx_clocks_mhz
-            if c <= target and self._busy_power_mw(c) <= self.power_limit_mw
+            if c <= target and self._busy_power_mw(c) <= self.enforced_limit_mw()
         ]
         return max(fitting) if fitting else min(self.spec.gfx_clocks_mhz)
 
     def power_mw(self) -> float:
+        limit_mw = float(self.enforced_limit_mw())
         if not self.busy:
-            return float(min(self.spec.idle_power_mw, self.power_limit_mw))
-        return min(self._busy_power_mw(self.sm_clock_mhz()), float(self.power_limit_mw))
+            return min(float(self.spec.idle_power_mw), limit_mw)
+        power_mw = min(self._busy_power_mw(self.sm_clock_mhz()), limit_mw)
+        if self.power_smoothing:  # the floor holds a busy GPU's power up (slack included)
+            power_mw = max(power_mw, min(self.power_floor_w * 1000.0, limit_mw))
+        return power_mw
 
 
 @dataclass
@@ -163,6 +189,7 @@ class _FieldValue:
     fieldId: int  # NVML struct field names
     nvmlReturn: int
     value: types.SimpleNamespace = field(default_factory=types.SimpleNamespace)
+    valueType: int = 1  # NVML_VALUE_TYPE_UNSIGNED_INT
 
 
 class FakeNvml(types.ModuleType):
@@ -172,7 +199,7 @@ class FakeNvml(types.ModuleType):
         super().__init__("pynvml")
         real = _real_pynvml()
         for name in dir(real):  # constants and error classes come from the real binding
-            if name.startswith(("NVML_", "NVMLError")):
+            if name.startswith(("NVML_", "NVMLError", "c_nvmlWorkloadPowerProfile")):
                 setattr(self, name, getattr(real, name))
         self._nvmlGetFunctionPointer = object()  # passes powerlib's official-binding check
         specs = [A100_SXM4_40GB, A100_SXM4_40GB] if specs is None else specs
@@ -192,6 +219,7 @@ class FakeNvml(types.ModuleType):
         self.init_error: int | None = None
         self.driver_version = "550.54.15"  # what nvmlSystemGetDriverVersion reports
         self.nvml_version = "12.550.54.15"  # what nvmlSystemGetNVMLVersion reports
+        self.cuda14 = False  # True: DEPRECATED_CALLS raise NVML_ERROR_DEPRECATED (CUDA 14)
 
     # -- test controls ---------------------------------------------------------------------------
 
@@ -210,6 +238,8 @@ class FakeNvml(types.ModuleType):
         self.calls.append(name)
         if self.init_count <= 0 and name not in ("nvmlInit", "nvmlErrorString"):
             raise self.NVMLError(self.NVML_ERROR_UNINITIALIZED)
+        if self.cuda14 and name in DEPRECATED_CALLS:
+            raise self.NVMLError(self.NVML_ERROR_DEPRECATED)
         for fault in list(self._faults):
             if fnmatch.fnmatch(name, fault.pattern) and (
                 fault.device is None or (handle is not None and handle.index == fault.device)
@@ -340,8 +370,27 @@ class FakeNvml(types.ModuleType):
             return max(gpu.spec.mem_clocks_mhz)
         return max(gpu.spec.gfx_clocks_mhz)
 
+    def nvmlDeviceSetApplicationsClocks(
+        self, handle: _Handle, maxMemClockMHz: int, maxGraphicsClockMHz: int
+    ) -> None:
+        gpu = self._gpu("nvmlDeviceSetApplicationsClocks", handle)
+        if maxGraphicsClockMHz not in gpu.spec.gfx_clocks_mhz:
+            raise self.NVMLError(self.NVML_ERROR_INVALID_ARGUMENT)
+        gpu.app_clock_mhz = maxGraphicsClockMHz
+
+    def nvmlDeviceResetApplicationsClocks(self, handle: _Handle) -> None:
+        self._gpu("nvmlDeviceResetApplicationsClocks", handle).app_clock_mhz = None
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: _Handle) -> int:
+        self._enter("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+        return self._reasons(handle)
+
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: _Handle) -> int:
-        gpu = self._gpu("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        self._enter("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        return self._reasons(handle)
+
+    def _reasons(self, handle: _Handle) -> int:
+        gpu = self.gpus[handle.index]
         return (
             (0x2 if gpu.locked_mhz or gpu.app_clock_mhz is not None else 0)
             | (0 if gpu.busy else 0x1)
@@ -373,7 +422,7 @@ class FakeNvml(types.ModuleType):
         return self._gpu("nvmlDeviceGetPowerManagementLimit", handle).power_limit_mw
 
     def nvmlDeviceGetEnforcedPowerLimit(self, handle: _Handle) -> int:
-        return self._gpu("nvmlDeviceGetEnforcedPowerLimit", handle).power_limit_mw
+        return self._gpu("nvmlDeviceGetEnforcedPowerLimit", handle).enforced_limit_mw()
 
     def nvmlDeviceSetPowerManagementLimit(self, handle: _Handle, limit: int) -> None:
         gpu = self._gpu("nvmlDeviceSetPowerManagementLimit", handle)
@@ -389,13 +438,36 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceGetFieldValues(self, handle: _Handle, fieldIds: list[Any]) -> list[_FieldValue]:
         gpu = self._gpu("nvmlDeviceGetFieldValues", handle)
         out = []
+        smoothing = {  # field ids of the installed binding (older ones lack them)
+            getattr(self, f"NVML_FI_PWR_SMOOTHING_{name}", -1): value
+            for name, value in (
+                ("ENABLED", float(bool(gpu.power_smoothing))),
+                ("APPLIED_TMP_FLOOR", gpu.power_floor_w),
+                ("ACTIVE_PRESET_PROFILE", float(gpu.smoothing_preset)),
+            )
+        }
         for fid in fieldIds:
             fid = fid[0] if isinstance(fid, tuple) else fid
             if fid == self.NVML_FI_DEV_POWER_INSTANT and gpu.spec.has_instant_power_field:
                 out.append(_FieldValue(fid, 0, types.SimpleNamespace(uiVal=int(gpu.power_mw()))))
+            elif fid in smoothing and gpu.power_smoothing is not None:
+                value = types.SimpleNamespace(dVal=float(smoothing[fid]))
+                out.append(_FieldValue(fid, 0, value, self.NVML_VALUE_TYPE_DOUBLE))
             else:
                 out.append(_FieldValue(fid, self.NVML_ERROR_NOT_SUPPORTED))
         return out
+
+    def nvmlDeviceWorkloadPowerProfileGetCurrentProfiles(
+        self, device: _Handle, currentProfiles: Any
+    ) -> int:
+        gpu = self._gpu("nvmlDeviceWorkloadPowerProfileGetCurrentProfiles", device)
+        if gpu.workload_profiles is None:
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        current = getattr(currentProfiles, "_obj", currentProfiles)  # ctypes.byref(struct)
+        for bit in gpu.workload_profiles:
+            current.enforcedProfilesMask.mask[bit // 32] |= 1 << (bit % 32)
+            current.requestedProfilesMask.mask[bit // 32] |= 1 << (bit % 32)
+        return int(self.NVML_SUCCESS)
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: _Handle) -> int:
         gpu = self._gpu("nvmlDeviceGetTotalEnergyConsumption", handle)
@@ -405,4 +477,8 @@ class FakeNvml(types.ModuleType):
 
     def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:
         gpu = self._gpu("nvmlDeviceGetTemperature", handle)
+        return 30 + int(gpu.power_mw() / 10_000)
+
+    def nvmlDeviceGetTemperatureV(self, handle: _Handle, sensor: int, version: int = 0) -> int:
+        gpu = self._gpu("nvmlDeviceGetTemperatureV", handle)
         return 30 + int(gpu.power_mw() / 10_000)
