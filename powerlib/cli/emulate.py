@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 
 import click
 
-from powerlib.cli.format import pct, versus_all_max
+from powerlib.cli.format import pct, table, versus_all_max
 from powerlib.cli.options import Number, OutputPath, emit_json
 from powerlib.planning.names import POLICIES
 from powerlib.planning.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:
+    from powerlib.emulator.demo import DemoConfig
     from powerlib.emulator.demo_result import DemoResult
     from powerlib.emulator.engine import NvmlLikeModel
     from powerlib.planning.plan import FrequencyPlan
@@ -92,6 +93,20 @@ def _with_noise_model(model: NvmlLikeModel, noise_model: str | None) -> NvmlLike
     default=None,
     help="Plan policy (default: fastest; deadline with --straggler).",
 )
+@click.option(
+    "--budget",
+    "budget_fraction",
+    type=Number(min=0.0),
+    default=None,
+    help="Power-budget policy: per-GPU power limits whose sum is this share of the GPUs' "
+    "summed limits (0.8), beside the uniform cap (docs/perseus.md).",
+)
+@click.option(
+    "--budget-w",
+    type=Number(min=0.0),
+    default=None,
+    help="Power-budget policy, the budget in watts (instead of --budget).",
+)
 @_EMULATED_P_BLOCK
 @_IDEAL
 @_EMULATED_SWITCH_LATENCY
@@ -156,6 +171,8 @@ def demo(
     schedule: str,
     straggler: float | None,
     policy: str | None,
+    budget_fraction: float | None,
+    budget_w: float | None,
     p_block_w: float,
     ideal: bool,
     switch_latency_s: float | None,
@@ -183,35 +200,79 @@ def demo(
     from powerlib.emulator.demo import DemoConfig, run_demo  # noqa: PLC0415 - keep CLI start fast
     from powerlib.emulator.engine import IDEAL_MODEL, NVML_LIKE_MODEL  # noqa: PLC0415 - keep CLI start fast
 
-    result = run_demo(
-        DemoConfig(
-            profile_path=profile_path,
-            num_microbatches=microbatches,
-            schedule=schedule,
-            num_chunks=2 if schedule == "interleaved" else 1,
-            p_block_w=p_block_w,
-            model=IDEAL_MODEL if ideal else NVML_LIKE_MODEL,
-            switch_latency_s=switch_latency_s,
-            counter_period_s=counter_period_s,
-            noise=noise,
-            noise_model=noise_model,
-            duty=duty,
-            read_cost_s=read_cost_s,
-            drift=drift,
-            straggler=straggler,
-            policy=policy,
-            out_dir=out_dir,
-            plot=not no_plot,
-            seed=seed,
-            truth_iterations=truth_iterations,
-            request_ahead=not no_request_ahead,
-            progress=True,
-        )
+    config = DemoConfig(
+        profile_path=profile_path,
+        num_microbatches=microbatches,
+        schedule=schedule,
+        num_chunks=2 if schedule == "interleaved" else 1,
+        p_block_w=p_block_w,
+        model=IDEAL_MODEL if ideal else NVML_LIKE_MODEL,
+        switch_latency_s=switch_latency_s,
+        counter_period_s=counter_period_s,
+        noise=noise,
+        noise_model=noise_model,
+        duty=duty,
+        read_cost_s=read_cost_s,
+        drift=drift,
+        straggler=straggler,
+        policy=policy,
+        out_dir=out_dir,
+        plot=not no_plot,
+        seed=seed,
+        truth_iterations=truth_iterations,
+        request_ahead=not no_request_ahead,
+        progress=True,
     )
+    if policy == "power-budget" or budget_fraction is not None or budget_w is not None:
+        _power_budget_demo(config, policy, budget_fraction, budget_w, as_json=as_json)
+        return
+    result = run_demo(config)
     if as_json:
         emit_json(result.to_json())
         return
     _echo_demo(result)
+
+
+def _power_budget_demo(
+    config: DemoConfig,
+    policy: str | None,
+    budget_fraction: float | None,
+    budget_w: float | None,
+    *,
+    as_json: bool,
+) -> None:
+    """``demo --budget``: the uniform cap beside the plan (docs/perseus.md §7)."""
+    from powerlib.emulator.power_budget_demo import run_power_budget_demo  # noqa: PLC0415 - keep CLI start fast
+
+    if policy not in (None, "power-budget"):
+        raise click.UsageError(f"--budget and --budget-w plan limits, not --policy {policy}")
+    result = run_power_budget_demo(config, budget_fraction=budget_fraction, budget_w=budget_w)
+    if as_json:
+        emit_json(result.to_json())
+        return
+    click.echo(
+        f"power budget {result.plan.budget_w:.0f} W for {len(result.plan.admin_limits_w)} GPUs "
+        f"(limits {max(result.plan.admin_limits_w):.0f} W each), emulated from {result.profile} "
+        f"on {result.model.describe()}"
+    )
+    plan = result.plan
+    rows = []
+    for name, label, limits in (
+        ("uncapped", "uncapped", plan.uncapped.limits_w),
+        ("uniform_cap", "uniform cap", plan.uniform.limits_w),
+        ("powerlib", "powerlib", plan.plan.limits_w),
+    ):
+        fig = result.figures(name)
+        rows.append(
+            [
+                label,
+                f"{fig['time_s']:.4f} s",
+                f"{fig['energy_j']:.1f} J",
+                f"{fig['slowdown_percent']:+.2f} %",
+                " ".join(f"{w:.0f}" for w in limits),
+            ]
+        )
+    table(["", "iteration time", "energy / iteration", "vs uncapped", "limits (W)"], rows)
 
 
 def _signed(value: float | None) -> str:

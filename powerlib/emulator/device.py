@@ -12,6 +12,8 @@ docs/measurement.md §1):
   returns the last published value); with ``duty < 1`` it only samples power during the last
   ``duty * counter_period_s`` of each period (A100/H100: 25 % of each 100 ms, Yang et al.,
   arXiv 2312.02741) and scales that window's energy by ``1 / duty``;
+- with ``power_limit_w`` set (default ``None``), clocks throttle to hold it, on profiled powers
+  (:func:`~powerlib.planning.power_budget.throttled_freq_mhz`); waiting draws ``min(p_block_w, it)``;
 - every ``read_state()`` is counted; the emulator charges the reads a hook makes on the
   training thread ``read_cost_s`` each (an H200 read costs about 3 ms);
 - optional multiplicative noise perturbs every execution (reseedable per iteration for paired
@@ -46,6 +48,7 @@ from powerlib.device import (
     PowerState,
 )
 from powerlib.emulator.noise_model import NoiseDraws
+from powerlib.planning.power_budget import throttled_freq_mhz
 
 __all__ = ["EmulatedBackend", "EmulatedDevice", "VirtualTime"]
 
@@ -256,6 +259,7 @@ class EmulatedDevice(Device):
         self.switches = 0
         self.reads = 0  # read_state() calls, from any thread
         self.stall_s = 0.0  # what the emulator charged this device's hooks for their reads
+        self.power_limit_w: float | None = None  # set between iterations: next instruction on
 
     # -- the model -------------------------------------------------------------------------------
 
@@ -389,6 +393,8 @@ class EmulatedDevice(Device):
         segments = []
         while True:
             f = self.freq_at(t)
+            if self.power_limit_w is not None:  # the clock the power limit lets it run at
+                f = throttled_freq_mhz(by_freq, f, self.power_limit_w)
             j = bisect.bisect_right(self._switch_t, t)
             next_switch = self._switch_t[j] if j < len(self._switch_t) else math.inf
             time_f, energy_f = by_freq[f]
@@ -406,7 +412,8 @@ class EmulatedDevice(Device):
             energy += power * (next_switch - t)
             segments.append((t, next_switch, f))
             t = next_switch
-        self._mark(t, self.p_block_w * self.drift_factor(t))
+        p_block, limit = self.p_block_w * self.drift_factor(t), self.power_limit_w
+        self._mark(t, p_block if limit is None else min(p_block, limit))
         run.end_s, run.energy_j, run.segments = t, energy, tuple(segments)
 
     def _retime(self, landing_s: float) -> None:

@@ -36,6 +36,7 @@ computes from the profile (tested).
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -456,3 +457,22 @@ class Emulator:
         """Release every clock lock (back to the highest clock)."""
         for dev in self.devices:
             dev.reset_sm_clocks()
+
+    def set_power_limits(self, limits_w: Sequence[float | None] | None) -> None:
+        """Hold each device to a power limit (``None``: no limit), from its next instruction on.
+
+        Each device's clocks throttle to hold its limit, and it waits at ``min(p_block_w,
+        limit)`` (:attr:`EmulatedDevice.power_limit_w
+        <powerlib.emulator.device.EmulatedDevice.power_limit_w>`; docs/perseus.md "Power
+        budgets"). Set them between iterations.
+
+        Raises:
+            ValueError: Not one limit per device, or a limit that is not a positive number.
+        """
+        limits = [None] * self.num_stages if limits_w is None else list(limits_w)
+        if len(limits) != self.num_stages:
+            raise ValueError(f"{len(limits)} power limits for {self.num_stages} devices")
+        for dev, limit in zip(self.devices, limits):
+            if limit is not None and not (math.isfinite(limit) and limit > 0):
+                raise ValueError(f"a power limit must be a positive number of watts, not {limit}")
+            dev.power_limit_w = None if limit is None else float(limit)
