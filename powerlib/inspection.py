@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from importlib import metadata
 from typing import Any
@@ -153,8 +153,13 @@ def state_json(dev: Device, state: PowerState) -> dict[str, object]:
     }
 
 
-def status_json(dev: Device, state: PowerState) -> dict[str, object]:
-    """:func:`state_json` plus clocks, limits, capabilities, details (``powerlib.status.v1``)."""
+def status_json(
+    dev: Device, state: PowerState, details: Mapping[str, object] | None = None
+) -> dict[str, object]:
+    """:func:`state_json` plus clocks, limits, capabilities, details (``powerlib.status.v1``).
+
+    ``details``: ``dev.details()`` where the caller read it already (each read asks the driver).
+    """
     info = dev.info
     data = state_json(dev, state)
     data.update(
@@ -169,7 +174,7 @@ def status_json(dev: Device, state: PowerState) -> dict[str, object]:
             "capabilities": {
                 f.name: getattr(info.capabilities, f.name) for f in fields(info.capabilities)
             },
-            "details": dict(dev.details()),
+            "details": dict(dev.details() if details is None else details),
         }
     )
     return data

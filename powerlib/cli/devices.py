@@ -119,9 +119,11 @@ def status(opts: Options, selector: str | None, as_json: bool) -> None:
     """Show full detail: identity, power state, supported clocks, limits, capabilities."""
     with open_backend_for(opts) as backend:
         found = [(dev, dev.read_state()) for dev in select_devices(backend, selector)]
+        details = [dict(dev.details()) for dev, _ in found]  # read once: each asks the driver
         # a limit an administrator, a facility tool or the BMC set (docs/real-gpu.md §8)
         foreign = [
-            foreign_power_limit(backend, dev, st.power_limit_w, dev.details()) for dev, st in found
+            foreign_power_limit(backend, dev, st.power_limit_w, more)
+            for (dev, st), more in zip(found, details)
         ]
         if as_json:
             emit_json(
@@ -129,9 +131,9 @@ def status(opts: Options, selector: str | None, as_json: bool) -> None:
                     "schema": f"powerlib.status.v{SCHEMA_VERSION}",
                     "backend": backend.name,
                     "devices": [
-                        status_json(dev, st)
+                        status_json(dev, st, more)
                         | ({} if other is None else {"foreign_power_limit": other})
-                        for (dev, st), other in zip(found, foreign)
+                        for (dev, st), more, other in zip(found, details, foreign)
                     ],
                 }
             )
@@ -141,7 +143,7 @@ def status(opts: Options, selector: str | None, as_json: bool) -> None:
             if n:
                 click.echo("")
             click.echo(click.style(f"[{info.index}] {info.name}", bold=True))
-            lines = _status_lines(dev, st, foreign[n])
+            lines = _status_lines(dev, st, details[n], foreign[n])
             width = max(len(k) for k, _ in lines)
             for key, value in lines:
                 click.echo(f"  {key.ljust(width)}  {value}")
@@ -152,7 +154,10 @@ def status(opts: Options, selector: str | None, as_json: bool) -> None:
 
 
 def _status_lines(
-    dev: Device, st: PowerState, foreign: dict[str, object] | None
+    dev: Device,
+    st: PowerState,
+    details: dict[str, object],
+    foreign: dict[str, object] | None,
 ) -> list[tuple[str, str]]:
     """``powerlib status``'s ``(key, value)`` lines for one device (its title aside)."""
     info = dev.info
@@ -205,7 +210,7 @@ def _status_lines(
         )
     lines += [
         (key, json.dumps(value) if not isinstance(value, str) else value)
-        for key, value in dev.details().items()
+        for key, value in details.items()
     ]
     return lines
 
