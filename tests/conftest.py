@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,3 +38,15 @@ def hardware_check(monkeypatch: pytest.MonkeyPatch):
     spec.loader.exec_module(module)
     monkeypatch.setattr(module.time, "sleep", lambda seconds: None)
     return module
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A folder in /tmp that every uid may enter and write in (sticky, as /tmp is), for attacks
+    made as another uid: pytest's tmp_path lies under a folder only root may enter."""
+    folder = Path(tempfile.mkdtemp(prefix="powerlib-shared-"))
+    os.chmod(folder, 0o1777)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

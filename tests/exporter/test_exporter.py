@@ -6,11 +6,9 @@ import contextlib
 import os
 import resource
 import selectors
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -562,18 +560,6 @@ def test_a_cached_answer_follows_the_samples(settings: Settings) -> None:
         time.sleep(0.01)
         exp.sampler.sample()
         assert _value(_scrape(exp.port)[stamp], uuid) > first
-
-
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    """A folder in /tmp that every uid may enter and write in (sticky, as /tmp is): pytest's
-    tmp_path lies under a folder only root may enter."""
-    folder = Path(tempfile.mkdtemp(prefix="powerlib-textfile-"))
-    os.chmod(folder, 0o1777)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_textfile_as_root_follows_no_link_planted_in_a_shared_folder(

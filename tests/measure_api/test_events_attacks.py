@@ -13,13 +13,11 @@ takes the machine's memory.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,18 +62,6 @@ class Outcome:
     would count pytest's own memory, which the forked process had before its exec)."""
     exit_code: int | None
     stderr: str
-
-
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    """A folder in /tmp that every uid may enter and write in (sticky, as /tmp is): pytest's
-    tmp_path lies under a folder only root may enter."""
-    folder = Path(tempfile.mkdtemp(prefix="powerlib-events-"))
-    os.chmod(folder, 0o1777)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _watch(proc: subprocess.Popen[bytes], deadline_s: float) -> tuple[bool, int, int | None]:
