@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,7 +19,9 @@ from powerlib.config import NODE_STATE_DIR
 from powerlib.errors import ConfigError, PermissionDeniedError, PowerlibError
 
 if TYPE_CHECKING:
-    from powerlib.backend import Backend
+    from collections.abc import Sequence
+
+    from powerlib.device import Device
 
 __all__ = ["agent"]
 
@@ -33,31 +34,6 @@ _GRANTS_HELP = (
 def _grants(opts: Options, grants_dir: Path | None) -> Path:
     """``--grants-dir``, or ``grants/`` in root's state folder (the node's layout)."""
     return grants_dir if grants_dir is not None else settings_for(opts).state_dir / "grants"
-
-
-def _id_forms(backend: Backend) -> dict[str, str]:
-    """Every form a grant may name a device by (index, UUID any case, PCI bus id) -> its UUID."""
-    from powerlib.backend import normalize_pci  # noqa: PLC0415 - a command loads only what it runs (fast --help)
-
-    forms: dict[str, str] = {}
-    for dev in backend.devices():
-        forms[str(dev.index)] = forms[dev.device_id.lower()] = dev.device_id
-        pci = dev.details().get("pci_bus_id")
-        bus_id = normalize_pci(pci) if isinstance(pci, str) else None
-        if bus_id is not None:
-            forms[bus_id] = dev.device_id
-    return forms
-
-
-def _resolver(forms: dict[str, str]) -> Callable[[str], str | None]:
-    """A grant's device selector -> the device's UUID on this node (``None``: not one)."""
-    from powerlib.backend import normalize_pci  # noqa: PLC0415 - a command loads only what it runs (fast --help)
-
-    def resolve(selector: str) -> str | None:
-        text = selector.strip()
-        return forms.get(text.lower()) or forms.get(normalize_pci(text) or "")
-
-    return resolve
 
 
 @click.group()
@@ -217,6 +193,33 @@ def serve(
         log_queue.stop()  # writes what is queued
 
 
+def _clear_stale_grants(
+    grants: Path, job: str, names: list[str], node: Sequence[Device]
+) -> list[tuple[str, list[str]]]:
+    """Take ``job``'s devices out of every other job's grant, a warning line for each.
+
+    A device is one job's at a time: a grant a failed epilog left must not admit its user on
+    this job's devices (docs/agent.md §3); the agent ends that user's leases of them. Any id
+    form (index, UUID, PCI bus id) names the same device, as the agent resolves it
+    (:func:`~powerlib.backend.match_device` over ``node``; no devices: compared as written).
+    """
+    from powerlib.agent.authz import clear_device_grants  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.backend import match_device  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+
+    def device_id(selector: str) -> str | None:
+        dev = match_device(node, selector)
+        return None if dev is None else dev.device_id
+
+    cleared = clear_device_grants(grants, job, names, device_id)
+    for old_job, taken in cleared:
+        click.echo(
+            f"warning: took {','.join(taken)} out of job {old_job}'s grant (left by a failed "
+            "epilog?); its leases of them end",
+            err=True,
+        )
+    return cleared
+
+
 @agent.command()
 @click.option("--job", required=True, help="The job id (Slurm: $SLURM_JOB_ID).")
 @click.option(
@@ -261,7 +264,7 @@ def grant(
     """  # noqa: D301 - "\b" is click's keep-these-lines marker (a backspace), not "\\b"
     import pwd  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
-    from powerlib.agent.authz import clear_device_grants, write_grant  # noqa: PLC0415 - a command loads only what it runs (fast --help)
+    from powerlib.agent.authz import write_grant  # noqa: PLC0415 - a command loads only what it runs (fast --help)
     from powerlib.agent.node import make_user_state_dir, uuids_of_minors  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
     if os.geteuid() != 0:
@@ -275,36 +278,28 @@ def grant(
             raise ConfigError(f"no such user {uid!r}") from None
     if (devices is None) == (slurm_gpus is None):
         raise ConfigError("give the job's devices with --devices or --slurm-gpus (one of them)")
-    forms: dict[str, str] = {}
     try:
         backend = open_backend_for(opts)
     except PowerlibError:
         if slurm_gpus is not None:
             raise
         backend = None  # --devices alone needs no backend: other grants compared as written
-    if backend is not None:
-        try:
-            if slurm_gpus is not None:
-                minors = [m.strip() for m in slurm_gpus.split(",") if m.strip()]
-                names = uuids_of_minors(backend, minors)
-            forms = _id_forms(backend)
-        finally:
+    try:
+        if slurm_gpus is not None:
+            assert backend is not None
+            minors = [m.strip() for m in slurm_gpus.split(",") if m.strip()]
+            names = uuids_of_minors(backend, minors)
+        else:
+            names = [d.strip() for d in (devices or "").split(",") if d.strip()]
+        folder = None
+        if user_state:  # first: a folder that is not the user's alone fails the prolog, no grant
+            folder = make_user_state_dir(settings_for(opts).state_dir, uid_n)
+        grants = _grants(opts, grants_dir)
+        node = [] if backend is None else backend.devices()
+        cleared = _clear_stale_grants(grants, job, names, node)
+    finally:
+        if backend is not None:
             backend.close()
-    if slurm_gpus is None:
-        names = [d.strip() for d in (devices or "").split(",") if d.strip()]
-    folder = None
-    if user_state:  # first: a folder that is not the user's alone fails the prolog, no grant
-        folder = make_user_state_dir(settings_for(opts).state_dir, uid_n)
-    grants = _grants(opts, grants_dir)
-    # a device is one job's at a time: a grant a failed epilog left must not admit its user on
-    # this job's devices (docs/agent.md §3); the agent ends that user's leases of them
-    cleared = clear_device_grants(grants, job, names, _resolver(forms))
-    for old_job, taken in cleared:
-        click.echo(
-            f"warning: took {','.join(taken)} out of job {old_job}'s grant (left by a failed "
-            "epilog?); its leases of them end",
-            err=True,
-        )
     path = write_grant(grants, job, uid_n, names)
     if as_json:
         emit_json(
