@@ -223,7 +223,7 @@ def demo(
         request_ahead=not no_request_ahead,
         progress=True,
     )
-    if policy == "power-budget" or budget_fraction is not None or budget_w is not None:
+    if budget_fraction is not None or budget_w is not None:
         _power_budget_demo(config, policy, budget_fraction, budget_w, as_json=as_json)
         return
     result = run_demo(config)
@@ -244,7 +244,7 @@ def _power_budget_demo(
     """``demo --budget``: the uniform cap beside the plan (docs/perseus.md §7)."""
     from powerlib.emulator.power_budget_demo import run_power_budget_demo  # noqa: PLC0415 - keep CLI start fast
 
-    if policy not in (None, "power-budget"):
+    if policy is not None:
         raise click.UsageError(f"--budget and --budget-w plan limits, not --policy {policy}")
     result = run_power_budget_demo(config, budget_fraction=budget_fraction, budget_w=budget_w)
     if as_json:

@@ -1,4 +1,4 @@
-"""``powerlib demo --policy power-budget``: the uniform cap beside powerlib's per-GPU limits.
+"""``powerlib demo --budget``: the uniform cap beside powerlib's per-GPU limits.
 
 The demo's emulated pipeline (by default GPT-3 175B in 8 stages on A100s) runs under a power
 budget twice on the same noise draws: every GPU at ``budget / N`` (the uniform cap, what sites
@@ -69,7 +69,7 @@ def _mean_se(values: Sequence[float]) -> tuple[float, float]:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BudgetDemoResult:
-    """What ``powerlib demo --policy power-budget`` reports.
+    """What ``powerlib demo --budget`` (or ``--budget-w``) reports.
 
     Attributes:
         model: The emulated GPUs' model.
