@@ -13,7 +13,7 @@ import click
 
 from powerlib.cli.format import pct, table, versus_all_max
 from powerlib.cli.options import Number, OutputPath, emit_json
-from powerlib.planning.names import POLICIES
+from powerlib.planning.names import POLICIES, POWER_BUDGET
 from powerlib.planning.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:
@@ -91,7 +91,8 @@ def _with_noise_model(model: NvmlLikeModel, noise_model: str | None) -> NvmlLike
     "--policy",
     type=click.Choice(POLICIES),
     default=None,
-    help="Plan policy (default: fastest; deadline with --straggler).",
+    help="Plan policy (default: fastest; deadline with --straggler; power-budget with --budget "
+    "or --budget-w).",
 )
 @click.option(
     "--budget",
@@ -223,7 +224,7 @@ def demo(
         request_ahead=not no_request_ahead,
         progress=True,
     )
-    if budget_fraction is not None or budget_w is not None:
+    if policy == POWER_BUDGET or budget_fraction is not None or budget_w is not None:
         _power_budget_demo(config, policy, budget_fraction, budget_w, as_json=as_json)
         return
     result = run_demo(config)
@@ -241,11 +242,16 @@ def _power_budget_demo(
     *,
     as_json: bool,
 ) -> None:
-    """``demo --budget``: the uniform cap beside the plan (docs/perseus.md §7)."""
+    """``demo --policy power-budget --budget``: the uniform cap beside the plan.
+
+    ``--budget`` or ``--budget-w`` alone select the policy too (docs/perseus.md §7).
+    """
     from powerlib.emulator.power_budget_demo import run_power_budget_demo  # noqa: PLC0415 - keep CLI start fast
 
-    if policy is not None:
+    if policy not in (None, POWER_BUDGET):
         raise click.UsageError(f"--budget and --budget-w plan limits, not --policy {policy}")
+    if budget_fraction is None and budget_w is None:
+        raise click.UsageError("--policy power-budget needs --budget or --budget-w")
     result = run_power_budget_demo(config, budget_fraction=budget_fraction, budget_w=budget_w)
     if as_json:
         emit_json(result.to_json())

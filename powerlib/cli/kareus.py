@@ -270,6 +270,11 @@ def plan_(
 
     if policy == "deadline" and deadline_s is None:
         raise click.UsageError("--policy deadline needs --deadline-s")
+    if policy == "power-budget":  # limits, not a frontier point (docs/perseus.md §7)
+        raise click.UsageError(
+            "kareus plan picks a frontier point and cannot hold a power budget: plan one with "
+            "`powerlib plan PROFILE --policy power-budget --budget F`"
+        )
     chosen_policy = Policy(
         name=policy,
         deadline_s=deadline_s,

@@ -12,15 +12,16 @@ from typing import TYPE_CHECKING
 
 import click
 
-from powerlib.cli.format import pct
+from powerlib.cli.format import pct, table
 from powerlib.cli.options import Number, emit_json, plan_outputs, progress_bar
 from powerlib.config import direct_solver
 from powerlib.errors import PlanError
-from powerlib.planning.names import COST_MODELS, POLICIES, SOLVERS
+from powerlib.planning.names import COST_MODELS, POLICIES, POWER_BUDGET, SOLVERS
 from powerlib.planning.perseus.frequency_options import ORDERS, PRUNINGS
 from powerlib.planning.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:
+    from powerlib.planning.power_budget import PowerBudgetPlan
     from powerlib.planning.profile import Profile
     from powerlib.planning.workflow import PlanResult
 
@@ -103,7 +104,28 @@ def _existing_profile(_ctx: click.Context, _param: click.Parameter, value: str) 
     type=click.Choice(POLICIES),
     default="fastest",
     show_default=True,
-    help="Which frontier point to write as the plan.",
+    help="Which frontier point to write as the plan; power-budget: per-GPU power limits and "
+    "clocks inside --budget or --budget-w instead (docs/perseus.md §7).",
+)
+@click.option(
+    "--budget",
+    "budget_fraction",
+    type=Number(min=0.0, min_open=True, max=1.0),
+    default=None,
+    help="Power-budget policy: the GPUs' limits sum to at most this share of their limits (0.8).",
+)
+@click.option(
+    "--budget-w",
+    type=Number(min=0.0, min_open=True),
+    default=None,
+    help="Power-budget policy: the budget in watts, the GPUs' limits summed (instead of --budget).",
+)
+@click.option(
+    "--power-limit-w",
+    type=Number(min=0.0, min_open=True),
+    default=None,
+    help="Power-budget policy: each GPU's limit now (an administrator's; never raised). Default: "
+    "the profile's highest power, up to a watt (the GPUs as profiled never throttle at it).",
 )
 @click.option(
     "--argmin",
@@ -140,6 +162,9 @@ def plan(
     pruning: str,
     cost_model: str,
     policy: str,
+    budget_fraction: float | None,
+    budget_w: float | None,
+    power_limit_w: float | None,
     deadline_s: float | None,
     argmin: bool,
     solver: str,
@@ -162,14 +187,12 @@ def plan(
     from powerlib.planning.perseus.report import PlanOutputs  # noqa: PLC0415 - a command loads only what it runs (fast --help)
     from powerlib.planning.workflow import PlanRequest, plan_profile  # noqa: PLC0415 - a command loads only what it runs (fast --help)
 
-    if policy == "deadline" and deadline_s is None:
-        raise click.UsageError("--policy deadline needs --deadline-s")
-    if plot_path and importlib.util.find_spec("matplotlib") is None:  # refused before any work
-        raise click.UsageError("--plot needs matplotlib: pip install 'powerlib[plot]'")
-    profile = _read_profile(profile_path)
-    if p_block_w is None and profile.p_block_w is None:
-        what = "does not carry the blocking power: give --p-block-w (A100: 83.64, A40: 70.38)"
-        raise click.UsageError(f"{profile_path} {what}")
+    given = (budget_fraction, budget_w, power_limit_w)
+    budget = _budget_options(policy, given, deadline_s, frontier_out, plot_path)
+    profile = _read_profile(profile_path, p_block_w)
+    if budget:  # power limits, not a frontier point (docs/perseus.md §7)
+        layout = (stages, microbatches, schedule, chunks, deadline_s)
+        return _power_budget_plan(profile, layout, budget, p_block_w, plan_out, as_json)
     with progress_bar("solving frontier") as bar:
 
         def progress(done: int, expected: int) -> None:
@@ -205,9 +228,122 @@ def plan(
         emit_json(result.summary.to_json())
         return
     _echo_result(result, policy)
-    for label, path in (("frontier", frontier_out), ("plan", plan_out), ("plot", plot_path)):
+    _echo_written(frontier=frontier_out, plan=plan_out, plot=plot_path)
+
+
+def _echo_written(**paths: str | None) -> None:
+    """One line per file written (``frontier written to f.csv``)."""
+    for label, path in paths.items():
         if path:
             click.echo(f"{label} written to {path}")
+
+
+_Budget = tuple[float | None, float | None, float | None]
+"""``(--budget, --budget-w, --power-limit-w)``."""
+
+
+def _budget_options(
+    policy: str,
+    budget: _Budget,
+    deadline_s: float | None,
+    frontier_out: str | None,
+    plot_path: str | None,
+) -> _Budget | None:
+    """The options checked before any work: ``budget`` for ``--policy power-budget``.
+
+    Returns ``None`` for the other policies.
+
+    Raises:
+        click.UsageError: A deadline policy without its deadline, ``--plot`` without
+            matplotlib, a budget option with another policy, not exactly one budget, or a
+            frontier output asked of the power-budget policy (it plans none).
+    """
+    if policy == "deadline" and deadline_s is None:
+        raise click.UsageError("--policy deadline needs --deadline-s")
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        raise click.UsageError("--plot needs matplotlib: pip install 'powerlib[plot]'")
+    names = ("--budget", "--budget-w", "--power-limit-w")
+    given = [name for name, value in zip(names, budget) if value is not None]
+    if policy != POWER_BUDGET:
+        if given:
+            raise click.UsageError(f"{given[0]} plans power limits: give --policy power-budget")
+        return None
+    if (budget[0] is None) == (budget[1] is None):
+        raise click.UsageError("--policy power-budget needs --budget or --budget-w, one of them")
+    if frontier_out or plot_path:
+        raise click.UsageError("--policy power-budget plans limits, no frontier to write or plot")
+    return budget
+
+
+def _power_budget_plan(
+    profile: Profile,
+    layout: tuple[int, int, str, int | None, float | None],
+    budget: _Budget,
+    p_block_w: float | None,
+    plan_out: str | None,
+    as_json: bool,
+) -> None:
+    """``plan --policy power-budget``: per-stage limits and clocks, the uniform cap beside."""
+    import math  # noqa: PLC0415 - keep CLI start fast
+
+    from powerlib.planning.pipeline import build_dag  # noqa: PLC0415 - keep CLI start fast
+    from powerlib.planning.power_budget import (  # noqa: PLC0415 - keep CLI start fast
+        PowerLimitModel,
+        limits_plan,
+        plan_power_budget,
+    )
+    from powerlib.planning.schedules import build_schedule  # noqa: PLC0415 - keep CLI start fast
+
+    stages, microbatches, schedule, chunks, deadline_s = layout
+    num_chunks = chunks or (2 if schedule == "interleaved" else 1)
+    if profile.num_stages != stages:
+        raise click.UsageError(f"the profile has {profile.num_stages} stages, --stages {stages}")
+    dag = build_dag(build_schedule(schedule, stages, microbatches, num_chunks))
+    fraction, watts, limit_w = budget
+    if limit_w is None:
+        limit_w = float(math.ceil(max(r.energy_j / r.time_s for r in profile.rows)))
+    budget_w = watts if watts is not None else (fraction or 0.0) * limit_w * stages
+    p_block = p_block_w if p_block_w is not None else profile.p_block_w
+    result = plan_power_budget(
+        profile, dag, budget_w, admin_limits_w=limit_w, p_block_w=p_block, deadline_s=deadline_s
+    )
+    if plan_out:
+        model = PowerLimitModel(profile, dag, p_block_w=p_block or 0.0, deadline_s=deadline_s)
+        workload = {"num_microbatches": microbatches, "schedule": schedule}
+        limits_plan(model, result, {**workload, "num_chunks": num_chunks}).write(plan_out)
+    if as_json:
+        emit_json({"policy": POWER_BUDGET, **result.to_json()})
+    else:
+        _echo_budget(result, stages)
+    if not as_json:
+        _echo_written(plan=plan_out)
+
+
+def _echo_budget(result: PowerBudgetPlan, stages: int) -> None:
+    """The power-budget plan in words: the three sets of limits, then each stage's clocks."""
+    click.echo(
+        f"power budget {result.budget_w:.0f} W for {stages} GPUs (limits "
+        f"{max(result.admin_limits_w):.0f} W each); predicted on the profile"
+    )
+    base_s = result.uncapped.time_s
+    rows = [
+        [
+            label,
+            f"{outcome.time_s:.4f} s",
+            f"{outcome.energy_j:.1f} J",
+            f"{100.0 * (outcome.time_s / base_s - 1.0):+.2f} %",
+            " ".join(f"{w:.0f}" for w in outcome.limits_w),
+        ]
+        for label, outcome in (
+            ("uncapped", result.uncapped),
+            ("uniform cap", result.uniform),
+            ("powerlib", result.plan),
+        )
+    ]
+    table(["", "iteration time", "energy / iteration", "vs uncapped", "limits (W)"], rows)
+    for s, (limit_w, clocks) in enumerate(zip(result.plan.limits_w, result.plan.clocks_mhz)):
+        said = ", ".join(f"{kind} {f:g} MHz" for kind, f in clocks.items())
+        click.echo(f"  stage {s}: {limit_w:.0f} W, {said}")
 
 
 _SOURCES = {
@@ -250,8 +386,20 @@ def _echo_result(result: PlanResult, policy: str) -> None:
     )
 
 
-def _read_profile(path: str) -> Profile:
-    """``Profile.read`` with a progress bar (and ETA) on stderr for files over 1 MB."""
+def _read_profile(path: str, p_block_w: float | None) -> Profile:
+    """``Profile.read`` with a progress bar (and ETA) on stderr for files over 1 MB.
+
+    Raises:
+        click.UsageError: Neither ``p_block_w`` nor the profile gives the blocking power.
+    """
+    profile = _read_profile_file(path)
+    if p_block_w is None and profile.p_block_w is None:
+        what = "does not carry the blocking power: give --p-block-w (A100: 83.64, A40: 70.38)"
+        raise click.UsageError(f"{path} {what}")
+    return profile
+
+
+def _read_profile_file(path: str) -> Profile:
     from powerlib.planning.profile import Profile  # noqa: PLC0415 - keep CLI start fast
 
     try:

@@ -230,10 +230,23 @@ class ControlSession:
             dev, "memory_clocks", None, lambda: dev.lock_memory_clocks(min_mhz, max_mhz)
         )
 
-    def set_power_limit(self, device: int | str | Device, power_limit_w: float) -> float:
-        """Journal, then set the power limit."""
+    def set_power_limit(
+        self, device: int | str | Device, power_limit_w: float, *, ceiling_w: float | None = None
+    ) -> float:
+        """Journal, then set the power limit.
+
+        ``ceiling_w``: a limit an administrator or the facility set (the device's before the
+        session), never raised: a higher ``power_limit_w`` is refused (``InvalidArgumentError``)
+        before anything is journaled or written (docs/perseus.md §7).
+        """
         dev = self._resolve(device)
         dev.validate_power_limit(power_limit_w)
+        if ceiling_w is not None and power_limit_w > ceiling_w + _POWER_TOLERANCE_W:
+            raise InvalidArgumentError(
+                f"a power limit of {power_limit_w:g} W is above the {ceiling_w:g} W limit the "
+                "device had before (an administrator's or the facility's): powerlib never raises it",
+                device=dev.device_id,
+            )
         return self._write(
             dev, "power_limit", float(power_limit_w), lambda: dev.set_power_limit(power_limit_w)
         )

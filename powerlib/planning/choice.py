@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from powerlib.errors import PlanError
-from powerlib.planning.names import POLICIES
+from powerlib.planning.names import POLICIES, POWER_BUDGET
 from powerlib.planning.perseus.noise import TimeNoise
 
 if TYPE_CHECKING:
@@ -34,24 +34,65 @@ if TYPE_CHECKING:
     from powerlib.planning.perseus.points import FrontierPoint
     from powerlib.planning.plan import FrequencyPlan
 
-__all__ = ["Choice", "Policy", "check_policy", "choose", "objection"]
+__all__ = ["Choice", "Policy", "check_budget", "check_policy", "choose", "objection"]
 
 
-def check_policy(name: str, *, max_slowdown: float, switch_latency_s: float) -> None:
+def check_policy(
+    name: str,
+    *,
+    max_slowdown: float,
+    switch_latency_s: float,
+    budget_w: float | None = None,
+    budget_fraction: float | None = None,
+) -> None:
     """Refuse an unknown policy name, or a slowdown guard that is negative or not finite.
 
     Shared by :class:`Policy` and the session's plan settings, which name the deadline their
-    own way (a time, or a multiple of the all-max iteration time).
+    own way (a time, or a multiple of the all-max iteration time). ``power-budget`` needs its
+    budget: ``budget_w`` (watts, the job's GPUs' limits summed) or ``budget_fraction`` (of the
+    limits they have when the session starts), exactly one, positive and finite; another
+    policy takes neither (docs/perseus.md §7).
 
     Raises:
         PlanError: One line naming the value.
     """
     if name not in POLICIES:
         raise PlanError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    check_budget(name, budget_w, budget_fraction)
     if not (math.isfinite(max_slowdown) and max_slowdown >= 0):
         raise PlanError(f"max_slowdown must be >= 0, got {max_slowdown}")
     if not (math.isfinite(switch_latency_s) and switch_latency_s >= 0):
         raise PlanError(f"switch_latency_s must be >= 0, got {switch_latency_s}")
+
+
+def check_budget(name: str, budget_w: float | None, budget_fraction: float | None) -> None:
+    """A power budget where ``power-budget`` needs one, and nowhere else (one line).
+
+    Raises:
+        PlanError: A missing, doubled, non-positive or non-finite budget, or a budget given
+            with another policy.
+    """
+    pairs = (("budget_w", budget_w), ("budget_fraction", budget_fraction))
+    given = {key: value for key, value in pairs if value is not None}
+    if name != POWER_BUDGET:
+        if given:
+            raise PlanError(f"a power budget ({', '.join(given)}) needs policy 'power-budget'")
+        return
+    if len(given) != 1:
+        raise PlanError(
+            "the power-budget policy needs one budget: budget_w (watts, the GPUs' limits "
+            "summed) or budget_fraction (of the limits they have at the start, e.g. 0.8)"
+        )
+    [(key, value)] = given.items()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PlanError(f"{key} must be a number, not {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise PlanError(f"{key} must be > 0, got {value}")
+    if key == "budget_fraction" and value > 1:
+        raise PlanError(
+            f"budget_fraction must be at most 1 (a share of the GPUs' limits; powerlib never "
+            f"raises a limit), got {value}"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,7 +101,8 @@ class Policy:
 
     Attributes:
         name: ``fastest`` (T_min), ``deadline`` (a straggler's iteration time T′) or
-            ``min-energy`` (T*).
+            ``min-energy`` (T*); not ``power-budget``, which plans power limits, not a point
+            (:func:`~powerlib.planning.power_budget.plan_power_budget`).
         deadline_s: T′ for ``deadline``.
         argmin: For ``deadline``: the minimum-energy point with T ≤ T′ (the paper's emulation
             rule) instead of the slowest point with T ≤ T′.
@@ -98,6 +140,11 @@ class Policy:
         return self.time_noise if self.time_noise is not None else TimeNoise.iid(self.time_cv)
 
     def __post_init__(self) -> None:
+        if self.name == POWER_BUDGET:
+            raise PlanError(
+                "a frontier point cannot hold a power budget: the power-budget policy plans "
+                "per-GPU power limits (powerlib plan --policy power-budget --budget F)"
+            )
         check_policy(
             self.name, max_slowdown=self.max_slowdown, switch_latency_s=self.switch_latency_s
         )

@@ -8,10 +8,15 @@ command without loading the planner. The filter orders are
 
 from __future__ import annotations
 
-__all__ = ["COST_MODELS", "POLICIES", "SOLVERS"]
+__all__ = ["COST_MODELS", "POLICIES", "POWER_BUDGET", "SOLVERS"]
 
-POLICIES = ("fastest", "deadline", "min-energy")
-"""Which frontier point becomes the plan (:class:`~powerlib.planning.choice.Policy`)."""
+POLICIES = ("fastest", "deadline", "min-energy", "power-budget")
+"""Which frontier point becomes the plan (:class:`~powerlib.planning.choice.Policy`), or
+``power-budget``: per-GPU power limits and clocks inside a budget in watts, not a frontier point
+(:func:`~powerlib.planning.power_budget.plan_power_budget`, docs/perseus.md §7)."""
+
+POWER_BUDGET = "power-budget"
+"""The policy that plans power limits inside a budget instead of choosing a frontier point."""
 
 SOLVERS = ("walk", "direct", "auto")
 """How a frontier is solved (:class:`~powerlib.planning.perseus.frontier.FrontierSettings`)."""

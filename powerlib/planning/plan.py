@@ -100,12 +100,16 @@ class FrequencyPlan:
         workload: The workload metadata (stages, microbatches, schedule, P_block, ...).
         summary: The remaining top-level fields (policy, predicted time and energy, ...).
         source: Where it was read from, for error messages.
+        power_limits_w: Per stage, the power limit its GPUs run under (the ``power-budget``
+            policy, docs/perseus.md §7; JSON: the stage's ``power_limit_w``); a stage not in
+            it keeps the limit it has.
     """
 
     stages: tuple[tuple[PlannedInstruction, ...], ...]
     workload: Mapping[str, Any] = field(default_factory=dict)
     summary: Mapping[str, Any] = field(default_factory=dict)
     source: str = "<plan>"
+    power_limits_w: Mapping[int, float] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -127,6 +131,11 @@ class FrequencyPlan:
                 f"{self.source}: the plan has {len(self.stages)} stage(s); there is no stage {stage!r}"
             )
         return self.stages[stage]
+
+    def power_limit_w(self, stage: int) -> float | None:
+        """The power limit the plan sets on ``stage``'s GPUs (W), or ``None``: it sets none."""
+        limit_w = self.power_limits_w.get(stage)
+        return None if limit_w is None else float(limit_w)
 
     def frequencies(self, stage: int) -> list[float]:
         """One stage's frequencies in execution order."""
@@ -256,10 +265,16 @@ class FrequencyPlan:
         if not isinstance(stages_raw, list) or not stages_raw:
             raise PlanError(f"{source}: 'stages' must be a non-empty list")
         stages: list[tuple[PlannedInstruction, ...]] = []
+        limits_w: dict[int, float] = {}
         for s, entry in enumerate(stages_raw):
             where = f"{source}: stages[{s}]"
             if not isinstance(entry, dict):
                 raise PlanError(f"{where} must be an object")
+            limit_w = _number(entry, "power_limit_w", where)
+            if limit_w is not None and limit_w <= 0:
+                raise PlanError(f"{where}: power_limit_w must be > 0 W, got {limit_w:g}")
+            if limit_w is not None:
+                limits_w[s] = limit_w
             if entry.get("stage", s) != s:
                 raise PlanError(
                     f"{where} says stage {entry.get('stage')!r}; stages must be in order"
@@ -282,7 +297,13 @@ class FrequencyPlan:
                 f"{source}: workload.num_stages is {expected!r} but the plan has {len(stages)} stage(s)"
             )
         summary = {k: v for k, v in data.items() if k not in ("schema", "workload", "stages")}
-        return cls(stages=tuple(stages), workload=dict(workload), summary=summary, source=source)
+        return cls(
+            stages=tuple(stages),
+            workload=dict(workload),
+            summary=summary,
+            source=source,
+            power_limits_w=limits_w,
+        )
 
     def write(self, path: str | Path) -> None:
         """Write the plan file (one JSON document, schema ``powerlib.plan.v1``)."""
@@ -376,6 +397,7 @@ class FrequencyPlan:
             "stages": [
                 {
                     "stage": s,
+                    **({"power_limit_w": limit_w} if (limit_w := self.power_limit_w(s)) else {}),
                     "instructions": [_instruction_json(p) for p in planned],
                 }
                 for s, planned in enumerate(self.stages)

@@ -47,7 +47,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from powerlib.errors import InvalidArgumentError
+from powerlib.planning.names import POWER_BUDGET
 from powerlib.planning.pipeline import PipelineDAG
+from powerlib.planning.plan import FrequencyPlan, PlannedInstruction
 from powerlib.planning.profile import Profile
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "PowerBudgetPlan",
     "PowerLimitModel",
     "plan_power_budget",
+    "limits_plan",
     "throttled_freq_mhz",
     "uniform_limits_w",
 ]
@@ -326,6 +329,45 @@ def plan_power_budget(
         uniform=model.outcome(uniform_limits_w(budget_w, admin)),
         uncapped=model.outcome(admin),
         deadline_s=deadline_s,
+    )
+
+
+def limits_plan(
+    model: PowerLimitModel, budget: PowerBudgetPlan, workload: Mapping[str, object]
+) -> FrequencyPlan:
+    """The plan a session applies: each stage's limit, its instructions at their clocks.
+
+    Every instruction is locked at the clock its kind runs at under its stage's limit (so a
+    GPU runs the plan's clocks whatever its power does), and records its profiled time and
+    energy there; ``summary`` carries the budget and the uniform cap beside the plan.
+    """
+    limits = budget.plan.limits_w
+    stages = tuple(
+        tuple(
+            PlannedInstruction(
+                model.dag.instructions[i],
+                f,
+                predicted_time_s=t,
+                predicted_energy_j=e,
+            )
+            for i in model.dag.stage_order(s)
+            for f, t, e in [model.stage_at(s, limits[s])[model.dag.instructions[i].kind]]
+        )
+        for s in range(model.num_stages)
+    )
+    plan = budget.plan
+    return FrequencyPlan(
+        stages=stages,
+        workload={"num_stages": model.num_stages, **workload, "p_block_w": model.p_block_w},
+        summary={
+            "policy": POWER_BUDGET,
+            "time_s": plan.time_s,
+            "energy_j": plan.energy_j,
+            "budget_w": budget.budget_w,
+            "admin_limits_w": list(budget.admin_limits_w),
+            "uniform_cap": {k: budget.uniform.to_json()[k] for k in ("time_s", "energy_j")},
+        },
+        power_limits_w=dict(enumerate(limits)),
     )
 
 

@@ -66,6 +66,9 @@ class Job:
         own_backend: The backend the session opened itself (closed with it).
         device: This rank's device.
         idle_power_w: Its power before any change.
+        power_limit_w: Its power limit before any change (an administrator's or the
+            facility's, or the default): the ceiling the ``power-budget`` policy never raises;
+            ``None`` where it cannot be read.
         control: The control session every change goes through.
         controller: The frequency controller.
         sampler: The device's reads (profile attribution, the closed loop, measuring).
@@ -81,6 +84,7 @@ class Job:
     own_backend: Backend | None = None
     device: Device | None = None
     idle_power_w: float | None = None
+    power_limit_w: float | None = None
     control: ControlSession | None = None
     controller: FrequencyController | None = None
     sampler: DeviceSampler | None = None
@@ -170,7 +174,8 @@ def open_for_control(job: Job, run: RunConfig, *, threaded: bool) -> None:
     """
     backend, device = _open_device(job, run)
     check_control(backend, device)  # one line, before any lock or journal (real-gpu.md §5)
-    job.idle_power_w = device.read_state().power_w  # before any change
+    state = device.read_state()  # before any change
+    job.idle_power_w, job.power_limit_w = state.power_w, state.power_limit_w
     job.control = control = ControlSession(
         backend, guardian=run.guardian, force=run.force, warn=False
     ).start()

@@ -40,6 +40,7 @@ from powerlib.runtime.events import Event, Judged, Profiled, Tick, Withdrawn
 from powerlib.runtime.listeners import Listeners
 from powerlib.runtime.phases import Awaiting, Idle, RankFailure, Runner, SessionPhase
 from powerlib.runtime.planning_step import KeptFrontier, add_measured, judge_model, rank0_turn
+from powerlib.runtime.power_budget_step import apply_power_limit
 from powerlib.runtime.profile_phase import ProfilePhase
 from powerlib.runtime.records import (
     NoPlan,
@@ -245,7 +246,7 @@ class Flow:
         self.plan = plan
         self.runner = self.applying = applying
         loop = None
-        rounds = self.config.apply.check_rounds
+        rounds = 0 if plan.power_limits_w else self.config.apply.check_rounds  # power_budget_step
         if rounds and job.sampler is not None:
             config = CheckConfig(rounds=rounds)
             judge = None
@@ -441,11 +442,12 @@ class Flow:
         (Kareus creates its NCCL communicators), which every rank must join at the same point.
 
         Raises:
-            PlanError: A listener refuses it, or the device lacks one of its clocks.
+            PlanError: A listener refuses it, the device lacks a clock, or a limit is refused.
         """
         assert job.device is not None
         self._listeners.hand_plan(plan, job.stage)
         plan.check_frequencies(job.device.info.supported_sm_freqs_mhz, job.stage)
+        apply_power_limit(job, plan)  # a power-budget plan's limit (docs/perseus.md §7)
 
     def _apply_phase(self, job: Job, plan: FrequencyPlan) -> ApplyPhase:
         """This rank's stage of ``plan``, through the session's controller."""

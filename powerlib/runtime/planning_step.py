@@ -34,6 +34,7 @@ from typing import Any
 from powerlib.config import direct_solver
 from powerlib.device import Device
 from powerlib.errors import PlanError, PowerlibError
+from powerlib.planning.names import POWER_BUDGET
 from powerlib.planning.perseus.counterfactual import replay_model
 from powerlib.planning.perseus.replay import ReplayModel
 from powerlib.planning.perseus.report import PlanOutputs
@@ -62,6 +63,7 @@ from powerlib.runtime.gathered import (
     time_noise_for,
     time_se_for,
 )
+from powerlib.runtime.power_budget_step import plan_budget
 from powerlib.runtime.records import (
     NoPlan,
     Payload,
@@ -389,6 +391,11 @@ def make_plan(
             write_no_plan(config.run.out_dir, {"refused": reason})
             return NoPlan(reason=reason, p_block_w=measured)
         profile = Profile(rows, source=GATHERED)
+    if config.policy.policy == POWER_BUDGET:  # limits, not a frontier point (docs/perseus.md §7)
+        recorded = recorded_order(profiles)
+        return plan_budget(
+            config, profile, profiles, recorded=recorded, measured_p_block_w=measured, say=say
+        )
     request = _request(config, profiles, measured, say)
     result = plan_profile(profile, request)
     if (line := floor_line(result, profile, request)) is not None:

@@ -49,6 +49,7 @@ from powerlib.runtime.gathered import GIVE_UP_FACTOR
 from powerlib.runtime.noise_estimate import SpanTime, estimate_time_noise, row_time_se
 from powerlib.runtime.phases import RankFailure, SessionPhase
 from powerlib.runtime.planning_step import device_power_floor_w
+from powerlib.runtime.power_budget_step import device_power_limit_w
 from powerlib.runtime.profile_blocks import Blocks
 from powerlib.runtime.records import ProfilePayload, StopPayload
 from powerlib.runtime.sweep import FrequencySweep, ProfileRecorder, SweepConfig
@@ -569,6 +570,7 @@ class ProfilePhase:
             latency_samples_s=self.latency_samples_s,
             span_times=tuple(spans),
             power_floor_w=device_power_floor_w(self._device),
+            power_limit_w=device_power_limit_w(self._device),
         )
 
     def _span_times(self) -> list[SpanTime]:

@@ -108,6 +108,8 @@ class ProfilePayload:
             divides each iteration's shared factor out of the rows with them.
         power_floor_w: The power-smoothing floor the rank's GPU holds (W), when power
             smoothing is on (docs/real-gpu.md §8).
+        power_limit_w: The power limit the rank's GPU holds (W; profiling changes none): the
+            ``power-budget`` policy never plans above it (docs/perseus.md §7).
     """
 
     stage: int
@@ -129,6 +131,7 @@ class ProfilePayload:
     latency_samples_s: tuple[float, ...] = ()
     span_times: tuple[tuple[int, int, int, str, float, float], ...] = ()
     power_floor_w: float | None = None
+    power_limit_w: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

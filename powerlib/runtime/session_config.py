@@ -156,7 +156,15 @@ class PolicyConfig:
     """How rank 0 chooses the plan (:func:`powerlib.planning.choice.choose`).
 
     Attributes:
-        policy: ``fastest`` (no slowdown), ``deadline`` or ``min-energy``.
+        policy: ``fastest`` (no slowdown), ``deadline``, ``min-energy``, or ``power-budget``:
+            per-GPU power limits and clocks that minimize the iteration time inside a budget
+            (docs/perseus.md §7), set through the control session and restored at exit; a
+            GPU's limit at the session's start (an administrator's or the facility's) is never
+            raised.
+        budget_w: ``power-budget``: what the job's GPUs' limits may sum to, in watts (one
+            node's GPUs on a single-node job).
+        budget_fraction: ``power-budget``: the budget as a share (0 < f <= 1) of the limits
+            the job's GPUs have when the session starts (0.8: 80 %); give this or ``budget_w``.
         deadline_s: Straggler iteration time T′ for ``deadline``.
         deadline_ratio: T′ as a multiple of the all-max iteration time (a straggler factor),
             for ``deadline`` when ``deadline_s`` is not given.
@@ -171,10 +179,13 @@ class PolicyConfig:
 
     Raises:
         PlanError: An unknown policy, a negative or non-finite guard, a deadline without T′, a
-            ratio below 1, or a time unit that is not a positive number.
+            ratio below 1, a time unit that is not a positive number, ``power-budget``
+            without exactly one good budget, or a budget with another policy.
     """
 
     policy: str = "fastest"
+    budget_w: float | None = None
+    budget_fraction: float | None = None
     deadline_s: float | None = None
     deadline_ratio: float | None = None
     argmin: bool = False
@@ -190,6 +201,8 @@ class PolicyConfig:
             switch_latency_s=DEFAULT_SWITCH_LATENCY_S
             if self.switch_latency_s is None
             else self.switch_latency_s,
+            budget_w=self.budget_w,
+            budget_fraction=self.budget_fraction,
         )
         if self.policy == "deadline" and self.deadline_s is None and self.deadline_ratio is None:
             raise PlanError("the deadline policy needs deadline_s or deadline_ratio")

@@ -1,7 +1,8 @@
 """``powerlib demo --budget``: the uniform cap beside the plan (issue 47, item 1).
 
-``--policy power-budget`` waits for the planner's POLICIES to name it (NEEDS-Q2.md); the budget
-options select the power-budget demo meanwhile.
+``--budget`` or ``--budget-w`` alone select the power-budget demo; ``--policy power-budget``
+(one of the planner's POLICIES) with one of them runs the same demo, and without one is a usage
+error (tests/cli/test_power_budget_cli.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from powerlib.errors import PlanError
-from powerlib.planning.names import POLICIES, SOLVERS
+from powerlib.planning.names import POLICIES, POWER_BUDGET, SOLVERS
 from powerlib.planning.perseus import guard
 from powerlib.planning.perseus.cost_model import build_cost_model
 from powerlib.planning.perseus.direct import direct_available
@@ -206,12 +206,14 @@ class Frontier:
                 model-optimal rule: waiting costs P_block either way).
 
         Raises:
-            PlanError: Unknown policy, missing deadline, or a deadline below T_min.
+            PlanError: Unknown policy (or power-budget), no deadline, one below T_min.
         """
         if policy == "fastest":
             return self.fastest
         if policy == "min-energy":
             return self.min_energy
+        if policy == POWER_BUDGET:  # limits, not a point (docs/perseus.md §7)
+            raise PlanError("a frontier point cannot hold a power budget: plan_power_budget can")
         if policy != "deadline":
             raise PlanError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if deadline_s is None or not math.isfinite(deadline_s):
