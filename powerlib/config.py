@@ -56,6 +56,9 @@ them while it runs, and a bad value falls back instead of failing):
   measuring only (:func:`sessions_disabled`; the A side of an A/B run);
 - ``POWERLIB_MEGATRON`` and ``POWERLIB_MEGATRON_OPTIONS``: the Megatron launcher's switch and
   its session keywords as JSON (:func:`megatron_launch`; docs/megatron.md).
+- ``POWERLIB_SCONTROL``, ``POWERLIB_SACCTMGR``: the ``scontrol`` and ``sacctmgr`` that
+  ``powerlib job-energy end --sacct`` runs (:func:`scontrol_command`,
+  :func:`sacctmgr_command`; default: found on ``PATH``).
 
 A child process powerlib starts (the guardian, ``powerlib measure``'s command) inherits this
 process's environment plus what :func:`child_environment` adds.
@@ -89,6 +92,8 @@ __all__ = [
     "max_input_bytes",
     "measure_events_path",
     "megatron_launch",
+    "sacctmgr_command",
+    "scontrol_command",
     "sessions_disabled",
     "user_state_dirs",
 ]
@@ -174,6 +179,18 @@ def megatron_launch(environ: Mapping[str, str] | None = None) -> tuple[str, str]
     env = os.environ if environ is None else environ
     switch = env.get("POWERLIB_MEGATRON", "0").strip()
     return switch, env.get("POWERLIB_MEGATRON_OPTIONS", "").strip()
+
+
+def scontrol_command(environ: Mapping[str, str] | None = None) -> str:
+    """``POWERLIB_SCONTROL`` (the ``scontrol`` a job-energy epilog runs), else ``scontrol``."""
+    env = os.environ if environ is None else environ
+    return env.get("POWERLIB_SCONTROL", "").strip() or "scontrol"
+
+
+def sacctmgr_command(environ: Mapping[str, str] | None = None) -> str:
+    """``POWERLIB_SACCTMGR`` (the ``sacctmgr`` a job-energy epilog runs), else ``sacctmgr``."""
+    env = os.environ if environ is None else environ
+    return env.get("POWERLIB_SACCTMGR", "").strip() or "sacctmgr"
 
 
 def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:

@@ -48,6 +48,7 @@ _COMMANDS = {
     "demo": ("powerlib.cli.emulate", "demo"),
     "simulate": ("powerlib.cli.emulate", "simulate"),
     "agent": ("powerlib.cli.agent", "agent"),
+    "job-energy": ("powerlib.cli.job_energy", "job_energy"),
     "kareus": ("powerlib.cli.kareus", "kareus"),
     "overlap": ("powerlib.cli.kareus", "overlap"),
 }
