@@ -427,16 +427,22 @@ def test_the_launcher_imports_the_script_siblings_from_another_folder(
     assert seen == {"builder": "gpt", "path0": str(checkout), "cwd": str(elsewhere)}
 
 
-def test_the_launcher_imports_the_checkouts_megatron_not_the_installed_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("namespace", [False, True], ids=["package", "namespace"])
+def test_the_launcher_imports_the_checkouts_megatron_not_the_installed_one(
+    tmp_path: Path, namespace: bool
+) -> None:
     """A Megatron-LM checkout run from elsewhere, off PYTHONPATH: ``POWERLIB_MEGATRON=1`` patches
     the checkout's ``megatron.training`` (beside the script), not an installed wheel's. Before
     issue 47 the launcher imported it before putting the script's folder on ``sys.path``: the
     wheel's loaded under the checkout's script (0.19: its dataset-helper build failed, the job
-    died; 0.16: no megatron.training, refused)."""
+    died; 0.16: no megatron.training, refused). Megatron-LM's own checkout has no
+    ``megatron/__init__.py`` (a namespace package, merged with the wheel's ``megatron.core``):
+    both layouts."""
     checkout, elsewhere = tmp_path / "Megatron-LM", tmp_path / "runs"
     (checkout / "megatron" / "training").mkdir(parents=True)
     elsewhere.mkdir()
-    (checkout / "megatron" / "__init__.py").write_text("")
+    if not namespace:
+        (checkout / "megatron" / "__init__.py").write_text("")
     (checkout / "megatron" / "training" / "__init__.py").write_text("")
     (checkout / "megatron" / "training" / "training.py").write_text(
         "def train(*args, **kwargs):\n    return None\n"
