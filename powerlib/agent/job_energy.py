@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from powerlib.agent.node import open_root_dir
 from powerlib.control.trust import check_trusted, create_new, describe_owner, finite_number, is_int
 from powerlib.device import Device
 from powerlib.errors import ConfigError, PowerlibError, UntrustedStateError
@@ -61,7 +62,6 @@ ENERGY_KEY = "powerlib_gpu_energy_j"
 # Slurm's job ids are numbers (SLURM_JOB_ID, an array task's and a het component's included);
 # 123_4 (array) and 123+1 (het) are their display forms. Never a '/', '.' or newline.
 _JOB = re.compile(r"[0-9]{1,20}(?:[_+][0-9]{1,10})?")
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _MAX_RECORD_BYTES = 1 << 20
 _MAX_MAPPING_BYTES = 1 << 16
@@ -168,66 +168,22 @@ def _energy_j(dev: Device) -> float | None:
 # -- folders and files of root's, through descriptors --------------------------------------------
 
 
-def _open_dir(name: str | Path, parent_fd: int | None, path: Path, what: str) -> int:
-    """Open a folder without following a link; a link or non-folder is refused in one line."""
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    except OSError as err:
-        if err.errno not in (errno.ELOOP, errno.ENOTDIR):
-            raise
-        check_trusted(
-            path, os.lstat(name, dir_fd=parent_fd), what=what, directory=True, trusted_uids=_ROOT
-        )
-        raise  # pragma: no cover - check_trusted refuses what O_NOFOLLOW|O_DIRECTORY refused
-
-
-def _root_dir(name: str | Path, parent_fd: int | None, path: Path, what: str, mode: int) -> int:
-    """Create (``mode``) if missing and open a folder of root's, checked on its descriptor."""
-    created = True
-    try:
-        os.mkdir(name, mode, dir_fd=parent_fd)
-    except FileExistsError:
-        created = False
-    fd = _open_dir(name, parent_fd, path, what)
-    try:
-        if created:
-            os.fchmod(fd, mode)  # exactly: the umask must not change who may read it
-        check_trusted(path, os.fstat(fd), what=what, directory=True, trusted_uids=_ROOT)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 @contextlib.contextmanager
 def _jobs_dir(state_dir: Path, *, create: bool) -> Iterator[int | None]:
     """``<state>/jobs`` (root 0700) as a descriptor; ``None`` when absent and not ``create``."""
     state = Path(state_dir)
     if create:
         state.parent.mkdir(parents=True, exist_ok=True)
-        state_fd = _root_dir(state, None, state, "state folder", 0o755)
-    else:
-        try:
-            state_fd = _open_dir(state, None, state, "state folder")
-        except FileNotFoundError:
-            yield None
-            return
-        try:
-            check_trusted(state, os.fstat(state_fd), what="state folder", directory=True,
-                          trusted_uids=_ROOT)  # fmt: skip
-        except BaseException:
-            os.close(state_fd)
-            raise
     try:
-        if create:
-            fd: int | None = _root_dir("jobs", state_fd, state / "jobs", "job-energy folder", 0o700)
-        else:
-            try:
-                fd = _open_dir("jobs", state_fd, state / "jobs", "job-energy folder")
-                check_trusted(state / "jobs", os.fstat(fd), what="job-energy folder",
-                              directory=True, trusted_uids=_ROOT)  # fmt: skip
-            except FileNotFoundError:
-                fd = None
+        state_fd = open_root_dir(state, None, state, "state folder", 0o755 if create else None)
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        mode = 0o700 if create else None
+        fd = open_root_dir("jobs", state_fd, state / "jobs", "job-energy folder", mode)
+    except FileNotFoundError:
+        fd = None
     finally:
         os.close(state_fd)
     try:
@@ -324,7 +280,7 @@ def _mapping_dir(folder: Path) -> Iterator[int]:
                 f"{describe_owner(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}) must be "
                 "root's and writable by no one else unless sticky"
             )
-        fd = _root_dir(folder.name, parent_fd, folder, "job-mapping folder", 0o755)
+        fd = open_root_dir(folder.name, parent_fd, folder, "job-mapping folder", 0o755)
     finally:
         os.close(parent_fd)
     try:

@@ -11,6 +11,7 @@ folder of that name first (docs/agent.md §4).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pwd
 import stat
@@ -22,19 +23,45 @@ from powerlib.control import check_trusted, describe_owner
 from powerlib.errors import ConfigError, DeviceNotFoundError, UntrustedStateError
 from powerlib.inputs import show_path
 
-__all__ = ["let_others_traverse", "make_user_state_dir", "uuids_of_minors"]
+__all__ = ["let_others_traverse", "make_user_state_dir", "open_root_dir", "uuids_of_minors"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _open_root_dir(path: Path, parent_fd: int | None, mode: int) -> int:
-    """Create (``mode``) if missing and open a folder of root's, checked through its descriptor."""
-    name: str | Path = path if parent_fd is None else path.name
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(name, mode, dir_fd=parent_fd)
-    fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+def open_root_dir(
+    name: str | Path, parent_fd: int | None, path: Path, what: str, mode: int | None = None
+) -> int:
+    """Open a folder of root's without following a link, checked through its descriptor.
+
+    With ``mode``, the folder is made first if missing, with exactly that mode (the umask
+    must not change who may reach it). A link or a non-folder at ``name`` is refused in one
+    line (``UntrustedStateError``), as is a folder that is not root's alone.
+
+    Args:
+        name: The folder, relative to ``parent_fd`` (or a path when ``parent_fd`` is None).
+        parent_fd: The folder it is in, as a descriptor, or None.
+        path: Its full path, for messages.
+        what: What it is, for messages ("state folder").
+        mode: Create it with this mode when missing; None: never create.
+    """
+    created = False
+    if mode is not None:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, mode, dir_fd=parent_fd)
+            created = True
     try:
-        check_trusted(path, os.fstat(fd), what="state folder", directory=True, trusted_uids={0})
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        check_trusted(
+            path, os.lstat(name, dir_fd=parent_fd), what=what, directory=True, trusted_uids={0}
+        )
+        raise  # pragma: no cover - check_trusted refuses what O_NOFOLLOW|O_DIRECTORY refused
+    try:
+        if created and mode is not None:
+            os.fchmod(fd, mode)
+        check_trusted(path, os.fstat(fd), what=what, directory=True, trusted_uids={0})
     except BaseException:
         os.close(fd)
         raise
@@ -65,10 +92,10 @@ def make_user_state_dir(node_state_dir: Path, uid: int) -> Path:
     """
     node = Path(node_state_dir)
     node.parent.mkdir(parents=True, exist_ok=True)
-    root_fd = _open_root_dir(node, None, 0o755)
+    root_fd = open_root_dir(node, None, node, "state folder", 0o755)
     try:
         let_others_traverse(root_fd)  # users must reach users/<uid> (and agent/agent.sock)
-        users_fd = _open_root_dir(node / "users", root_fd, 0o755)
+        users_fd = open_root_dir("users", root_fd, node / "users", "state folder", 0o755)
         try:
             name = str(uid)
             created = True
