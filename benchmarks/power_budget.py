@@ -34,10 +34,15 @@ import time
 from pathlib import Path
 
 from powerlib.emulator.engine import NVML_LIKE_MODEL, Emulator
-from powerlib.emulator.power_budget_demo import SETS, WARM_UP_ITERATIONS, admin_limit_w, run_limits
+from powerlib.emulator.power_budget_demo import SETS, WARM_UP_ITERATIONS, run_limits
 from powerlib.emulator.truth import DEFAULT_P_BLOCK_W, default_profile
 from powerlib.planning.pipeline import build_dag
-from powerlib.planning.power_budget import PowerBudgetPlan, PowerLimitModel, plan_power_budget
+from powerlib.planning.power_budget import (
+    PowerBudgetPlan,
+    PowerLimitModel,
+    plan_power_budget,
+    unthrottled_limit_w,
+)
 from powerlib.planning.profile import Profile
 from powerlib.planning.schedules import build_schedule
 
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--out", default=str(HERE / "results" / "power_budget.json"))
     args = parser.parse_args(argv)
     profile = default_profile()
-    admin_w = admin_limit_w(profile)
+    admin_w = unthrottled_limit_w(profile)
     started = time.perf_counter()
     cases = [_case(profile, args, s, admin_w) for s in (None, STRAGGLER)]
     result: dict[str, object] = {

@@ -284,13 +284,12 @@ def _power_budget_plan(
     as_json: bool,
 ) -> None:
     """``plan --policy power-budget``: per-stage limits and clocks, the uniform cap beside."""
-    import math  # noqa: PLC0415 - keep CLI start fast
-
     from powerlib.planning.pipeline import build_dag  # noqa: PLC0415 - keep CLI start fast
     from powerlib.planning.power_budget import (  # noqa: PLC0415 - keep CLI start fast
         PowerLimitModel,
         limits_plan,
         plan_power_budget,
+        unthrottled_limit_w,
     )
     from powerlib.planning.schedules import build_schedule  # noqa: PLC0415 - keep CLI start fast
 
@@ -301,7 +300,7 @@ def _power_budget_plan(
     dag = build_dag(build_schedule(schedule, stages, microbatches, num_chunks))
     fraction, watts, limit_w = budget
     if limit_w is None:
-        limit_w = float(math.ceil(max(r.energy_j / r.time_s for r in profile.rows)))
+        limit_w = unthrottled_limit_w(profile)
     budget_w = watts if watts is not None else (fraction or 0.0) * limit_w * stages
     p_block = p_block_w if p_block_w is not None else profile.p_block_w
     result = plan_power_budget(

@@ -24,21 +24,21 @@ from powerlib.emulator.engine import Emulator, IterationResult, NvmlLikeModel
 from powerlib.emulator.truth import default_profile
 from powerlib.errors import InvalidArgumentError
 from powerlib.planning.pipeline import build_dag
-from powerlib.planning.power_budget import PowerBudgetPlan, PowerLimitModel, plan_power_budget
+from powerlib.planning.power_budget import (
+    PowerBudgetPlan,
+    PowerLimitModel,
+    plan_power_budget,
+    unthrottled_limit_w,
+)
 from powerlib.planning.profile import Profile
 from powerlib.planning.schedules import build_schedule
 
-__all__ = ["BudgetDemoResult", "admin_limit_w", "run_limits", "run_power_budget_demo"]
+__all__ = ["BudgetDemoResult", "run_limits", "run_power_budget_demo"]
 
 SETS = ("uncapped", "uniform_cap", "powerlib")
 """The limits every noise draw runs, in the order of the JSON."""
 
 WARM_UP_ITERATIONS = 120  # all-max, unmeasured: ~5 drift time constants of 60 s at ~2.8 s each
-
-
-def admin_limit_w(profile: Profile) -> float:
-    """The emulated GPUs' administrator limit: the profile's highest power, up to a watt."""
-    return float(math.ceil(max(r.energy_j / r.time_s for r in profile.rows)))
 
 
 def run_limits(
@@ -154,7 +154,7 @@ def run_power_budget_demo(
     n = profile.num_stages
     order = build_schedule(config.schedule, n, config.num_microbatches, config.num_chunks)
     dag = build_dag(order)
-    admin = admin_limit_w(profile)
+    admin = unthrottled_limit_w(profile)
     budget = budget_w if budget_w is not None else (budget_fraction or 0.0) * admin * n
     deadline_s = None
     if config.straggler is not None:

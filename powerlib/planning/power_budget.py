@@ -60,6 +60,7 @@ __all__ = [
     "limits_plan",
     "throttled_freq_mhz",
     "uniform_limits_w",
+    "unthrottled_limit_w",
 ]
 
 MAX_TRANSFER_ROUNDS = 200  # pairwise-transfer passes; each must shorten the iteration
@@ -155,6 +156,11 @@ class PowerBudgetPlan:
             "uniform_cap": self.uniform.to_json(),
             "uncapped": self.uncapped.to_json(),
         }
+
+
+def unthrottled_limit_w(profile: Profile) -> float:
+    """A limit no row of ``profile`` throttles at: its highest power, up to a whole watt."""
+    return float(math.ceil(max(r.energy_j / r.time_s for r in profile.rows)))
 
 
 def uniform_limits_w(budget_w: float, admin_limits_w: Sequence[float]) -> tuple[float, ...]:
